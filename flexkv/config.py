@@ -1,0 +1,184 @@
+"""Retention policies and the cache configuration.
+
+`BoundedKVConfig` is the whole static description of a cache: model shape,
+how many requests it holds, and which entries of each request's stream it
+keeps. Everything here is plain Python; nothing touches a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import torch
+
+__all__ = ["SinkWindow", "BoundedKVConfig", "SUPPORTED_DTYPES"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _int(name: str, value, lo: int, hint: str = "") -> int:
+    """Check that `value` is an int >= lo; return it, or raise naming it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r} ({type(value).__name__}){hint}")
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}{hint}")
+    return value
+
+
+@dataclass(frozen=True)
+class SinkWindow:
+    """Keep the stream's first `sink` entries and its last `window` entries.
+
+    `window_includes_step=True` counts the step's written tokens against the
+    window: a step writing `span` tokens reads only the last `window - span`
+    retained entries (none when that is <= 0).
+    """
+
+    sink: int
+    window: int
+    window_includes_step: bool = False
+
+    def __post_init__(self):
+        _int("SinkWindow.sink", self.sink, 0)
+        _int("SinkWindow.window", self.window, 0)
+        if not isinstance(self.window_includes_step, bool):
+            raise ValueError(
+                f"SinkWindow.window_includes_step must be a bool, got {self.window_includes_step!r}"
+            )
+
+    def window_start(self, n: int, span: int) -> int:
+        """First stream index of the window for a step at stream length `n`.
+
+        Retained entries `j < n` are read when `j < sink` or `j >= lo`; the
+        result is never below `sink`, and equals `max(sink, n)` when the
+        window is empty.
+        """
+        w = self.window - span if self.window_includes_step else self.window
+        return max(self.sink, n - max(w, 0))
+
+
+Retention = Union[SinkWindow, Callable[[int], SinkWindow]]
+
+
+@dataclass(frozen=True)
+class BoundedKVConfig:
+    """Static description of one bounded KV cache (SPEC section 4).
+
+    `retention` is one `SinkWindow` for every request, or a callable
+    `source_len -> SinkWindow` that is resolved once here for every length in
+    `[min_source_len, max_source_len]`. Construction validates every field and
+    raises `ValueError` naming the offending value and the allowed range.
+    """
+
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    rows_per_request: int
+    max_source_len: int
+    retention: Retention
+    max_slots: int = 32
+    min_source_len: int = 0
+    dtype: Optional[torch.dtype] = torch.float32
+    reverse_step_order: bool = False
+    query_window: Optional[int] = None
+    max_step_tokens: int = 1
+    max_sources: int = 1
+    _policies: tuple = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        _int("num_layers", self.num_layers, 1)
+        _int("num_heads", self.num_heads, 1)
+        _int("head_dim", self.head_dim, 1)
+        _int("rows_per_request", self.rows_per_request, 1)
+        _int("max_source_len", self.max_source_len, 0)
+        _int("max_slots", self.max_slots, 1)
+        _int("min_source_len", self.min_source_len, 0)
+        if self.min_source_len > self.max_source_len:
+            raise ValueError(
+                f"min_source_len must be in [0, max_source_len={self.max_source_len}], "
+                f"got {self.min_source_len}"
+            )
+        _int("max_step_tokens", self.max_step_tokens, 1)
+        _int("max_sources", self.max_sources, 0)
+        if self.max_source_len > 0 and self.max_sources == 0:
+            raise ValueError(
+                f"max_sources must be >= 1 when max_source_len > 0 (got max_sources=0, "
+                f"max_source_len={self.max_source_len}); set max_source_len=0 for a cache without sources"
+            )
+        if self.dtype is not None and self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES} or None, got {self.dtype!r}")
+        for name in ("reverse_step_order",):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+        policies = []
+        for length in range(self.min_source_len, self.max_source_len + 1):
+            pol = self.retention if isinstance(self.retention, SinkWindow) else (
+                self.retention(length) if callable(self.retention) else self.retention)
+            if not isinstance(pol, SinkWindow):
+                raise ValueError(
+                    f"retention must be a SinkWindow or a callable returning one; for source_len={length} "
+                    f"it gave {pol!r}"
+                )
+            policies.append(pol)
+        object.__setattr__(self, "_policies", tuple(policies))
+
+        qw = self.query_window
+        if qw is not None:
+            _int("query_window", qw, 0, " (or None for a per-step window)")
+            if self.reverse_step_order:
+                raise ValueError(
+                    "query_window needs stream order: got reverse_step_order=True with "
+                    f"query_window={qw}; use one or the other"
+                )
+            for length, pol in self._resolved():
+                if pol.window_includes_step:
+                    raise ValueError(
+                        f"query_window={qw} cannot be combined with window_includes_step=True "
+                        f"(source_len={length}: {pol})"
+                    )
+                if pol.window < qw:
+                    raise ValueError(
+                        f"query_window={qw} needs window >= {qw} for every source length, "
+                        f"but source_len={length} has window={pol.window}"
+                    )
+
+    def _resolved(self):
+        return zip(range(self.min_source_len, self.max_source_len + 1), self._policies)
+
+    def retention_for(self, source_len: int) -> SinkWindow:
+        """The resolved policy for a stream that starts with `source_len` source entries."""
+        if isinstance(source_len, bool) or not isinstance(source_len, int) or not (
+            self.min_source_len <= source_len <= self.max_source_len
+        ):
+            raise ValueError(
+                f"source_len must be an int in [min_source_len={self.min_source_len}, "
+                f"max_source_len={self.max_source_len}], got {source_len!r}"
+            )
+        return self._policies[source_len - self.min_source_len]
+
+    @property
+    def sink_capacity(self) -> int:
+        """Written entries a slot's sink region holds: max(sink - source_len, 0) over lengths."""
+        return max(max(p.sink - length, 0) for length, p in self._resolved())
+
+    @property
+    def window_capacity(self) -> int:
+        """The largest window over every allowed source length."""
+        return max(p.window for p in self._policies)
+
+    @property
+    def max_retained(self) -> int:
+        """The largest sink + window over every allowed source length."""
+        return max(p.sink + p.window for p in self._policies)
+
+    @property
+    def slot_tokens(self) -> int:
+        """Entries a slot row keeps between steps: sink_capacity + window_capacity."""
+        return self.sink_capacity + self.window_capacity
+
+    def replace(self, **changes) -> "BoundedKVConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)

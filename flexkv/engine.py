@@ -1,0 +1,164 @@
+"""The seams between flexkv and a serving engine.
+
+An engine declares the caches its model needs as `NodeResourceSpec`s, builds
+each one with `Resource.build(spec, info)` once it knows the device and KV
+dtype (`EngineResourceInfo`), and hands every model step a `ResourceStep`.
+A deployment's YAML file can retune the declared specs per `resource_key`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from .config import BoundedKVConfig
+
+__all__ = [
+    "EngineResourceInfo",
+    "NodeResourceSpec",
+    "ResourceStep",
+    "Resource",
+    "BoundedKVSpec",
+    "BoundedKVResource",
+    "apply_deployment",
+    "load_deployment",
+]
+
+
+@dataclass(frozen=True)
+class EngineResourceInfo:
+    """What the engine knows when it builds resources: where they live and the KV dtype."""
+
+    device: torch.device | str
+    kv_dtype: torch.dtype = torch.float32
+
+
+@dataclass(frozen=True)
+class NodeResourceSpec:
+    """A resource declared by a model: its key and the graph nodes that use it."""
+
+    resource_key: str
+    nodes: tuple = ()
+
+    def __post_init__(self):
+        if not isinstance(self.resource_key, str) or not self.resource_key:
+            raise ValueError(f"resource_key must be a non-empty str, got {self.resource_key!r}")
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+
+    def apply_yaml_overrides(self, **overrides) -> "NodeResourceSpec":
+        if overrides:
+            unknown = ", ".join(sorted(overrides))
+            raise ValueError(f"resource {self.resource_key!r} accepts no YAML overrides, got: {unknown}")
+        return self
+
+
+class ResourceStep:
+    """Base class of the per-step objects an engine hands to its resources."""
+
+
+class Resource:
+    """Builds the runtime object for a spec once the engine's device and dtype are known."""
+
+    def build(self, spec: NodeResourceSpec, info: EngineResourceInfo):  # pragma: no cover - interface
+        raise TypeError(f"{type(self).__name__} does not implement build()")
+
+
+@dataclass(frozen=True)
+class BoundedKVSpec(NodeResourceSpec):
+    """Declares one bounded KV cache to an engine."""
+
+    config: Optional[BoundedKVConfig] = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.config, BoundedKVConfig):
+            raise ValueError(f"BoundedKVSpec.config must be a BoundedKVConfig, got {self.config!r}")
+
+    def apply_yaml_overrides(self, max_slots: Any = None, **unknown) -> "BoundedKVSpec":
+        """Return a copy retuned by a deployment's YAML block.
+
+        Only `max_slots` may be set; any other key is an error naming it, so a
+        typo in a deployment file never passes silently.
+        """
+        if unknown:
+            names = ", ".join(repr(k) for k in sorted(unknown))
+            raise ValueError(
+                f"unknown key(s) {names} in the YAML block for resource {self.resource_key!r}; "
+                f"allowed: 'max_slots'"
+            )
+        if max_slots is None:
+            return self
+        return dataclasses.replace(self, config=self.config.replace(max_slots=max_slots))
+
+
+class BoundedKVResource(Resource):
+    """Builds a `BoundedKVManager` from a `BoundedKVSpec`, settling `dtype=None` from the engine."""
+
+    def build(self, spec: BoundedKVSpec, info: EngineResourceInfo):
+        from .manager import BoundedKVManager
+
+        if not isinstance(spec, BoundedKVSpec):
+            raise ValueError(f"BoundedKVResource.build needs a BoundedKVSpec, got {type(spec).__name__}")
+        config = spec.config
+        if config.dtype is None:
+            config = config.replace(dtype=info.kv_dtype)
+        return BoundedKVManager(config, info.device)
+
+
+def apply_deployment(specs: Sequence[NodeResourceSpec], blocks: Mapping[str, Any]) -> list:
+    """Apply per-resource override blocks (keyed by `resource_key`) to `specs`.
+
+    `blocks` is the parsed deployment mapping: `{resource_key: {field: value}}`.
+    A key naming no declared resource, or a block that is not a mapping, is an
+    error; specs without a block are returned unchanged.
+    """
+    if blocks is None:
+        return list(specs)
+    if not isinstance(blocks, Mapping):
+        raise ValueError(f"a deployment must be a mapping of resource_key -> overrides, got {type(blocks).__name__}")
+    by_key = {s.resource_key: s for s in specs}
+    for key in blocks:
+        if key not in by_key:
+            known = ", ".join(repr(k) for k in by_key) or "none"
+            raise ValueError(f"deployment names unknown resource {key!r}; declared resources: {known}")
+    out = []
+    for spec in specs:
+        block = blocks.get(spec.resource_key)
+        if block is None:
+            out.append(spec)
+            continue
+        if not isinstance(block, Mapping):
+            raise ValueError(
+                f"the deployment block for resource {spec.resource_key!r} must be a mapping, got {block!r}"
+            )
+        out.append(spec.apply_yaml_overrides(**dict(block)))
+    return out
+
+
+def load_deployment(source, specs: Iterable[NodeResourceSpec]) -> list:
+    """Read a deployment YAML (a path or a YAML string) and apply its `resources:` blocks.
+
+    The file holds a top-level `resources:` mapping keyed by `resource_key`.
+    """
+    import os
+
+    import yaml
+
+    if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source and os.path.exists(source)):
+        with open(source) as fh:
+            text = fh.read()
+    else:
+        text = source
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"deployment is not valid YAML: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise ValueError(f"a deployment file must be a mapping with a 'resources:' key, got {type(data).__name__}")
+    unknown = set(data) - {"resources"}
+    if unknown:
+        raise ValueError(f"unknown top-level key(s) {sorted(unknown)} in deployment; allowed: 'resources'")
+    return apply_deployment(list(specs), data.get("resources") or {})

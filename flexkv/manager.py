@@ -1,0 +1,436 @@
+"""`BoundedKVManager`: the slot pool, the sources, and the attention step.
+
+Host state (which request holds which slot, what each has committed) lives
+in plain Python objects behind a lock. Device state is one key and one value
+tensor per layer, registered buffers allocated once (see `flexkv.layout`).
+A step goes `admit -> plan -> attend (per layer) -> commit`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Hashable, Optional
+
+import torch
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from .config import BoundedKVConfig
+from .layout import DEFAULT_BLOCK_SIZE, Layout
+from .masks import POSITION_MODES, make_mask_mod, make_score_mod
+from .planner import BoundedPlan, build_plan
+from .step import BoundedKVStep, Segment, StreamPosition
+
+__all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted"]
+
+
+class SlotsExhausted(RuntimeError):
+    """`admit` needed more free slots than the pool has; nothing was admitted."""
+
+
+class SourcesExhausted(RuntimeError):
+    """`add_source` found every one of `max_sources` places taken."""
+
+
+@dataclass
+class _Request:
+    slot: int
+    written: int = 0
+    source: Optional[int] = None  # bound by the first admit after creation or reset
+    source_len: Optional[int] = None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class BoundedKVManager(nn.Module):
+    """A bounded sink + window KV cache for `config.max_slots` requests (SPEC section 5).
+
+    Args:
+        config: the cache's `BoundedKVConfig`; its `dtype` must be settled
+            (build through `BoundedKVResource` to take the engine's).
+        device: where the KV tensors live. `"meta"` allocates nothing and
+            still plans, which shows that planning never touches device data.
+        block_size: FlexAttention's KV block size (cells per block).
+    """
+
+    def __init__(self, config: BoundedKVConfig, device="cpu", *, block_size: int = DEFAULT_BLOCK_SIZE):
+        super().__init__()
+        if not isinstance(config, BoundedKVConfig):
+            raise ValueError(f"config must be a BoundedKVConfig, got {type(config).__name__}")
+        if config.dtype is None:
+            raise ValueError(
+                "config.dtype is None: the KV dtype is settled by the engine; build the cache with "
+                "BoundedKVResource().build(spec, EngineResourceInfo(device, kv_dtype)) or set config.dtype"
+            )
+        self.config = config
+        self.device = torch.device(device)
+        self.layout = Layout.for_config(config, block_size)
+        shape = (1, config.num_heads, self.layout.total_len, config.head_dim)
+        for i in range(config.num_layers):
+            self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=config.dtype, device=self.device))
+            self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=config.dtype, device=self.device))
+        self.register_buffer("_zero_index", torch.zeros(1, 1, dtype=torch.long, device=self.device), persistent=False)
+        self.register_buffer(
+            "_head_index", torch.arange(config.num_heads, device=self.device).view(-1, 1), persistent=False
+        )
+        self._lock = threading.RLock()
+        self._requests: dict = {}
+        self._free = list(range(config.max_slots))  # kept sorted: the lowest free slot goes first
+        self._sources: dict = {}  # index -> registered length
+        self._current_plan: Optional[BoundedPlan] = None
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def free_slots(self) -> int:
+        """How many slots are free."""
+        with self._lock:
+            return len(self._free)
+
+    def slot_of(self, request_id: Hashable) -> int:
+        """The slot an admitted request holds."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None:
+                raise ValueError(f"request {request_id!r} is not admitted; admit(step) a step that carries it first")
+            return req.slot
+
+    def written(self, request_id: Hashable) -> int:
+        """Tokens the request has committed to its stream."""
+        with self._lock:
+            self.slot_of(request_id)
+            return self._requests[request_id].written
+
+    @property
+    def requests(self) -> tuple:
+        """Admitted request ids, in admission order."""
+        with self._lock:
+            return tuple(self._requests)
+
+    @property
+    def sources(self) -> dict:
+        """Registered sources: index -> length."""
+        with self._lock:
+            return dict(self._sources)
+
+    def _cache_buffers(self):
+        for i in range(self.config.num_layers):
+            yield getattr(self, f"k_cache_{i}")
+            yield getattr(self, f"v_cache_{i}")
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes held by every layer's key and value tensors (sources, slots, scratch, padding)."""
+        return sum(b.numel() * b.element_size() for b in self._cache_buffers())
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one slot holds over all layers, rows, keys and values: the memory of one request."""
+        c = self.config
+        itemsize = torch.empty((), dtype=c.dtype).element_size()
+        return 2 * c.num_layers * c.num_heads * c.head_dim * itemsize * self.layout.slot_cells()
+
+    # ---------------------------------------------------------------- sources
+
+    def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Register a read-only prefix shared by requests; returns its index.
+
+        `keys`, `values`: `[num_layers, rows_per_request, num_heads, L, head_dim]`
+        with `L <= max_source_len`, in the cache's dtype and on its device.
+        """
+        c = self.config
+        for name, t in (("keys", keys), ("values", values)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"add_source: {name} must be a tensor, got {type(t).__name__}")
+            if t.dim() != 5:
+                raise ValueError(
+                    f"add_source: {name} must be [num_layers, rows_per_request, num_heads, L, head_dim] "
+                    f"= [{c.num_layers}, {c.rows_per_request}, {c.num_heads}, L, {c.head_dim}], got {tuple(t.shape)}"
+                )
+            want = (c.num_layers, c.rows_per_request, c.num_heads, t.shape[3], c.head_dim)
+            if tuple(t.shape) != want:
+                raise ValueError(f"add_source: {name} shape expected {want}, got {tuple(t.shape)}")
+            if t.shape[3] > c.max_source_len:
+                raise ValueError(
+                    f"add_source: source length {t.shape[3]} exceeds max_source_len={c.max_source_len}"
+                )
+            if t.dtype != c.dtype:
+                raise ValueError(f"add_source: {name} dtype expected {c.dtype}, got {t.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"add_source: {name} device expected {self.device}, got {t.device}")
+        if keys.shape != values.shape:
+            raise ValueError(f"add_source: keys {tuple(keys.shape)} and values {tuple(values.shape)} differ")
+        length = keys.shape[3]
+        with self._lock:
+            index = next((i for i in range(c.max_sources) if i not in self._sources), None)
+            if index is None:
+                raise SourcesExhausted(
+                    f"all max_sources={c.max_sources} sources are registered; remove_source() one or raise max_sources"
+                )
+            with torch.no_grad():
+                for layer in range(c.num_layers):
+                    kc = getattr(self, f"k_cache_{layer}")
+                    vc = getattr(self, f"v_cache_{layer}")
+                    for r in range(c.rows_per_request):
+                        base = self.layout.source_row(index, r)
+                        kc[0, :, base:base + length].copy_(keys[layer, r])
+                        vc[0, :, base:base + length].copy_(values[layer, r])
+            self._sources[index] = length
+            return index
+
+    def remove_source(self, index: int) -> None:
+        """Unregister a source no admitted request reads."""
+        with self._lock:
+            if index not in self._sources:
+                raise ValueError(f"remove_source: no source {index!r}; registered: {sorted(self._sources)}")
+            users = [rid for rid, r in self._requests.items() if r.source == index and r.source_len]
+            if users:
+                raise ValueError(
+                    f"remove_source: source {index} is still read by requests {users}; remove or reset them first"
+                )
+            del self._sources[index]
+
+    # -------------------------------------------------------------- lifecycle
+
+    def _check_step(self, step: BoundedKVStep) -> int:
+        """Shape checks shared by admit and plan; returns T."""
+        c = self.config
+        if not isinstance(step, BoundedKVStep):
+            raise ValueError(f"expected a BoundedKVStep, got {type(step).__name__}")
+        if not step.segments:
+            raise ValueError("a step needs at least one segment (use Segment(None, 0) for padding)")
+        T = step.step_tokens
+        if not _is_int(T) or not 1 <= T <= c.max_step_tokens:
+            raise ValueError(
+                f"step tokens T={T!r} must be an int in [1, max_step_tokens={c.max_step_tokens}]; "
+                f"raise max_step_tokens or split the step"
+            )
+        seen = set()
+        for seg in step.segments:
+            if not isinstance(seg, Segment):
+                raise ValueError(f"segments must be Segment objects, got {seg!r}")
+            if not _is_int(seg.span) or seg.span < 0:
+                raise ValueError(f"segment {seg.request_id!r}: span must be an int >= 0, got {seg.span!r}")
+            if seg.span > c.max_step_tokens:
+                raise ValueError(
+                    f"segment {seg.request_id!r}: span={seg.span} exceeds max_step_tokens={c.max_step_tokens}"
+                )
+            if seg.span > T:
+                raise ValueError(
+                    f"segment {seg.request_id!r}: span={seg.span} exceeds the step's T={T}; "
+                    f"set BoundedKVStep(tokens=...) to at least the largest span"
+                )
+            rid = seg.request_id
+            if rid is None:
+                continue
+            if rid in seen:
+                raise ValueError(f"request {rid!r} appears twice in one step; give each request one segment")
+            seen.add(rid)
+            pos = step.positions.get(rid)
+            if not isinstance(pos, StreamPosition):
+                raise ValueError(
+                    f"request {rid!r} has no StreamPosition in step.positions (got {pos!r}); "
+                    f"every non-padding segment needs one"
+                )
+        return T
+
+    def admit(self, step: BoundedKVStep) -> None:
+        """Give each new request of `step` a free slot and check every declaration.
+
+        Atomic: on any error nothing changes. A full pool raises
+        `SlotsExhausted`; a bad declaration raises `ValueError`.
+        """
+        c = self.config
+        with self._lock:
+            self._check_step(step)
+            new = []
+            for seg in step.segments:
+                rid = seg.request_id
+                if rid is None:
+                    continue
+                pos = step.positions[rid]
+                L, w, src = pos.source_len, pos.written, pos.source
+                for name, val in (("source_len", L), ("written", w), ("source", src)):
+                    if not _is_int(val) or val < 0:
+                        raise ValueError(f"request {rid!r}: {name} must be an int >= 0, got {val!r}")
+                if not c.min_source_len <= L <= c.max_source_len:
+                    raise ValueError(
+                        f"request {rid!r}: source_len={L} is outside [min_source_len={c.min_source_len}, "
+                        f"max_source_len={c.max_source_len}]"
+                    )
+                if L > 0:
+                    if src not in self._sources:
+                        raise ValueError(
+                            f"request {rid!r}: unknown source {src}; registered sources: {sorted(self._sources)} "
+                            f"(add_source() it first)"
+                        )
+                    if L > self._sources[src]:
+                        raise ValueError(
+                            f"request {rid!r}: source_len={L} is longer than source {src} "
+                            f"({self._sources[src]} entries)"
+                        )
+                req = self._requests.get(rid)
+                committed = 0 if req is None else req.written
+                if w != committed:
+                    raise ValueError(
+                        f"request {rid!r}: written={w} but {committed} tokens are committed; "
+                        f"positions must follow commit()"
+                    )
+                if req is not None and req.source_len is not None and (
+                    L != req.source_len or (L > 0 and src != req.source)
+                ):
+                    raise ValueError(
+                        f"request {rid!r}: stream started with source {req.source} (source_len={req.source_len}) "
+                        f"but this step declares source {src} (source_len={L}); reset_request() to change it"
+                    )
+                if req is None:
+                    new.append(rid)
+            if len(new) > len(self._free):
+                raise SlotsExhausted(
+                    f"step needs {len(new)} new slot(s) but only {len(self._free)} of max_slots={c.max_slots} "
+                    f"are free; remove_request() finished requests or raise max_slots"
+                )
+            for rid in new:
+                self._requests[rid] = _Request(slot=self._free.pop(0))
+            for seg in step.segments:
+                if seg.request_id is not None:
+                    req = self._requests[seg.request_id]
+                    if req.source_len is None:
+                        pos = step.positions[seg.request_id]
+                        req.source, req.source_len = pos.source, pos.source_len
+
+    def plan(self, step: BoundedKVStep) -> BoundedPlan:
+        """Plan `step` (every request admitted) on host ints; the plan is also kept for `attend(plan=None)`.
+
+        Pure: it reads the slot table, never device data, and planning the
+        same step twice gives equal plans.
+        """
+        with self._lock:
+            self._check_step(step)
+            for seg in step.segments:
+                if seg.request_id is not None and seg.request_id not in self._requests:
+                    raise ValueError(
+                        f"request {seg.request_id!r} is not admitted; call admit(step) before plan(step)"
+                    )
+            slots = {rid: r.slot for rid, r in self._requests.items()}
+        plan = build_plan(self.config, self.layout, step, slots.__getitem__, self.device)
+        self._current_plan = plan
+        return plan
+
+    def commit(self, step: BoundedKVStep) -> None:
+        """Record each request's written tokens: `written = position.written + span` (idempotent)."""
+        with self._lock:
+            self._check_step(step)
+            for seg in step.segments:
+                if seg.request_id is not None and seg.request_id not in self._requests:
+                    raise ValueError(f"commit: request {seg.request_id!r} is not admitted")
+            for seg in step.segments:
+                if seg.request_id is not None:
+                    pos = step.positions[seg.request_id]
+                    self._requests[seg.request_id].written = pos.written + seg.span
+
+    def reset_request(self, request_id: Hashable) -> None:
+        """Rewind a request to an empty stream; it keeps its slot and may pick a new source."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None:
+                raise ValueError(f"reset_request: request {request_id!r} is not admitted")
+            req.written, req.source, req.source_len = 0, None, None
+
+    def remove_request(self, request_id: Hashable) -> None:
+        """Free the request's slot."""
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+            if req is None:
+                raise ValueError(f"remove_request: request {request_id!r} is not admitted")
+            self._free.append(req.slot)
+            self._free.sort()
+
+    # -------------------------------------------------------------- attention
+
+    def _check_attend(self, layer_idx, q, k, v, plan) -> None:
+        c = self.config
+        if not _is_int(layer_idx) or not 0 <= layer_idx < c.num_layers:
+            raise ValueError(f"layer_idx must be an int in [0, {c.num_layers}), got {layer_idx!r}")
+        if not isinstance(plan, BoundedPlan):
+            raise ValueError("attend needs a plan: pass plan=manager.plan(step) (or call plan() first)")
+        N, T = plan.rows, plan.tokens
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"attend: {name} must be a 4-D tensor [N, heads, T, head_dim], got {got}")
+            if t.dtype != c.dtype:
+                raise ValueError(f"attend: {name} dtype expected {c.dtype}, got {t.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"attend: {name} device expected {self.device}, got {t.device}")
+        if q.shape[2] > c.max_step_tokens:
+            raise ValueError(f"attend: T={q.shape[2]} exceeds max_step_tokens={c.max_step_tokens}")
+        want_kv = (N, c.num_heads, T, c.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != want_kv:
+                raise ValueError(
+                    f"attend: {name} shape expected {want_kv} (rows, num_heads, plan T, head_dim), got {tuple(t.shape)}"
+                    + (f"; the plan was made for T={T}: set BoundedKVStep(tokens=...)" if t.shape[2] != T else "")
+                )
+        Hq = q.shape[1]
+        if tuple(q.shape) != (N, Hq, T, c.head_dim) or Hq % c.num_heads:
+            raise ValueError(
+                f"attend: q shape expected ({N}, a multiple of num_heads={c.num_heads}, {T}, {c.head_dim}), "
+                f"got {tuple(q.shape)}"
+            )
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: Optional[BoundedPlan] = None,
+        *,
+        scale: Optional[float] = None,
+        score_mod: Optional[Callable] = None,
+        positions: str = "stream",
+    ) -> torch.Tensor:
+        """Write the step's tokens into layer `layer_idx` and attend over what each row may read.
+
+        `q`: `[N, Hq, T, D]` (`Hq` a multiple of `num_heads`), `k`, `v`:
+        `[N, num_heads, T, D]` with `N = len(step.segments) * rows_per_request`.
+        Returns `[N, Hq, T, D]`. `score_mod(score, b, h, q_pos, kv_pos)` gets
+        stream positions (`positions="stream"`) or in-cache positions
+        (`positions="cache"`). One `flex_attention` call; traceable by
+        `torch.compile(fullgraph=True)`.
+        """
+        if plan is None:
+            plan = self._current_plan
+        self._check_attend(layer_idx, q, k, v, plan)
+        if positions not in POSITION_MODES:
+            raise ValueError(f"attend: positions must be one of {POSITION_MODES}, got {positions!r}")
+        c, lay = self.config, self.layout
+        kc = getattr(self, f"k_cache_{layer_idx}")
+        vc = getattr(self, f"v_cache_{layer_idx}")
+        N, H, T, D = k.shape
+        cells = plan.write_index.view(1, N * T).long()
+        index = (self._zero_index, self._head_index, cells)
+        kc.index_put_(index, k.transpose(0, 1).reshape(H, N * T, D))
+        vc.index_put_(index, v.transpose(0, 1).reshape(H, N * T, D))
+
+        mask_mod = make_mask_mod(plan, lay.ring_len, T, c.query_window)
+        sm = None
+        if score_mod is not None:
+            sm = make_score_mod(plan, lay.ring_len, T, score_mod, positions, c.reverse_step_order, c.query_window)
+        block_mask = BlockMask.from_kv_blocks(
+            plan.kv_num_blocks,
+            plan.kv_indices,
+            plan.full_kv_num_blocks,
+            plan.full_kv_indices,
+            BLOCK_SIZE=(lay.q_block_size, lay.block_size),
+            mask_mod=mask_mod,
+            seq_lengths=(T, lay.total_len),
+            compute_q_blocks=False,
+        )
+        return flex_attention(
+            q, kc, vc, score_mod=sm, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != H
+        )

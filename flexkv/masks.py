@@ -1,0 +1,109 @@
+"""Retention as FlexAttention `mask_mod`/`score_mod` over the logical stream index.
+
+Every physical key cell maps to the stream index it holds for a given row
+(or to none), using only the plan's per-row tensors and two constants, the
+ring length and the step's `T`. The mask is then SPEC section 2 written on
+stream indices; it is exact on its own (eager FlexAttention evaluates it on
+every cell), and the plan's block lists only skip blocks where it is false.
+
+A user `score_mod(score, b, h, q_pos, kv_pos)` sees positions instead of
+cells: stream indices (`positions="stream"`) or in-cache positions
+(`positions="cache"`: sinks keep theirs, everything after them shifts down
+by the number of evicted entries), with `b` the flat row and `h` the query
+head.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["stream_index", "make_mask_mod", "make_score_mod", "POSITION_MODES"]
+
+POSITION_MODES = ("stream", "cache")
+
+
+def stream_index(plan, ring_len: int, tokens: int, b, kv_idx):
+    """(valid, j): whether cell `kv_idx` holds an entry of row `b`'s stream, and its index."""
+    src_base = plan.src_base[b]
+    src_len = plan.src_len[b]
+    sink_base = plan.sink_base[b]
+    ring_start = plan.ring_start[b]
+    n = plan.n[b]
+
+    rel_src = kv_idx - src_base
+    in_src = (rel_src >= 0) & (rel_src < src_len)
+
+    rel_sink = kv_idx - sink_base
+    in_sink = (rel_sink >= 0) & (rel_sink < ring_start - src_len)
+
+    cell = kv_idx - plan.ring_base[b]
+    d = cell - plan.n_mod[b]
+    d = torch.where(d < 0, d + ring_len, d)
+    j_ring = torch.where(d < tokens, n + d, n + d - ring_len)
+    in_ring = (cell >= 0) & (cell < ring_len) & (j_ring >= ring_start)
+
+    j = torch.where(in_src, rel_src, torch.where(in_sink, src_len + rel_sink, j_ring))
+    return in_src | in_sink | in_ring, j
+
+
+def make_mask_mod(plan, ring_len: int, tokens: int, query_window: Optional[int]):
+    """The retention mask of SPEC section 2 for `plan` (per-step or per-query window)."""
+
+    if query_window is None:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            valid, j = stream_index(plan, ring_len, tokens, b, kv_idx)
+            n = plan.n[b]
+            retained = (j < n) & ((j < plan.sink[b]) | (j >= plan.lo[b]))
+            own = (j >= n) & (j < n + tokens)
+            return valid & (retained | own)
+
+    else:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            valid, j = stream_index(plan, ring_len, tokens, b, kv_idx)
+            p = plan.n[b] + q_idx
+            return valid & (j <= p) & ((j >= p - query_window) | (j < plan.sink[b]))
+
+    return mask_mod
+
+
+def query_stream_index(plan, b, q_idx, reverse: bool):
+    """Stream index of query `q_idx` of row `b`."""
+    n = plan.n[b]
+    if not reverse:
+        return n + q_idx
+    span = plan.span[b]
+    return torch.where(q_idx < span, n + span - 1 - q_idx, n + q_idx)
+
+
+def make_score_mod(
+    plan,
+    ring_len: int,
+    tokens: int,
+    user: Callable,
+    positions: str,
+    reverse: bool,
+    query_window: Optional[int],
+):
+    """Wrap `user(score, b, h, q_pos, kv_pos)` so it receives positions, not cells."""
+    if positions not in POSITION_MODES:
+        raise ValueError(f"positions must be one of {POSITION_MODES}, got {positions!r}")
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        _, j = stream_index(plan, ring_len, tokens, b, kv_idx)
+        qp = query_stream_index(plan, b, q_idx, reverse)
+        if positions == "cache":
+            s = plan.sink[b]
+            if query_window is None:
+                evicted = plan.lo[b] - s
+            else:
+                e = plan.n[b] + q_idx - query_window - s
+                evicted = torch.where(e > 0, e, 0)
+            j = torch.where(j < s, j, j - evicted)
+            qp = torch.where(qp < s, qp, qp - evicted)
+        return user(score, b, h, qp, j)
+
+    return score_mod

@@ -1,0 +1,160 @@
+"""A dense whole-stream reference for SPEC section 2, in float64.
+
+It keeps every entry of every stream (nothing is ever evicted), builds each
+query's attended set straight from the definition, and computes softmax
+attention over exactly that set. It shares no code with the cache's layout,
+planner or masks, so agreement between the two is evidence, not tautology.
+Slow by design: use it in tests and spot checks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Hashable, List, Optional
+
+import torch
+
+from .config import BoundedKVConfig
+from .step import BoundedKVStep
+
+__all__ = ["attended_indices", "own_stream_indices", "cache_positions", "ReferenceCache"]
+
+
+def own_stream_indices(n: int, span: int, tokens: int, reverse: bool) -> List[int]:
+    """Stream index of each of a step's `tokens` own tokens (SPEC section 2)."""
+    return [n + span - 1 - t if (reverse and t < span) else n + t for t in range(tokens)]
+
+
+def attended_indices(config: BoundedKVConfig, source_len: int, written: int, span: int, tokens: int) -> List[List[int]]:
+    """For each query `t` of a step, the sorted stream indices it attends."""
+    pol = config.retention_for(source_len)
+    n = source_len + written
+    s = pol.sink
+    qw = config.query_window
+    if qw is None:
+        w = pol.window - span if pol.window_includes_step else pol.window
+        keep = [j for j in range(n) if j < s or (w > 0 and j >= n - w)]
+        row = keep + list(range(n, n + tokens))
+        return [row for _ in range(tokens)]
+    out = []
+    for t in range(tokens):
+        p = n + t
+        out.append([j for j in range(p + 1) if j >= p - qw or j < s])
+    return out
+
+
+def cache_positions(attended: List[int], query: int) -> tuple:
+    """In-cache positions: each entry's rank in the attended set, and the query's."""
+    rank = {j: r for r, j in enumerate(attended)}
+    return [rank[j] for j in attended], rank[query]
+
+
+class ReferenceCache:
+    """Mirror of `BoundedKVManager`'s step API that keeps whole streams in float64.
+
+    `attend` returns float64 `[N, Hq, T, D]`; `commit` appends each request's
+    written tokens (from the last `attend` of every layer) in stream order.
+    """
+
+    def __init__(self, config: BoundedKVConfig):
+        self.config = config
+        self.sources: Dict[int, tuple] = {}
+        # rid -> per layer: (K, V) of shape [R, H, written, D]
+        self.streams: Dict[Hashable, List[tuple]] = {}
+        self.pending: Dict[tuple, tuple] = {}
+
+    def add_source(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.sources[index] = (keys.double().cpu(), values.double().cpu())
+
+    def remove_source(self, index: int) -> None:
+        self.sources.pop(index, None)
+
+    def _stream(self, rid) -> List[tuple]:
+        c = self.config
+        if rid not in self.streams:
+            empty = torch.zeros(c.rows_per_request, c.num_heads, 0, c.head_dim, dtype=torch.float64)
+            self.streams[rid] = [(empty, empty) for _ in range(c.num_layers)]
+        return self.streams[rid]
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        step: BoundedKVStep,
+        *,
+        scale: Optional[float] = None,
+        score_mod: Optional[Callable] = None,
+        positions: str = "stream",
+    ) -> torch.Tensor:
+        c = self.config
+        R = c.rows_per_request
+        q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+        N, Hq, T, D = q.shape
+        group = Hq // c.num_heads
+        scale = D ** -0.5 if scale is None else scale
+        out = torch.zeros(N, Hq, T, D, dtype=torch.float64)
+        for si, seg in enumerate(step.segments):
+            rid = seg.request_id
+            if rid is None:
+                continue
+            pos = step.positions[rid]
+            L, n, span = pos.source_len, pos.source_len + pos.written, seg.span
+            own = own_stream_indices(n, span, T, c.reverse_step_order)
+            sets = attended_indices(c, L, pos.written, span, T)
+            Kw, Vw = self._stream(rid)[layer]
+            rows = slice(si * R, si * R + R)
+            self.pending[(rid, layer)] = (k[rows], v[rows], span, own)
+            for r in range(R):
+                b = si * R + r
+                parts_k, parts_v = [], []
+                if L:
+                    sk, sv = self.sources[pos.source]
+                    parts_k.append(sk[layer, r, :, :L])
+                    parts_v.append(sv[layer, r, :, :L])
+                parts_k.append(Kw[r, :, : pos.written])
+                parts_v.append(Vw[r, :, : pos.written])
+                order = sorted(range(T), key=lambda t: own[t])  # own tokens in stream order
+                parts_k.append(k[b][:, order])
+                parts_v.append(v[b][:, order])
+                K_all = torch.cat(parts_k, dim=1)  # [H, n + T, D], index = stream index
+                V_all = torch.cat(parts_v, dim=1)
+                for t in range(T):
+                    idx = sets[t]
+                    kk = K_all[:, idx].repeat_interleave(group, 0)  # [Hq, |A|, D]
+                    vv = V_all[:, idx].repeat_interleave(group, 0)
+                    scores = torch.einsum("hd,hkd->hk", q[b, :, t], kk) * scale
+                    if score_mod is not None:
+                        kpos = torch.tensor(idx)
+                        qpos = torch.tensor(own[t])
+                        if positions == "cache":
+                            ranks, qrank = cache_positions(idx, own[t])
+                            kpos, qpos = torch.tensor(ranks), torch.tensor(qrank)
+                        heads = torch.arange(Hq).view(Hq, 1)
+                        scores = score_mod(scores, torch.tensor(b), heads, qpos, kpos.view(1, -1)).double()
+                    out[b, :, t] = torch.einsum("hk,hkd->hd", torch.softmax(scores, dim=-1), vv)
+        return out
+
+    def commit(self, step: BoundedKVStep) -> None:
+        """Append each request's written tokens, for every layer it attended, in stream order."""
+        for seg in step.segments:
+            rid = seg.request_id
+            if rid is None:
+                continue
+            layers = self._stream(rid)
+            for layer in range(self.config.num_layers):
+                got = self.pending.pop((rid, layer), None)
+                if got is None:
+                    continue
+                k, v, span, own = got
+                order = sorted(range(span), key=lambda t: own[t])
+                Kw, Vw = layers[layer]
+                pos = step.positions[rid]
+                Kw, Vw = Kw[:, :, : pos.written], Vw[:, :, : pos.written]
+                layers[layer] = (torch.cat([Kw, k[:, :, order]], dim=2), torch.cat([Vw, v[:, :, order]], dim=2))
+
+    def reset_request(self, rid) -> None:
+        self.streams.pop(rid, None)
+
+    def remove_request(self, rid) -> None:
+        self.streams.pop(rid, None)
