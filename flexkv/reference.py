@@ -158,3 +158,27 @@ class ReferenceCache:
 
     def remove_request(self, rid) -> None:
         self.streams.pop(rid, None)
+
+    def load_stream(self, rid, keys: List[torch.Tensor], values: List[torch.Tensor]) -> None:
+        """Give request `rid` an already-written stream, replacing what it had.
+
+        `keys[layer]`, `values[layer]`: `[rows_per_request, num_heads, written, head_dim]`,
+        the request's written tokens in stream order. A long run can then be
+        checked at a chosen step without replaying every step before it
+        through `attend` (which would cost a whole-stream attention per step).
+        """
+        c = self.config
+        if len(keys) != c.num_layers or len(values) != c.num_layers:
+            raise ValueError(
+                f"load_stream: expected {c.num_layers} layers of keys and values, got {len(keys)} and {len(values)}"
+            )
+        layers = []
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            want = (c.rows_per_request, c.num_heads, k.shape[2] if k.dim() == 4 else -1, c.head_dim)
+            if k.dim() != 4 or tuple(k.shape) != want or tuple(v.shape) != want:
+                raise ValueError(
+                    f"load_stream: layer {layer} keys/values must be [rows_per_request={c.rows_per_request}, "
+                    f"num_heads={c.num_heads}, written, head_dim={c.head_dim}], got {tuple(k.shape)} and {tuple(v.shape)}"
+                )
+            layers.append((k.double().cpu(), v.double().cpu()))
+        self.streams[rid] = layers
