@@ -1,0 +1,365 @@
+"""Run a workload end to end through the compiled cache and report on it.
+
+`run_workload(workload)` builds the cache and a `StreamModel`, compiles the
+model step, warms every batch shape up on all-padding steps, then drives
+`Traffic` for `workload.steps` model steps: admit, plan, the compiled layers,
+commit, departures. It measures step and planning time, counts graphs
+compiled after the warm-up (there should be none), follows slot memory
+against what an unbounded cache would hold, and checks a few steps of a few
+tracked requests against the float64 `flexkv.reference`. The result is a
+plain dict (`report`), ready for JSON.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .manager import BoundedKVManager
+from .reference import ReferenceCache
+from .step import BoundedKVStep, Segment
+from .workload import StreamModel, Traffic, Workload, fresh_function
+
+__all__ = ["run_workload", "CompiledStep", "graphs_compiled", "percentile"]
+
+
+def graphs_compiled() -> int:
+    """Graphs torch.compile has produced in this process so far (dynamo's `unique_graphs`)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def percentile(values: List[float], q: float) -> float:
+    """The q-th percentile (0..100) of `values`, linear between ranks; nan when empty."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _attend_with(manager: BoundedKVManager, model: StreamModel, plan) -> Callable:
+    def attend(l, q, k, v):
+        return manager.attend(
+            l, q, k, v, plan, scale=1.0, score_mod=model.score_mod(l), positions=model.positions
+        )
+
+    return attend
+
+
+def _layer_step(manager, model, l):
+    def layer_step(x, plan):
+        return model.layer(l, x, _attend_with(manager, model, plan))
+
+    return layer_step
+
+
+class CompiledStep:
+    """The model step (all layers) under `torch.compile(fullgraph=True)`.
+
+    `mode="graph"`: one graph for the whole step. `mode="layer"`: one
+    compiled function per layer (each with its own code object, see
+    `fresh_function`). On this torch, a graph compiles one FlexAttention
+    kernel per layer even though they are identical, so compile time grows
+    with depth; per-layer graphs reuse one kernel across layers.
+
+    `__call__(x, plan)` with `x [N, T, d_model]` returns `(x_out, records)`,
+    `records[l] = (q, k, v, o)` of layer `l`.
+
+    Shapes are static (`dynamic=False`): a workload has one or two batch
+    shapes, each compiled once. Left to itself, dynamo would recompile the
+    second shape (a last chunk's T) with a symbolic T, and on torch 2.13 the
+    CPU FlexAttention template then emits C++ that does not compile
+    (`cur_kvSplitSize` undeclared).
+    """
+
+    def __init__(self, manager: BoundedKVManager, model: StreamModel, mode: str = "layer"):
+        self.mode = mode
+        layers = model.workload.layers
+        if mode == "graph":
+
+            def whole_step(x, plan):
+                attend = _attend_with(manager, model, plan)
+                records = []
+                for l in range(layers):
+                    x, q, k, v, o = model.layer(l, x, attend)
+                    records.append((q, k, v, o))
+                return x, records
+
+            self._step = torch.compile(whole_step, fullgraph=True, dynamic=False)
+        elif mode == "layer":
+            self._layers = [
+                torch.compile(fresh_function(_layer_step(manager, model, l), f"layer{l}"), fullgraph=True, dynamic=False)
+                for l in range(layers)
+            ]
+        else:
+            raise ValueError(f"compile mode must be 'layer' or 'graph', got {mode!r}")
+
+    def __call__(self, x, plan):
+        if self.mode == "graph":
+            return self._step(x, plan)
+        records = []
+        for fn in self._layers:
+            x, q, k, v, o = fn(x, plan)
+            records.append((q, k, v, o))
+        return x, records
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Tracker:
+    """Written keys/values of the requests checked against the reference (host copies, stream order)."""
+
+    def __init__(self, workload: Workload, limit: int):
+        self.w = workload
+        self.limit = limit
+        self.hist: Dict[int, tuple] = {}  # rid -> (keys per layer: list of chunks, values per layer)
+
+    def offer(self, rid: int, length: int) -> None:
+        """Track `rid` if there is room; longer-lived requests are preferred by the caller's order."""
+        if len(self.hist) < self.limit and rid not in self.hist:
+            L = self.w.layers
+            self.hist[rid] = ([[] for _ in range(L)], [[] for _ in range(L)])
+
+    def record(self, rid: int, rows: slice, span: int, records) -> None:
+        if span == 0:
+            return
+        keys, values = self.hist[rid]
+        for l, (q, k, v, o) in enumerate(records):
+            kk, vv = k[rows, :, :span], v[rows, :, :span]
+            if self.w.reverse_step_order:  # token t < span sits at n + span - 1 - t
+                kk, vv = kk.flip(2), vv.flip(2)
+            keys[l].append(kk.detach().to("cpu", copy=True))
+            values[l].append(vv.detach().to("cpu", copy=True))
+
+    def stream(self, rid: int):
+        w = self.w
+        keys, values = self.hist[rid]
+        empty = torch.zeros(w.rows, w.kv_heads, 0, w.head_dim, dtype=w.torch_dtype)
+        cat = lambda chunks: torch.cat(chunks, dim=2) if chunks else empty
+        return [cat(c) for c in keys], [cat(c) for c in values]
+
+
+def run_workload(
+    workload: Workload,
+    *,
+    device="cpu",
+    progress: Optional[Callable[[dict], None]] = None,
+    progress_every_s: float = 2.0,
+) -> dict:
+    """Run `workload` and return its report (see the module docstring and docs/cli.md)."""
+    w = workload
+    device = torch.device(device)
+    wall0 = time.perf_counter()
+    cfg = w.config()
+    torch.manual_seed(w.seed)
+    manager = BoundedKVManager(cfg, device, block_size=w.block_size)
+    model = StreamModel(w, seed=w.seed, device=device)
+    gen = torch.Generator().manual_seed(w.seed + 1)
+
+    sources = []
+    for s in range(w.sources if w.source_len else 0):
+        shape = (w.layers, w.rows, w.kv_heads, w.source_len, w.head_dim)
+        k = torch.randn(shape, generator=gen).to(w.torch_dtype)
+        v = torch.randn(shape, generator=gen).to(w.torch_dtype)
+        idx = manager.add_source(k.to(device), v.to(device))
+        sources.append((idx, k, v))
+
+    R = w.rows
+    N = w.requests * R
+    stepper = CompiledStep(manager, model, w.compile)
+
+    def inputs(T):
+        ids = torch.randint(0, StreamModel.VOCAB, (N, T), generator=gen).to(device)
+        return model.embed[ids]
+
+    # Warm-up: one all-padding step of each batch shape compiles everything the run needs.
+    graphs0 = graphs_compiled()
+    traffic = Traffic(w)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for _, st in traffic.padding_steps():
+            stepper(inputs(st.step_tokens), manager.plan(st))
+    _sync(device)
+    compile_s = time.perf_counter() - t0
+    graphs_warm = graphs_compiled()
+
+    tracker = _Tracker(w, w.check_requests)
+    checks: List[dict] = []
+    # Prefer tracking requests that will outlive the window, so checks land after the rings wrap.
+    long_enough = w.sink + w.window + w.span
+
+    def offer(reqs):
+        for r in sorted(reqs, key=lambda r: (r.length < long_enough, r.rid)):
+            tracker.offer(r.rid, r.length)
+
+    offer(traffic.active)
+
+    step_times: List[float] = []  # per model step (all its calls)
+    call_times: List[float] = []
+    plan_times: List[float] = []
+    memory_series: List[dict] = []
+    tokens = 0
+    finished = 0
+    arrived = len(traffic.active)
+    longest = 0
+    mem0 = manager.memory_bytes
+    mem_flat = True
+    source_bytes = len(sources) * w.source_len * w.entry_bytes
+    last_progress = time.perf_counter()
+    unbounded_peak = 0
+
+    def run_check(step_no, kind, st, rid, lane, records):
+        """Compare every layer's output rows of `rid` with the float64 reference."""
+        seg, pos = st.segments[lane], st.positions[rid]
+        ref = ReferenceCache(cfg)
+        for idx, k, v in sources:
+            ref.add_source(idx, k, v)
+        keys, values = tracker.stream(rid)
+        ref.load_stream(rid, keys, values)
+        sub = BoundedKVStep((Segment(rid, seg.span),), {rid: pos}, tokens=st.step_tokens)
+        rows = slice(lane * R, lane * R + R)
+        err = 0.0
+        for l, (q, k, v, o) in enumerate(records):
+            want = ref.attend(l, q[rows].cpu(), k[rows].cpu(), v[rows].cpu(), sub, scale=1.0,
+                              score_mod=model.score_mod(l, device="cpu"), positions=model.positions)
+            err = max(err, float((o[rows].double().cpu() - want).abs().max()))
+        checks.append({
+            "step": step_no, "kind": kind, "request": rid, "stream_len": pos.length,
+            "written": pos.written, "span": seg.span, "tokens": st.step_tokens, "max_abs_error": err,
+        })
+
+    with torch.no_grad():
+        for step_no in range(w.steps):
+            last = step_no == w.steps - 1
+            step_s = 0.0
+            for kind, st in traffic.steps():
+                x = inputs(st.step_tokens)
+                _sync(device)
+                t0 = time.perf_counter()
+                manager.admit(st)
+                plan = manager.plan(st)
+                t1 = time.perf_counter()
+                _, records = stepper(x, plan)
+                _sync(device)
+                manager.commit(st)
+                t2 = time.perf_counter()
+                plan_times.append(t1 - t0)
+                call_times.append(t2 - t0)
+                step_s += t2 - t0
+                lane_of = {seg.request_id: i for i, seg in enumerate(st.segments) if seg.request_id is not None}
+                # Reference checks: a tracked request at its last regular step or its final step
+                # (its longest stream), and whatever is tracked at the end of the run.
+                # The budget is released evenly over the run, so checks do not all land early.
+                allowed = w.check_steps if last else (w.check_steps * (step_no + 1)) // w.steps
+                by_id = {r.rid: r for r in traffic.active}
+                for rid, lane in lane_of.items():
+                    if rid not in tracker.hist or len(checks) >= allowed:
+                        continue
+                    r = by_id[rid]
+                    if kind == "final" or last or r.written + w.span >= r.length:
+                        run_check(step_no, kind, st, rid, lane, records)
+                for rid, lane in lane_of.items():
+                    if rid in tracker.hist:
+                        tracker.record(rid, slice(lane * R, lane * R + R), st.segments[lane].span, records)
+                for seg in st.segments:
+                    if seg.request_id is not None:
+                        tokens += seg.span
+                        longest = max(longest, st.positions[seg.request_id].length + seg.span)
+            step_times.append(step_s)
+            traffic.advance()
+            for r in traffic.departed:
+                manager.remove_request(r.rid)
+                tracker.hist.pop(r.rid, None)
+                finished += 1
+            arrived += len(traffic.arrived)
+            offer(traffic.arrived)
+            if manager.memory_bytes != mem0:
+                mem_flat = False
+            active = traffic.active
+            unbounded = source_bytes + sum(r.written for r in active) * w.entry_bytes
+            unbounded_peak = max(unbounded_peak, unbounded)
+            memory_series.append({
+                "step": step_no,
+                "active": len(active),
+                "bounded_bytes": manager.memory_bytes,
+                "slots_in_use_bytes": len(active) * manager.slot_bytes,
+                "unbounded_bytes": unbounded,
+                "step_ms": step_s * 1e3,
+            })
+            now = time.perf_counter()
+            if progress is not None and (now - last_progress >= progress_every_s or last):
+                last_progress = now
+                recent = step_times[-200:]
+                progress({
+                    "step": step_no + 1, "steps": w.steps, "active": len(active),
+                    "p50_ms": percentile(recent, 50) * 1e3, "plan_ms": percentile(plan_times[-200:], 50) * 1e3,
+                    "bounded_bytes": manager.memory_bytes, "unbounded_bytes": unbounded,
+                    "elapsed_s": now - wall0,
+                })
+
+    graphs_end = graphs_compiled()
+    total_s = sum(step_times)
+    slots_bytes = cfg.max_slots * manager.slot_bytes
+    end = memory_series[-1] if memory_series else {}
+    step_p50 = percentile(step_times, 50)
+    plan_p50 = percentile(plan_times, 50)
+    report = {
+        "workload": w.name,
+        "summary": w.summary(),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "compile_mode": w.compile,
+        "steps": w.steps,
+        "calls": len(call_times),
+        "tokens": tokens,
+        "tokens_per_s": tokens / total_s if total_s > 0 else float("nan"),
+        "step_ms": {
+            "p50": step_p50 * 1e3,
+            "p95": percentile(step_times, 95) * 1e3,
+            "mean": total_s / max(len(step_times), 1) * 1e3,
+            "max": max(step_times) * 1e3 if step_times else float("nan"),
+        },
+        "compile_s": compile_s,
+        "graphs_compiled": graphs_warm - graphs0,
+        "recompiles_after_warmup": graphs_end - graphs_warm,
+        "plan_ms": {
+            "p50": plan_p50 * 1e3,
+            "mean": sum(plan_times) / max(len(plan_times), 1) * 1e3,
+            "fraction_of_step": plan_p50 / step_p50 if step_p50 > 0 else float("nan"),
+        },
+        "memory": {
+            "memory_bytes": manager.memory_bytes,
+            "slot_bytes": manager.slot_bytes,
+            "max_slots": cfg.max_slots,
+            "slots_bytes": slots_bytes,
+            "sources_bytes": source_bytes,
+            "other_bytes": manager.memory_bytes - slots_bytes - source_bytes,
+            "flat": mem_flat,
+            "slots_in_use_bytes_end": end.get("slots_in_use_bytes", 0),
+            "unbounded_bytes_end": end.get("unbounded_bytes", 0),
+            "unbounded_bytes_peak": unbounded_peak,
+        },
+        "requests": {"arrived": arrived, "finished": finished, "longest_stream": longest,
+                     "window": w.window, "sink": w.sink},
+        "reference": {
+            "checks": checks,
+            "max_abs_error": max((c["max_abs_error"] for c in checks), default=float("nan")),
+        },
+        "wall_s": time.perf_counter() - wall0,
+        "series": memory_series,
+    }
+    return report
+

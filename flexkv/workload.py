@@ -1,0 +1,554 @@
+"""Streaming workloads: their description, a small attention model, and seeded traffic.
+
+A `Workload` is the static description of one streaming use of the cache
+(model shape, retention, step shape, batch, run length), read from a YAML
+file by `load_workload` or taken from `BUILTIN`. From it come:
+
+- `Workload.config()`: the `BoundedKVConfig` of its cache;
+- `StreamModel`: a stack of attention layers with random projections (and,
+  for `score_bias: relative`, a Transformer-XL-style relative bias on in-cache
+  positions), whose layers call an `attend(layer, q, k, v)` they are given:
+  `BoundedKVManager.attend` in `flexkv run`, other caches in the benchmarks;
+- `Traffic`: seeded arrivals and departures over a fixed number of batch
+  lanes, producing the `BoundedKVStep`s of a run.
+
+Nothing here times or checks anything; `flexkv.runner` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import types
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .config import BoundedKVConfig, SinkWindow
+from .step import BoundedKVStep, Segment, StreamPosition
+
+__all__ = [
+    "Workload",
+    "WorkloadError",
+    "BUILTIN",
+    "load_workload",
+    "parse_workload",
+    "StreamModel",
+    "Traffic",
+    "Request",
+    "fresh_function",
+]
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+COMPILE_MODES = ("layer", "graph")
+SCORE_BIAS = ("none", "relative")
+
+
+class WorkloadError(ValueError):
+    """A workload description (YAML file or field) is invalid; the message says which value and why."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One streaming workload. Field names are the YAML keys.
+
+    Model: `layers`, `kv_heads` x `head_dim` keys, `q_heads` query heads
+    (a multiple of `kv_heads`: grouped-query attention when larger), `rows`
+    rows per request (2 for batched classifier-free guidance).
+    Retention: `source_len` entries of a shared source (0: none; `sources`
+    distinct ones, each request picks one), `sink`, `window`,
+    `window_includes_step`, `query_window`, `reverse_step_order` (SPEC 1-2).
+    Step: each request writes `span` tokens per step out of `tokens` (T);
+    with `final_tokens`, a request ends with one step of `final_tokens`
+    tokens that writes `final_span`. `score_bias: relative` adds a learned
+    relative-position bias on in-cache positions.
+    Run: `requests` batch lanes (also the cache's `max_slots`); each request
+    writes a seeded number of tokens in `stream_len` = [low, high] and leaves;
+    an empty lane takes a new request with probability `arrival` per step;
+    `steps` model steps; `seed`; `block_size` (FlexAttention KV block);
+    `compile` (`layer`: one compiled function per layer, `graph`: the whole
+    step as one graph); `check_steps` steps checked against the float64
+    reference for up to `check_requests` tracked requests.
+    """
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    window: int
+    description: str = ""
+    q_heads: Optional[int] = None
+    rows: int = 1
+    source_len: int = 0
+    sources: int = 1
+    sink: int = 0
+    window_includes_step: bool = False
+    query_window: Optional[int] = None
+    reverse_step_order: bool = False
+    span: int = 1
+    tokens: Optional[int] = None
+    final_tokens: Optional[int] = None
+    final_span: int = 0
+    score_bias: str = "none"
+    requests: int = 8
+    stream_len: Tuple[int, int] = (0, 0)
+    arrival: float = 0.5
+    steps: int = 200
+    seed: int = 0
+    block_size: int = 128
+    compile: str = "layer"
+    check_steps: int = 3
+    check_requests: int = 2
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        _check_fields(self)
+
+    # ------------------------------------------------------------ derived
+
+    @property
+    def num_q_heads(self) -> int:
+        return self.kv_heads if self.q_heads is None else self.q_heads
+
+    @property
+    def step_tokens(self) -> int:
+        """T of a regular step."""
+        return self.span if self.tokens is None else self.tokens
+
+    @property
+    def max_tokens(self) -> int:
+        """The largest T of any step (regular or final)."""
+        return max(self.step_tokens, self.final_tokens or 0)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def d_model(self) -> int:
+        """Hidden size of the model: kv_heads * head_dim."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes one stream entry takes over every layer and row, keys and values."""
+        item = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * self.layers * self.rows * self.kv_heads * self.head_dim * item
+
+    def retention(self) -> SinkWindow:
+        return SinkWindow(self.sink, self.window, self.window_includes_step)
+
+    def config(self) -> BoundedKVConfig:
+        """The cache configuration this workload runs on (`max_slots = requests`)."""
+        return BoundedKVConfig(
+            num_layers=self.layers,
+            num_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            rows_per_request=self.rows,
+            max_source_len=self.source_len,
+            min_source_len=self.source_len,
+            retention=self.retention(),
+            max_slots=self.requests,
+            dtype=self.torch_dtype,
+            reverse_step_order=self.reverse_step_order,
+            query_window=self.query_window,
+            max_step_tokens=self.max_tokens,
+            max_sources=self.sources if self.source_len else 0,
+        )
+
+    def replace(self, **changes) -> "Workload":
+        return dataclasses.replace(self, **changes)
+
+    def summary(self) -> str:
+        """One line: the model, the retention and the step."""
+        gqa = f" ({self.num_q_heads} q heads)" if self.num_q_heads != self.kv_heads else ""
+        parts = [
+            f"{self.layers} layers, {self.kv_heads}x{self.head_dim} KV heads{gqa}",
+            f"{self.rows} row(s)/request" if self.rows != 1 else "",
+            f"source {self.source_len}" if self.source_len else "",
+            f"sink {self.sink}, window {self.window}"
+            + (" (includes step)" if self.window_includes_step else "")
+            + (f", query_window {self.query_window}" if self.query_window is not None else "")
+            + (", reverse order" if self.reverse_step_order else ""),
+            f"span {self.span}, T {self.step_tokens}"
+            + (f", last chunk T {self.final_tokens} span {self.final_span}" if self.final_tokens else ""),
+            "relative bias" if self.score_bias == "relative" else "",
+            f"{self.requests} requests",
+        ]
+        return "; ".join(p for p in parts if p)
+
+
+def _fail(field: str, value, allowed: str) -> None:
+    raise WorkloadError(f"{field}: got {value!r}; {allowed}")
+
+
+def _int_field(w: Workload, field: str, lo: int, allow_none: bool = False) -> None:
+    v = getattr(w, field)
+    if v is None and allow_none:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        _fail(field, v, f"expected an integer >= {lo}" + (" or null" if allow_none else ""))
+
+
+def _check_fields(w: Workload) -> None:
+    if not isinstance(w.name, str) or not w.name:
+        _fail("name", w.name, "expected a non-empty string")
+    if not isinstance(w.description, str):
+        _fail("description", w.description, "expected a string")
+    for f in ("layers", "kv_heads", "head_dim", "rows", "window", "span", "requests", "steps", "block_size"):
+        _int_field(w, f, 1)
+    for f in ("source_len", "sink", "final_span", "seed", "check_steps", "check_requests"):
+        _int_field(w, f, 0)
+    _int_field(w, "sources", 1)
+    for f in ("q_heads", "tokens", "final_tokens"):
+        _int_field(w, f, 1, allow_none=True)
+    _int_field(w, "query_window", 0, allow_none=True)
+    for f in ("window_includes_step", "reverse_step_order"):
+        if not isinstance(getattr(w, f), bool):
+            _fail(f, getattr(w, f), "expected true or false")
+    if w.num_q_heads % w.kv_heads:
+        _fail("q_heads", w.q_heads, f"expected a multiple of kv_heads={w.kv_heads}")
+    if w.step_tokens < w.span:
+        _fail("tokens", w.tokens, f"expected tokens >= span={w.span} (the step's T holds its span)")
+    if w.final_tokens is not None and w.final_span > w.final_tokens:
+        _fail("final_span", w.final_span, f"expected final_span <= final_tokens={w.final_tokens}")
+    if w.final_tokens is None and w.final_span:
+        _fail("final_span", w.final_span, "set final_tokens too (a final step needs its T)")
+    if w.score_bias not in SCORE_BIAS:
+        _fail("score_bias", w.score_bias, f"expected one of {', '.join(SCORE_BIAS)}")
+    if w.compile not in COMPILE_MODES:
+        _fail("compile", w.compile, f"expected one of {', '.join(COMPILE_MODES)}")
+    if w.dtype not in DTYPES:
+        _fail("dtype", w.dtype, f"expected one of {', '.join(DTYPES)}")
+    if isinstance(w.arrival, bool) or not isinstance(w.arrival, (int, float)) or not 0 <= w.arrival <= 1:
+        _fail("arrival", w.arrival, "expected a probability in [0, 1]")
+    sl = w.stream_len
+    if (
+        not isinstance(sl, tuple)
+        or len(sl) != 2
+        or any(isinstance(x, bool) or not isinstance(x, int) for x in sl)
+        or not 1 <= sl[0] <= sl[1]
+    ):
+        _fail("stream_len", list(sl) if isinstance(sl, tuple) else sl,
+              "expected [low, high], integers with 1 <= low <= high (tokens a request writes)")
+    # The cache's own rules (query_window vs window and so on), reported as workload errors.
+    try:
+        w.config()
+    except ValueError as e:
+        raise WorkloadError(f"the cache rejects this workload: {e}") from None
+
+
+# ------------------------------------------------------------------- YAML
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Workload)}
+
+
+def parse_workload(data, size: Optional[str] = "small", origin: str = "workload") -> Workload:
+    """Build a `Workload` from a parsed YAML mapping.
+
+    Top-level keys are `Workload` fields, plus an optional `sizes:` mapping
+    of size name -> overrides of those fields. `size` picks one (it must
+    exist when `sizes` is given; `None` takes the top level alone).
+    Raises `WorkloadError` naming `origin`, the key and what is allowed.
+    """
+    if not isinstance(data, dict):
+        raise WorkloadError(f"{origin}: expected a mapping of workload fields at the top level, "
+                            f"got {type(data).__name__}")
+    data = dict(data)
+    sizes = data.pop("sizes", None)
+    fields = dict(data)
+    if sizes is not None:
+        if not isinstance(sizes, dict) or not sizes:
+            raise WorkloadError(f"{origin}: 'sizes' must map size names to field overrides, got {sizes!r}")
+        if size is not None:
+            if size not in sizes:
+                raise WorkloadError(
+                    f"{origin}: no size {size!r}; this file has: {', '.join(map(str, sizes))} (pick one with --size)"
+                )
+            over = sizes[size] or {}
+            if not isinstance(over, dict):
+                raise WorkloadError(f"{origin}: sizes.{size} must be a mapping of field overrides, got {over!r}")
+            fields.update(over)
+    elif size not in (None, "small"):
+        raise WorkloadError(f"{origin}: has no 'sizes' section, so there is no size {size!r}")
+    unknown = sorted(str(k) for k in fields if k not in _FIELDS or k.startswith("_"))
+    if unknown:
+        raise WorkloadError(
+            f"{origin}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(_FIELDS))}, sizes"
+        )
+    missing = [f.name for f in _FIELDS.values()
+               if f.default is dataclasses.MISSING and f.name not in fields]
+    if missing:
+        raise WorkloadError(f"{origin}: missing required key(s) {', '.join(missing)}")
+    if "stream_len" in fields:
+        sl = fields["stream_len"]
+        fields["stream_len"] = tuple(sl) if isinstance(sl, list) else sl
+    if "arrival" in fields and isinstance(fields["arrival"], int) and not isinstance(fields["arrival"], bool):
+        fields["arrival"] = float(fields["arrival"])
+    if fields.get("description") is None:
+        fields["description"] = ""
+    try:
+        return Workload(**fields)
+    except WorkloadError as e:
+        raise WorkloadError(f"{origin}: {e}") from None
+
+
+def load_workload(path: str, size: Optional[str] = "small") -> Workload:
+    """Read a workload YAML file (see `parse_workload`); errors are `WorkloadError`."""
+    import yaml
+
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise WorkloadError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        where = ""
+        mark = getattr(e, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise WorkloadError(f"{path}: not valid YAML{where}: {problem}") from None
+    return parse_workload(data, size, origin=path)
+
+
+# The workload `flexkv run` uses with no config: a shortened streaming-llm
+# (window 252 instead of 1020) so the rings wrap several times within a run of
+# about two minutes on a 2-core CPU, compile included.
+BUILTIN = Workload(
+    name="builtin",
+    description="chat decode with StreamingLLM retention, shortened to run in about two minutes on a 2-core CPU",
+    layers=4,
+    kv_heads=8,
+    head_dim=64,
+    q_heads=32,
+    sink=4,
+    window=252,
+    span=1,
+    requests=16,
+    stream_len=(150, 900),
+    arrival=0.05,
+    steps=1500,
+    seed=0,
+    compile="layer",
+)
+
+
+# ------------------------------------------------------------------ model
+
+
+def fresh_function(fn: Callable, tag: str) -> Callable:
+    """A copy of `fn` with its own code object.
+
+    `torch.compile` keeps its cache of compiled graphs on the code object; a
+    copy per layer gives each layer its own cache, so a per-layer compiled
+    function never recompiles because another layer was called, and never
+    walks the guards of the other layers' entries.
+    """
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{tag}")
+    if hasattr(code, "co_qualname"):
+        code = code.replace(co_qualname=f"{fn.__code__.co_qualname}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class StreamModel(nn.Module):
+    """`layers` attention layers with random projections (pre-norm, residual).
+
+    `forward`-style use goes through `layer(l, x, attend)`: `x [N, T, d_model]`
+    with `N = segments * rows`, `attend(l, q, k, v) -> [N, q_heads, T, D]`
+    with `q [N, q_heads, T, D]`, `k, v [N, kv_heads, T, D]`. `q` comes
+    already multiplied by `head_dim ** -0.5`: attend with `scale=1.0`. Weights are
+    registered buffers (nothing to train) drawn from `seed`, one set per layer.
+    With `score_bias == "relative"`, `score_mod(l)` adds `bias_l[h, q_pos -
+    kv_pos + max_tokens - 1]` on in-cache positions (`positions == "cache"`).
+    """
+
+    VOCAB = 256
+
+    def __init__(self, workload: Workload, *, seed: int = 0, device="cpu"):
+        super().__init__()
+        w = workload
+        self.workload = w
+        g = torch.Generator().manual_seed(seed)
+        d, hq, hk, dh = w.d_model, w.num_q_heads, w.kv_heads, w.head_dim
+        dtype = w.torch_dtype
+
+        def rand(*shape, scale):
+            return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=device)
+
+        self.register_buffer("embed", rand(self.VOCAB, d, scale=1.0))
+        for l in range(w.layers):
+            self.register_buffer(f"wq_{l}", rand(d, hq * dh, scale=d ** -0.5))
+            self.register_buffer(f"wk_{l}", rand(d, hk * dh, scale=d ** -0.5))
+            self.register_buffer(f"wv_{l}", rand(d, hk * dh, scale=d ** -0.5))
+            self.register_buffer(f"wo_{l}", rand(hq * dh, d, scale=(hq * dh) ** -0.5))
+        self.bias_len = w.window + 2 * w.max_tokens
+        if w.score_bias == "relative":
+            for l in range(w.layers):
+                self.register_buffer(f"bias_{l}", rand(hq, self.bias_len, scale=0.5))
+        self.positions = "cache" if w.score_bias == "relative" else "stream"
+        self.scale = w.head_dim ** -0.5
+
+    def score_mod(self, l: int, device=None) -> Optional[Callable]:
+        """Layer `l`'s score_mod, or None without a score bias.
+
+        `device` moves the bias table (the float64 reference runs on the CPU).
+        """
+        if self.workload.score_bias != "relative":
+            return None
+        bias = getattr(self, f"bias_{l}")
+        if device is not None:
+            bias = bias.detach().to(device)
+        shift = self.workload.max_tokens - 1
+        top = self.bias_len - 1
+
+        def relative_bias(score, b, h, q_pos, kv_pos):
+            return score + bias[h, (q_pos - kv_pos + shift).clamp(0, top)]
+
+        return relative_bias
+
+    def qkv(self, l: int, x: torch.Tensor):
+        """Layer `l`'s q, k, v for `x [N, T, d_model]`, in the `[N, heads, T, D]` layout."""
+        w = self.workload
+        N, T, _ = x.shape
+        h = _rms(x)
+        # The softmax scale is folded into q (attend with scale=1.0). Besides saving a multiply,
+        # this makes q a tensor of its own: the CPU FlexAttention template cannot lower a query
+        # that is only a view of the projection's [N*T, Hq*D] output.
+        q = (h @ getattr(self, f"wq_{l}")).view(N, T, w.num_q_heads, w.head_dim).transpose(1, 2) * self.scale
+        k = (h @ getattr(self, f"wk_{l}")).view(N, T, w.kv_heads, w.head_dim).transpose(1, 2)
+        v = (h @ getattr(self, f"wv_{l}")).view(N, T, w.kv_heads, w.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def layer(self, l: int, x: torch.Tensor, attend: Callable):
+        """One layer: returns `(x_next, q, k, v, o)` (the last four for checking)."""
+        N, T, _ = x.shape
+        q, k, v = self.qkv(l, x)
+        o = attend(l, q, k, v)
+        x = x + o.transpose(1, 2).reshape(N, T, -1) @ getattr(self, f"wo_{l}")
+        return x, q, k, v, o
+
+
+# ---------------------------------------------------------------- traffic
+
+
+@dataclass
+class Request:
+    """One request of a run: its id, source, how much it will write, and where it stands."""
+
+    rid: int
+    source: int
+    length: int
+    written: int = 0
+    final: bool = False  # its next step is the final chunk
+    arrived: int = 0
+
+
+class Traffic:
+    """Seeded arrivals and departures over `workload.requests` batch lanes.
+
+    Each model step is one regular step (T = `tokens`, every request in its
+    regular phase writes `span`) and, when the workload has a final chunk and
+    some request reached its length, one final step for those requests. Lanes
+    without a request are padding segments, so every step of a kind has the
+    same batch shape. Call `steps()` for the step(s) of the next model step,
+    then `advance(done_steps)` once they are committed; `departed` and
+    `arrived` list what changed.
+    """
+
+    def __init__(self, workload: Workload, seed: Optional[int] = None):
+        self.w = workload
+        self.rng = random.Random(workload.seed if seed is None else seed)
+        self.lanes: List[Optional[Request]] = [None] * workload.requests
+        self.next_id = 0
+        self.step_no = 0
+        self.arrived: List[Request] = []
+        self.departed: List[Request] = []
+        self._fill(force=True)
+
+    def _new(self) -> Request:
+        w = self.w
+        lo, hi = w.stream_len
+        n = self.rng.randint(lo, hi)
+        length = max(w.span, -(-n // w.span) * w.span)  # whole steps
+        src = self.rng.randrange(w.sources) if w.source_len else 0
+        r = Request(self.next_id, src, length, arrived=self.step_no)
+        self.next_id += 1
+        return r
+
+    def _fill(self, force: bool = False) -> None:
+        self.arrived = []
+        for i, r in enumerate(self.lanes):
+            if r is None and (force or self.rng.random() < self.w.arrival):
+                self.lanes[i] = self._new()
+                self.arrived.append(self.lanes[i])
+
+    @property
+    def active(self) -> List[Request]:
+        return [r for r in self.lanes if r is not None]
+
+    def _position(self, r: Request) -> StreamPosition:
+        return StreamPosition(self.w.source_len, r.written, r.source)
+
+    def steps(self) -> List[Tuple[str, BoundedKVStep]]:
+        """The step(s) of the next model step: `("main", step)` and maybe `("final", step)`."""
+        w = self.w
+        out = []
+        segs, pos = [], {}
+        for r in self.lanes:
+            if r is None or r.final:
+                segs.append(Segment(None, 0))
+            else:
+                segs.append(Segment(r.rid, w.span))
+                pos[r.rid] = self._position(r)
+        out.append(("main", BoundedKVStep(tuple(segs), pos, tokens=w.step_tokens)))
+        if w.final_tokens is not None and any(r is not None and r.final for r in self.lanes):
+            segs, pos = [], {}
+            for r in self.lanes:
+                if r is not None and r.final:
+                    segs.append(Segment(r.rid, w.final_span))
+                    pos[r.rid] = self._position(r)
+                else:
+                    segs.append(Segment(None, 0))
+            out.append(("final", BoundedKVStep(tuple(segs), pos, tokens=w.final_tokens)))
+        return out
+
+    def advance(self) -> None:
+        """Account the committed step(s): requests write, finish, leave; new ones arrive."""
+        w = self.w
+        self.departed = []
+        for i, r in enumerate(self.lanes):
+            if r is None:
+                continue
+            if r.final:
+                r.written += w.final_span
+                self.departed.append(r)
+                self.lanes[i] = None
+                continue
+            r.written += w.span
+            if r.written >= r.length:
+                if w.final_tokens is not None:
+                    r.final = True
+                else:
+                    self.departed.append(r)
+                    self.lanes[i] = None
+        self.step_no += 1
+        self._fill()
+
+    def padding_steps(self) -> List[Tuple[str, BoundedKVStep]]:
+        """One all-padding step of each kind: compiling these warms every batch shape up."""
+        w = self.w
+        pad = tuple(Segment(None, 0) for _ in range(w.requests))
+        out = [("main", BoundedKVStep(pad, {}, tokens=w.step_tokens))]
+        if w.final_tokens is not None:
+            out.append(("final", BoundedKVStep(pad, {}, tokens=w.final_tokens)))
+        return out
