@@ -244,9 +244,9 @@ def render_text(pic: StepPicture, title: Optional[str] = None) -> str:
             lines.append(f"{label(a, b):<{lw}}  {_mark_runs(pic.marks[a])}")
     lines.append("")
     lines.append("where:")
-    rw = max(len(f"{f}-{l}") for f, l, _, _ in pic.where) if pic.where else 1
-    for first, last, letter, place in pic.where:
-        rng = f"{first}" if first == last else f"{first}-{last}"
+    ranges = [f"{f}" if f == l else f"{f}-{l}" for f, l, _, _ in pic.where]
+    rw = max(map(len, ranges), default=1)
+    for rng, (_, _, letter, place) in zip(ranges, pic.where):
         lines.append(f"  {letter}  {rng:<{rw}}  {place}")
     lines.append(f"KV blocks visited (block {lay.block_size} cells): {_fmt_runs(pic.blocks) or 'none'}")
     used = sorted(set(ch for m in pic.marks for ch in m))

@@ -1,0 +1,288 @@
+"""`flexkv run` and `flexkv show` from the command line, and their error handling."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexkv import BoundedKVConfig, SinkWindow, Segment, BoundedKVStep, StreamPosition
+from flexkv.cli import main
+from flexkv.reference import ReferenceCache
+from flexkv.workload import Traffic, load_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data"
+TINY = DATA / "tiny-run.yaml"
+
+
+def flexkv(*args, timeout=300):
+    """Run `python -m flexkv ARGS` the way a user would; returns the CompletedProcess."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("FLEXKV_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "flexkv", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=str(ROOT))
+
+
+# --------------------------------------------------------------------- run
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "report.json"
+    proc = flexkv("run", TINY, "--threads", "1", "--json", out)
+    assert proc.returncode == 0, proc.stderr
+    return proc, json.loads(out.read_text())
+
+
+def test_run_report_fields_and_accounting(tiny_run):
+    proc, rep = tiny_run
+    w = load_workload(str(TINY))
+    # Replay the seeded traffic on its own: the report must account exactly what it ran.
+    t = Traffic(w)
+    tokens, calls, arrived, finished = 0, 0, len(t.active), 0
+    for _ in range(w.steps):
+        for _, st in t.steps():
+            calls += 1
+            tokens += sum(s.span for s in st.segments if s.request_id is not None)
+        t.advance()
+        finished += len(t.departed)
+        arrived += len(t.arrived)
+    assert rep["steps"] == w.steps == 40
+    assert rep["calls"] == calls and calls > w.steps  # some steps carried a last chunk
+    assert rep["tokens"] == tokens
+    assert rep["requests"]["arrived"] == arrived and rep["requests"]["finished"] == finished
+    assert rep["tokens_per_s"] > 0
+    assert 0 < rep["step_ms"]["p50"] <= rep["step_ms"]["p95"] <= rep["step_ms"]["max"]
+    assert rep["compile_s"] > 0
+    # Two batch shapes (T 4 and the last chunk's T 5) x 2 layers, all compiled in the warm-up.
+    assert rep["graphs_compiled"] == 4
+    assert rep["recompiles_after_warmup"] == 0
+    assert 0 < rep["plan_ms"]["p50"] and 0 < rep["plan_ms"]["fraction_of_step"] < 1
+
+
+def test_run_memory_is_the_slots_and_flat(tiny_run):
+    _, rep = tiny_run
+    m = rep["memory"]
+    # Hand count: a slot row is sink_capacity (6 - 4 = 2) + ring (window 10 + max T 5) = 17 cells;
+    # 2 rows x 2 layers x keys and values x 2 heads x 16 dims x 4 bytes.
+    assert m["slot_bytes"] == 17 * 2 * 2 * 2 * 2 * 16 * 4
+    assert m["slots_bytes"] == 3 * m["slot_bytes"]
+    # Two sources of 4 entries, 2 rows, 2 layers, keys and values.
+    assert m["sources_bytes"] == 2 * 4 * (2 * 2 * 2 * 2 * 16 * 4)
+    assert m["memory_bytes"] == m["slots_bytes"] + m["sources_bytes"] + m["other_bytes"]
+    assert 0 <= m["other_bytes"] < m["slot_bytes"]  # scratch cells and block padding only
+    assert m["flat"] is True
+    series = rep["series"]
+    assert len(series) == 40 and {p["bounded_bytes"] for p in series} == {m["memory_bytes"]}
+    assert m["unbounded_bytes_peak"] == max(p["unbounded_bytes"] for p in series)
+    assert m["unbounded_bytes_peak"] > m["slots_bytes"]  # streams grew past what the slots hold
+
+
+def test_run_matches_reference_after_wrap(tiny_run):
+    _, rep = tiny_run
+    ref = rep["reference"]
+    assert len(ref["checks"]) == 4
+    assert ref["max_abs_error"] < 1e-4
+    assert all(c["max_abs_error"] < 1e-4 for c in ref["checks"])
+    # The ring holds window 10 + 5 cells: at least one check comes after it wrapped.
+    assert any(c["written"] > 15 for c in ref["checks"])
+    assert rep["requests"]["longest_stream"] > 6 + 10
+
+
+def test_run_prints_report_and_progress(tiny_run):
+    proc, rep = tiny_run
+    out = proc.stdout.splitlines()
+    assert out[0] == "flexkv run: tiny-run (small)"
+    heads = [line.split()[0] for line in out[2:]]
+    assert heads == ["steps", "step", "compile", "planning", "memory", "unbounded", "requests", "reference", "wall"]
+    assert "recompiles after warm-up: 0" in proc.stdout
+    assert "rings wrapped" in proc.stdout
+    assert proc.stderr.splitlines()[-1].startswith("[40/40]")
+    assert "Traceback" not in proc.stderr
+
+
+def test_load_stream_matches_replay():
+    """The reference check relies on load_stream: it must equal feeding the same tokens through steps."""
+    cfg = BoundedKVConfig(2, 2, 8, 1, 0, SinkWindow(2, 5), max_sources=0, max_step_tokens=3)
+    g = torch.Generator().manual_seed(0)
+    a, b = ReferenceCache(cfg), ReferenceCache(cfg)
+    keys, values = [[] for _ in range(2)], [[] for _ in range(2)]
+    written = 0
+    for _ in range(4):
+        st = BoundedKVStep((Segment("r", 3),), {"r": StreamPosition(0, written)})
+        for l in range(2):
+            q, k, v = (torch.randn(1, 2, 3, 8, generator=g) for _ in range(3))
+            a.attend(l, q, k, v, st)
+            keys[l].append(k[0])
+            values[l].append(v[0])
+        a.commit(st)
+        written += 3
+    b.load_stream("r", [torch.cat(x, 1)[None] for x in keys], [torch.cat(x, 1)[None] for x in values])
+    st = BoundedKVStep((Segment("r", 2),), {"r": StreamPosition(0, written)}, tokens=3)
+    for l in range(2):
+        q, k, v = (torch.randn(1, 2, 3, 8, generator=g) for _ in range(3))
+        assert torch.equal(a.attend(l, q, k, v, st), b.attend(l, q, k, v, st))
+    with pytest.raises(ValueError, match="layers"):
+        b.load_stream("r", keys[0], values[0][:1])
+
+
+# -------------------------------------------------------------------- show
+
+SHOW_YAML = """\
+name: hand
+layers: 1
+kv_heads: 1
+head_dim: 8
+source_len: 3
+sink: 2
+window: 4
+span: 2
+tokens: 3
+requests: 2
+stream_len: [1, 1]
+block_size: 4
+"""
+
+
+def test_show_hand_worked_source_ring_lookahead(tmp_path, capsys):
+    cfg = tmp_path / "hand.yaml"
+    cfg.write_text(SHOW_YAML)
+    assert main(["show", str(cfg), "--source-len", "3", "--written", "6", "--span", "2", "--T", "3",
+                 "--slot", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # n = 3 + 6 = 9. Sink 2 lies inside the source (entries 0-1); the window keeps 5-8
+    # (lo = max(2, 9 - 4)); own tokens 9, 10 are written, 11 is look-ahead. The slot has no
+    # sink region (sink <= source_len) and a ring of 4 + 3 cells: entry j sits in ring cell j % 7.
+    # Blocks of 4 cells: source row 0 = cells 0-2 (block 0); slot 1 = cells 3 + 7 = 10-16
+    # (blocks 2-4).
+    assert lines[0] == "flexkv show: hand (small)"
+    assert lines[1] == "retention: sink 2, window 4, per-step window"
+    assert lines[2] == ("position: source_len 3, written 6 -> n = 9; "
+                        "step: span 2, T 3 -> own tokens 9-11 (9-10 written, 11 look-ahead)")
+    assert lines[3] == "slot 1: sink region 0 cells, ring 7 cells (window 4 + 3 for the step's own tokens)"
+    assert lines[4] == ""
+    assert lines[5] == "       0         1"
+    assert lines[6] == "index  012345678901"
+    assert lines[7] == "t=0-2  SS...WWWWOOA"
+    assert lines[8] == ""
+    assert lines[9] == "where:"
+    assert lines[10] == "  S  0-1   source 0, entries 0-1"
+    assert lines[11] == "  W  5-8   ring cells 5-6, 0-1"
+    assert lines[12] == "  O  9-10  ring cells 2-3"
+    assert lines[13] == "  A  11    ring cell 4 (look-ahead: overwritten by a later step)"
+    assert lines[14] == "KV blocks visited (block 4 cells): 0, 2-4"
+    assert lines[15].startswith("legend: S source entry")
+    assert len(lines) == 16
+
+
+def test_show_hand_worked_per_query_with_sink(tmp_path, capsys):
+    cfg = tmp_path / "pq.yaml"
+    cfg.write_text(SHOW_YAML.replace("source_len: 3", "source_len: 0").replace("window: 4", "window: 5")
+                   + "query_window: 4\n")
+    assert main(["show", str(cfg), "--written", "9", "--span", "3", "--T", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # Query t sits at p = 9 + t and sees p-4 .. p plus the sinks 0-1 (kept in the slot's
+    # 2-cell sink region). Ring of 5 + 3 = 8 cells: 5,6,7 -> cells 5-7, 8 -> 0, own 9-11 -> 1-3.
+    assert lines[1] == "retention: sink 2, window 5, per-query window 4"
+    assert lines[3] == "slot 0: sink region 2 cells, ring 8 cells (window 5 + 3 for the step's own tokens)"
+    assert lines[6:10] == [
+        "index  012345678901",
+        "t=0    KK...WWWWO..",
+        "t=1    KK....WWWOO.",
+        "t=2    KK.....WWOOO",
+    ]
+    assert lines[11:14] == [
+        "where:",
+        "  K  0-1   sink cells 0-1",
+        "  W  5-8   ring cells 5-7, 0",
+    ]
+    assert lines[14] == "  O  9-11  ring cells 1-3"
+
+
+def test_show_long_stream_draws_runs(capsys):
+    # The built-in workload (sink 4, window 252): at written 1000 the picture is drawn as runs.
+    assert main(["show", "--written", "1000"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "t=0    K 0-3 | . 4-747 | W 748-999 | O 1000" in out
+    # Ring of 253 cells: 748 % 253 = 242, 999 % 253 = 240, own 1000 -> 241.
+    assert "  W  748-999  ring cells 242-252, 0-240" in out
+    assert "  O  1000     ring cell 241" in out
+
+
+# ------------------------------------------------------------------ errors
+
+
+def _one_line_error(code, err, *needles):
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (["run", "--steps", "0"], ["--steps", "expected an integer >= 1, got 0"]),
+        (["run", "--steps", "many"], ["--steps", "'many'"]),
+        (["run", "--compile", "fast"], ["--compile", "invalid choice"]),
+        (["run", "no/such.yaml"], ["no such config file: no/such.yaml"]),
+        (["show", "--T", "5"], ["T=5 exceeds the config's max_step_tokens=1"]),
+        (["show", "--span", "2"], ["T=2 exceeds the config's max_step_tokens=1"]),
+        (["show", "--slot", "99"], ["slot=99", "max_slots=16"]),
+        (["frobnicate"], ["invalid choice"]),
+        ([], ["missing command"]),
+    ],
+)
+def test_bad_arguments_one_line(argv, needles, capsys):
+    code = main(argv)
+    _one_line_error(code, capsys.readouterr().err, *needles)
+
+
+@pytest.mark.parametrize(
+    "text, needles",
+    [
+        ("name: x\nlayers: 2\n  kv_heads: 3\n", ["not valid YAML at line 3, column 11", "mapping values"]),
+        ("- just\n- a list\n", ["expected a mapping"]),
+        (SHOW_YAML + "windw: 3\n", ["unknown key(s) windw", "allowed:"]),
+        (SHOW_YAML.replace("layers: 1", "layers: two"), ["layers", "'two'", "integer >= 1"]),
+        (SHOW_YAML.replace("kv_heads: 1", "kv_heads: 1\nq_heads: 3").replace("kv_heads: 1", "kv_heads: 2", 1),
+         ["q_heads", "multiple of kv_heads=2"]),
+        (SHOW_YAML + "query_window: 9\n", ["query_window=9 needs window >= 9"]),
+        (SHOW_YAML + "sizes:\n  real: {layers: 2}\n", ["no size 'small'", "real"]),
+        (SHOW_YAML.replace("stream_len: [1, 1]", "stream_len: [5, 2]"), ["stream_len", "[5, 2]"]),
+    ],
+)
+def test_bad_yaml_one_line(tmp_path, text, needles, capsys):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(text)
+    code = main(["run", str(cfg), "--quiet"])
+    _one_line_error(code, capsys.readouterr().err, str(cfg), *needles)
+
+
+def test_bad_yaml_in_a_real_process(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("name: [unclosed\n")
+    proc = flexkv("run", cfg)
+    _one_line_error(proc.returncode, proc.stderr, "not valid YAML")
+    assert proc.stdout == ""
+
+
+def test_plot_without_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the plot extra were not installed
+    code = main(["run", str(TINY), "--plot", str(tmp_path / "p.png"), "--quiet"])
+    _one_line_error(code, capsys.readouterr().err, "--plot needs matplotlib", "flexkv[plot]")
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_png_without_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code = main(["show", "--png", str(tmp_path / "s.png")])
+    captured = capsys.readouterr()
+    _one_line_error(code, captured.err, "--png", "flexkv[plot]")
