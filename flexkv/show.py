@@ -20,7 +20,7 @@ from .planner import build_plan
 from .reference import attended_indices, own_stream_indices
 from .step import BoundedKVStep, Segment, StreamPosition
 
-__all__ = ["StepPicture", "describe_step", "render_text", "render_png", "LEGEND"]
+__all__ = ["StepPicture", "describe_step", "entry_cell", "render_text", "render_png", "LEGEND"]
 
 # One character per stream entry and query.
 LEGEND = (
@@ -68,6 +68,20 @@ def _runs(values: List[int]) -> List[Tuple[int, int]]:
 
 def _fmt_runs(values: List[int]) -> str:
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in _runs(values))
+
+
+def entry_cell(row: dict, ring_len: int, j: int) -> Tuple[str, int, int]:
+    """Where retained stream entry `j` of a plan row lives: (region, physical cell, cell in region).
+
+    `row` is `BoundedPlan.row(i)`. Regions: `"source"` (entry `j` of the
+    source row), `"sink"` (the slot's sink region), `"ring"` (ring cell
+    `j % ring_len`), as `flexkv.layout` lays a slot row out.
+    """
+    if j < row["src_len"]:
+        return "source", row["src_base"] + j, j
+    if j < row["ring_start"]:
+        return "sink", row["sink_base"] + j - row["src_len"], j - row["src_len"]
+    return "ring", row["ring_base"] + j % ring_len, j % ring_len
 
 
 def describe_step(
@@ -126,11 +140,9 @@ def describe_step(
             region, cell, t = own_at[j]
             letter = "O" if t < span else "A"
             return letter, region, cell
-        if j < row["src_len"]:
-            return "S", f"source {source}", j
-        if j < row["ring_start"]:
-            return "K", "sink cell", j - row["src_len"]
-        return "W", "ring cell", j % layout.ring_len
+        region, _, cell = entry_cell(row, layout.ring_len, j)
+        return {"source": "S", "sink": "K", "ring": "W"}[region], (
+            f"source {source}" if region == "source" else f"{region} cell"), cell
 
     width = n + tokens
     marks = []

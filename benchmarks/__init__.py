@@ -1,0 +1,1 @@
+"""Benchmarks of flexkv against the caches users write today (not part of the test suite)."""
