@@ -289,7 +289,7 @@ def render_png(pic: StepPicture, path: str, title: Optional[str] = None) -> None
     letters = [ch for ch, _ in LEGEND]
     grid = [[letters.index(ch) for ch in m] for m in pic.marks]
     width = len(pic.marks[0])
-    fig, ax = plt.subplots(figsize=(min(16, 4 + width * 0.12), 1.6 + 0.35 * len(grid)))
+    fig, ax = plt.subplots(figsize=(min(18, 7 + width * 0.12), 2.2 + 0.35 * len(grid)))
     cmap = ListedColormap([COLORS[ch] for ch in letters])
     ax.imshow(grid, aspect="auto", cmap=cmap, vmin=0, vmax=len(letters) - 1, interpolation="nearest")
     ax.set_xlabel("stream index")
@@ -298,7 +298,7 @@ def render_png(pic: StepPicture, path: str, title: Optional[str] = None) -> None
     ax.set_title(title or f"n = {pic.n}, span {pic.span}, T {pic.tokens}")
     used = sorted(set(ch for m in pic.marks for ch in m), key=letters.index)
     ax.legend(handles=[Patch(color=COLORS[ch], label=f"{ch}: {dict(LEGEND)[ch]}") for ch in used],
-              loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(grid) < 4 else -0.15), ncol=2, fontsize=8)
+              loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
