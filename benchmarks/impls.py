@@ -23,7 +23,6 @@ every implementation and are left out, so the ratios compare the caches.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import List
 

@@ -125,7 +125,7 @@ class _Tracker:
         self.limit = limit
         self.hist: Dict[int, tuple] = {}  # rid -> (keys per layer: list of chunks, values per layer)
 
-    def offer(self, rid: int, length: int) -> None:
+    def offer(self, rid: int) -> None:
         """Track `rid` if there is room; longer-lived requests are preferred by the caller's order."""
         if len(self.hist) < self.limit and rid not in self.hist:
             L = self.w.layers
@@ -201,7 +201,7 @@ def run_workload(
 
     def offer(reqs):
         for r in sorted(reqs, key=lambda r: (r.length < long_enough, r.rid)):
-            tracker.offer(r.rid, r.length)
+            tracker.offer(r.rid)
 
     offer(traffic.active)
 

@@ -18,11 +18,10 @@ Nothing here times or checks anything; `flexkv.runner` does.
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import types
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -331,9 +330,9 @@ BUILTIN = Workload(
     window=252,
     span=1,
     requests=16,
-    stream_len=(150, 900),
+    stream_len=(200, 1500),
     arrival=0.05,
-    steps=1500,
+    steps=2000,
     seed=0,
     compile="layer",
 )
