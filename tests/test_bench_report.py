@@ -5,9 +5,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.report import collect, render, rows
-
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not part of the package
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.report import collect, render, rows  # noqa: E402
 
 
 def _bench(workload, impl, median, **info):

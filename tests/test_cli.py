@@ -286,3 +286,41 @@ def test_png_without_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
     code = main(["show", "--png", str(tmp_path / "s.png")])
     captured = capsys.readouterr()
     _one_line_error(code, captured.err, "--png", "flexkv[plot]")
+
+
+
+# ------------------------------------------------------------ shipped files
+
+# The workload table: (layers, kv_heads, head_dim, q_heads, rows, source_len, sink, window, query_window,
+# reverse, span, T, final T, final span, bias, requests) for the small size, then what the real size changes.
+TABLE = {
+    "streaming-llm": ((4, 8, 64, 32, 1, 0, 4, 1020, None, False, 1, 1, None, 0, "none", 32),
+                      dict(layers=32, head_dim=128, window=4092, requests=64)),
+    "tts-dit": ((16, 8, 64, 8, 2, 302, 100, 302, None, True, 50, 50, 54, 0, "none", 8), dict(layers=160)),
+    "conformer": ((17, 8, 64, 8, 1, 0, 0, 70, None, False, 14, 14, None, 0, "relative", 32), dict(requests=128)),
+    "per-query": ((8, 8, 64, 8, 1, 0, 0, 250, 249, False, 2, 2, None, 0, "none", 64), {}),
+}
+FIELDS = ("layers", "kv_heads", "head_dim", "q_heads", "rows", "source_len", "sink", "window",
+          "query_window", "reverse", "span", "T", "final T", "final span", "bias", "requests")
+
+
+def _row(w):
+    return (w.layers, w.kv_heads, w.head_dim, w.num_q_heads, w.rows, w.source_len, w.sink, w.window,
+            w.query_window, w.reverse_step_order, w.span, w.step_tokens, w.final_tokens, w.final_span,
+            w.score_bias, w.requests)
+
+
+@pytest.mark.parametrize("name", sorted(TABLE))
+def test_shipped_configs_match_the_workload_table(name):
+    path = ROOT / "configs" / f"{name}.yaml"
+    text = path.read_text()
+    assert text.startswith(f"# {name}:") and f"flexkv run configs/{name}.yaml" in text
+    small, real_changes = TABLE[name]
+    w = load_workload(str(path), "small")
+    assert _row(w) == small
+    expect = dict(zip(FIELDS, small))
+    expect.update(real_changes)
+    r = load_workload(str(path), "real")
+    assert _row(r) == tuple(expect[f] for f in FIELDS)
+    for x in (w, r):  # streams outgrow what a slot keeps, so runs wrap the rings
+        assert x.stream_len[1] > x.config().max_retained
