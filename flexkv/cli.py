@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import List, Optional
@@ -117,6 +118,17 @@ def _dur(s: float) -> str:
     if s >= 60:
         return f"{int(s // 60)}m {s % 60:.0f}s"
     return f"{s:.1f} s"
+
+
+def _finite(x):
+    """The report with NaN/inf (e.g. a percentile of no steps) as null, so the JSON is standard."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
 
 
 def format_report(rep: dict, title: str) -> str:
@@ -234,7 +246,7 @@ def _cmd_run(args) -> int:
     rep = run_workload(w, device=device, progress=progress)
     rep["size"] = size
     if args.json:
-        text = json.dumps(rep, indent=1, default=float)
+        text = json.dumps(_finite(rep), indent=1)
         if to_stdout_json:
             sys.stdout.write(text + "\n")
         else:

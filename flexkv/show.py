@@ -32,6 +32,7 @@ LEGEND = (
     (".", "not attended"),
 )
 GRID_MAX = 100  # widest stream drawn one character per entry; longer ones are drawn as runs
+MAX_DRAWN = 10_000_000  # longest stream `describe_step` will lay out entry by entry
 
 
 @dataclass
@@ -113,6 +114,11 @@ def describe_step(
         raise ValueError(f"T={tokens} exceeds the config's max_step_tokens={c.max_step_tokens}")
     if span > tokens:
         raise ValueError(f"span={span} exceeds T={tokens}; a step writes at most its T tokens")
+    if source_len + written + tokens > MAX_DRAWN:
+        raise ValueError(
+            f"stream of {source_len + written + tokens} entries is too long to draw (at most {MAX_DRAWN}); "
+            f"what a step attends repeats once the window has wrapped: try a smaller --written"
+        )
     if slot >= c.max_slots:
         raise ValueError(f"slot={slot} is outside [0, {c.max_slots - 1}] (max_slots={c.max_slots})")
     if source_len and source >= c.max_sources:
