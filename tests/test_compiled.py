@@ -15,7 +15,13 @@ from workload import Workload, score_bias
 TOL = 1e-4
 
 
-def compiled_workload(cfg, *, q_heads, tokens, seed, score_mod=None, positions="stream", segments=3):
+def compiled_workload(cfg, *, q_heads, tokens, seed, score_mod=None, positions="stream", segments=3, views=False):
+    """A Workload whose model step is compiled once.
+
+    With `views`, the step receives q, k, v stacked over layers as 5-D inputs and hands `attend`
+    per-layer slices of them (views, not buffers of their own), the case inductor's CPU
+    FlexAttention cannot lower as a query unless `attend` materialises it.
+    """
     manager = BoundedKVManager(cfg, "cpu", block_size=16)
 
     def model_step(qs, ks, vs, plan):
@@ -25,13 +31,17 @@ def compiled_workload(cfg, *, q_heads, tokens, seed, score_mod=None, positions="
         ]
 
     compiled = torch.compile(model_step, fullgraph=True)
+    if views:
+        run = lambda m, plan, qs, ks, vs: compiled(torch.stack(qs), torch.stack(ks), torch.stack(vs), plan)
+    else:
+        run = lambda m, plan, qs, ks, vs: compiled(qs, ks, vs, plan)
     return Workload(
         cfg,
         q_heads=q_heads,
         segments=segments,
         seed=seed,
         manager=manager,
-        attend=lambda m, plan, qs, ks, vs: compiled(qs, ks, vs, plan),
+        attend=run,
         fixed_tokens=tokens,
         score_mod=score_mod,
         positions=positions,
@@ -67,7 +77,7 @@ def test_per_query_window_with_sink_and_cache_positions():
         num_layers=2, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=0,
         retention=SinkWindow(2, 6), query_window=5, max_step_tokens=3, max_slots=4, max_sources=0,
     )
-    work = compiled_workload(cfg, q_heads=2, tokens=3, seed=5, score_mod=score_bias, positions="cache")
+    work = compiled_workload(cfg, q_heads=2, tokens=3, seed=5, score_mod=score_bias, positions="cache", views=True)
     run_without_recompiles(work, 40)
 
 
