@@ -27,6 +27,7 @@ import argparse
 import os
 import random
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -165,6 +166,8 @@ def main():
         whole.add_source(weights.prompt_k.to(device), weights.prompt_v.to(device))
         single = TPAttentionStack(weights, HeadShard(KV_HEADS, 0, 1), whole, device)
 
+    if not args.compile:  # eager FlexAttention is expected here; say so once instead of warning per rank
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
     fwd = torch.compile(model.__call__, fullgraph=True) if args.compile else model
     ref_fwd = None
     if single is not None:
@@ -173,9 +176,12 @@ def main():
     plan_s = step_s = 0.0
     worst = 0.0
     timed = 0
+    served, finished = set(), 0
     for i, (removals, step, tokens) in enumerate(scheduler(1, args.steps, args.batch, config.max_slots)):
         for rid in removals:
             cache.remove_request(rid)
+        finished += len(removals)
+        served.update(seg.request_id for seg in step.segments if seg.request_id is not None)
         t0 = time.perf_counter()
         cache.admit(step)
         plan = cache.plan(step)
@@ -213,9 +219,9 @@ def main():
     lines = [None] * world
     dist.all_gather_object(lines, line, group=group)
     if rank == 0:
-        print(f"{args.steps} decode steps, batch {args.batch}, backend {dist.get_backend(group)}, "
-              f"{'compiled' if args.compile else 'eager'}; cache communication per step: none "
-              f"(the model all-reduces once per layer)")
+        print(f"{args.steps} decode steps, batch {args.batch}, {len(served)} requests ({finished} finished and "
+              f"removed), backend {dist.get_backend(group)}, {'compiled' if args.compile else 'eager FlexAttention'}; "
+              f"cache communication per step: none (the model all-reduces once per layer)")
         for text in lines:
             print(text)
         if single is not None:
