@@ -304,6 +304,13 @@ class ShardedKVManager(BoundedKVManager):
         return plan
 
     def _check_attend(self, layer_idx, q, k, v, plan) -> None:
+        full, local = self.shard.num_heads, self.shard.local_heads
+        for name, t in (("k", k), ("v", v)):
+            if full != local and isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[1] == full:
+                raise ValueError(
+                    f"attend: {name} has all {full} KV heads; rank {self.rank} of {self.world_size} takes only its "
+                    f"{local} (slice them with manager.shard.kv({name}), or project only this rank's heads)"
+                )
         Hq = self.shard.num_query_heads
         if Hq is not None and isinstance(q, torch.Tensor) and q.dim() == 4:
             want = Hq // self.world_size

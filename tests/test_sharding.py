@@ -185,6 +185,8 @@ def test_attend_wants_this_rank_query_heads():
     k = v = torch.randn(2, 2, 1, 8)
     with pytest.raises(ValueError, match=r"q has 8 heads; rank 1 of 2 takes its 4 of the model's 8 query heads"):
         m.attend(0, torch.randn(2, 8, 1, 8), k, v, plan)
+    with pytest.raises(ValueError, match=r"attend: k has all 4 KV heads; rank 1 of 2 takes only its 2"):
+        m.attend(0, torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 8), v, plan)
     assert m.attend(0, torch.randn(2, 4, 1, 8), k, v, plan).shape == (2, 4, 1, 8)
 
 
