@@ -340,7 +340,7 @@ class FlexKVCache(Cache):
         super().__init__(layers=[_FlexKVLayer(self) for _ in range(dims["layers"])])
         self._selection: Optional[tuple] = None
         self._columns = 0
-        self._forward: Optional[FlexKVForward] = None
+        self._planned = False  # whether any forward was planned (update() refuses unplanned ones)
         self._rotary = None
         if positions == "cache":
             self._init_cache_positions(model)
@@ -407,7 +407,6 @@ class FlexKVCache(Cache):
             self.drop(sid)
         self._selection = None
         self._columns = 0
-        self._forward = None
 
     def _unsupported(self, what: str):
         raise NotImplementedError(
@@ -419,7 +418,7 @@ class FlexKVCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Called by every attention layer before attention; the write happens in `flexkv_attention_forward`."""
-        if self._forward is None:
+        if not self._planned:
             raise RuntimeError(
                 "FlexKVCache was handed to a forward it did not plan: call the model itself (its flexkv hooks "
                 "plan each forward), or pass **cache.prepare(input_ids, attention_mask) to a bare forward"
@@ -549,7 +548,7 @@ class FlexKVCache(Cache):
         position_ids = self._to_device(pos)
         self._columns += T
         fwd = FlexKVForward(self, plans, gather, scatter, position_ids)
-        self._forward = fwd
+        self._planned = True
         return {"position_ids": position_ids, "flexkv_step": fwd}
 
     def _to_device(self, rows: List[list]) -> torch.Tensor:
