@@ -10,6 +10,7 @@ in float64, so greedy tokens must agree exactly and logits to float32 rounding.
 from __future__ import annotations
 
 import sys
+import time
 import types
 
 import pytest
@@ -172,6 +173,81 @@ def test_cache_memory_is_flat_while_dynamic_cache_grows(generated):
     assert g.flex_bytes[1] >= g.cache.memory_bytes
     assert all(b > a for a, b in zip(g.dyn_bytes, g.dyn_bytes[1:]))
     assert g.dyn_bytes[-1] > g.dyn_bytes[0]
+
+
+# ------------------------------------------------------- StreamingLLM cache positions
+
+
+def rotate(x, positions, inv_freq):
+    """Rotate `x [..., D]` at float64 angles `positions [...] * inv_freq` (half-split layout)."""
+    freqs = positions.double()[..., None] * inv_freq.double()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    half = x.shape[-1] // 2
+    return x * emb.cos() + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * emb.sin()
+
+
+def cache_positions_attention(inv_freq, sink=SINK, window=WINDOW):
+    """StreamingLLM by its definition, over a whole uncached history of one row.
+
+    Undo the model's rotation (its own float32 angles at positions 0..L-1),
+    then for each query `p` rotate every attended key and the query at its
+    rank in the attended set (its in-cache position) and softmax over that set.
+    """
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        _, Hq, L, D = query.shape
+        group = Hq // key.shape[1]
+        pos = torch.arange(L)
+        freqs = pos.float()[:, None] * inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(query.dtype), emb.sin().to(query.dtype)
+        half = D // 2
+        unrot = lambda x: x * cos - torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin  # noqa: E731
+        q = unrot(query[0])  # [Hq, L, D]
+        k = unrot(key[0]).repeat_interleave(group, 0)
+        v = value[0].repeat_interleave(group, 0)
+        p, j = pos[:, None], pos[None, :]
+        attended = (j <= p) & ((j < sink) | (j >= p - window))
+        evicted = (p - window - sink).clamp_min(0)  # entries between the sinks and the window
+        rank = torch.where(j < sink, j, j - evicted)  # in-cache position of key j for query p
+        keys = rotate(k[:, None, :, :], rank[None], inv_freq)  # [Hq, L(query), L(key), D]
+        queries = rotate(q, (pos - evicted[:, 0])[None], inv_freq)  # [Hq, L, D]
+        scores = torch.einsum("hpd,hpjd->hpj", queries, keys) * scaling
+        scores = scores.masked_fill(~attended, float("-inf"))
+        out = torch.einsum("hpj,hjd->hpd", torch.softmax(scores, -1), v)
+        return out.transpose(0, 1)[None].contiguous(), None
+
+    return attention
+
+
+def test_cache_positions_match_streaming_llm_definition():
+    from transformers import AttentionInterface
+
+    model = make_model("llama", seed=12)
+    ps = prompts(LENGTHS, seed=13)
+    ids, mask = left_pad(ps)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), positions="cache", max_streams=4, prefill_chunk=8,
+                        block_size=16)
+    assert cache.memory_bytes > cache.manager.memory_bytes  # the un-rotated sink copies
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    t1 = time.perf_counter()
+    AttentionInterface.register("streaming_llm_reference", cache_positions_attention(model.model.rotary_emb.inv_freq))
+    model.set_attn_implementation("streaming_llm_reference")
+    try:
+        refs = [reference_greedy(model, p, NEW) for p in ps]  # the 4-D mask is ignored by this attention
+    finally:
+        model.set_attn_implementation("flexkv")
+    t2 = time.perf_counter()
+    stream = [reference_greedy(model, p, NEW)[0] for p in ps]
+    print(f"\ngenerate {t1 - t0:.1f}s, reference {t2 - t1:.1f}s, stream reference {time.perf_counter() - t2:.1f}s")
+    logits = torch.stack(out.logits, dim=1)
+    for b, (want_tokens, want_logits) in enumerate(refs):
+        assert out.sequences[b, ids.shape[1]:].tolist() == want_tokens.tolist(), f"row {b}"
+        torch.testing.assert_close(logits[b].double(), want_logits, rtol=1e-5, atol=1e-5)
+    # Cache positions are not stream positions: once sinks drift away the two differ.
+    assert any(s.tolist() != r[0].tolist() for s, r in zip(stream, refs))
 
 
 # ------------------------------------------------------------ streams across calls

@@ -179,14 +179,13 @@ class FlexKVForward:
         self.scatter = scatter
         #: `[B, T]` the stream position of each column
         self.position_ids = position_ids
-        self.sinks = cache._sink_rotation(self) if cache.positions == "cache" else None
+        #: "cache" positions: re-rotates the step's q/k and rewrites the sink cells per layer
+        self.rotary = cache._rotary
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale=None) -> torch.Tensor:
         """Attend layer `layer_idx` for the whole forward: `[B, Hq, T, D]` in, `[B, Hq, T, D]` out."""
         if self.gather is not None:
             q, k, v = _take(q, self.gather), _take(k, self.gather), _take(v, self.gather)
-        if self.sinks is not None:
-            self.cache._rotate_sinks(layer_idx, self)
         outs = []
         start = 0
         single = len(self.plans) == 1 and self.plans[0].tokens == q.shape[2]
@@ -197,6 +196,8 @@ class FlexKVForward:
                 stop = start + plan.tokens
                 qc, kc, vc = q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop]
                 start = stop
+            if self.rotary is not None:
+                qc, kc = self.rotary(layer_idx, qc, kc, plan)
             outs.append(self.manager.attend(layer_idx, qc, kc, vc, plan, scale=scale))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         if self.scatter is not None:
@@ -398,8 +399,6 @@ class FlexKVCache(Cache):
     def drop(self, stream_id: Hashable) -> None:
         """Forget a stream and free its slot."""
         self.manager.remove_request(stream_id)
-        if self._rotary is not None:
-            self._rotary.forget(stream_id)
 
     def reset(self) -> None:
         """Forget every stream and the selection (transformers' `Cache.reset`)."""
@@ -511,22 +510,29 @@ class FlexKVCache(Cache):
 
         C = self.manager.config.max_step_tokens
         longest = max(lengths)
-        chunks = max(1, math.ceil(longest / C))
+        # In "cache" mode every query of a step must share one eviction count: once a row's
+        # stream reaches sink + window, its tokens go one per step.
+        limit = self.retention.sink + self.retention.window + 1
         plans = []
         m = self.manager
-        for c in range(chunks):
-            tokens = max(1, min(C, longest - c * C))
-            spans = [max(0, min(tokens, L - c * C)) for L in lengths]
+        start = 0
+        while start < longest or not plans:
+            tokens = max(1, min(C, longest - start))
+            if self._rotary is not None:
+                room = min(limit - (w + min(start, L)) for w, L in zip(written, lengths))
+                tokens = max(1, min(tokens, room))
+            spans = [max(0, min(tokens, L - start)) for L in lengths]
             step = BoundedKVStep(
                 segments=tuple(Segment(sid, s) for sid, s in zip(rows, spans)),
-                positions={
-                    sid: StreamPosition(0, w + min(c * C, L)) for sid, w, L in zip(rows, written, lengths)
-                },
+                positions={sid: StreamPosition(0, w + min(start, L)) for sid, w, L in zip(rows, written, lengths)},
                 tokens=tokens,
             )
             m.admit(step)
+            if self._rotary is not None:
+                self._rotary.check_step(step)
             plans.append(m.plan(step))
             m.commit(step)
+            start += tokens
 
         gather = scatter = None
         if real is not None:
@@ -559,14 +565,8 @@ class FlexKVCache(Cache):
 
     # ---------------------------------------------------- cache positions
 
-    def _init_cache_positions(self, model) -> None:  # replaced when cache positions land
-        raise NotImplementedError("positions='cache' is not available yet")
-
-    def _sink_rotation(self, fwd):  # pragma: no cover - see _init_cache_positions
-        return None
-
-    def _rotate_sinks(self, layer_idx, fwd):  # pragma: no cover
-        pass
+    def _init_cache_positions(self, model) -> None:
+        self._rotary = _CachePositions(self.manager, model)
 
     def __repr__(self):
         c = self.manager.config
@@ -575,6 +575,70 @@ class FlexKVCache(Cache):
             f"layers={c.num_layers}, kv_heads={c.num_heads}, head_dim={c.head_dim}, dtype={c.dtype}, "
             f"memory_bytes={self.memory_bytes})"
         )
+
+
+_LINEAR_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+class _CachePositions:
+    """StreamingLLM's in-cache rotary positions for every layer, through `flexkv.rotary.SinkRotation`.
+
+    The model rotates `q` and `k` at the stream positions the cache gave it.
+    Per chunk and layer this undoes that rotation with the model's own
+    angles (float32, as its rotary embedding computes them) and hands the
+    raw `q`, `k` to the layer's `SinkRotation`, which rotates them back at
+    stream positions (float64 angles) and rewrites the slot's sink cells
+    rotated `e` positions on: O(sink) per step. A rope whose angles are not
+    `position * inv_freq` with a fixed `inv_freq` cannot be undone this way.
+    """
+
+    def __init__(self, manager: BoundedKVManager, model):
+        from ..rotary import Rotary, SinkRotation
+
+        base = getattr(model, "base_model", model)
+        emb = getattr(base, "rotary_emb", None)
+        inv_freq = getattr(emb, "inv_freq", None)
+        rope_type = getattr(emb, "rope_type", "default")
+        c = manager.config
+        if not isinstance(inv_freq, torch.Tensor):
+            raise ValueError(
+                f"positions='cache' needs the model's rotary embedding ({type(base).__name__}.rotary_emb.inv_freq); "
+                f"{type(model).__name__} has none: use positions='stream'"
+            )
+        if rope_type not in _LINEAR_ROPE:
+            raise ValueError(
+                f"positions='cache' needs angles position * inv_freq with a fixed inv_freq (rope types "
+                f"{_LINEAR_ROPE}); this model's rope_type is {rope_type!r}: use positions='stream'"
+            )
+        if inv_freq.numel() * 2 != c.head_dim:
+            raise ValueError(
+                f"positions='cache' needs rotary over the whole head (2 * {inv_freq.numel()} frequencies "
+                f"!= head_dim {c.head_dim}): use positions='stream'"
+            )
+        rotary = Rotary(c.head_dim).to(manager.device)
+        with torch.no_grad():
+            rotary.inv_freq.copy_(inv_freq.to(torch.float64))
+        self.inv_freq = inv_freq.detach().to(device=manager.device, dtype=torch.float32).clone()
+        self.rotary = rotary
+        self.layers = [SinkRotation(manager, i, rotary, "cache") for i in range(c.num_layers)]
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(layer.memory_bytes for layer in self.layers)
+
+    def check_step(self, step: BoundedKVStep) -> None:
+        self.layers[0].check_step(step)
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, plan):
+        from ..rotary import rotate_half, stream_positions
+
+        pos = stream_positions(plan, k.shape[2])  # [N, T]: the positions the model rotated at
+        freqs = pos.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        q_raw = q * cos - rotate_half(q) * sin
+        k_raw = k * cos - rotate_half(k) * sin
+        return self.layers[layer_idx](q_raw, k_raw, plan)
 
 
 def _check_sliding_window(cfg, retention: SinkWindow) -> None:
