@@ -57,6 +57,13 @@ def prompts(args):
     return ids, mask, lengths
 
 
+def rate(step_seconds, batch: int) -> str:
+    """Tokens/s from the median step time (robust to other load on the machine) and the mean."""
+    med = sorted(step_seconds)[len(step_seconds) // 2]
+    mean = sum(step_seconds) / len(step_seconds)
+    return f"{batch / med:8.1f} tokens/s at the median step ({1e3 * med:.1f} ms), {batch / mean:8.1f} at the mean"
+
+
 def dynamic_bytes(model, batch: int, length: int) -> int:
     """What a DynamicCache holds for `batch` rows of `length` tokens: keys and values of every layer."""
     c = model.config
@@ -84,23 +91,21 @@ def run_flexkv(model, args):
         t0 = time.perf_counter()
         model(input_ids=tok, past_key_values=cache)  # compiles on the first call
         print(f"first decode step (compile): {time.perf_counter() - t0:.1f} s")
-        done, t_last, n_last = 1, time.perf_counter(), 1
-        t_start = t_last
+        done, steps = 1, []
+        t_start = time.perf_counter()
         while done < args.tokens:
+            t = time.perf_counter()
             tok = model(input_ids=tok, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+            steps.append(time.perf_counter() - t)
             done += 1
             if done % args.report == 0 or done == args.tokens:
-                now = time.perf_counter()
-                rate = (done - n_last) * args.batch / (now - t_last)
                 length = max(lengths) + done
-                print(f"  token {done:6d}: {rate:8.1f} tokens/s ({args.batch} streams)  "
+                print(f"  token {done:6d}: {rate(steps[-args.report:], args.batch)}  "
                       f"flexkv {mib(cache.memory_bytes)}  DynamicCache would hold "
                       f"{mib(dynamic_bytes(model, args.batch, length))}")
-                t_last, n_last = now, done
-        total = (done - 1) * args.batch / (time.perf_counter() - t_start)
-    print(f"flexkv decode: {total:.1f} tokens/s over {done - 1} steps x {args.batch} streams; "
+        wall = (done - 1) * args.batch / (time.perf_counter() - t_start)
+    print(f"flexkv decode, {done - 1} steps: {rate(steps, args.batch)}, wall {wall:.1f} tokens/s; "
           f"cache memory {mib(cache.memory_bytes)} throughout")
-    return total
 
 
 def run_dynamic(model, args):
@@ -110,15 +115,18 @@ def run_dynamic(model, args):
         out = model(input_ids=ids, attention_mask=mask, past_key_values=cache)
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
         mask = torch.cat([mask, torch.ones(args.batch, 1, dtype=torch.long)], dim=1)
-        t0 = time.perf_counter()
+        steps = []
         for i in range(1, args.tokens):
+            t = time.perf_counter()
             out = model(input_ids=tok, attention_mask=mask, past_key_values=cache)
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
             mask = torch.cat([mask, torch.ones(args.batch, 1, dtype=torch.long)], dim=1)
-        rate = (args.tokens - 1) * args.batch / (time.perf_counter() - t0)
+            steps.append(time.perf_counter() - t)
+            if (i + 1) % args.report == 0:
+                held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+                print(f"  token {i + 1:6d}: {rate(steps[-args.report:], args.batch)}  DynamicCache {mib(held)}")
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-    print(f"DynamicCache (eager SDPA) decode: {rate:.1f} tokens/s; holds {mib(held)} at the end")
-    return rate
+    print(f"DynamicCache (eager SDPA) decode, {len(steps)} steps: {rate(steps, args.batch)}; holds {mib(held)} at the end")
 
 
 def main():

@@ -338,7 +338,7 @@ def test_model_without_flexkv_cache_falls_back_to_sdpa():
 def test_unsupported_transformers_release_fails_with_one_message(monkeypatch):
     # transformers swaps its module object in sys.modules on first attribute access: patch the live one.
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
-    with pytest.raises(ImportError, match=r"needs transformers>=5\.23,<5\.24.*found transformers 4\.57\.1"):
+    with pytest.raises(ImportError, match=r"needs transformers>=5\.23,<5\.25.*found transformers 4\.57\.1"):
         fkt._import_transformers()
 
 

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Hashable, Iterable, List, Optional, Sequence
+from typing import Hashable, List, Optional, Sequence
 
 import torch
 
@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 #: The transformers releases this module is tested with: `>= lo, < hi`.
-SUPPORTED_TRANSFORMERS = ("5.23", "5.24")
+SUPPORTED_TRANSFORMERS = ("5.23", "5.25")
 #: The name the attention function is registered under.
 ATTN_IMPLEMENTATION = "flexkv"
 POSITION_MODES = ("stream", "cache")
@@ -99,7 +99,7 @@ def _import_transformers():
     return transformers
 
 
-_transformers = _import_transformers()
+_import_transformers()
 
 from transformers import AttentionInterface  # noqa: E402
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
@@ -663,10 +663,13 @@ def _check_sliding_window(cfg, retention: SinkWindow) -> None:
 
 def _pre_forward(module, args, kwargs):
     """Forward pre-hook: plan a forward that carries a FlexKVCache and hand the plan down as keywords."""
+    # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name still works).
     cache = kwargs.get("past_key_values")
     if not isinstance(cache, FlexKVCache):
+        cache = kwargs.get("cache")
+    if not isinstance(cache, FlexKVCache):
         if any(isinstance(a, FlexKVCache) for a in args):
-            raise ValueError("pass a FlexKVCache as past_key_values=... (by keyword), not positionally")
+            raise ValueError("pass a FlexKVCache by keyword (past_key_values=... or cache=...), not positionally")
         return None
     if kwargs.get("flexkv_step") is not None:
         return None
