@@ -30,10 +30,25 @@ __all__ = [
 
 @dataclass(frozen=True)
 class EngineResourceInfo:
-    """What the engine knows when it builds resources: where they live and the KV dtype."""
+    """What the engine knows when it builds resources: where they live, the KV dtype, and
+    which share of the attention heads this process holds.
+
+    For tensor-parallel attention give `process_group` (the group the heads
+    are split over; this process's rank and the group's size are read from
+    it), or `rank` and `world_size` directly. Leaving all three unset means
+    one process holding every head, as before.
+    """
 
     device: torch.device | str
     kv_dtype: torch.dtype = torch.float32
+    process_group: Any = None
+    rank: Optional[int] = None
+    world_size: Optional[int] = None
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether any of `process_group`, `rank`, `world_size` was given."""
+        return self.process_group is not None or self.rank is not None or self.world_size is not None
 
 
 @dataclass(frozen=True)
@@ -95,7 +110,11 @@ class BoundedKVSpec(NodeResourceSpec):
 
 
 class BoundedKVResource(Resource):
-    """Builds a `BoundedKVManager` from a `BoundedKVSpec`, settling `dtype=None` from the engine."""
+    """Builds a `BoundedKVManager` from a `BoundedKVSpec`, settling `dtype=None` from the engine.
+
+    When `info` names a tensor-parallel share (see `EngineResourceInfo`), the
+    result is a `flexkv.distributed.ShardedKVManager` holding this rank's KV heads.
+    """
 
     def build(self, spec: BoundedKVSpec, info: EngineResourceInfo):
         from .manager import BoundedKVManager
@@ -105,6 +124,12 @@ class BoundedKVResource(Resource):
         config = spec.config
         if config.dtype is None:
             config = config.replace(dtype=info.kv_dtype)
+        if info.tensor_parallel:
+            from .distributed import ShardedKVManager
+
+            return ShardedKVManager(
+                config, info.device, process_group=info.process_group, rank=info.rank, world_size=info.world_size
+            )
         return BoundedKVManager(config, info.device)
 
 

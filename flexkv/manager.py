@@ -431,6 +431,10 @@ class BoundedKVManager(nn.Module):
             seq_lengths=(T, lay.total_len),
             compute_q_blocks=False,
         )
+        # The scale is applied to q here rather than inside flex_attention: the product is a fresh
+        # buffer, and inductor's CPU FlexAttention fails to lower a q that is only a view of another
+        # tensor (a slice of a stacked 5-D tensor, or a projection's view + transpose).
+        q = q * (D ** -0.5 if scale is None else scale)
         return flex_attention(
-            q, kc, vc, score_mod=sm, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != H
+            q, kc, vc, score_mod=sm, block_mask=block_mask, scale=1.0, enable_gqa=q.shape[1] != H
         )

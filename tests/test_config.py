@@ -1,0 +1,126 @@
+"""Config validation, derived sizes, and the engine seams (specs, resources, deployment YAML)."""
+
+import pytest
+import torch
+
+from flexkv import (
+    BoundedKVConfig,
+    BoundedKVManager,
+    BoundedKVResource,
+    BoundedKVSpec,
+    EngineResourceInfo,
+    SinkWindow,
+    load_deployment,
+)
+
+
+def make(**kw):
+    base = dict(num_layers=2, num_heads=2, head_dim=8, rows_per_request=1, max_source_len=0,
+                retention=SinkWindow(4, 16))
+    base.update(kw)
+    return BoundedKVConfig(**base)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(max_slots=0), r"max_slots must be >= 1, got 0"),
+        (dict(num_layers=0), r"num_layers must be >= 1, got 0"),
+        (dict(head_dim=2.0), r"head_dim must be an int >= 1, got 2.0"),
+        (dict(max_source_len=4, min_source_len=5), r"min_source_len must be in \[0, max_source_len=4\], got 5"),
+        (dict(min_source_len=-1), r"min_source_len must be >= 0, got -1"),
+        (dict(max_step_tokens=0), r"max_step_tokens must be >= 1, got 0"),
+        (dict(max_source_len=3, max_sources=0), r"max_sources must be >= 1 when max_source_len > 0"),
+        (dict(dtype=torch.int32), r"dtype must be one of"),
+        (dict(retention=lambda n: (4, 16)), r"for source_len=0 it gave \(4, 16\)"),
+        (dict(query_window=8, reverse_step_order=True), r"query_window needs stream order"),
+        (dict(query_window=17), r"query_window=17 needs window >= 17 for every source length, but source_len=0"),
+        (dict(query_window=4, retention=SinkWindow(0, 8, True)), r"cannot be combined with window_includes_step"),
+        (dict(query_window=-1), r"query_window must be >= 0, got -1"),
+    ],
+)
+def test_invalid_configs_name_the_value(kw, match):
+    with pytest.raises(ValueError, match=match):
+        make(**kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(sink=-1, window=3), r"SinkWindow.sink must be >= 0, got -1"),
+    (dict(sink=1, window=-3), r"SinkWindow.window must be >= 0, got -3"),
+    (dict(sink=1, window=3, window_includes_step=1), r"window_includes_step must be a bool"),
+])
+def test_invalid_policies(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SinkWindow(**kw)
+
+
+def test_callable_policy_checked_for_every_length():
+    with pytest.raises(ValueError, match=r"SinkWindow.window must be >= 0, got -1"):
+        make(max_source_len=5, retention=lambda n: SinkWindow(1, 3 - n))
+
+
+def test_derived_sizes_over_source_lengths():
+    # L in 2..5: sink 6 - L .. ; windows 10 + L.
+    c = make(max_source_len=5, min_source_len=2, retention=lambda n: SinkWindow(6, 10 + n))
+    assert c.retention_for(2) == SinkWindow(6, 12)
+    assert c.sink_capacity == 4  # 6 - 2, the shortest source
+    assert c.window_capacity == 15
+    assert c.max_retained == 21
+    assert c.slot_tokens == 19
+    with pytest.raises(ValueError, match=r"source_len must be an int in \[min_source_len=2, max_source_len=5\], got 1"):
+        c.retention_for(1)
+
+
+def test_sink_inside_the_source_needs_no_sink_capacity():
+    c = make(max_source_len=8, min_source_len=4, retention=SinkWindow(4, 6))
+    assert c.sink_capacity == 0 and c.slot_tokens == 6
+
+
+def test_window_start():
+    p = SinkWindow(2, 5)
+    assert p.window_start(20, 1) == 15
+    assert p.window_start(3, 1) == 2  # never below the sink
+    q = SinkWindow(2, 5, window_includes_step=True)
+    assert q.window_start(20, 3) == 18
+    assert q.window_start(20, 7) == 20  # window <= 0: nothing but the sinks
+
+
+def test_spec_yaml_overrides_and_resource_build():
+    spec = BoundedKVSpec("kv", ("attn0", "attn1"), make(dtype=None))
+    tuned = spec.apply_yaml_overrides(max_slots=5)
+    assert tuned.config.max_slots == 5 and spec.config.max_slots == 32
+    with pytest.raises(ValueError, match=r"unknown key\(s\) 'max_slot' in the YAML block for resource 'kv'"):
+        spec.apply_yaml_overrides(max_slot=5)
+    with pytest.raises(ValueError, match=r"max_slots must be >= 1, got 0"):
+        spec.apply_yaml_overrides(max_slots=0)
+    m = BoundedKVResource().build(tuned, EngineResourceInfo("cpu", torch.float16))
+    assert isinstance(m, BoundedKVManager)
+    assert m.config.dtype == torch.float16 and m.k_cache_0.dtype == torch.float16
+    assert m.config.max_slots == 5
+    with pytest.raises(ValueError, match=r"config.dtype is None"):
+        BoundedKVManager(make(dtype=None))
+
+
+def test_deployment_yaml(tmp_path):
+    specs = [BoundedKVSpec("chat", (), make()), BoundedKVSpec("tts", (), make())]
+    path = tmp_path / "deploy.yaml"
+    path.write_text("resources:\n  tts:\n    max_slots: 3\n")
+    out = load_deployment(path, specs)
+    assert [s.config.max_slots for s in out] == [32, 3]
+    with pytest.raises(ValueError, match=r"unknown resource 'asr'; declared resources: 'chat', 'tts'"):
+        load_deployment("resources:\n  asr:\n    max_slots: 3\n", specs)
+    with pytest.raises(ValueError, match=r"unknown key\(s\) 'window' in the YAML block for resource 'chat'"):
+        load_deployment("resources:\n  chat:\n    window: 3\n", specs)
+    with pytest.raises(ValueError, match=r"unknown top-level key"):
+        load_deployment("resource:\n  chat: {}\n", specs)
+    with pytest.raises(ValueError, match=r"not valid YAML"):
+        load_deployment("resources: [\n", specs)
+
+
+def test_shipped_deployment_example_loads():
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    specs = [BoundedKVSpec("chat_kv", (), make()), BoundedKVSpec("tts_kv", (), make())]
+    out = load_deployment(root / "configs" / "deployment.yaml", specs)
+    assert [s.config.max_slots for s in out] == [64, 8]
