@@ -48,7 +48,7 @@ def percentile(values: List[float], q: float) -> float:
 def _attend_with(manager: BoundedKVManager, model: StreamModel, plan) -> Callable:
     def attend(l, q, k, v):
         return manager.attend(
-            l, q, k, v, plan, scale=1.0, score_mod=model.score_mod(l), positions=model.positions
+            l, q, k, v, plan, score_mod=model.score_mod(l), positions=model.positions
         )
 
     return attend
@@ -231,7 +231,7 @@ def run_workload(
         rows = slice(lane * R, lane * R + R)
         err = 0.0
         for l, (q, k, v, o) in enumerate(records):
-            want = ref.attend(l, q[rows].cpu(), k[rows].cpu(), v[rows].cpu(), sub, scale=1.0,
+            want = ref.attend(l, q[rows].cpu(), k[rows].cpu(), v[rows].cpu(), sub,
                               score_mod=model.score_mod(l, device="cpu"), positions=model.positions)
             err = max(err, float((o[rows].double().cpu() - want).abs().max()))
         checks.append({

@@ -364,8 +364,8 @@ class StreamModel(nn.Module):
 
     `forward`-style use goes through `layer(l, x, attend)`: `x [N, T, d_model]`
     with `N = segments * rows`, `attend(l, q, k, v) -> [N, q_heads, T, D]`
-    with `q [N, q_heads, T, D]`, `k, v [N, kv_heads, T, D]`. `q` comes
-    already multiplied by `head_dim ** -0.5`: attend with `scale=1.0`. Weights are
+    with `q [N, q_heads, T, D]`, `k, v [N, kv_heads, T, D]` (views of the
+    projections' outputs; attend with the default scale). Weights are
     registered buffers (nothing to train) drawn from `seed`, one set per layer.
     With `score_bias == "relative"`, `score_mod(l)` adds `bias_l[h, q_pos -
     kv_pos + max_tokens - 1]` on in-cache positions (`positions == "cache"`).
@@ -395,7 +395,6 @@ class StreamModel(nn.Module):
             for l in range(w.layers):
                 self.register_buffer(f"bias_{l}", rand(hq, self.bias_len, scale=0.5))
         self.positions = "cache" if w.score_bias == "relative" else "stream"
-        self.scale = w.head_dim ** -0.5
 
     def score_mod(self, l: int, device=None) -> Optional[Callable]:
         """Layer `l`'s score_mod, or None without a score bias.
@@ -420,10 +419,7 @@ class StreamModel(nn.Module):
         w = self.workload
         N, T, _ = x.shape
         h = _rms(x)
-        # The softmax scale is folded into q (attend with scale=1.0). Besides saving a multiply,
-        # this makes q a tensor of its own: the CPU FlexAttention template cannot lower a query
-        # that is only a view of the projection's [N*T, Hq*D] output.
-        q = (h @ getattr(self, f"wq_{l}")).view(N, T, w.num_q_heads, w.head_dim).transpose(1, 2) * self.scale
+        q = (h @ getattr(self, f"wq_{l}")).view(N, T, w.num_q_heads, w.head_dim).transpose(1, 2)
         k = (h @ getattr(self, f"wk_{l}")).view(N, T, w.kv_heads, w.head_dim).transpose(1, 2)
         v = (h @ getattr(self, f"wv_{l}")).view(N, T, w.kv_heads, w.head_dim).transpose(1, 2)
         return q, k, v
