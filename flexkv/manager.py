@@ -81,6 +81,8 @@ class BoundedKVManager(nn.Module):
         self._free = list(range(config.max_slots))  # kept sorted: the lowest free slot goes first
         self._sources: dict = {}  # index -> registered length
         self._current_plan: Optional[BoundedPlan] = None
+        #: Fold GQA groups into the query axis (on by default on the CPU; see `attend`).
+        self.pack_gqa = self.device.type == "cpu"
 
     # ------------------------------------------------------------------ views
 
@@ -417,24 +419,33 @@ class BoundedKVManager(nn.Module):
         kc.index_put_(index, k.transpose(0, 1).reshape(H, N * T, D))
         vc.index_put_(index, v.transpose(0, 1).reshape(H, N * T, D))
 
-        mask_mod = make_mask_mod(plan, lay.ring_len, T, c.query_window)
+        Hq = q.shape[1]
+        group = Hq // H
+        # On the CPU, fold each GQA group into the query axis: every KV head then meets its
+        # group's queries in one pass over its keys instead of one pass per query head.
+        packed = group > 1 and self.pack_gqa
+        g = group if packed else 1
+        mask_mod = make_mask_mod(plan, lay.ring_len, T, c.query_window, packed=packed)
         sm = None
         if score_mod is not None:
-            sm = make_score_mod(plan, lay.ring_len, T, score_mod, positions, c.reverse_step_order, c.query_window)
+            sm = make_score_mod(
+                plan, lay.ring_len, T, score_mod, positions, c.reverse_step_order, c.query_window, group=g
+            )
         block_mask = BlockMask.from_kv_blocks(
             plan.kv_num_blocks,
             plan.kv_indices,
             plan.full_kv_num_blocks,
             plan.full_kv_indices,
-            BLOCK_SIZE=(lay.q_block_size, lay.block_size),
+            BLOCK_SIZE=(lay.q_block_size * g, lay.block_size),
             mask_mod=mask_mod,
-            seq_lengths=(T, lay.total_len),
+            seq_lengths=(T * g, lay.total_len),
             compute_q_blocks=False,
         )
         # The scale is applied to q here rather than inside flex_attention: the product is a fresh
         # buffer, and inductor's CPU FlexAttention fails to lower a q that is only a view of another
         # tensor (a slice of a stacked 5-D tensor, or a projection's view + transpose).
         q = q * (D ** -0.5 if scale is None else scale)
-        return flex_attention(
-            q, kc, vc, score_mod=sm, block_mask=block_mask, scale=1.0, enable_gqa=q.shape[1] != H
-        )
+        if packed:
+            out = flex_attention(q.reshape(N, H, g * T, D), kc, vc, score_mod=sm, block_mask=block_mask, scale=1.0)
+            return out.view(N, Hq, T, D)
+        return flex_attention(q, kc, vc, score_mod=sm, block_mask=block_mask, scale=1.0, enable_gqa=Hq != H)

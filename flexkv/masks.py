@@ -48,8 +48,12 @@ def stream_index(plan, ring_len: int, tokens: int, b, kv_idx):
     return in_src | in_sink | in_ring, j
 
 
-def make_mask_mod(plan, ring_len: int, tokens: int, query_window: Optional[int]):
-    """The retention mask of SPEC section 2 for `plan` (per-step or per-query window)."""
+def make_mask_mod(plan, ring_len: int, tokens: int, query_window: Optional[int], packed: bool = False):
+    """The retention mask of SPEC section 2 for `plan` (per-step or per-query window).
+
+    `packed`: the query axis holds `group * tokens` queries (a GQA group folded into
+    it, group-major), so the step's token is `q_idx % tokens`.
+    """
 
     if query_window is None:
 
@@ -64,7 +68,7 @@ def make_mask_mod(plan, ring_len: int, tokens: int, query_window: Optional[int])
 
         def mask_mod(b, h, q_idx, kv_idx):
             valid, j = stream_index(plan, ring_len, tokens, b, kv_idx)
-            p = plan.n[b] + q_idx
+            p = plan.n[b] + (q_idx % tokens if packed else q_idx)
             return valid & (j <= p) & ((j >= p - query_window) | (j < plan.sink[b]))
 
     return mask_mod
@@ -87,12 +91,20 @@ def make_score_mod(
     positions: str,
     reverse: bool,
     query_window: Optional[int],
+    group: int = 1,
 ):
-    """Wrap `user(score, b, h, q_pos, kv_pos)` so it receives positions, not cells."""
+    """Wrap `user(score, b, h, q_pos, kv_pos)` so it receives positions, not cells.
+
+    `group > 1`: queries are packed (see `make_mask_mod`); the user still sees the
+    query head `h * group + q_idx // tokens`.
+    """
     if positions not in POSITION_MODES:
         raise ValueError(f"positions must be one of {POSITION_MODES}, got {positions!r}")
 
     def score_mod(score, b, h, q_idx, kv_idx):
+        if group > 1:
+            h = h * group + q_idx // tokens
+            q_idx = q_idx % tokens
         _, j = stream_index(plan, ring_len, tokens, b, kv_idx)
         qp = query_stream_index(plan, b, q_idx, reverse)
         if positions == "cache":
