@@ -1,0 +1,290 @@
+"""Rotary position embeddings (RoPE) for streams held in a bounded cache.
+
+A rotary model rotates each query and key by an angle proportional to its
+position; the score of a query at position `p` and a key at position `j`
+then depends on `j - p` only. With a bounded cache there are two choices of
+position (SPEC section 6):
+
+``"stream"``
+    the entry's stream index. A key is rotated once, when it is written, and
+    never touched again. This is what the model saw in training if it was
+    trained on long sequences without a cache.
+
+``"cache"``
+    StreamingLLM's in-cache positions: the sink entries keep theirs and
+    everything after them moves down by the number of entries evicted so
+    far (`evicted = lo - sink`, SPEC section 2), so positions never grow past
+    the cache's size. StreamingLLM's reference code, and the old transformers
+    `SinkCache`, keep un-rotated keys and re-rotate every cached key at every
+    step: O(window) work per layer per step.
+
+flexkv serves ``"cache"`` in O(sink) per step. Keys are stored rotated at
+their stream index, as in ``"stream"``, and queries are rotated at their
+stream index too. A window key `j` and a query `p` are then at distance
+`j - p`, which is exactly their in-cache distance `(j - e) - (p - e)`. Only
+the sink keys are off: in-cache they sit `e` positions closer to the query
+than their stream index says. So `SinkRotation` keeps each request's sink
+keys un-rotated (O(sink) memory per request and layer) and, every step,
+rewrites the slot's sink cells rotated at `stream index + e`. Nothing else
+in the cache changes.
+
+This needs every query of a step to share one eviction count `e`: true for
+the per-step window, and for a per-query window (`query_window`) when a step
+has one query or the stream has not started evicting by the step's last
+query. `SinkRotation.check_step` says so on the host; chunked prefill past
+the window in ``"cache"`` mode is not served. It also needs the sink entries
+to be written by the request (in its slot): a source's cells are shared by
+every request that reads it and cannot carry a per-request rotation.
+
+Shapes: `x` is `[N, heads, T, head_dim]` (the attention layout);
+positions are `[N, T]` integer stream indices (or anything that broadcasts
+to it).
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import nn
+
+from .config import BoundedKVConfig
+from .manager import BoundedKVManager
+from .step import BoundedKVStep
+
+__all__ = [
+    "ROPE_POSITIONS",
+    "Rotary",
+    "rotate_half",
+    "apply_rotary",
+    "stream_positions",
+    "SinkRotation",
+]
+
+ROPE_POSITIONS = ("stream", "cache")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """`[x1, x2] -> [-x2, x1]` over the last dimension (the half-split RoPE layout)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` (`[..., D]`) by angles whose cosines and sines are `cos`, `sin` (broadcast to `x`)."""
+    return x * cos + rotate_half(x) * sin
+
+
+class Rotary(nn.Module):
+    """Rotary embedding of a head dimension `head_dim` with frequency base `base`.
+
+    Uses the half-split layout (pairs `(i, i + D/2)`, as Llama and the
+    transformers library do). Angles are computed in float64 from integer
+    positions and only then rounded to the input's dtype: stream indices
+    grow without bound, and a float32 angle `p * f` loses about `p * 6e-8`
+    radians, which at long streams is larger than the differences the
+    position modes are tested to.
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+            raise ValueError(f"Rotary: head_dim must be an even int >= 2, got {head_dim!r}")
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
+            raise ValueError(f"Rotary: base must be a number > 1, got {base!r}")
+        self.head_dim = head_dim
+        self.base = float(base)
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Cosines and sines for integer `positions` (any shape `P`): two `[*P, head_dim]` tensors in `dtype`."""
+        freqs = positions.to(torch.float64).unsqueeze(-1) * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate `x` `[N, H, T, D]` at `positions` `[N, T]` (or `[T]`), the same position for every head."""
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"Rotary.rotate: x has head_dim {x.shape[-1]}, this Rotary was built for {self.head_dim}")
+        cos, sin = self.cos_sin(positions, x.dtype)
+        return apply_rotary(x, cos.unsqueeze(-3), sin.unsqueeze(-3))
+
+    forward = rotate
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base}"
+
+
+def stream_positions(plan, tokens: int, reverse: bool = False) -> torch.Tensor:
+    """Stream index of each of a step's own tokens, `[N, T]` int64, from the plan's tensors (SPEC section 2).
+
+    Token `t` of flat row `b` sits at `n[b] + t`; with `reverse` a written
+    token (`t < span[b]`) sits at `n[b] + span[b] - 1 - t`. Padding rows get
+    `0 + t`. Runs on the device inside a compiled step: no host sync.
+    """
+    t = torch.arange(tokens, device=plan.n.device).view(1, -1)
+    n = plan.n.view(-1, 1).long()
+    if not reverse:
+        return n + t
+    span = plan.span.view(-1, 1).long()
+    return torch.where(t < span, n + span - 1 - t, n + t)
+
+
+class SinkRotation(nn.Module):
+    """Rotary positions for one layer of a `BoundedKVManager`, in ``"stream"`` or ``"cache"`` mode.
+
+    `forward(q, k, plan)` returns `q` and `k` rotated at the step's stream
+    positions, ready for `manager.attend(layer_idx, q, k, v, plan)`. In
+    ``"cache"`` mode it also stores the un-rotated keys of sink entries the
+    step writes and rewrites every row's sink cells in the layer's key
+    tensor, rotated `e` positions further on (`e` = entries evicted so far),
+    which makes the attention exactly StreamingLLM's in-cache rotary
+    attention (see the module docstring). Cost per step: `sink` cells per
+    row, never the window.
+
+    Args:
+        manager: the cache whose layer `layer_idx` this serves.
+        layer_idx: which layer.
+        rotary: the model's `Rotary` (its `head_dim` must be the cache's).
+        mode: ``"stream"`` or ``"cache"``.
+
+    Host side, call `check_step(step)` before planning a step in ``"cache"``
+    mode (`flexkv.wrap.StepContext` does it); it raises `ValueError` for a
+    step whose queries do not share one eviction count.
+    """
+
+    def __init__(self, manager: BoundedKVManager, layer_idx: int, rotary: Rotary, mode: str = "stream"):
+        super().__init__()
+        if not isinstance(manager, BoundedKVManager):
+            raise ValueError(f"SinkRotation: manager must be a BoundedKVManager, got {type(manager).__name__}")
+        c = manager.config
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < c.num_layers:
+            raise ValueError(f"SinkRotation: layer_idx must be an int in [0, {c.num_layers}), got {layer_idx!r}")
+        if not isinstance(rotary, Rotary):
+            raise ValueError(f"SinkRotation: rotary must be a flexkv.rotary.Rotary, got {type(rotary).__name__}")
+        if rotary.head_dim != c.head_dim:
+            raise ValueError(
+                f"SinkRotation: rotary.head_dim={rotary.head_dim} differs from the cache's head_dim={c.head_dim}"
+            )
+        if mode not in ROPE_POSITIONS:
+            raise ValueError(f"SinkRotation: mode must be one of {ROPE_POSITIONS}, got {mode!r}")
+        if mode == "cache":
+            check_cache_config(c)
+        # Not registered as submodules: the manager and the Rotary belong to the model.
+        object.__setattr__(self, "manager", manager)
+        object.__setattr__(self, "rotary", rotary)
+        self.layer_idx = layer_idx
+        self.mode = mode
+        lay = manager.layout
+        self._sink = c.sink_capacity
+        self._slot_rows = c.max_slots * c.rows_per_request
+        self._slots_base = lay.slots_base
+        self._slot_row_len = lay.slot_row_len
+        self._scratch_base = lay.scratch_base
+        self._scratch_len = lay.step_tokens
+        self._reverse = c.reverse_step_order
+        self._query_window = c.query_window
+        if mode == "cache" and self._sink:
+            # Un-rotated sink keys of every slot row, plus one row that padding writes into.
+            shape = ((self._slot_rows + 1) * self._sink, c.num_heads, c.head_dim)
+            self.register_buffer("raw_sink", torch.zeros(shape, dtype=c.dtype, device=manager.device))
+            self.register_buffer(
+                "_sink_offsets", torch.arange(self._sink, device=manager.device).view(1, -1), persistent=False
+            )
+
+    def extra_repr(self) -> str:
+        return f"layer_idx={self.layer_idx}, mode={self.mode!r}, sink={self._sink}"
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of the un-rotated sink copies (0 in ``"stream"`` mode)."""
+        raw = getattr(self, "raw_sink", None)
+        return 0 if raw is None else raw.numel() * raw.element_size()
+
+    def check_step(self, step: BoundedKVStep) -> None:
+        """Host check (``"cache"`` mode): every query of each request must share one eviction count."""
+        if self.mode == "cache":
+            check_cache_step(self.manager.config, step)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, plan) -> Tuple[torch.Tensor, torch.Tensor]:
+        """`q [N, Hq, T, D]`, `k [N, H, T, D]` -> both rotated at stream positions (see the class docstring)."""
+        T = k.shape[2]
+        pos = stream_positions(plan, T, self._reverse)
+        q = self.rotary.rotate(q, pos)
+        k_raw = k
+        k = self.rotary.rotate(k, pos)
+        if self.mode == "cache" and self._sink:
+            self._rewrite_sinks(k_raw, pos, plan)
+        return q, k
+
+    def _rewrite_sinks(self, k_raw: torch.Tensor, pos: torch.Tensor, plan) -> None:
+        S = self._sink
+        N, H, T, D = k_raw.shape
+        sink_base = plan.sink_base.long()
+        src_len = plan.src_len.long().view(-1, 1)
+        live = sink_base >= self._slots_base  # padding rows point out of reach
+        slot_row = torch.where(live, (sink_base - self._slots_base) // self._slot_row_len, self._slot_rows)
+
+        # 1. Keep the un-rotated copy of every own token that lands in the sink region
+        #    (the same cells attend writes it to; look-ahead ones are overwritten later, as there).
+        cell = pos - src_len
+        store = live.view(-1, 1) & (cell >= 0) & (pos < plan.ring_start.long().view(-1, 1))
+        flat = torch.where(store, slot_row.view(-1, 1) * S + cell.clamp(0, S - 1), self._slot_rows * S)
+        self.raw_sink.index_put_((flat.view(-1),), k_raw.transpose(1, 2).reshape(N * T, H, D))
+
+        # 2. Every row's sink cells, rotated `evicted` positions past their stream index.
+        if self._query_window is None:
+            evicted = plan.lo.long() - plan.sink.long()
+        else:
+            evicted = (plan.n.long() - self._query_window - plan.sink.long()).clamp_min(0)
+        offs = self._sink_offsets
+        raw = self.raw_sink.view(self._slot_rows + 1, S, H, D)[slot_row]  # [N, S, H, D]
+        rotated = self.rotary.rotate(raw.transpose(1, 2), src_len + offs + evicted.view(-1, 1))  # [N, H, S, D]
+        cells = torch.where(
+            live.view(-1, 1), sink_base.view(-1, 1) + offs, self._scratch_base + offs % self._scratch_len
+        )
+        kc = getattr(self.manager, f"k_cache_{self.layer_idx}")
+        index = (self.manager._zero_index, self.manager._head_index, cells.view(1, N * S))
+        kc.index_put_(index, rotated.transpose(0, 1).reshape(H, N * S, D))
+
+
+def check_cache_config(config: BoundedKVConfig) -> None:
+    """Raise `ValueError` unless ``"cache"`` rotary positions can be served for `config`.
+
+    The sink entries must be written by each request: for every allowed
+    source length `L`, `min(sink, L) == 0`.
+    """
+    for length, pol in config._resolved():
+        if pol.sink and length:
+            raise ValueError(
+                f"rotary positions='cache' need the sink entries in the request's own slot, but "
+                f"source_len={length} puts {min(pol.sink, length)} of the {pol.sink} sink entries in a shared "
+                f"source; use positions='stream', or a retention with sink=0 for source_len > 0"
+            )
+
+
+def check_cache_step(config: BoundedKVConfig, step: BoundedKVStep) -> None:
+    """Raise `ValueError` if a request's queries in `step` would need different eviction counts.
+
+    Only possible with a per-query window: query `t` of a stream at length
+    `n` has evicted `max(0, n + t - query_window - sink)` entries.
+    """
+    qw = config.query_window
+    T = step.step_tokens
+    if qw is None or T == 1:
+        return
+    for seg in step.segments:
+        if seg.request_id is None:
+            continue
+        pos = step.positions[seg.request_id]
+        sink = config.retention_for(pos.source_len).sink
+        n = pos.length
+        if n + T - 1 - qw - sink > 0:
+            raise ValueError(
+                f"request {seg.request_id!r}: rotary positions='cache' with query_window={qw} need one eviction "
+                f"count per step, but a step of T={T} tokens at stream length n={n} (sink={sink}) has queries "
+                f"past n + T - 1 = {n + T - 1} > query_window + sink = {qw + sink}; run such steps one token at "
+                f"a time (T=1) or use positions='stream'"
+            )
+

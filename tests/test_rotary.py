@@ -1,0 +1,231 @@
+"""Rotary positions on a bounded cache: the RoPE maths, stream positions, and
+StreamingLLM's in-cache positions served by rewriting only the sink cells.
+
+The ``"cache"`` mode is checked against a literal StreamingLLM cache: it keeps
+the retained keys un-rotated, appends each new token, re-rotates every key at
+its position in the cache and the query at the last one, attends, then evicts
+down to sink + window.
+"""
+
+import math
+import pytest
+import torch
+
+from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.reference import ReferenceCache, own_stream_indices
+from flexkv.rotary import Rotary, SinkRotation, apply_rotary, rotate_half, stream_positions
+
+D = 16
+
+
+def test_rotate_half_and_apply_by_hand():
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert rotate_half(x).tolist() == [-3.0, -4.0, 1.0, 2.0]
+    # head_dim 2: one pair rotated by angle = position (frequency 1).
+    rot = Rotary(2)
+    p = torch.tensor([[3]])
+    out = rot.rotate(torch.tensor([[[[1.0, 0.0]]]]), p)
+    assert torch.allclose(out, torch.tensor([[[[math.cos(3), math.sin(3)]]]]), atol=1e-6)
+    cos, sin = rot.cos_sin(torch.tensor([5]))
+    assert torch.allclose(apply_rotary(torch.tensor([[0.0, 1.0]]), cos, sin),
+                          torch.tensor([[-math.sin(5), math.cos(5)]]), atol=1e-6)
+
+
+def test_scores_depend_on_relative_position_only():
+    torch.manual_seed(0)
+    rot = Rotary(D, base=500.0)
+    q, k = torch.randn(1, 3, 1, D, dtype=torch.float64), torch.randn(1, 3, 1, D, dtype=torch.float64)
+    def score(p, j):
+        return (rot.rotate(q, torch.tensor([[p]])) * rot.rotate(k, torch.tensor([[j]]))).sum(-1)
+    assert torch.allclose(score(10, 4), score(1010, 1004), atol=1e-9)
+    assert torch.allclose(rot.rotate(q, torch.tensor([[77]])).norm(dim=-1), q.norm(dim=-1))
+    assert not torch.allclose(score(10, 4), score(10, 5))
+
+
+def test_rotary_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="even int"):
+        Rotary(7)
+    with pytest.raises(ValueError, match="base must be"):
+        Rotary(8, base=1)
+    with pytest.raises(ValueError, match="head_dim 4"):
+        Rotary(8).rotate(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_stream_positions_follow_the_spec(reverse):
+    cfg = BoundedKVConfig(1, 1, D, 2, 3, SinkWindow(2, 6), max_slots=4, max_step_tokens=4,
+                          reverse_step_order=reverse)
+    m = BoundedKVManager(cfg, block_size=16)
+    m.add_source(torch.zeros(1, 2, 1, 3, D), torch.zeros(1, 2, 1, 3, D))
+    step = BoundedKVStep((Segment("a", 3), Segment(None, 0), Segment("b", 0)),
+                         {"a": StreamPosition(3, 0), "b": StreamPosition(0, 0)}, tokens=4)
+    m.admit(step)
+    pos = stream_positions(m.plan(step), 4, reverse).tolist()
+    assert pos[0] == pos[1] == own_stream_indices(3, 3, 4, reverse)
+    assert pos[4] == pos[5] == own_stream_indices(0, 0, 4, reverse)
+
+
+class StreamingLLM:
+    """StreamingLLM's cache, literally: un-rotated retained keys, re-rotated at every step (float64)."""
+
+    def __init__(self, rotary, sink, window, scale):
+        self.rotary, self.sink, self.window, self.scale = rotary, sink, window, scale
+        self.keys, self.values = {}, {}
+
+    def attend(self, layer, rid, q, k, v):
+        """q [R, Hq, 1, D], k/v [R, H, 1, D] of one request; returns [R, Hq, 1, D]."""
+        key = (rid, layer)
+        K = torch.cat([self.keys.get(key, k[:, :, :0].double()), k.double()], dim=2)
+        V = torch.cat([self.values.get(key, v[:, :, :0].double()), v.double()], dim=2)
+        length = K.shape[2]
+        Kr = self.rotary.rotate(K, torch.arange(length))  # every key, at its place in the cache
+        qr = self.rotary.rotate(q.double(), torch.tensor([length - 1]))
+        group = q.shape[1] // k.shape[1]
+        Kr, V2 = Kr.repeat_interleave(group, 1), V.repeat_interleave(group, 1)
+        out = torch.softmax(qr @ Kr.transpose(-1, -2) * self.scale, dim=-1) @ V2
+        if length > self.sink + self.window:  # evict for the next step
+            K = torch.cat([K[:, :, :self.sink], K[:, :, length - self.window:]], dim=2)
+            V = torch.cat([V[:, :, :self.sink], V[:, :, length - self.window:]], dim=2)
+        self.keys[key], self.values[key] = K, V
+        return out
+
+    def drop(self, rid):
+        for key in [key for key in self.keys if key[0] == rid]:
+            del self.keys[key], self.values[key]
+
+
+LAYERS, R, H, HQ, SINK, WINDOW, BATCH = 2, 2, 2, 4, 4, 8, 3
+
+
+def _cache_config(query_window=None, max_step_tokens=1):
+    return BoundedKVConfig(LAYERS, H, D, R, 0, SinkWindow(SINK, WINDOW), max_slots=4, query_window=query_window,
+                           max_step_tokens=max_step_tokens)
+
+
+def _run_against_streamingllm(cfg, steps, step_fn, seed):
+    """Decode `steps` steps for a churning batch; compare every live row with StreamingLLM.
+
+    Returns the largest deviation and the length `r2` (the longest stream) reached.
+    """
+    torch.manual_seed(seed)
+    m = BoundedKVManager(cfg, block_size=16)
+    rot = Rotary(D, base=100.0)
+    layers = [SinkRotation(m, i, rot, "cache") for i in range(LAYERS)]
+    ref = StreamingLLM(rot, SINK, WINDOW, D ** -0.5)
+    live = ["r0", "r1", None]
+    written = {}
+    worst = 0.0
+    for step_no in range(steps):
+        segs = tuple(Segment(rid, 1) if rid else Segment(None, 0) for rid in live)
+        pos = {rid: StreamPosition(0, written.setdefault(rid, 0)) for rid in live if rid}
+        step = BoundedKVStep(segs, pos)
+        m.admit(step)
+        layers[0].check_step(step)
+        plan = m.plan(step)
+        N = BATCH * R
+        qs = [torch.randn(N, HQ, 1, D) for _ in range(LAYERS)]
+        ks = [torch.randn(N, H, 1, D) for _ in range(LAYERS)]
+        vs = [torch.randn(N, H, 1, D) for _ in range(LAYERS)]
+        outs = step_fn(m, layers, plan, qs, ks, vs)
+        for li in range(LAYERS):
+            for si, rid in enumerate(live):
+                rows = slice(si * R, si * R + R)
+                if rid is None:
+                    assert outs[li][rows].abs().max() == 0
+                    continue
+                exp = ref.attend(li, rid, qs[li][rows], ks[li][rows], vs[li][rows])
+                worst = max(worst, (outs[li][rows].double() - exp).abs().max().item())
+        m.commit(step)
+        for rid in live:
+            if rid:
+                written[rid] += 1
+        # churn: a request joins in the padding row, one finishes and a new one takes its
+        # slot (stale sink copies and cells underneath), one is reset to an empty stream
+        if step_no == 4:
+            live[2] = "r2"
+        elif step_no == 13:
+            m.remove_request("r0"); ref.drop("r0"); live[0] = None
+        elif step_no == 15:
+            live[0] = "r3"
+        elif step_no == 18:
+            m.reset_request("r1"); ref.drop("r1"); written["r1"] = 0
+    return worst, written["r2"]
+
+
+def _eager_step(m, layers, plan, qs, ks, vs):
+    outs = []
+    for li, rot in enumerate(layers):
+        q, k = rot(qs[li], ks[li], plan)
+        outs.append(m.attend(li, q, k, vs[li], plan))
+    return outs
+
+
+@pytest.mark.parametrize("query_window,steps", [(None, 30), (WINDOW, 26)])
+def test_cache_positions_match_streamingllm_eager(query_window, steps):
+    worst, longest = _run_against_streamingllm(_cache_config(query_window), steps, _eager_step, seed=1)
+    assert longest >= SINK + WINDOW + 8  # past the window, so sinks have been re-rotated several times
+    assert worst < 2e-5, worst
+
+
+@pytest.fixture(scope="module")
+def compiled_step():
+    return torch.compile(_eager_step, fullgraph=True, dynamic=False)
+
+
+def test_cache_positions_match_streamingllm_compiled_without_recompiles(compiled_step):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    worst, longest = _run_against_streamingllm(_cache_config(), 34, compiled_step, seed=2)
+    assert longest >= SINK + WINDOW + 12
+    assert worst < 2e-5, worst
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
+def test_stream_mode_is_rotation_at_stream_index():
+    """In "stream" mode the cache attends keys rotated at their stream index (checked on the dense reference)."""
+    torch.manual_seed(3)
+    cfg = _cache_config(max_step_tokens=3)
+    m = BoundedKVManager(cfg, block_size=16)
+    rot = Rotary(D)
+    layer = SinkRotation(m, 0, rot, "stream")
+    assert layer.memory_bytes == 0
+    ref = ReferenceCache(cfg)
+    written = 0
+    for _ in range(8):
+        step = BoundedKVStep((Segment("a", 3),), {"a": StreamPosition(0, written)})
+        m.admit(step)
+        plan = m.plan(step)
+        q, k, v = torch.randn(R, HQ, 3, D), torch.randn(R, H, 3, D), torch.randn(R, H, 3, D)
+        qr, kr = layer(q, k, plan)
+        out = m.attend(0, qr, kr, v, plan)
+        p = torch.arange(written, written + 3)
+        exp = ref.attend(0, rot.rotate(q.double(), p), rot.rotate(k.double(), p), v, step)
+        assert (out.double() - exp).abs().max() < 2e-5
+        m.commit(step); ref.commit(step)
+        written += 3
+
+
+def test_cache_mode_rejects_what_it_cannot_serve():
+    rot = Rotary(D)
+    shared_sink = BoundedKVConfig(1, H, D, 1, 8, SinkWindow(4, 8), max_slots=2)
+    with pytest.raises(ValueError, match="source_len=1 puts 1 of the 4 sink entries in a shared source"):
+        SinkRotation(BoundedKVManager(shared_sink, block_size=16), 0, rot, "cache")
+    # sinks in the slot for L == 0 and no sink when a source is read: fine
+    ok = BoundedKVConfig(1, H, D, 1, 8, lambda L: SinkWindow(0 if L else 4, 8), max_slots=2)
+    SinkRotation(BoundedKVManager(ok, block_size=16), 0, rot, "cache")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        SinkRotation(BoundedKVManager(ok, block_size=16), 0, rot, "absolute")
+    with pytest.raises(ValueError, match="head_dim=8 differs"):
+        SinkRotation(BoundedKVManager(ok, block_size=16), 0, Rotary(8), "cache")
+
+    cfg = _cache_config(query_window=WINDOW, max_step_tokens=4)
+    layer = SinkRotation(BoundedKVManager(cfg, block_size=16), 0, rot, "cache")
+    before = BoundedKVStep((Segment("a", 4),), {"a": StreamPosition(0, SINK + WINDOW - 3)})
+    layer.check_step(before)  # the last query still evicts nothing
+    past = BoundedKVStep((Segment("a", 4),), {"a": StreamPosition(0, SINK + WINDOW - 2)})
+    with pytest.raises(ValueError, match="one eviction count per step"):
+        layer.check_step(past)
+    SinkRotation(BoundedKVManager(cfg, block_size=16), 0, rot, "stream").check_step(past)  # stream mode: any step
