@@ -8,12 +8,14 @@ down to sink + window.
 """
 
 import math
+
 import pytest
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.reference import ReferenceCache, own_stream_indices
 from flexkv.rotary import Rotary, SinkRotation, apply_rotary, rotate_half, stream_positions
+from streamingllm import StreamingLLM
 
 D = 16
 
@@ -63,35 +65,6 @@ def test_stream_positions_follow_the_spec(reverse):
     pos = stream_positions(m.plan(step), 4, reverse).tolist()
     assert pos[0] == pos[1] == own_stream_indices(3, 3, 4, reverse)
     assert pos[4] == pos[5] == own_stream_indices(0, 0, 4, reverse)
-
-
-class StreamingLLM:
-    """StreamingLLM's cache, literally: un-rotated retained keys, re-rotated at every step (float64)."""
-
-    def __init__(self, rotary, sink, window, scale):
-        self.rotary, self.sink, self.window, self.scale = rotary, sink, window, scale
-        self.keys, self.values = {}, {}
-
-    def attend(self, layer, rid, q, k, v):
-        """q [R, Hq, 1, D], k/v [R, H, 1, D] of one request; returns [R, Hq, 1, D]."""
-        key = (rid, layer)
-        K = torch.cat([self.keys.get(key, k[:, :, :0].double()), k.double()], dim=2)
-        V = torch.cat([self.values.get(key, v[:, :, :0].double()), v.double()], dim=2)
-        length = K.shape[2]
-        Kr = self.rotary.rotate(K, torch.arange(length))  # every key, at its place in the cache
-        qr = self.rotary.rotate(q.double(), torch.tensor([length - 1]))
-        group = q.shape[1] // k.shape[1]
-        Kr, V2 = Kr.repeat_interleave(group, 1), V.repeat_interleave(group, 1)
-        out = torch.softmax(qr @ Kr.transpose(-1, -2) * self.scale, dim=-1) @ V2
-        if length > self.sink + self.window:  # evict for the next step
-            K = torch.cat([K[:, :, :self.sink], K[:, :, length - self.window:]], dim=2)
-            V = torch.cat([V[:, :, :self.sink], V[:, :, length - self.window:]], dim=2)
-        self.keys[key], self.values[key] = K, V
-        return out
-
-    def drop(self, rid):
-        for key in [key for key in self.keys if key[0] == rid]:
-            del self.keys[key], self.values[key]
 
 
 LAYERS, R, H, HQ, SINK, WINDOW, BATCH = 2, 2, 2, 4, 4, 8, 3
