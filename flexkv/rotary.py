@@ -188,7 +188,10 @@ class SinkRotation(nn.Module):
         if mode == "cache" and self._sink:
             # Un-rotated sink keys of every slot row, plus one row that padding writes into.
             shape = ((self._slot_rows + 1) * self._sink, c.num_heads, c.head_dim)
-            self.register_buffer("raw_sink", torch.zeros(shape, dtype=c.dtype, device=manager.device))
+            # Cache state, not model weights: kept out of the model's state_dict.
+            self.register_buffer(
+                "raw_sink", torch.zeros(shape, dtype=c.dtype, device=manager.device), persistent=False
+            )
             self.register_buffer(
                 "_sink_offsets", torch.arange(self._sink, device=manager.device).view(1, -1), persistent=False
             )
