@@ -152,7 +152,7 @@ class UncachedHistory:
         group = Hq // c.num_heads
         scale = D ** -0.5 if scale is None else scale
         out = torch.zeros(N, Hq, T, D, dtype=torch.float64)
-        heads = torch.arange(Hq).view(Hq, 1)
+        heads = torch.arange(Hq)
         for si, seg in enumerate(step.segments):
             rid = seg.request_id
             if rid is None:
@@ -174,24 +174,29 @@ class UncachedHistory:
             parts_v += [V_hist[:, :, : pos.written], v[rows][:, :, order]]
             K_all = torch.cat(parts_k, dim=2)  # [R, H, n + T, D]: index = stream index
             V_all = torch.cat(parts_v, dim=2)
-            for t in range(T):
-                idx = sets[t]
-                ranks, qrank = cache_positions(idx, own[t])
-                kk = K_all[:, :, idx]  # [R, H, |A|, D]
-                qq = q[rows, :, t : t + 1]  # [R, Hq, 1, D]
+            # Queries with the same attended set (all of them, with a per-step window) go together.
+            groups = [list(range(T))] if c.query_window is None else [[t] for t in range(T)]
+            for ts in groups:
+                idx = sets[ts[0]]
+                ranks, _ = cache_positions(idx, idx[0]) if idx else ([], 0)
+                rank = dict(zip(idx, ranks))
+                qranks = [rank[own[t]] for t in ts]
+                idx_t = torch.tensor(idx, dtype=torch.long)
+                kk = K_all[:, :, idx_t]  # [R, H, K, D]
+                qq = q[rows][:, :, ts]  # [R, Hq, G, D]
                 if rotary is not None:
-                    kp = torch.tensor(idx if rope_positions == "stream" else ranks)
-                    qp = torch.tensor([own[t] if rope_positions == "stream" else qrank])
-                    kk = rotary.rotate(kk, kp)
-                    qq = rotary.rotate(qq, qp)
+                    cache_mode = rope_positions == "cache"
+                    kk = rotary.rotate(kk, torch.tensor(ranks) if cache_mode else idx_t)
+                    qq = rotary.rotate(qq, torch.tensor(qranks if cache_mode else [own[t] for t in ts]))
                 kk = kk.repeat_interleave(group, 1)
-                vv = V_all[:, :, idx].repeat_interleave(group, 1)
-                scores = (qq @ kk.transpose(-1, -2))[:, :, 0] * scale  # [R, Hq, |A|]
+                vv = V_all[:, :, idx_t].repeat_interleave(group, 1)
+                scores = (qq @ kk.transpose(-1, -2)) * scale  # [R, Hq, G, K]
                 if score_mod is not None:
-                    kpos = torch.tensor(idx if positions == "stream" else ranks).view(1, -1)
-                    qpos = torch.tensor(own[t] if positions == "stream" else qrank)
+                    stream_mode = positions == "stream"
+                    kpos = (idx_t if stream_mode else torch.tensor(ranks, dtype=torch.long)).view(1, 1, -1)
+                    qpos = torch.tensor([own[t] for t in ts] if stream_mode else qranks).view(1, -1, 1)
                     for r in range(R):
                         b = torch.tensor(si * R + r)
-                        scores[r] = score_mod(scores[r], b, heads, qpos, kpos).double()
-                out[rows, :, t] = (torch.softmax(scores, dim=-1).unsqueeze(2) @ vv)[:, :, 0]
+                        scores[r] = score_mod(scores[r], b, heads.view(Hq, 1, 1), qpos, kpos).double()
+                out[rows][:, :, ts] = torch.softmax(scores, dim=-1) @ vv
         return out.to(dtype=dtype, device=device)
