@@ -42,6 +42,12 @@ def test_scores_depend_on_relative_position_only():
     assert torch.allclose(score(10, 4), score(1010, 1004), atol=1e-9)
     assert torch.allclose(rot.rotate(q, torch.tensor([[77]])).norm(dim=-1), q.norm(dim=-1))
     assert not torch.allclose(score(10, 4), score(10, 5))
+    # float32 angles agree at small positions and lose accuracy at large ones, as documented
+    f32 = Rotary(D, base=500.0, angle_dtype=torch.float32)
+    p = torch.tensor([[5]])
+    assert torch.allclose(f32.rotate(q, p), rot.rotate(q, p), atol=1e-6)
+    far = torch.tensor([[3_000_001]])
+    assert (f32.rotate(q, far) - rot.rotate(q, far)).abs().max() > 1e-3
 
 
 def test_rotary_rejects_bad_arguments():
@@ -49,6 +55,8 @@ def test_rotary_rejects_bad_arguments():
         Rotary(7)
     with pytest.raises(ValueError, match="base must be"):
         Rotary(8, base=1)
+    with pytest.raises(ValueError, match="angle_dtype must be"):
+        Rotary(8, angle_dtype=torch.float16)
     with pytest.raises(ValueError, match="head_dim 4"):
         Rotary(8).rotate(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, dtype=torch.long))
 
