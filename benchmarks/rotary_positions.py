@@ -161,7 +161,10 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=1020)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     built = {

@@ -164,7 +164,7 @@ class Runner:
 
     def __init__(self, cfg: ChatConfig, cache, compile: bool = False, weights: Optional[dict] = None):
         self.context = StepContext(cache)
-        self.model = ChatDecoder(cfg, self.context).eval()
+        self.model = ChatDecoder(cfg, self.context).eval().requires_grad_(False)  # inference only: compiled CPU FlexAttention has no backward
         if weights is not None:
             self.model.load_state_dict(weights)
         context, model = self.context, self.model
@@ -286,7 +286,11 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=300, help="tokens each request generates")
     ap.add_argument("--eager", action="store_true", help="do not torch.compile the bounded model")
     ap.add_argument("--no-check", action="store_true", help="skip the uncached twin (no deviation figure)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's choice); fewer than the free cores avoids stalls")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = ChatConfig(rope_positions=args.rope_positions)
     bounded = Runner.bounded(cfg, compile=not args.eager)
@@ -295,8 +299,8 @@ def main(argv=None):
         runners.append(Runner.uncached(cfg, weights=bounded.model.state_dict()))
     # four requests, prompts of 1.5-4x the window, two of them joining late
     reqs = make_requests([240, 90, 150, 200], args.new_tokens, start_steps=[0, 0, 12, 40], vocab=cfg.vocab)
-    # one warm-up step on throwaway requests compiles the graphs outside the timing
-    warm = make_requests([cfg.chunk + 1, cfg.chunk + 1, 1, 1], 2, seed=1, vocab=cfg.vocab)
+    # throwaway requests in the same batch shape compile both graphs (chunk, decode) outside the timing
+    warm = make_requests([cfg.chunk + 1] * len(reqs), 2, seed=1, vocab=cfg.vocab)
     for r in warm:
         r.rid = "warm-" + r.rid
     stream(cfg, [bounded], warm)
@@ -305,7 +309,8 @@ def main(argv=None):
     sink_copies = sum(b.attn.core.rope.memory_bytes for b in bounded.model.blocks)
     print(f"streaming chat decoder: {cfg.layers} layers, {cfg.heads} q / {cfg.kv_heads} kv heads x {cfg.head_dim}, "
           f"sink {cfg.sink} + window {cfg.window}, prefill chunk {cfg.chunk}, rope positions {cfg.rope_positions!r}, "
-          f"{'eager' if args.eager else 'compiled'}")
+          f"{'eager' if args.eager else 'compiled'}, "
+          f"{torch.get_num_threads()} threads")
     print(f"  {len(reqs)} requests, {res['steps']} steps, {res['tokens']} tokens written, longest stream {res['max_len']}")
     print(f"  bounded: {res['tokens'] / res['seconds'][0]:.0f} tokens/s ({1e3 * res['seconds'][0] / res['steps']:.2f} ms/step)")
     print(f"  memory held: {m.memory_bytes / 2**10:.1f} KiB KV cache ({m.slot_bytes / 2**10:.1f} KiB per request)"

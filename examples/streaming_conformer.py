@@ -217,7 +217,7 @@ class Runner:
     def __init__(self, cfg: ConformerConfig, cache, compile: bool = False, weights: Optional[dict] = None):
         self.cfg = cfg
         self.context = StepContext(cache)
-        self.model = StreamingConformer(cfg, self.context).eval()
+        self.model = StreamingConformer(cfg, self.context).eval().requires_grad_(False)  # inference only: compiled CPU FlexAttention has no backward
         if weights is not None:
             self.model.load_state_dict(weights)
         context, model = self.context, self.model
@@ -317,7 +317,11 @@ def main(argv=None):
     ap.add_argument("--chunks", type=int, default=300, help="chunks each utterance streams")
     ap.add_argument("--eager", action="store_true", help="do not torch.compile the bounded model")
     ap.add_argument("--no-check", action="store_true", help="skip the uncached twin (no deviation figure)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's choice); fewer than the free cores avoids stalls")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = ConformerConfig(causal=args.causal)
     bounded = Runner.bounded(cfg, compile=not args.eager)
@@ -326,15 +330,17 @@ def main(argv=None):
         runners.append(Runner.uncached(cfg, weights=bounded.model.state_dict()))
     n = args.chunks
     utts = make_utterances(cfg, [n, max(1, n - 20), n, max(1, n // 2)], start_steps=[0, 0, 7, n // 4])
-    warm = make_utterances(cfg, [1], seed=9)
-    warm[0].rid = "warm"
-    stream(cfg, [bounded], warm)  # compile outside the timing
+    warm = make_utterances(cfg, [1] * len(utts), seed=9)  # compile outside the timing, same batch shape
+    for u in warm:
+        u.rid = "warm-" + u.rid
+    stream(cfg, [bounded], warm)
     res = stream(cfg, runners, utts)
     m = bounded.context.cache
     mode = (f"causal, per-query window {cfg.window}" if cfg.causal
             else f"chunk {cfg.chunk} + look-ahead {cfg.lookahead}, window {cfg.window}")
     print(f"cache-aware streaming conformer: {cfg.layers} layers, {cfg.heads} heads x {cfg.head_dim}, {mode}, "
-          f"Transformer-XL bias on in-cache positions, {'eager' if args.eager else 'compiled'}")
+          f"Transformer-XL bias on in-cache positions, {'eager' if args.eager else 'compiled'}, "
+          f"{torch.get_num_threads()} threads")
     print(f"  {len(utts)} utterances, {res['steps']} steps, {res['frames']} frames encoded")
     print(f"  bounded: {res['frames'] / res['seconds'][0]:.0f} frames/s ({1e3 * res['seconds'][0] / res['steps']:.2f} "
           f"ms/step)")
