@@ -7,8 +7,8 @@ position (SPEC section 6):
 
 ``"stream"``
     the entry's stream index. A key is rotated once, when it is written, and
-    never touched again. This is what the model saw in training if it was
-    trained on long sequences without a cache.
+    never touched again. These are the positions the model would see running
+    over the whole stream without a cache.
 
 ``"cache"``
     StreamingLLM's in-cache positions: the sink entries keep theirs and
@@ -59,6 +59,8 @@ __all__ = [
     "apply_rotary",
     "stream_positions",
     "SinkRotation",
+    "check_cache_config",
+    "check_cache_step",
 ]
 
 ROPE_POSITIONS = ("stream", "cache")
