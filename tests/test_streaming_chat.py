@@ -1,7 +1,6 @@
 """The streaming chat decoder streamed through flexkv computes what it computes
 without a bounded cache: every logit of every prompt and generated token."""
 
-import pytest
 import torch
 
 from examples.streaming_chat import ChatConfig, Runner, make_requests, stream
