@@ -16,6 +16,7 @@ from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, Si
 from flexkv.reference import ReferenceCache, own_stream_indices
 from flexkv.rotary import Rotary, SinkRotation, apply_rotary, rotate_half, stream_positions
 from streamingllm import StreamingLLM
+from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 D = 16
 

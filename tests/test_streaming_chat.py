@@ -4,6 +4,7 @@ without a bounded cache: every logit of every prompt and generated token."""
 import torch
 
 from examples.streaming_chat import ChatConfig, Runner, make_requests, stream
+from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 CFG = ChatConfig(window=24, chunk=8, max_requests=3)
 

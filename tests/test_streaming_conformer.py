@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from examples.streaming_conformer import ConformerConfig, Runner, make_utterances, stream
+from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 CFG = ConformerConfig(feats=16, dim=32, heads=4, layers=2, ffn=64, kernel=5, chunk=10, lookahead=4, window=70,
                       max_rel=40, max_requests=3)

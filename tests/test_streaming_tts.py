@@ -4,6 +4,7 @@ computes without a bounded cache: every frame of every chunk of every request.""
 import torch
 
 from examples.streaming_tts import Runner, TTSConfig, make_prompts, make_utterances, stream
+from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 # 2 Euler steps x 1 block = 2 cache layers; the brief's 50-frame chunks and a 2-chunk window
 CFG = TTSConfig(mel=8, dim=32, heads=2, blocks=1, solver_steps=2, ffn=64, vocab=32, chunk=50, window=100,

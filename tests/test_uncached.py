@@ -12,6 +12,7 @@ from flexkv.reference import ReferenceCache
 from flexkv.rotary import Rotary
 from flexkv.uncached import UncachedHistory
 from streamingllm import StreamingLLM
+from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 L_, R, H, HQ, D = 2, 2, 2, 4, 8
 

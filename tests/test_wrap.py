@@ -7,6 +7,7 @@ from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, Si
 from flexkv.rotary import Rotary
 from flexkv.uncached import UncachedHistory
 from flexkv.wrap import BoundedAttention, StepContext, UncachedAttention, attention
+from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 H, HQ, D, R = 2, 4, 8, 2
 
