@@ -7,8 +7,8 @@ position (SPEC section 6):
 
 ``"stream"``
     the entry's stream index. A key is rotated once, when it is written, and
-    never touched again. This is what the model saw in training if it was
-    trained on long sequences without a cache.
+    never touched again. These are the positions the model would see running
+    over the whole stream without a cache.
 
 ``"cache"``
     StreamingLLM's in-cache positions: the sink entries keep theirs and
@@ -59,6 +59,8 @@ __all__ = [
     "apply_rotary",
     "stream_positions",
     "SinkRotation",
+    "check_cache_config",
+    "check_cache_step",
 ]
 
 ROPE_POSITIONS = ("stream", "cache")
@@ -79,27 +81,32 @@ class Rotary(nn.Module):
     """Rotary embedding of a head dimension `head_dim` with frequency base `base`.
 
     Uses the half-split layout (pairs `(i, i + D/2)`, as Llama and the
-    transformers library do). Angles are computed in float64 from integer
-    positions and only then rounded to the input's dtype: stream indices
-    grow without bound, and a float32 angle `p * f` loses about `p * 6e-8`
-    radians, which at long streams is larger than the differences the
-    position modes are tested to.
+    transformers library do). Angles are computed in `angle_dtype` (float64
+    by default) from integer positions and only then rounded to the input's
+    dtype: stream indices grow without bound, and a float32 angle `p * f`
+    loses about `p * 6e-8` radians, which at long streams is larger than the
+    differences the position modes are tested to. Pass
+    `angle_dtype=torch.float32` to reproduce a float32 implementation's
+    rounding, or on a device without float64.
     """
 
-    def __init__(self, head_dim: int, base: float = 10000.0):
+    def __init__(self, head_dim: int, base: float = 10000.0, *, angle_dtype: torch.dtype = torch.float64):
         super().__init__()
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
             raise ValueError(f"Rotary: head_dim must be an even int >= 2, got {head_dim!r}")
         if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
             raise ValueError(f"Rotary: base must be a number > 1, got {base!r}")
+        if angle_dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"Rotary: angle_dtype must be torch.float32 or torch.float64, got {angle_dtype!r}")
         self.head_dim = head_dim
         self.base = float(base)
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.angle_dtype = angle_dtype
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, head_dim, 2, dtype=angle_dtype) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
         """Cosines and sines for integer `positions` (any shape `P`): two `[*P, head_dim]` tensors in `dtype`."""
-        freqs = positions.to(torch.float64).unsqueeze(-1) * self.inv_freq.to(positions.device)
+        freqs = positions.to(self.angle_dtype).unsqueeze(-1) * self.inv_freq.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -113,7 +120,7 @@ class Rotary(nn.Module):
     forward = rotate
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, base={self.base}"
+        return f"head_dim={self.head_dim}, base={self.base}, angle_dtype={self.angle_dtype}"
 
 
 def stream_positions(plan, tokens: int, reverse: bool = False) -> torch.Tensor:

@@ -8,12 +8,15 @@ down to sink + window.
 """
 
 import math
+
 import pytest
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.reference import ReferenceCache, own_stream_indices
 from flexkv.rotary import Rotary, SinkRotation, apply_rotary, rotate_half, stream_positions
+from streamingllm import StreamingLLM
+from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 D = 16
 
@@ -40,6 +43,12 @@ def test_scores_depend_on_relative_position_only():
     assert torch.allclose(score(10, 4), score(1010, 1004), atol=1e-9)
     assert torch.allclose(rot.rotate(q, torch.tensor([[77]])).norm(dim=-1), q.norm(dim=-1))
     assert not torch.allclose(score(10, 4), score(10, 5))
+    # float32 angles agree at small positions and lose accuracy at large ones, as documented
+    f32 = Rotary(D, base=500.0, angle_dtype=torch.float32)
+    p = torch.tensor([[5]])
+    assert torch.allclose(f32.rotate(q, p), rot.rotate(q, p), atol=1e-6)
+    far = torch.tensor([[3_000_001]])
+    assert (f32.rotate(q, far) - rot.rotate(q, far)).abs().max() > 1e-3
 
 
 def test_rotary_rejects_bad_arguments():
@@ -47,6 +56,8 @@ def test_rotary_rejects_bad_arguments():
         Rotary(7)
     with pytest.raises(ValueError, match="base must be"):
         Rotary(8, base=1)
+    with pytest.raises(ValueError, match="angle_dtype must be"):
+        Rotary(8, angle_dtype=torch.float16)
     with pytest.raises(ValueError, match="head_dim 4"):
         Rotary(8).rotate(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, dtype=torch.long))
 
@@ -63,35 +74,6 @@ def test_stream_positions_follow_the_spec(reverse):
     pos = stream_positions(m.plan(step), 4, reverse).tolist()
     assert pos[0] == pos[1] == own_stream_indices(3, 3, 4, reverse)
     assert pos[4] == pos[5] == own_stream_indices(0, 0, 4, reverse)
-
-
-class StreamingLLM:
-    """StreamingLLM's cache, literally: un-rotated retained keys, re-rotated at every step (float64)."""
-
-    def __init__(self, rotary, sink, window, scale):
-        self.rotary, self.sink, self.window, self.scale = rotary, sink, window, scale
-        self.keys, self.values = {}, {}
-
-    def attend(self, layer, rid, q, k, v):
-        """q [R, Hq, 1, D], k/v [R, H, 1, D] of one request; returns [R, Hq, 1, D]."""
-        key = (rid, layer)
-        K = torch.cat([self.keys.get(key, k[:, :, :0].double()), k.double()], dim=2)
-        V = torch.cat([self.values.get(key, v[:, :, :0].double()), v.double()], dim=2)
-        length = K.shape[2]
-        Kr = self.rotary.rotate(K, torch.arange(length))  # every key, at its place in the cache
-        qr = self.rotary.rotate(q.double(), torch.tensor([length - 1]))
-        group = q.shape[1] // k.shape[1]
-        Kr, V2 = Kr.repeat_interleave(group, 1), V.repeat_interleave(group, 1)
-        out = torch.softmax(qr @ Kr.transpose(-1, -2) * self.scale, dim=-1) @ V2
-        if length > self.sink + self.window:  # evict for the next step
-            K = torch.cat([K[:, :, :self.sink], K[:, :, length - self.window:]], dim=2)
-            V = torch.cat([V[:, :, :self.sink], V[:, :, length - self.window:]], dim=2)
-        self.keys[key], self.values[key] = K, V
-        return out
-
-    def drop(self, rid):
-        for key in [key for key in self.keys if key[0] == rid]:
-            del self.keys[key], self.values[key]
 
 
 LAYERS, R, H, HQ, SINK, WINDOW, BATCH = 2, 2, 2, 4, 4, 8, 3

@@ -1,0 +1,87 @@
+"""`UncachedHistory`, the uncached twin models are checked against, checked itself:
+against `flexkv.reference.ReferenceCache` without rotary, and against a literal
+StreamingLLM cache with rotary in-cache positions. Host-only, no FlexAttention."""
+
+import random
+
+import pytest
+import torch
+
+from flexkv import BoundedKVConfig, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.reference import ReferenceCache
+from flexkv.rotary import Rotary
+from flexkv.uncached import UncachedHistory
+from streamingllm import StreamingLLM
+from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
+
+L_, R, H, HQ, D = 2, 2, 2, 4, 8
+
+
+def _bias(score, b, h, q_pos, kv_pos):
+    return score + 0.05 * (h + 1) * (q_pos - kv_pos).abs().clamp(max=9)
+
+
+@pytest.mark.parametrize("reverse,query_window,positions", [
+    (False, None, "stream"), (True, None, "cache"), (False, 5, "cache"), (False, 5, "stream")])
+def test_matches_reference_cache(reverse, query_window, positions):
+    rng = random.Random(7)
+    torch.manual_seed(7)
+    retention = (lambda L: SinkWindow(2, 6)) if query_window is None else SinkWindow(2, 6)
+    cfg = BoundedKVConfig(L_, H, D, R, 5, retention, max_slots=4, max_step_tokens=4,
+                          reverse_step_order=reverse, query_window=query_window, min_source_len=0)
+    ref, unc = ReferenceCache(cfg), UncachedHistory(cfg)
+    ks, vs = torch.randn(L_, R, H, 5, D), torch.randn(L_, R, H, 5, D)
+    ref.add_source(0, ks, vs)
+    assert unc.add_source(ks, vs) == 0
+    streams = {"a": [3, 0], "b": [0, 0], "c": [5, 0]}
+    for _ in range(12):
+        T = rng.randint(1, 4)
+        segs, pos = [], {}
+        for rid, (L, w) in streams.items():
+            span = rng.randint(0, T) if query_window is None else T
+            segs.append(Segment(rid, span))
+            pos[rid] = StreamPosition(L, w)
+        segs.insert(1, Segment(None, 0))
+        step = BoundedKVStep(tuple(segs), pos, tokens=T)
+        unc.admit(step)
+        N = len(segs) * R
+        for layer in range(L_):
+            q, k, v = torch.randn(N, HQ, T, D), torch.randn(N, H, T, D), torch.randn(N, H, T, D)
+            exp = ref.attend(layer, q, k, v, step, score_mod=_bias, positions=positions)
+            got = unc.attend(layer, q, k, v, step, score_mod=_bias, positions=positions)
+            assert got.dtype == torch.float32
+            assert (got.double() - exp).abs().max() < 1e-5
+        ref.commit(step); unc.commit(step)
+        for s in segs:
+            if s.request_id:
+                streams[s.request_id][1] += s.span
+    assert min(w for _, w in streams.values()) > 6  # past the window
+
+
+def test_rotary_cache_positions_match_streamingllm():
+    torch.manual_seed(8)
+    cfg = BoundedKVConfig(L_, H, D, R, 0, SinkWindow(3, 5), max_slots=2)
+    rot = Rotary(D, base=50.0)
+    unc, sllm = UncachedHistory(cfg), StreamingLLM(rot, 3, 5, D ** -0.5)
+    for n in range(20):
+        step = BoundedKVStep((Segment("a", 1),), {"a": StreamPosition(0, n)})
+        unc.admit(step)
+        for layer in range(L_):
+            q, k, v = torch.randn(R, HQ, 1, D), torch.randn(R, H, 1, D), torch.randn(R, H, 1, D)
+            got = unc.attend(layer, q, k, v, step, rotary=rot, rope_positions="cache")
+            assert (got.double() - sllm.attend(layer, "a", q, k, v)).abs().max() < 1e-5
+            stream = unc.attend(layer, q, k, v, step, rotary=rot, rope_positions="stream")
+            if n > 3 + 5:  # evicting: the two position modes part
+                assert (stream - got).abs().max() > 1e-3
+        unc.commit(step)
+
+
+def test_rejects_stale_positions_and_bad_modes():
+    cfg = BoundedKVConfig(1, H, D, 1, 0, SinkWindow(1, 2), max_slots=2)
+    unc = UncachedHistory(cfg)
+    with pytest.raises(ValueError, match="written=3 but 0 are committed"):
+        unc.admit(BoundedKVStep((Segment("a", 1),), {"a": StreamPosition(0, 3)}))
+    step = BoundedKVStep((Segment("a", 1),), {"a": StreamPosition(0, 0)})
+    x = torch.zeros(1, H, 1, D)
+    with pytest.raises(ValueError, match="rope_positions must be one of"):
+        unc.attend(0, x, x, x, step, rope_positions="absolute")

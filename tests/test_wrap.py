@@ -1,0 +1,72 @@
+"""The drop-in attention cores: the bounded one computes what the uncached one does."""
+
+import pytest
+import torch
+
+from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.rotary import Rotary
+from flexkv.uncached import UncachedHistory
+from flexkv.wrap import BoundedAttention, StepContext, UncachedAttention, attention
+from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
+
+H, HQ, D, R = 2, 4, 8, 2
+
+
+def _config(**kw):
+    base = dict(num_layers=2, num_heads=H, head_dim=D, rows_per_request=R, max_source_len=0,
+                retention=SinkWindow(3, 5), max_slots=3, max_step_tokens=2)
+    base.update(kw)
+    return BoundedKVConfig(**base)
+
+
+def test_bounded_matches_uncached_with_rotary_cache_positions_and_multi_token_steps():
+    """Per-step window, T=2, rotary at in-cache positions, a padding row, a late joiner."""
+    torch.manual_seed(0)
+    cfg = _config()
+    rot = Rotary(D, base=30.0)
+    contexts = [StepContext(BoundedKVManager(cfg, block_size=16)), StepContext(UncachedHistory(cfg))]
+    cores = [[attention(ctx, i, rotary=rot, rope_positions="cache") for i in range(2)] for ctx in contexts]
+    assert isinstance(cores[0][0], BoundedAttention) and isinstance(cores[1][0], UncachedAttention)
+    written = {"a": 0, "b": 0}
+    for s in range(14):
+        segs = (Segment("a", 2), Segment("b", 1) if s >= 3 else Segment(None, 0))
+        step = BoundedKVStep(segs, {rid: StreamPosition(0, w) for rid, w in written.items()
+                                    if rid == "a" or s >= 3}, tokens=2)
+        qkv = [(torch.randn(2 * R, HQ, 2, D), torch.randn(2 * R, H, 2, D), torch.randn(2 * R, H, 2, D))
+               for _ in range(2)]
+        outs = []
+        for ctx, layers in zip(contexts, cores):
+            ctx.bind(ctx.begin(step))
+            outs.append([layer(*qkv[i]) for i, layer in enumerate(layers)])
+            ctx.commit()
+        for got, exp in zip(*outs):
+            live = slice(0, 2 * R) if s >= 3 else slice(0, R)
+            assert (got[live] - exp[live]).abs().max() < 2e-5
+        written["a"] += 2
+        if s >= 3:
+            written["b"] += 1
+    assert written["a"] > 3 * (3 + 5)
+
+
+def test_context_and_core_errors():
+    cfg = _config()
+    m = BoundedKVManager(cfg, block_size=16)
+    with pytest.raises(ValueError, match="cache must be a BoundedKVManager or an UncachedHistory"):
+        StepContext(cfg)
+    ctx = StepContext(m)
+    with pytest.raises(ValueError, match="no step was begun"):
+        ctx.commit()
+    with pytest.raises(ValueError, match="holds a BoundedKVManager"):
+        UncachedAttention(ctx, 0)
+    with pytest.raises(ValueError, match=r"layer_idx must be an int in \[0, 2\)"):
+        BoundedAttention(ctx, 2)
+    with pytest.raises(ValueError, match="rope_positions must be one of"):
+        BoundedAttention(ctx, 0, rotary=Rotary(D), rope_positions="absolute")
+    # the cache-position check runs in begin(), before anything is planned
+    qctx = StepContext(BoundedKVManager(_config(query_window=5), block_size=16))
+    BoundedAttention(qctx, 0, rotary=Rotary(D), rope_positions="cache")
+    for n in range(0, 8, 2):  # the last query is at n + 1 <= query_window + sink = 8: one eviction count
+        qctx.begin(BoundedKVStep((Segment("a", 2),), {"a": StreamPosition(0, n)}))
+        qctx.commit()
+    with pytest.raises(ValueError, match="one eviction count per step"):
+        qctx.begin(BoundedKVStep((Segment("a", 2),), {"a": StreamPosition(0, 8)}))
