@@ -169,11 +169,8 @@ class BoundedAttention(nn.Module):
         plan = self.context.plan
         if self.rope is not None:
             q, k = self.rope(q, k, plan)
-        # A query that is a view of a projection's 2-D output (a fused qkv split by view/permute,
-        # or `linear(x).view(...).transpose(1, 2)` at T=1) fails to lower in compiled CPU
-        # FlexAttention on torch 2.13; a copy into its own [N, Hq, T, D] buffer lowers. The copy
-        # is the size of q, nothing next to the keys the step reads, and fuses into rotary.
-        q = q.clone(memory_format=torch.contiguous_format)
+        # `attend` gives q a buffer of its own (it folds the scale into q), so a q that is a view
+        # of a projection's output lowers in compiled CPU FlexAttention.
         return self.context.cache.attend(
             self.layer_idx, q, k, v, plan, scale=self.scale, score_mod=self.score_mod, positions=self.positions
         )
