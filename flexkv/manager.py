@@ -83,6 +83,9 @@ class BoundedKVManager(nn.Module):
         self._current_plan: Optional[BoundedPlan] = None
         #: Fold GQA groups into the query axis (on by default on the CPU; see `attend`).
         self.pack_gqa = self.device.type == "cpu"
+        #: Plan blocks every query reads whole as full blocks, skipping the mask there. On by
+        #: default on CUDA; torch 2.13's compiled CPU kernel ran slower with them.
+        self.full_blocks = self.device.type == "cuda"
 
     # ------------------------------------------------------------------ views
 
@@ -318,7 +321,7 @@ class BoundedKVManager(nn.Module):
                         f"request {seg.request_id!r} is not admitted; call admit(step) before plan(step)"
                     )
             slots = {rid: r.slot for rid, r in self._requests.items()}
-        plan = build_plan(self.config, self.layout, step, slots.__getitem__, self.device)
+        plan = build_plan(self.config, self.layout, step, slots.__getitem__, self.device, self.full_blocks)
         self._current_plan = plan
         return plan
 

@@ -20,8 +20,9 @@ Per flat row `i` (segment `i // R`, row `i % R`) the table holds:
 `span`        tokens the row writes this step
 ============  ==========================================================
 
-plus the block-sparse description FlexAttention needs (`kv_num_blocks`,
-`kv_indices` and zero-count full blocks) and the cell each of the step's
+plus the block-sparse description FlexAttention needs: the blocks where the
+mask decides cell by cell (`kv_num_blocks`, `kv_indices`) and the blocks every
+query of the row attends whole (`full_kv_*`, no mask evaluated), and the cell each of the step's
 `T` tokens is written to (`write_index`, `[N * T]`, row-major).
 Padding rows point every region out of reach, so their mask is empty.
 """
@@ -51,7 +52,7 @@ class BoundedPlan:
     keeps the packed table as a tuple of ints, for equality and inspection.
     """
 
-    def __init__(self, rows: int, tokens: int, q_blocks: int, width: int, host: tuple, device):
+    def __init__(self, rows: int, tokens: int, q_blocks: int, width: int, host: tuple, device, full_width: int = 1):
         self.rows = rows
         self.tokens = tokens
         self.host = host
@@ -73,8 +74,8 @@ class BoundedPlan:
         o += nq * width
         self.full_kv_num_blocks = buf[o:o + nq].view(rows, 1, q_blocks)
         o += nq
-        self.full_kv_indices = buf[o:o + nq].view(rows, 1, q_blocks, 1)
-        o += nq
+        self.full_kv_indices = buf[o:o + nq * full_width].view(rows, 1, q_blocks, full_width)
+        o += nq * full_width
         self.write_index = buf[o:o + rows * tokens]
         o += rows * tokens
         assert o == len(host), (o, len(host), n_fields)
@@ -90,13 +91,17 @@ class BoundedPlan:
         """The host values of flat row `i`, by field name (for inspection and tests)."""
         return {name: self.host[k * self.rows + i] for k, name in enumerate(ROW_FIELDS)}
 
-    def blocks(self, i: int) -> list:
-        """The KV blocks flat row `i` visits (first query block), from the host table."""
-        n_fields = len(ROW_FIELDS)
+    def blocks(self, i: int, full: bool = False) -> list:
+        """KV blocks flat row `i` visits (first query block): the masked ones, or with
+        `full=True` the ones every query attends whole (no mask evaluated)."""
         nq = self.kv_num_blocks.shape[2]
         width = self.kv_indices.shape[3]
-        count = self.host[n_fields * self.rows + i * nq]
-        start = n_fields * self.rows + self.rows * nq + i * nq * width
+        o = len(ROW_FIELDS) * self.rows
+        if full:
+            o += self.rows * nq * (1 + width)
+            width = self.full_kv_indices.shape[3]
+        count = self.host[o + i * nq]
+        start = o + self.rows * nq + i * nq * width
         return list(self.host[start:start + count])
 
     def write_cells(self, i: int) -> list:
@@ -108,14 +113,49 @@ class BoundedPlan:
         return f"BoundedPlan(rows={self.rows}, tokens={self.tokens}, device={self.device})"
 
 
-def _add_blocks(out: list, first: int, stop: int, block: int) -> None:
-    """Append the blocks covering cells [first, stop) to `out`, skipping a repeat of its last block."""
-    if stop <= first:
-        return
-    b0, b1 = first // block, (stop - 1) // block + 1
-    if out and out[-1] >= b0:
-        b0 = out[-1] + 1
-    out.extend(range(b0, b1))
+def _cells(a: int, b: int, L: int, ring_start: int, src: int, base: int, ring_base: int, ring: int, out: list) -> None:
+    """Append the cell intervals holding stream indices [a, b) of one row to `out`."""
+    if a < min(b, L):  # the source
+        out.append((src + a, src + min(b, L)))
+    lo, hi = max(a, L), min(b, ring_start)
+    if lo < hi:  # the slot's sink region
+        out.append((base + lo - L, base + hi - L))
+    lo = max(a, ring_start)
+    if lo < b:  # the ring, split where it wraps
+        first = lo % ring
+        stop = first + (b - lo)
+        out.append((ring_base + first, ring_base + min(stop, ring)))
+        if stop > ring:
+            out.append((ring_base, ring_base + stop - ring))
+
+
+def _merge(intervals: list) -> list:
+    out: list = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            if hi > out[-1][1]:
+                out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _classify(reached: list, everyone: list, block: int) -> tuple:
+    """KV blocks split into partial ones (the mask decides cell by cell) and full ones.
+
+    `reached`: cells some query of the row attends; `everyone`: cells every
+    query attends. A block wholly inside `everyone` needs no mask at all.
+    """
+    full: list = []
+    for lo, hi in _merge(everyone):
+        full.extend(range(-(-lo // block), hi // block))
+    full_set = set(full)
+    partial: list = []
+    for lo, hi in _merge(reached):
+        for blk in range(lo // block, (hi - 1) // block + 1):
+            if blk not in full_set and (not partial or partial[-1] < blk):
+                partial.append(blk)
+    return partial, full
 
 
 def build_plan(
@@ -124,11 +164,15 @@ def build_plan(
     step: BoundedKVStep,
     slot_of: Callable[[Hashable], int],
     device,
+    full_blocks: bool = False,
 ) -> BoundedPlan:
     """Plan `step` for the cache described by `config`/`layout`.
 
     `slot_of(request_id)` gives an admitted request's slot. The step must
     already be valid (the manager checks it); this function only computes.
+    `full_blocks`: list the blocks every query of a row attends whole as full
+    blocks (FlexAttention skips the mask there). A win on CUDA; on the CPU the
+    compiled kernel ran slower with full blocks, so there every block is masked.
     """
     R = layout.rows_per_request
     T = step.step_tokens
@@ -138,6 +182,7 @@ def build_plan(
     reverse = config.reverse_step_order
     nq = layout.q_blocks(T)
     width = layout.num_blocks
+    full_width = width if full_blocks else 1
     segments = step.segments
     rows = len(segments) * R
 
@@ -146,6 +191,8 @@ def build_plan(
      c_n, c_n_mod, c_sink, c_lo, c_span) = cols
     num_blocks: list = []
     indices: list = []
+    full_num: list = []
+    full_indices: list = []
     writes: list = []
     scratch = list(range(layout.scratch_base, layout.scratch_base + T))
 
@@ -157,6 +204,8 @@ def build_plan(
                 c_sink_base[i] = c_ring_base[i] = -_FAR
                 num_blocks.extend([0] * nq)
                 indices.extend([0] * (nq * width))
+                full_num.extend([0] * nq)
+                full_indices.extend([0] * (nq * full_width))
                 writes.extend(scratch)
                 i += 1
             continue
@@ -166,8 +215,13 @@ def build_plan(
         s = pol.sink
         ring_start = max(s, L)
         lo = pol.window_start(n, span)
-        # The lowest window start over the step's queries decides which source blocks are read.
-        lo_read = lo if qw is None else max(s, n - qw)
+        # Stream intervals attended by some query (reach) and by every query (common) of the row.
+        if qw is None:
+            reach = [(0, min(s, n)), (lo, n), (n, n + T)]
+            common = reach
+        else:
+            reach = [(0, min(s, n + T)), (max(0, n - qw), n + T)]
+            common = [(0, min(s, n + 1)), (max(0, n + T - 1 - qw), n + 1)]
         slot = slot_of(rid)
         # Stream index of each of the step's tokens, then the cell it is written to.
         if reverse:
@@ -189,15 +243,18 @@ def build_plan(
             c_lo[i] = lo
             c_span[i] = span
 
-            blocks: list = []
-            _add_blocks(blocks, src, src + min(s, L), block)
-            _add_blocks(blocks, src + max(lo_read, s), src + L, block)
-            _add_blocks(blocks, base, base + min(ring_start, n + T) - L, block)
-            if n + T > ring_start:
-                _add_blocks(blocks, ring_base, ring_base + ring, block)
-            row_indices = blocks + [0] * (width - len(blocks))
-            num_blocks.extend([len(blocks)] * nq)
-            indices.extend(row_indices * nq)
+            geometry = (L, ring_start, src, base, ring_base, ring)
+            reached: list = []
+            everyone: list = []
+            for a, b in reach:
+                _cells(a, b, *geometry, reached)
+            for a, b in common:
+                _cells(a, b, *geometry, everyone)
+            partial, full = _classify(reached, everyone if full_blocks else [], block)
+            num_blocks.extend([len(partial)] * nq)
+            indices.extend((partial + [0] * (width - len(partial))) * nq)
+            full_num.extend([len(full)] * nq)
+            full_indices.extend((full + [0] * (full_width - len(full))) * nq)
             writes.extend(
                 base + (j - L) if j < ring_start else ring_base + j % ring for j in own
             )
@@ -206,7 +263,7 @@ def build_plan(
     host = [v for col in cols for v in col]
     host += num_blocks
     host += indices
-    host += [0] * (rows * nq)  # full_kv_num_blocks: no full blocks
-    host += [0] * (rows * nq)  # full_kv_indices
+    host += full_num
+    host += full_indices
     host += writes
-    return BoundedPlan(rows, T, nq, width, tuple(host), device)
+    return BoundedPlan(rows, T, nq, width, tuple(host), device, full_width)

@@ -163,3 +163,37 @@ def test_planning_on_meta_device_never_touches_device_data():
     ref = manager(config)
     ref.admit(step)
     assert plan == ref.plan(step)
+
+
+def test_blocks_every_query_reads_whole_skip_the_mask():
+    """Window 16, no sink, T 1: ring of 17 cells (slot 0 at 0-16). At n=20 the row attends stream
+    4..20, i.e. every cell 0-16: blocks 0 and 1 are full, block 2 (cell 16, then slot 1) is masked."""
+    m = manager(cfg(max_source_len=0, max_sources=0, retention=SinkWindow(0, 16), max_step_tokens=1))
+    m.full_blocks = True
+    step = start(m, [Segment("g", 1)], {"g": StreamPosition(0, 20)}, tokens=1)
+    plan = m.plan(step)
+    assert plan.blocks(0, full=True) == [0, 1]
+    assert plan.blocks(0) == [2]
+    assert open_cells(m, plan, 0) == [list(range(17))]
+    # Early in the stream (n=5) slot 1 (cells 17-33) holds stream 0..5 at cells 17-22: block 2, masked.
+    step = start(m, [Segment("h", 1)], {"h": StreamPosition(0, 5)}, tokens=1)
+    plan = m.plan(step)
+    assert m.slot_of("h") == 1
+    assert (plan.blocks(0, full=True), plan.blocks(0)) == ([], [2])
+
+
+def test_full_blocks_of_a_per_query_window_hold_what_every_query_reads():
+    """query_window 9, T 2, no sink, ring 9 + 2 = 11 at cells 0-10 (blocks of 8), n = 30: query 30
+    reads 21..30, query 31 reads 22..31; every query reads 22..30 (cells 0..8) -> block 0 is full."""
+    m = manager(cfg(max_source_len=0, max_sources=0, retention=SinkWindow(0, 9), query_window=9))
+    m.full_blocks = True
+    step = start(m, [Segment("q", 2)], {"q": StreamPosition(0, 30)}, tokens=2)
+    plan = m.plan(step)
+    cell = lambda j: j % 11
+    assert plan.blocks(0, full=True) == [0]
+    assert plan.blocks(0) == [1]
+    assert open_cells(m, plan, 0) == [sorted(cell(j) for j in range(21, 31)), sorted(cell(j) for j in range(22, 32))]
+    # Without full blocks (the CPU default) the same cells are all left to the mask.
+    m.full_blocks = False
+    plan = m.plan(step)
+    assert (plan.blocks(0, full=True), plan.blocks(0)) == ([], [0, 1])
