@@ -439,7 +439,7 @@ class BoundedKVManager(nn.Module):
             plan.kv_indices,
             plan.full_kv_num_blocks,
             plan.full_kv_indices,
-            BLOCK_SIZE=(lay.q_block_size * g, lay.block_size),
+            BLOCK_SIZE=(lay.q_block_size, lay.block_size),
             mask_mod=mask_mod,
             seq_lengths=(T * g, lay.total_len),
             compute_q_blocks=False,
@@ -447,8 +447,10 @@ class BoundedKVManager(nn.Module):
         # The scale is applied to q here rather than inside flex_attention: the product is a fresh
         # buffer, and inductor's CPU FlexAttention fails to lower a q that is only a view of another
         # tensor (a slice of a stacked 5-D tensor, or a projection's view + transpose).
-        q = q * (D ** -0.5 if scale is None else scale)
+        scale = D ** -0.5 if scale is None else scale
         if packed:
-            out = flex_attention(q.reshape(N, H, g * T, D), kc, vc, score_mod=sm, block_mask=block_mask, scale=1.0)
+            out = flex_attention(q.reshape(N, H, g * T, D) * scale, kc, vc, score_mod=sm, block_mask=block_mask,
+                                 scale=1.0)
             return out.view(N, Hq, T, D)
+        q = q * scale
         return flex_attention(q, kc, vc, score_mod=sm, block_mask=block_mask, scale=1.0, enable_gqa=Hq != H)

@@ -100,3 +100,16 @@ def test_reverse_order_window_includes_step_with_source():
     work = compiled_workload(cfg, q_heads=2, tokens=4, seed=9, score_mod=score_bias, positions="stream",
                              full_blocks=False)
     run_without_recompiles(work, 40)
+
+
+def test_gqa_decode_at_a_real_window_size():
+    """4-way GQA decode over a 1024-entry slot (KV blocks of 128, as on a real model): the query
+    groups folded into the query axis must still match the reference. Small shapes alone did not
+    show a kernel that read a folded query wrongly once a row spanned many blocks."""
+    cfg = BoundedKVConfig(
+        num_layers=1, num_heads=8, head_dim=64, rows_per_request=1, max_source_len=0, max_sources=0,
+        retention=SinkWindow(4, 1020), max_slots=4, max_step_tokens=1,
+    )
+    work = compiled_workload(cfg, q_heads=32, tokens=1, seed=1, block_size=128, churn=0.0, full_blocks=False,
+                             segments=4)
+    run_without_recompiles(work, 4)
