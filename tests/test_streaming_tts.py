@@ -6,7 +6,7 @@ import torch
 from examples.streaming_tts import Runner, TTSConfig, make_prompts, make_utterances, stream
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
-# 2 Euler steps x 1 block = 2 cache layers; the brief's 50-frame chunks and a 2-chunk window
+# 2 Euler steps x 1 block = 2 cache layers; chunks of 50 frames and a window of 2 chunks
 CFG = TTSConfig(mel=8, dim=32, heads=2, blocks=1, solver_steps=2, ffn=64, vocab=32, chunk=50, window=100,
                 max_prompt=30, max_requests=3)
 
