@@ -364,7 +364,7 @@ def test_bad_arguments_are_named():
         model(input_ids=ids[:2], attention_mask=torch.ones(2, 1, 4, 4), past_key_values=cache)
     with pytest.raises(ValueError, match="stream ids must be distinct"):
         cache.select(["x", "x"])
-    with pytest.raises(NotImplementedError, match="beam search"):
+    with pytest.raises(ValueError, match="beam search"):
         beams = FlexKVCache(model, SinkWindow(2, 8), max_streams=4, block_size=16)
         model.generate(ids[:2], past_key_values=beams, num_beams=2, max_new_tokens=3)
     with pytest.raises(RuntimeError, match="did not plan"):

@@ -408,7 +408,7 @@ class FlexKVCache(Cache):
         self._columns = 0
 
     def _unsupported(self, what: str):
-        raise NotImplementedError(
+        raise ValueError(
             f"FlexKVCache does not support {what}: each batch row is one stream with a fixed slot; "
             f"use greedy or sampled decoding with one sequence per stream"
         )
