@@ -68,7 +68,8 @@ class ReferenceCache:
     def remove_source(self, index: int) -> None:
         self.sources.pop(index, None)
 
-    def _stream(self, rid) -> List[tuple]:
+    def stream(self, rid) -> List[tuple]:
+        """Request `rid`'s written entries per layer: `(K, V)`, each `[R, H, written, D]` (created empty)."""
         c = self.config
         if rid not in self.streams:
             empty = torch.zeros(c.rows_per_request, c.num_heads, 0, c.head_dim, dtype=torch.float64)
@@ -102,7 +103,7 @@ class ReferenceCache:
             L, n, span = pos.source_len, pos.source_len + pos.written, seg.span
             own = own_stream_indices(n, span, T, c.reverse_step_order)
             sets = attended_indices(c, L, pos.written, span, T)
-            Kw, Vw = self._stream(rid)[layer]
+            Kw, Vw = self.stream(rid)[layer]
             rows = slice(si * R, si * R + R)
             self.pending[(rid, layer)] = (k[rows], v[rows], span, own)
             for r in range(R):
@@ -141,7 +142,7 @@ class ReferenceCache:
             rid = seg.request_id
             if rid is None:
                 continue
-            layers = self._stream(rid)
+            layers = self.stream(rid)
             for layer in range(self.config.num_layers):
                 got = self.pending.pop((rid, layer), None)
                 if got is None:

@@ -20,12 +20,12 @@ float64, dense, per query: a checking tool, not a fast path.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Hashable, List, Optional
+from typing import Callable, Dict, Hashable, Optional
 
 import torch
 
 from .config import BoundedKVConfig
-from .reference import attended_indices, cache_positions, own_stream_indices
+from .reference import ReferenceCache, attended_indices, cache_positions, own_stream_indices
 from .step import BoundedKVStep
 
 __all__ = ["UncachedHistory"]
@@ -48,8 +48,8 @@ class UncachedHistory:
             raise ValueError(f"config must be a BoundedKVConfig, got {type(config).__name__}")
         self.config = config
         self._sources: Dict[int, tuple] = {}
-        self._streams: Dict[Hashable, List[tuple]] = {}  # rid -> per layer (K, V) [R, H, written, D]
-        self._pending: Dict[tuple, tuple] = {}
+        # Whole streams are kept (and committed in stream order) exactly as the reference keeps them.
+        self._history = ReferenceCache(config)
 
     # ---------------------------------------------------------------- host API
 
@@ -84,41 +84,18 @@ class UncachedHistory:
         return None
 
     def written(self, request_id: Hashable) -> int:
-        layers = self._streams.get(request_id)
+        layers = self._history.streams.get(request_id)
         return 0 if layers is None else layers[0][0].shape[2]
 
     def commit(self, step: BoundedKVStep) -> None:
-        c = self.config
-        for seg in step.segments:
-            rid = seg.request_id
-            if rid is None:
-                continue
-            pos = step.positions[rid]
-            layers = self._stream(rid)
-            for layer in range(c.num_layers):
-                got = self._pending.pop((rid, layer), None)
-                if got is None:
-                    continue
-                k, v, own = got
-                order = sorted(range(seg.span), key=lambda t: own[t])
-                K, V = layers[layer]
-                layers[layer] = (
-                    torch.cat([K[:, :, : pos.written], k[:, :, order]], dim=2),
-                    torch.cat([V[:, :, : pos.written], v[:, :, order]], dim=2),
-                )
+        """Append each request's written tokens, for every layer it attended, in stream order."""
+        self._history.commit(step)
 
     def reset_request(self, request_id: Hashable) -> None:
-        self._streams.pop(request_id, None)
+        self._history.reset_request(request_id)
 
     def remove_request(self, request_id: Hashable) -> None:
-        self._streams.pop(request_id, None)
-
-    def _stream(self, rid) -> List[tuple]:
-        c = self.config
-        if rid not in self._streams:
-            empty = torch.zeros(c.rows_per_request, c.num_heads, 0, c.head_dim, dtype=torch.float64)
-            self._streams[rid] = [(empty, empty) for _ in range(c.num_layers)]
-        return self._streams[rid]
+        self._history.remove_request(request_id)
 
     # ---------------------------------------------------------------- attention
 
@@ -162,8 +139,8 @@ class UncachedHistory:
             own = own_stream_indices(n, seg.span, T, c.reverse_step_order)
             sets = attended_indices(c, L, pos.written, seg.span, T)
             rows = slice(si * R, si * R + R)
-            self._pending[(rid, layer)] = (k[rows], v[rows], own)
-            K_hist, V_hist = self._stream(rid)[layer]
+            self._history.pending[(rid, layer)] = (k[rows], v[rows], seg.span, own)
+            K_hist, V_hist = self._history.stream(rid)[layer]
             order = sorted(range(T), key=lambda t: own[t])
             parts_k, parts_v = [], []
             if L:
