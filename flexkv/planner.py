@@ -248,9 +248,10 @@ def build_plan(
             everyone: list = []
             for a, b in reach:
                 _cells(a, b, *geometry, reached)
-            for a, b in common:
-                _cells(a, b, *geometry, everyone)
-            partial, full = _classify(reached, everyone if full_blocks else [], block)
+            if full_blocks:
+                for a, b in common:
+                    _cells(a, b, *geometry, everyone)
+            partial, full = _classify(reached, everyone, block)
             num_blocks.extend([len(partial)] * nq)
             indices.extend((partial + [0] * (width - len(partial))) * nq)
             full_num.extend([len(full)] * nq)
