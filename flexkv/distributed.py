@@ -46,7 +46,6 @@ from typing import Any, Hashable, Optional
 import torch
 
 from .config import BoundedKVConfig
-from .layout import DEFAULT_BLOCK_SIZE
 from .manager import BoundedKVManager
 from .planner import BoundedPlan
 from .step import BoundedKVStep
@@ -229,7 +228,7 @@ class ShardedKVManager(BoundedKVManager):
         num_query_heads: the model's query head count, optional; when given,
             the split is checked to keep GQA groups whole and `attend` checks
             that it gets this rank's `num_query_heads // world_size` heads.
-        block_size: FlexAttention's KV block size.
+        block_size: FlexAttention's KV block size (None: flexkv picks one for the config and device).
         check_plans: run `check_in_sync` in every `plan` (debugging: one
             small collective per step).
 
@@ -247,7 +246,7 @@ class ShardedKVManager(BoundedKVManager):
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         num_query_heads: Optional[int] = None,
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        block_size: Optional[int] = None,
         check_plans: bool = False,
     ):
         if not isinstance(config, BoundedKVConfig):

@@ -25,16 +25,36 @@ host; nothing here touches a tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from .config import BoundedKVConfig
 
-__all__ = ["Layout", "DEFAULT_BLOCK_SIZE"]
+__all__ = ["Layout", "DEFAULT_BLOCK_SIZE", "default_block_size"]
 
 DEFAULT_BLOCK_SIZE = 128
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def default_block_size(config: BoundedKVConfig, device_type: str) -> int:
+    """The KV block size flexkv picks when none is given.
+
+    CUDA: 128, the block FlexAttention's CUDA kernels are tuned for (smaller
+    blocks shrink their tiles). Elsewhere, a power of two near an eighth of
+    the cells a row keeps (`max_retained + max_step_tokens`), between 16 and
+    128: a row's reads start and end inside a few partly used blocks (sinks,
+    window, ring wrap), so the blocks should be small next to what a row
+    keeps, but each visited block has a fixed cost, so not tiny.
+    """
+    if device_type == "cuda":
+        return DEFAULT_BLOCK_SIZE
+    cells = (config.max_retained + config.max_step_tokens) // 8
+    block = 16
+    while block * 2 <= min(cells, DEFAULT_BLOCK_SIZE):
+        block *= 2
+    return block
 
 
 @dataclass(frozen=True)
@@ -52,9 +72,14 @@ class Layout:
     q_block_size: int
 
     @classmethod
-    def for_config(cls, config: BoundedKVConfig, block_size: int = DEFAULT_BLOCK_SIZE) -> "Layout":
+    def for_config(cls, config: BoundedKVConfig, block_size: Optional[int] = None,
+                   device_type: str = "cpu") -> "Layout":
+        """The layout of `config`; `block_size=None` takes `default_block_size(config, device_type)`."""
+        if block_size is None:
+            block_size = default_block_size(config, device_type)
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+            raise ValueError(
+                f"block_size must be an int >= 1 (or None to let flexkv choose), got {block_size!r}")
         return cls(
             rows_per_request=config.rows_per_request,
             max_sources=config.max_sources,
@@ -89,6 +114,21 @@ class Layout:
     @property
     def num_blocks(self) -> int:
         return _ceil_div(self.scratch_base + self.step_tokens, self.block_size)
+
+    @property
+    def row_blocks(self) -> int:
+        """The most KV blocks one row of a step can reach: its source row and its slot row.
+
+        This is the width of a plan's block lists; it follows the retention, not the pool.
+        """
+        def spanned(first: int, length: int, stride: int) -> int:
+            if length == 0:
+                return 0
+            aligned = first % self.block_size == 0 and stride % self.block_size == 0
+            return _ceil_div(length, self.block_size) + (0 if aligned else 1)
+
+        src = spanned(0, self.source_row_len, self.source_row_len) if self.max_sources else 0
+        return min(self.num_blocks, src + spanned(self.slots_base, self.slot_row_len, self.slot_row_len))
 
     def q_blocks(self, tokens: int) -> int:
         """Query blocks for a step of `tokens` tokens."""

@@ -13,13 +13,15 @@ from dataclasses import dataclass
 from typing import Callable, Hashable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .config import BoundedKVConfig
-from .layout import DEFAULT_BLOCK_SIZE, Layout
+from .layout import Layout
 from .masks import POSITION_MODES, make_mask_mod, make_score_mod
 from .planner import BoundedPlan, build_plan
+from .row_attention import attend_rows
 from .step import BoundedKVStep, Segment, StreamPosition
 
 __all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted"]
@@ -53,10 +55,11 @@ class BoundedKVManager(nn.Module):
             (build through `BoundedKVResource` to take the engine's).
         device: where the KV tensors live. `"meta"` allocates nothing and
             still plans, which shows that planning never touches device data.
-        block_size: FlexAttention's KV block size (cells per block).
+        block_size: FlexAttention's KV block size (cells per block); None (the default) lets
+            flexkv choose for the config and device (`flexkv.layout.default_block_size`).
     """
 
-    def __init__(self, config: BoundedKVConfig, device="cpu", *, block_size: int = DEFAULT_BLOCK_SIZE):
+    def __init__(self, config: BoundedKVConfig, device="cpu", *, block_size: Optional[int] = None):
         super().__init__()
         if not isinstance(config, BoundedKVConfig):
             raise ValueError(f"config must be a BoundedKVConfig, got {type(config).__name__}")
@@ -67,7 +70,7 @@ class BoundedKVManager(nn.Module):
             )
         self.config = config
         self.device = torch.device(device)
-        self.layout = Layout.for_config(config, block_size)
+        self.layout = Layout.for_config(config, block_size, self.device.type)
         shape = (1, config.num_heads, self.layout.total_len, config.head_dim)
         for i in range(config.num_layers):
             self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=config.dtype, device=self.device))
@@ -86,6 +89,12 @@ class BoundedKVManager(nn.Module):
         #: Plan blocks every query reads whole as full blocks, skipping the mask there. On by
         #: default on CUDA; torch 2.13's compiled CPU kernel ran slower with them.
         self.full_blocks = self.device.type == "cuda"
+        #: How `attend` computes attention: `"flex"` (one FlexAttention call over the layer tensor,
+        #: reading every cell in place), `"rows"` (each row's source and slot rows gathered, then
+        #: dense attention; `flexkv.row_attention`) or `"auto"`: rows for chunked steps (T > 1) on
+        #: the CPU, where the gather is cheap next to the chunk's attention and FlexAttention's CPU
+        #: kernel is slow for short query blocks, and FlexAttention everywhere else.
+        self.attention_path = "auto"
 
     # ------------------------------------------------------------------ views
 
@@ -356,6 +365,12 @@ class BoundedKVManager(nn.Module):
 
     # -------------------------------------------------------------- attention
 
+    def _rows_path(self, tokens: int) -> bool:
+        """Whether a step of `tokens` tokens attends through `flexkv.row_attention` (see `attention_path`)."""
+        if self.attention_path == "auto":
+            return self.device.type == "cpu" and tokens > 1
+        return self.attention_path == "rows"
+
     def _check_attend(self, layer_idx, q, k, v, plan) -> None:
         c = self.config
         if not _is_int(layer_idx) or not 0 <= layer_idx < c.num_layers:
@@ -424,9 +439,10 @@ class BoundedKVManager(nn.Module):
 
         Hq = q.shape[1]
         group = Hq // H
+        rows_path = self._rows_path(T)
         # On the CPU, fold each GQA group into the query axis: every KV head then meets its
         # group's queries in one pass over its keys instead of one pass per query head.
-        packed = group > 1 and self.pack_gqa
+        packed = group > 1 and (self.pack_gqa or rows_path)
         g = group if packed else 1
         mask_mod = make_mask_mod(plan, lay.ring_len, T, c.query_window, packed=packed)
         sm = None
@@ -434,11 +450,22 @@ class BoundedKVManager(nn.Module):
             sm = make_score_mod(
                 plan, lay.ring_len, T, score_mod, positions, c.reverse_step_order, c.query_window, group=g
             )
+        # Every query block of a row visits the same KV blocks: the plan lists them once per row.
+        nq = lay.q_blocks(T * g)
+        kv_num, kv_idx, full_num, full_idx = (
+            plan.kv_num_blocks, plan.kv_indices, plan.full_kv_num_blocks, plan.full_kv_indices)
+        if self.device.type == "cpu" and kv_idx.shape[3] < lay.num_blocks:
+            # The CPU kernel wants block lists as wide as the layer tensor (it reads only the first
+            # kv_num_blocks of each); the plan stays compact and is widened here, on the device side.
+            kv_idx = F.pad(kv_idx, (0, lay.num_blocks - kv_idx.shape[3]))
+        if nq > 1:
+            kv_num, full_num = (x.expand(N, 1, nq).contiguous() for x in (kv_num, full_num))
+            kv_idx, full_idx = (x.expand(N, 1, nq, x.shape[3]).contiguous() for x in (kv_idx, full_idx))
         block_mask = BlockMask.from_kv_blocks(
-            plan.kv_num_blocks,
-            plan.kv_indices,
-            plan.full_kv_num_blocks,
-            plan.full_kv_indices,
+            kv_num,
+            kv_idx,
+            full_num,
+            full_idx,
             BLOCK_SIZE=(lay.q_block_size, lay.block_size),
             mask_mod=mask_mod,
             seq_lengths=(T * g, lay.total_len),
@@ -448,6 +475,9 @@ class BoundedKVManager(nn.Module):
         # buffer, and inductor's CPU FlexAttention fails to lower a q that is only a view of another
         # tensor (a slice of a stacked 5-D tensor, or a projection's view + transpose).
         scale = D ** -0.5 if scale is None else scale
+        if rows_path:
+            out = attend_rows(q.reshape(N, H, g * T, D) * scale, kc, vc, lay, plan, mask_mod, sm)
+            return out.view(N, Hq, T, D)
         if packed:
             out = flex_attention(q.reshape(N, H, g * T, D) * scale, kc, vc, score_mod=sm, block_mask=block_mask,
                                  scale=1.0)

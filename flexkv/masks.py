@@ -23,6 +23,11 @@ __all__ = ["stream_index", "make_mask_mod", "make_score_mod", "POSITION_MODES"]
 
 POSITION_MODES = ("stream", "cache")
 
+#: Cell intervals a per-step window's row can need: the sinks (in the source, or in the slot's sink
+#: region when the source is shorter than the sinks) and the window (in the source, and in the ring,
+#: split where it wraps). The window never reaches the sink region (it starts at or after the sinks).
+MASK_INTERVALS = 4
+
 
 def stream_index(plan, ring_len: int, tokens: int, b, kv_idx):
     """(valid, j): whether cell `kv_idx` holds an entry of row `b`'s stream, and its index."""
@@ -56,13 +61,16 @@ def make_mask_mod(plan, ring_len: int, tokens: int, query_window: Optional[int],
     """
 
     if query_window is None:
+        # Every query of a row attends the same cells: the planner's cell intervals (at most
+        # MASK_INTERVALS of them for a per-step window), a few comparisons per score.
+        bounds = [(getattr(plan, f"cell_lo{k}"), getattr(plan, f"cell_hi{k}")) for k in range(MASK_INTERVALS)]
 
         def mask_mod(b, h, q_idx, kv_idx):
-            valid, j = stream_index(plan, ring_len, tokens, b, kv_idx)
-            n = plan.n[b]
-            retained = (j < n) & ((j < plan.sink[b]) | (j >= plan.lo[b]))
-            own = (j >= n) & (j < n + tokens)
-            return valid & (retained | own)
+            lo, hi = bounds[0]
+            ok = (kv_idx >= lo[b]) & (kv_idx < hi[b])
+            for lo, hi in bounds[1:]:
+                ok = ok | ((kv_idx >= lo[b]) & (kv_idx < hi[b]))
+            return ok
 
     else:
 

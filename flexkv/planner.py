@@ -3,7 +3,31 @@
 Planning uses plain Python ints only. It never reads a device tensor, so it
 never waits for the device: the table is packed on the host, copied to the
 device with one non-blocking copy (from pinned memory on CUDA), and split
-into views there. The same step planned twice gives equal plans.
+into views there. The same step planned twice gives equal plans, and the
+plan of a `"meta"` cache equals the plan of a CUDA cache of the same config
+and block geometry (only the copy differs).
+
+Its cost follows the step, not the pool: each row is described by a fixed
+number of cell intervals, and its block lists are only as wide as the blocks
+one row can reach (`Layout.row_blocks`), however many slots the pool has.
+
+Stages, per row of the step:
+
+1. stream ranges: the stream indices some query of the row attends
+   (`reach`), and for full blocks those every query attends (`common`);
+2. cells: each stream range becomes at most four physical cell intervals
+   (source, sink region, ring before and after it wraps), merged;
+3. blocks: the KV blocks those intervals touch, split into full ones (every
+   query attends every cell, no mask evaluated; only with `full_blocks`) and
+   partial ones (the mask decides cell by cell);
+4. writes: the cell each of the step's `T` tokens is written to.
+
+Worked example (block 8; source of 4 cells at 0-3; slot 0's sink region at
+4-6 and its ring of 6 cells at 7-12; `SinkWindow(3, 4)`): a request with
+`source_len=2`, 9 written, a step of one token (`n = 11`, `lo = 7`) reaches
+stream `[0, 3)` and `[7, 12)`: source cells `[0, 2)`, sink cell `[4, 5)` and
+ring cells `7 + j % 6` for `j` in 7..11, i.e. `[8, 13)`; merged `[0, 2)`,
+`[4, 5)`, `[8, 13)`; blocks `[0, 1]`.
 
 Per flat row `i` (segment `i // R`, row `i % R`) the table holds:
 
@@ -18,29 +42,40 @@ Per flat row `i` (segment `i // R`, row `i % R`) the table holds:
 `sink`        the resolved policy's `sink`
 `lo`          first stream index of the per-step window
 `span`        tokens the row writes this step
+`src_row`     index of the row's source row among all source rows
+`slot_row`    index of the row's slot row among all slot rows
+`cell_lo{k}`  `k < INTERVALS`: the cells some query of the row attends are
+`cell_hi{k}`  the union of `[cell_lo{k}, cell_hi{k})` (empty ones are 0, 0)
 ============  ==========================================================
 
-plus the block-sparse description FlexAttention needs: the blocks where the
-mask decides cell by cell (`kv_num_blocks`, `kv_indices`) and the blocks every
-query of the row attends whole (`full_kv_*`, no mask evaluated), and the cell each of the step's
-`T` tokens is written to (`write_index`, `[N * T]`, row-major).
-Padding rows point every region out of reach, so their mask is empty.
+then the block lists (`kv_num_blocks`, `kv_indices`, `full_kv_num_blocks`,
+`full_kv_indices`, one list per row: every query block of a row visits the
+same blocks) and the cell each of the step's `T` tokens is written to
+(`write_index`, `[N * T]`, row-major). Padding rows point every region out
+of reach, so their mask is empty.
 """
 
 from __future__ import annotations
 
 from array import array
-from typing import Callable, Hashable, Mapping
+from typing import Callable, Hashable
 
 import torch
 
 from .config import BoundedKVConfig
 from .layout import Layout
+from .masks import MASK_INTERVALS
 from .step import BoundedKVStep
 
-__all__ = ["BoundedPlan", "ROW_FIELDS", "build_plan"]
+__all__ = ["BoundedPlan", "ROW_FIELDS", "INTERVALS", "build_plan"]
 
-ROW_FIELDS = ("src_base", "src_len", "sink_base", "ring_start", "ring_base", "n", "n_mod", "sink", "lo", "span")
+#: Cell intervals per row: sinks and window each reach the source, the sink region and the ring,
+#: and the ring splits where it wraps; merged, no row needs more than this.
+INTERVALS = 6
+ROW_FIELDS = (
+    "src_base", "src_len", "sink_base", "ring_start", "ring_base", "n", "n_mod", "sink", "lo", "span",
+    "src_row", "slot_row",
+) + tuple(f"cell_{e}{k}" for k in range(INTERVALS) for e in ("lo", "hi"))
 _FAR = 1 << 30  # a base no cell index can reach: padding rows' regions start here
 
 
@@ -49,68 +84,84 @@ class BoundedPlan:
 
     Attributes read inside a compiled step are tensors, plus `rows` (N) and
     `tokens` (T), which only change when the batch shape changes. `host`
-    keeps the packed table as a tuple of ints, for equality and inspection.
+    keeps the packed table as bytes, for equality, hashing and inspection.
     """
 
-    def __init__(self, rows: int, tokens: int, q_blocks: int, width: int, host: tuple, device, full_width: int = 1):
+    def __init__(self, rows: int, tokens: int, width: int, table: array, device, full_width: int = 1):
         self.rows = rows
         self.tokens = tokens
-        self.host = host
+        self.width = width
+        self.full_width = full_width
+        self._table = table
+        self.host = table.tobytes()
         self.device = torch.device(device)
-        n_fields = len(ROW_FIELDS)
-        buf = torch.frombuffer(array("i", host), dtype=torch.int32) if host else torch.zeros(0, dtype=torch.int32)
+        buf = torch.frombuffer(table, dtype=torch.int32) if len(table) else torch.zeros(0, dtype=torch.int32)
         if self.device.type == "cuda":
             buf = buf.pin_memory()
-        buf = buf.to(self.device, non_blocking=True)
+            buf = buf.to(self.device, non_blocking=True)
+        elif self.device.type != "cpu":
+            buf = buf.to(self.device)
+        else:
+            buf = buf.clone()  # the table's own memory: the host array may be reused or freed
         self.table = buf
         o = 0
         for name in ROW_FIELDS:
             setattr(self, name, buf[o:o + rows])
             o += rows
-        nq = rows * q_blocks
-        self.kv_num_blocks = buf[o:o + nq].view(rows, 1, q_blocks)
-        o += nq
-        self.kv_indices = buf[o:o + nq * width].view(rows, 1, q_blocks, width)
-        o += nq * width
-        self.full_kv_num_blocks = buf[o:o + nq].view(rows, 1, q_blocks)
-        o += nq
-        self.full_kv_indices = buf[o:o + nq * full_width].view(rows, 1, q_blocks, full_width)
-        o += nq * full_width
+        self.kv_num_blocks = buf[o:o + rows].view(rows, 1, 1)
+        o += rows
+        self.kv_indices = buf[o:o + rows * width].view(rows, 1, 1, width)
+        o += rows * width
+        self.full_kv_num_blocks = buf[o:o + rows].view(rows, 1, 1)
+        o += rows
+        self.full_kv_indices = buf[o:o + rows * full_width].view(rows, 1, 1, full_width)
+        o += rows * full_width
         self.write_index = buf[o:o + rows * tokens]
         o += rows * tokens
-        assert o == len(host), (o, len(host), n_fields)
+        assert o == len(table), (o, len(table))
 
     def __eq__(self, other):
         if not isinstance(other, BoundedPlan):
             return NotImplemented
-        return (self.rows, self.tokens, self.host) == (other.rows, other.tokens, other.host)
+        return (self.rows, self.tokens, self.width, self.host) == (other.rows, other.tokens, other.width, other.host)
 
     __hash__ = None
 
     def row(self, i: int) -> dict:
-        """The host values of flat row `i`, by field name (for inspection and tests)."""
-        return {name: self.host[k * self.rows + i] for k, name in enumerate(ROW_FIELDS)}
+        """The host values of flat row `i`'s scalar fields, by name (for inspection and tests)."""
+        return {name: self._table[k * self.rows + i] for k, name in enumerate(ROW_FIELDS[:12])}
+
+    def cell_intervals(self, i: int) -> list:
+        """The non-empty cell intervals `(lo, hi)` some query of flat row `i` attends, in order."""
+        t, N = self._table, self.rows
+        base = 12 * N
+        out = []
+        for k in range(INTERVALS):
+            lo, hi = t[base + 2 * k * N + i], t[base + (2 * k + 1) * N + i]
+            if lo < hi:
+                out.append((lo, hi))
+        return out
 
     def blocks(self, i: int, full: bool = False) -> list:
-        """KV blocks flat row `i` visits (first query block): the masked ones, or with
-        `full=True` the ones every query attends whole (no mask evaluated)."""
-        nq = self.kv_num_blocks.shape[2]
-        width = self.kv_indices.shape[3]
-        o = len(ROW_FIELDS) * self.rows
+        """KV blocks flat row `i` visits: the masked ones, or with `full=True` the ones every
+        query attends whole (no mask evaluated)."""
+        t, N = self._table, self.rows
+        o = len(ROW_FIELDS) * N
+        width = self.width
         if full:
-            o += self.rows * nq * (1 + width)
-            width = self.full_kv_indices.shape[3]
-        count = self.host[o + i * nq]
-        start = o + self.rows * nq + i * nq * width
-        return list(self.host[start:start + count])
+            o += N * (1 + width)
+            width = self.full_width
+        count = t[o + i]
+        start = o + N + i * width
+        return list(t[start:start + count])
 
     def write_cells(self, i: int) -> list:
         """Cells the `T` tokens of flat row `i` are written to."""
-        start = len(self.host) - self.rows * self.tokens + i * self.tokens
-        return list(self.host[start:start + self.tokens])
+        start = len(self._table) - self.rows * self.tokens + i * self.tokens
+        return list(self._table[start:start + self.tokens])
 
     def __repr__(self):
-        return f"BoundedPlan(rows={self.rows}, tokens={self.tokens}, device={self.device})"
+        return f"BoundedPlan(rows={self.rows}, tokens={self.tokens}, width={self.width}, device={self.device})"
 
 
 def _cells(a: int, b: int, L: int, ring_start: int, src: int, base: int, ring_base: int, ring: int, out: list) -> None:
@@ -130,8 +181,10 @@ def _cells(a: int, b: int, L: int, ring_start: int, src: int, base: int, ring_ba
 
 
 def _merge(intervals: list) -> list:
+    """Sorted, disjoint, non-adjacent intervals covering the same cells."""
+    intervals.sort()
     out: list = []
-    for lo, hi in sorted(intervals):
+    for lo, hi in intervals:
         if out and lo <= out[-1][1]:
             if hi > out[-1][1]:
                 out[-1] = (out[-1][0], hi)
@@ -140,22 +193,23 @@ def _merge(intervals: list) -> list:
     return out
 
 
-def _classify(reached: list, everyone: list, block: int) -> tuple:
-    """KV blocks split into partial ones (the mask decides cell by cell) and full ones.
+def _touched(merged: list, block: int) -> list:
+    """Every block some cell of the merged intervals lies in, ascending."""
+    out: list = []
+    last = -1
+    for lo, hi in merged:
+        first = max(lo // block, last + 1)
+        last = (hi - 1) // block
+        out.extend(range(first, last + 1))
+    return out
 
-    `reached`: cells some query of the row attends; `everyone`: cells every
-    query attends. A block wholly inside `everyone` needs no mask at all.
-    """
-    full: list = []
-    for lo, hi in _merge(everyone):
-        full.extend(range(-(-lo // block), hi // block))
-    full_set = set(full)
-    partial: list = []
-    for lo, hi in _merge(reached):
-        for blk in range(lo // block, (hi - 1) // block + 1):
-            if blk not in full_set and (not partial or partial[-1] < blk):
-                partial.append(blk)
-    return partial, full
+
+def _inside(merged: list, block: int) -> list:
+    """Every block wholly inside the merged intervals, ascending."""
+    out: list = []
+    for lo, hi in merged:
+        out.extend(range(-(-lo // block), hi // block))
+    return out
 
 
 def build_plan(
@@ -171,8 +225,7 @@ def build_plan(
     `slot_of(request_id)` gives an admitted request's slot. The step must
     already be valid (the manager checks it); this function only computes.
     `full_blocks`: list the blocks every query of a row attends whole as full
-    blocks (FlexAttention skips the mask there). A win on CUDA; on the CPU the
-    compiled kernel ran slower with full blocks, so there every block is masked.
+    blocks (FlexAttention skips the mask there).
     """
     R = layout.rows_per_request
     T = step.step_tokens
@@ -180,19 +233,21 @@ def build_plan(
     block = layout.block_size
     qw = config.query_window
     reverse = config.reverse_step_order
-    nq = layout.q_blocks(T)
-    width = layout.num_blocks
+    width = layout.row_blocks
     full_width = width if full_blocks else 1
+    Ls, Lr, slots_base, sink_len = layout.source_row_len, layout.slot_row_len, layout.slots_base, layout.sink_len
     segments = step.segments
     rows = len(segments) * R
 
-    cols = [[0] * rows for _ in ROW_FIELDS]
+    n_fields = len(ROW_FIELDS)
+    cols = [[0] * rows for _ in range(n_fields)]
     (c_src_base, c_src_len, c_sink_base, c_ring_start, c_ring_base,
-     c_n, c_n_mod, c_sink, c_lo, c_span) = cols
-    num_blocks: list = []
-    indices: list = []
-    full_num: list = []
-    full_indices: list = []
+     c_n, c_n_mod, c_sink, c_lo, c_span, c_src_row, c_slot_row) = cols[:12]
+    c_cells = cols[12:]
+    num_blocks = [0] * rows
+    full_num = [0] * rows
+    indices = array("i", bytes(4 * rows * width))
+    full_indices = array("i", bytes(4 * rows * full_width))
     writes: list = []
     scratch = list(range(layout.scratch_base, layout.scratch_base + T))
 
@@ -202,10 +257,6 @@ def build_plan(
         if rid is None:
             for _ in range(R):
                 c_sink_base[i] = c_ring_base[i] = -_FAR
-                num_blocks.extend([0] * nq)
-                indices.extend([0] * (nq * width))
-                full_num.extend([0] * nq)
-                full_indices.extend([0] * (nq * full_width))
                 writes.extend(scratch)
                 i += 1
             continue
@@ -215,56 +266,81 @@ def build_plan(
         s = pol.sink
         ring_start = max(s, L)
         lo = pol.window_start(n, span)
-        # Stream intervals attended by some query (reach) and by every query (common) of the row.
+        # Stage 1: stream ranges attended by some query (reach) and by every query (common).
         if qw is None:
-            reach = [(0, min(s, n)), (lo, n), (n, n + T)]
+            reach = ((0, min(s, n)), (min(lo, n), n + T))
             common = reach
         else:
-            reach = [(0, min(s, n + T)), (max(0, n - qw), n + T)]
-            common = [(0, min(s, n + 1)), (max(0, n + T - 1 - qw), n + 1)]
+            reach = ((0, min(s, n + T)), (max(0, n - qw), n + T))
+            common = ((0, min(s, n + 1)), (max(0, n + T - 1 - qw), n + 1))
         slot = slot_of(rid)
-        # Stream index of each of the step's tokens, then the cell it is written to.
         if reverse:
             own = [n + span - 1 - t if t < span else n + t for t in range(T)]
         else:
             own = range(n, n + T)
+        n_mod = n % ring
         for r in range(R):
-            src = layout.source_row(pos.source, r) if L else 0
-            base = layout.slot_row(slot, r)
-            ring_base = base + layout.sink_len
+            src_row = pos.source * R + r if L else 0
+            src = src_row * Ls
+            slot_row = slot * R + r
+            base = slots_base + slot_row * Lr
+            ring_base = base + sink_len
             c_src_base[i] = src
             c_src_len[i] = L
             c_sink_base[i] = base
             c_ring_start[i] = ring_start
             c_ring_base[i] = ring_base
             c_n[i] = n
-            c_n_mod[i] = n % ring
+            c_n_mod[i] = n_mod
             c_sink[i] = s
             c_lo[i] = lo
             c_span[i] = span
+            c_src_row[i] = src_row
+            c_slot_row[i] = slot_row
 
+            # Stage 2: cell intervals.
             geometry = (L, ring_start, src, base, ring_base, ring)
             reached: list = []
-            everyone: list = []
             for a, b in reach:
-                _cells(a, b, *geometry, reached)
+                if a < b:
+                    _cells(a, b, *geometry, reached)
+            reached = _merge(reached)
+            if len(reached) > (INTERVALS if qw is not None else MASK_INTERVALS):
+                raise AssertionError(f"row {i} needs {len(reached)} cell intervals: {reached}")
+            for k, (clo, chi) in enumerate(reached):
+                c_cells[2 * k][i] = clo
+                c_cells[2 * k + 1][i] = chi
+
+            # Stage 3: blocks.
+            partial = _touched(reached, block)
             if full_blocks:
-                for a, b in common:
-                    _cells(a, b, *geometry, everyone)
-            partial, full = _classify(reached, everyone, block)
-            num_blocks.extend([len(partial)] * nq)
-            indices.extend((partial + [0] * (width - len(partial))) * nq)
-            full_num.extend([len(full)] * nq)
-            full_indices.extend((full + [0] * (full_width - len(full))) * nq)
-            writes.extend(
-                base + (j - L) if j < ring_start else ring_base + j % ring for j in own
-            )
+                if common is reach:
+                    everyone = reached
+                else:
+                    everyone = []
+                    for a, b in common:
+                        if a < b:
+                            _cells(a, b, *geometry, everyone)
+                    everyone = _merge(everyone)
+                full = _inside(everyone, block)
+                if full:
+                    full_set = set(full)
+                    partial = [blk for blk in partial if blk not in full_set]
+                    full_num[i] = len(full)
+                    full_indices[i * full_width:i * full_width + len(full)] = array("i", full)
+            num_blocks[i] = len(partial)
+            indices[i * width:i * width + len(partial)] = array("i", partial)
+
+            # Stage 4: where the step's tokens go.
+            writes.extend(base + (j - L) if j < ring_start else ring_base + j % ring for j in own)
             i += 1
 
-    host = [v for col in cols for v in col]
-    host += num_blocks
-    host += indices
-    host += full_num
-    host += full_indices
-    host += writes
-    return BoundedPlan(rows, T, nq, width, tuple(host), device, full_width)
+    table = array("i")
+    for col in cols:
+        table.extend(col)
+    table.extend(num_blocks)
+    table.extend(indices)
+    table.extend(full_num)
+    table.extend(full_indices)
+    table.extend(writes)
+    return BoundedPlan(rows, T, width, table, device, full_width)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from .config import BoundedKVConfig
-from .layout import DEFAULT_BLOCK_SIZE, Layout
+from .layout import Layout
 from .planner import build_plan
 from .reference import attended_indices, own_stream_indices
 from .step import BoundedKVStep, Segment, StreamPosition
@@ -94,7 +94,7 @@ def describe_step(
     *,
     slot: int = 0,
     source: int = 0,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: Optional[int] = None,
 ) -> StepPicture:
     """Plan one request's step at this position and say what each query attends and where it lives.
 

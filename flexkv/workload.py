@@ -67,7 +67,7 @@ class Workload:
     Run: `requests` batch lanes (also the cache's `max_slots`); each request
     writes a seeded number of tokens in `stream_len` = [low, high] and leaves;
     an empty lane takes a new request with probability `arrival` per step;
-    `steps` model steps; `seed`; `block_size` (FlexAttention KV block);
+    `steps` model steps; `seed`; `block_size` (FlexAttention KV block; omit it and flexkv picks one);
     `compile` (`layer`: one compiled function per layer, `graph`: the whole
     step as one graph); `check_steps` steps checked against the float64
     reference for up to `check_requests` tracked requests.
@@ -97,7 +97,7 @@ class Workload:
     arrival: float = 0.5
     steps: int = 200
     seed: int = 0
-    block_size: int = 128
+    block_size: Optional[int] = None
     compile: str = "layer"
     check_steps: int = 3
     check_requests: int = 2
@@ -197,12 +197,12 @@ def _check_fields(w: Workload) -> None:
         _fail("name", w.name, "expected a non-empty string")
     if not isinstance(w.description, str):
         _fail("description", w.description, "expected a string")
-    for f in ("layers", "kv_heads", "head_dim", "rows", "window", "span", "requests", "steps", "block_size"):
+    for f in ("layers", "kv_heads", "head_dim", "rows", "window", "span", "requests", "steps"):
         _int_field(w, f, 1)
     for f in ("source_len", "sink", "final_span", "seed", "check_steps", "check_requests"):
         _int_field(w, f, 0)
     _int_field(w, "sources", 1)
-    for f in ("q_heads", "tokens", "final_tokens"):
+    for f in ("q_heads", "tokens", "final_tokens", "block_size"):
         _int_field(w, f, 1, allow_none=True)
     _int_field(w, "query_window", 0, allow_none=True)
     for f in ("window_includes_step", "reverse_step_order"):

@@ -67,7 +67,7 @@ def test_sink_longer_than_source():
     step = start(m, [Segment("a", 2)], {"a": StreamPosition(2, 0)})
     plan = m.plan(step)
     assert plan.row(0) == dict(src_base=0, src_len=2, sink_base=4, ring_start=3, ring_base=7,
-                               n=2, n_mod=2, sink=3, lo=3, span=2)
+                               n=2, n_mod=2, sink=3, lo=3, span=2, src_row=0, slot_row=0)
     # Own tokens: stream 2 -> sink cell 4 + (2 - 2); stream 3 -> ring cell 7 + 3 % 6.
     assert plan.write_cells(0) == [4, 10]
     assert plan.blocks(0) == [0, 1]
