@@ -1,0 +1,704 @@
+"""flexkv on a CUDA device: correctness, recompiles, decode bandwidth, host planning.
+
+    python -m benchmarks.cuda_check [--json PATH] [--cpu] [--budget SECONDS]
+
+1. Random workloads (requests joining, leaving and resetting, padding
+   segments, varying spans) run through a compiled model step that calls
+   `BoundedKVManager.attend` for every layer, and every output is compared
+   with the dense float64 reference (`flexkv.reference.ReferenceCache`), in
+   fp32 and bf16: GQA, chunked steps, sources, CFG rows (`rows_per_request=2`),
+   reverse step order, per-query windows with a score_mod, and a step whose
+   GQA group packs more than 128 query rows (T=33, 4-way GQA), which torch's
+   decode kernel cannot tile by default. A workload that fails as shipped is
+   run again with `flex_kernel_options` injected, to tell whether those
+   options fix it.
+2. Recompiles after the first (compiling) step are counted with
+   `torch._dynamo.utils.counters["stats"]["unique_graphs"]`; 0 is expected.
+3. Decode at 64 requests x window 4096 (sink 4) x 32 query / 8 KV heads x
+   head_dim 128 in bf16: the compiled `attend` of one layer and of every
+   layer, SDPA (`enable_gqa`) over the same retained entries laid out
+   contiguously (its output is compared with flexkv's), and a device copy of
+   the bytes the step must read (the retained keys and values of every row).
+   GPU times come from CUDA events, warm-up excluded. `GB/s` is bytes read
+   over time; the copy's is bytes moved (read + write) over time, and
+   `% copy` is the one over the other. Then, as time allows, the same layer
+   with other kernel options, without full blocks, and at a small batch.
+4. Host planning (`manager.plan`) and a whole step (admit, plan, every
+   layer, commit) are timed with `torch.utils.benchmark.Timer`.
+
+Without a CUDA device (or with `--cpu`) the same checks run at tiny shapes
+on the CPU. Each section reports its own errors and the run goes on; the exit
+code is 1 when any correctness check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import statistics
+import sys
+import time
+import traceback
+from typing import Callable, Optional
+
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch.nn.attention.flex_attention import BlockMask
+from torch.utils.benchmark import Timer
+
+import flexkv.manager as manager_module
+from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.kernel_options import decode_split_kv, flex_kernel_options
+from flexkv.reference import ReferenceCache
+from flexkv.show import entry_cell
+from flexkv.workload import fresh_function
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def score_bias(score, b, h, q_pos, kv_pos):
+    """A per-head relative-position bias, to check the positions a score_mod sees."""
+    return score - 0.07 * (h + 1) * (q_pos - kv_pos) + 0.01 * b
+
+
+def _unique_graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+# --------------------------------------------------------------- kernel options
+
+
+def _capability(device: torch.device):
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def flexkv_options(capability) -> Callable:
+    """`flex_kernel_options` for the shapes `flex_attention` is called with."""
+
+    def options(query, key, block_mask):
+        q_block, kv_block = block_mask.BLOCK_SIZE
+        return flex_kernel_options(
+            query.device.type, query.shape[2], key.shape[1], query.shape[1], query.shape[3], query.dtype,
+            kv_block, block_mask.full_kv_num_blocks is not None, q_block_size=q_block, capability=capability,
+        )
+
+    return options
+
+
+@contextlib.contextmanager
+def kernel_options_as(options: Optional[Callable], drop_full_blocks: bool = False):
+    """Make `attend` call `flex_attention` with `kernel_options=options(query, key, block_mask)`.
+
+    Replaces whatever `attend` passes (`options=None` leaves it). With
+    `drop_full_blocks`, the block mask is rebuilt without its full-block
+    tensors (exact only when the plan lists no full blocks): torch's decode
+    kernel splits a row's work differently when they are absent. Dynamo
+    guards on the patched global, so a function compiled inside the context
+    must also run inside it.
+    """
+    if not hasattr(manager_module, "flex_attention"):
+        raise RuntimeError("flexkv.manager no longer calls flex_attention by that name; cannot set kernel options")
+    original = manager_module.flex_attention
+
+    def flex_attention(query, key, value, *args, **kwargs):
+        block_mask = kwargs.get("block_mask", args[1] if len(args) > 1 else None)
+        if drop_full_blocks and block_mask is not None:
+            block_mask = BlockMask.from_kv_blocks(
+                block_mask.kv_num_blocks, block_mask.kv_indices, BLOCK_SIZE=block_mask.BLOCK_SIZE,
+                mask_mod=block_mask.mask_mod, seq_lengths=block_mask.seq_lengths, compute_q_blocks=False)
+            if "block_mask" in kwargs:
+                kwargs["block_mask"] = block_mask
+            else:
+                args = (args[0], block_mask) + tuple(args[2:])
+        if options is not None:
+            kwargs["kernel_options"] = options(query, key, block_mask)
+        return original(query, key, value, *args, **kwargs)
+
+    manager_module.flex_attention = flex_attention
+    try:
+        yield
+    finally:
+        manager_module.flex_attention = original
+
+
+# ------------------------------------------------------------------ workloads
+
+
+class Stream:
+    """Random steps through a manager (compiled model step) and the dense reference, side by side."""
+
+    def __init__(self, name: str, cfg: BoundedKVConfig, device, *, q_heads: int, tokens: int, segments: int,
+                 block_size: int, seed: int, churn: float = 0.2, score_mod=None, positions: str = "stream",
+                 compiled: bool = True):
+        self.name, self.cfg, self.device = name, cfg, torch.device(device)
+        self.q_heads, self.T, self.churn = q_heads, tokens, churn
+        self.score_mod, self.positions = score_mod, positions
+        self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.manager = m = BoundedKVManager(cfg, self.device, block_size=block_size)
+        self.ref = ReferenceCache(cfg)
+        self.slots: list = [None] * segments
+        self.state: dict = {}
+        self.sources: dict = {}
+        self.next_id = 0
+        self.errors: list = []
+        for _ in range(cfg.max_sources if cfg.max_source_len else 0):
+            length = self.rng.randint(max(cfg.min_source_len, 1), cfg.max_source_len)
+            shape = (cfg.num_layers, cfg.rows_per_request, cfg.num_heads, length, cfg.head_dim)
+            k, v = self.randn(*shape), self.randn(*shape)
+            idx = m.add_source(k, v)
+            self.ref.add_source(idx, k, v)
+            self.sources[idx] = length
+
+        layers = cfg.num_layers
+
+        def model_step(plan, qs, ks, vs):
+            return [m.attend(l, qs[l], ks[l], vs[l], plan, score_mod=score_mod, positions=positions)
+                    for l in range(layers)]
+
+        self.model_step = model_step
+        if compiled:
+            self.model_step = torch.compile(fresh_function(model_step, f"check_{name}"), fullgraph=True, dynamic=False)
+
+    def randn(self, *shape):
+        return torch.randn(*shape, generator=self.gen).to(self.cfg.dtype).to(self.device)
+
+    def _new_request(self):
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        if self.sources:
+            src = self.rng.choice(sorted(self.sources))
+            length = self.rng.randint(self.cfg.min_source_len, min(self.cfg.max_source_len, self.sources[src]))
+        else:
+            src, length = 0, 0
+        self.state[rid] = [src, length, 0]
+        return rid
+
+    def _churn(self):
+        added = 0
+        for i, rid in enumerate(self.slots):
+            roll = self.rng.random()
+            if rid is not None and roll < self.churn / 2:
+                self.manager.remove_request(rid)
+                self.ref.remove_request(rid)
+                del self.state[rid]
+                self.slots[i] = None
+            elif rid is not None and roll < self.churn * 0.7:
+                self.manager.reset_request(rid)
+                self.ref.reset_request(rid)
+                self.state[rid][2] = 0
+            elif rid is None and roll < 0.7 and self.manager.free_slots > added:
+                self.slots[i] = self._new_request()
+                added += 1
+
+    def step(self) -> float:
+        """One step; returns the largest |flexkv - reference| over its outputs."""
+        self._churn()
+        c, T = self.cfg, self.T
+        segs, pos = [], {}
+        for rid in self.slots:
+            if rid is None:
+                segs.append(Segment(None, 0))
+                continue
+            src, length, written = self.state[rid]
+            segs.append(Segment(rid, self.rng.choice([T, T, self.rng.randint(0, T)])))
+            pos[rid] = StreamPosition(length, written, source=src)
+        step = BoundedKVStep(tuple(segs), pos, tokens=T)
+        N = len(segs) * c.rows_per_request
+        self.manager.admit(step)
+        plan = self.manager.plan(step)
+        qs = [self.randn(N, self.q_heads, T, c.head_dim) for _ in range(c.num_layers)]
+        ks = [self.randn(N, c.num_heads, T, c.head_dim) for _ in range(c.num_layers)]
+        vs = [self.randn(N, c.num_heads, T, c.head_dim) for _ in range(c.num_layers)]
+        with torch.no_grad():
+            outs = self.model_step(plan, qs, ks, vs)
+        err = 0.0
+        for l in range(c.num_layers):
+            exp = self.ref.attend(l, qs[l], ks[l], vs[l], step, score_mod=self.score_mod, positions=self.positions)
+            err = max(err, (outs[l].double().cpu() - exp).abs().max().item())
+        self.manager.commit(step)
+        self.ref.commit(step)
+        for seg in step.segments:
+            if seg.request_id is not None:
+                self.state[seg.request_id][2] += seg.span
+        return err
+
+
+def _retention_with_sources(sink: int, window: int):
+    def retention(n):
+        return SinkWindow(1 + (n + sink) % 4, window + n % 3, window_includes_step=n % 2 == 1)
+
+    return retention
+
+
+def workload_specs(cuda: bool) -> list:
+    """(name, config, stream kwargs, steps, dtypes): CUDA-sized or CPU-tiny."""
+    D = 64 if cuda else 16
+    win = 70 if cuda else 11
+    steps = 30 if cuda else 10
+    blk = (16, 32, 64) if cuda else (8, 16, 16)
+    both = (torch.float32, torch.bfloat16)
+    return [
+        ("src+cfg+gqa4+chunk+reverse",
+         BoundedKVConfig(num_layers=2 if cuda else 1, num_heads=2, head_dim=D, rows_per_request=2,
+                         max_source_len=40 if cuda else 6, retention=_retention_with_sources(1, win),
+                         reverse_step_order=True, max_step_tokens=4, max_slots=4, max_sources=2),
+         dict(q_heads=8, tokens=4, segments=3, block_size=blk[0]), steps, both),
+        ("per-query-window+score_mod+gqa4",
+         BoundedKVConfig(num_layers=1, num_heads=2, head_dim=D, rows_per_request=1, max_source_len=0,
+                         retention=SinkWindow(2, win), query_window=win - 5, max_step_tokens=9, max_slots=4),
+         dict(q_heads=8, tokens=9, segments=3, block_size=blk[1], score_mod=score_bias, positions="cache"),
+         steps, (torch.float32,)),
+        ("decode-tile-T33-gqa4",
+         BoundedKVConfig(num_layers=1, num_heads=2, head_dim=D, rows_per_request=1, max_source_len=0,
+                         retention=SinkWindow(4, 3 * win), max_step_tokens=33, max_slots=4),
+         dict(q_heads=8, tokens=33, segments=3, block_size=blk[2]), max(steps // 2, 6), both),
+    ]
+
+
+def run_workload(name, cfg, kw, steps, device, dtype, seed=0, options: Optional[Callable] = None,
+                 compiled: bool = True) -> dict:
+    """Run one workload; returns its figures (raises only on a setup error). `compiled=False` runs eagerly."""
+    cfg = cfg.replace(dtype=dtype)
+    res = dict(name=name, dtype=str(dtype).replace("torch.", ""), steps=steps, tol=TOL[dtype],
+               kernel_options="flex_kernel_options" if options else "as shipped", ok=False)
+    torch._dynamo.reset()
+    ctx = kernel_options_as(options) if options else contextlib.nullcontext()
+    with ctx:
+        s = Stream(f"{name}_{res['dtype']}_{'opt' if options else 'ship'}", cfg, device, seed=seed,
+                   compiled=compiled, **kw)
+        t0 = time.perf_counter()
+        try:
+            worst = s.step()
+            res["compile_s"] = time.perf_counter() - t0
+            graphs = _unique_graphs()
+            t0 = time.perf_counter()
+            for _ in range(steps - 1):
+                worst = max(worst, s.step())
+            res["step_ms"] = (time.perf_counter() - t0) / max(steps - 1, 1) * 1e3
+            res["recompiles"] = _unique_graphs() - graphs
+            res["max_err"] = worst
+            res["ok"] = worst <= TOL[dtype] and res["recompiles"] == 0
+        except Exception as e:  # a compile or kernel failure is a result, not a crash of the check
+            res.setdefault("compile_s", time.perf_counter() - t0)
+            res["error"] = f"{type(e).__name__}: {_first_line(e)}"
+    return res
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [l for l in str(e).splitlines() if l.strip()]
+    keep = [l for l in lines if "Error" in l or "error" in l] or lines
+    return (keep[0] if keep else repr(e))[:300]
+
+
+def correctness(device: torch.device, report: dict) -> None:
+    cuda = device.type == "cuda"
+    rows = report.setdefault("correctness", [])
+    for name, cfg, kw, steps, dtypes in workload_specs(cuda):
+        for dtype in dtypes:
+            try:
+                res = run_workload(name, cfg, kw, steps, device, dtype)
+                if not res["ok"] and "error" in res and cuda:
+                    rows.append(res)
+                    _print_correctness_row(res)
+                    res = run_workload(name, cfg, kw, steps, device, dtype, options=flexkv_options(_capability(device)))
+            except Exception as e:
+                res = dict(name=name, dtype=str(dtype), ok=False, error=f"{type(e).__name__}: {_first_line(e)}")
+                traceback.print_exc()
+            rows.append(res)
+            _print_correctness_row(res)
+
+
+# --------------------------------------------------------------------- timing
+
+
+def bench_shape(cuda: bool) -> dict:
+    if cuda:
+        return dict(requests=64, window=4096, sink=4, q_heads=32, kv_heads=8, head_dim=128, layers=4,
+                    dtype=torch.bfloat16, block=128, small_batch=4)
+    return dict(requests=4, window=252, sink=4, q_heads=8, kv_heads=2, head_dim=32, layers=2,
+                dtype=torch.float32, block=64, small_batch=1)
+
+
+def gpu_ms(fn: Callable, device: torch.device, iters: int = 20, warmup: int = 3) -> float:
+    """Median time of one call: CUDA events on a GPU, `torch.utils.benchmark.Timer` on the CPU."""
+    with torch.no_grad():
+        if device.type != "cuda":
+            fn()
+            return Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.3).median * 1e3
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize(device)
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+
+class Decode:
+    """Every request far past its window (rings wrapped), random cache content, one decode step."""
+
+    def __init__(self, device: torch.device, shape: dict, *, full_blocks: Optional[bool] = None, seed: int = 0):
+        s = shape
+        self.device, self.s = device, s
+        self.cfg = BoundedKVConfig(num_layers=s["layers"], num_heads=s["kv_heads"], head_dim=s["head_dim"],
+                                   rows_per_request=1, max_source_len=0, retention=SinkWindow(s["sink"], s["window"]),
+                                   max_slots=s["requests"], max_step_tokens=1, max_sources=0, dtype=s["dtype"])
+        self.m = m = BoundedKVManager(self.cfg, device, block_size=s["block"])
+        if full_blocks is not None:
+            m.full_blocks = full_blocks
+        g = torch.Generator(device).manual_seed(seed)
+        with torch.no_grad():
+            for name, buf in m.named_buffers():
+                if name.startswith(("k_cache_", "v_cache_")):
+                    buf.copy_(torch.randn(buf.shape, generator=g, device=device, dtype=buf.dtype))
+        B, ring = s["requests"], s["window"] + 1
+        base = s["sink"] + 3 * ring
+        self.written = [base + (7 * i) % 11 for i in range(B)]  # staggered ring offsets
+        rids = list(range(B))
+        m.admit(BoundedKVStep(tuple(Segment(r, 1) for r in rids), {r: StreamPosition(0, 0) for r in rids}))
+        m.commit(BoundedKVStep(tuple(Segment(r, 1) for r in rids),
+                               {r: StreamPosition(0, self.written[r] - 1) for r in rids}))
+        self.kept = s["sink"] + s["window"]
+        N, Hq, H, D = B, s["q_heads"], s["kv_heads"], s["head_dim"]
+        self.q = torch.randn(N, Hq, 1, D, generator=g, device=device, dtype=s["dtype"])
+        self.k = [torch.randn(N, H, 1, D, generator=g, device=device, dtype=s["dtype"]) for _ in range(s["layers"])]
+        self.v = [torch.randn(N, H, 1, D, generator=g, device=device, dtype=s["dtype"]) for _ in range(s["layers"])]
+
+    def step(self, requests: Optional[int] = None) -> BoundedKVStep:
+        rids = range(requests or self.s["requests"])
+        return BoundedKVStep(tuple(Segment(r, 1) for r in rids),
+                             {r: StreamPosition(0, self.written[r]) for r in rids})
+
+    def advance(self, step: BoundedKVStep) -> None:
+        self.m.commit(step)
+        for seg in step.segments:
+            self.written[seg.request_id] += 1
+
+    def read_bytes(self, rows: Optional[int] = None) -> int:
+        """Retained keys and values every row of the step must read, one layer."""
+        s = self.s
+        itemsize = torch.empty((), dtype=s["dtype"]).element_size()
+        return 2 * (rows or s["requests"]) * s["kv_heads"] * self.kept * s["head_dim"] * itemsize
+
+    def layer_fn(self, layer: int = 0, tag: str = ""):
+        m = self.m
+
+        def attend_layer(plan, q, k, v):
+            return m.attend(layer, q, k, v, plan)
+
+        return torch.compile(fresh_function(attend_layer, f"decode{layer}{tag}"), fullgraph=True, dynamic=False)
+
+    def contiguous_kv(self, plan, layer: int = 0):
+        """The retained entries of every row, in stream order, as `[N, H, kept, D]` keys and values."""
+        ring = self.m.layout.ring_len
+        cells = []
+        for i, n in enumerate(self.written):
+            row = plan.row(i)
+            kept = list(range(self.s["sink"])) + list(range(n - self.s["window"], n))
+            cells.append([entry_cell(row, ring, j)[1] for j in kept])
+        idx = torch.tensor(cells, device=self.device)
+        kc, vc = getattr(self.m, f"k_cache_{layer}")[0], getattr(self.m, f"v_cache_{layer}")[0]
+        return kc[:, idx].permute(1, 0, 2, 3).contiguous(), vc[:, idx].permute(1, 0, 2, 3).contiguous()
+
+
+def _row(name, ms, nbytes=None, copy_gbs=None, **extra):
+    r = dict(name=name, ms=ms, **extra)
+    if nbytes is not None and ms:
+        r["gb_s"] = nbytes / (ms * 1e-3) / 1e9
+        if copy_gbs:
+            r["copy_fraction"] = r["gb_s"] / copy_gbs
+    _print_timing_row(r)
+    return r
+
+
+def timing(device: torch.device, report: dict, deadline: float) -> None:
+    cuda = device.type == "cuda"
+    s = bench_shape(cuda)
+    t = report.setdefault("timing", {})
+    t["shape"] = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v) for k, v in s.items()}
+    rows = t.setdefault("rows", [])
+    torch._dynamo.reset()
+    d = Decode(device, s)
+    nbytes = d.read_bytes()
+    t["read_bytes_per_layer"] = nbytes
+    if cuda:
+        props = torch.cuda.get_device_properties(device)
+        t["sm_count"] = props.multi_processor_count
+        t["torch_split_kv"] = decode_split_kv(s["requests"], s["kv_heads"], props.multi_processor_count)
+        t["torch_split_kv_small_batch"] = decode_split_kv(s["small_batch"], s["kv_heads"], props.multi_processor_count)
+
+    # Device copy of the bytes the step reads: the bandwidth the step is measured against.
+    copy_gbs = None
+    try:
+        src = torch.empty(nbytes // 2, dtype=torch.float16, device=device).normal_()
+        dst = torch.empty_like(src)
+        ms = gpu_ms(lambda: dst.copy_(src), device)
+        copy_gbs = 2 * nbytes / (ms * 1e-3) / 1e9
+        rows.append(_row("copy (read+write)", ms, 2 * nbytes))
+        del src, dst
+    except Exception as e:
+        _section_error(report, "timing/copy", e)
+
+    step = d.step()
+    plan = d.m.plan(step)
+    q, k, v = d.q, d.k[0], d.v[0]
+    out = None
+    f1 = None
+    try:
+        f1 = d.layer_fn(0)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = f1(plan, q, k, v).clone()
+        if cuda:
+            torch.cuda.synchronize(device)
+        t["compile_s"] = time.perf_counter() - t0
+        print(f"  (compile of one layer's attend: {t['compile_s']:.1f} s)")
+        rows.append(_row("flexkv attend, 1 layer", gpu_ms(lambda: f1(plan, q, k, v), device), nbytes, copy_gbs))
+    except Exception as e:
+        _section_error(report, "timing/flexkv 1 layer", e)
+
+    # SDPA over the same retained entries (plus the step's own token) laid out contiguously.
+    try:
+        Kc, Vc = d.contiguous_kv(plan, 0)
+        Kc, Vc = torch.cat([Kc, k], dim=2), torch.cat([Vc, v], dim=2)
+        with torch.no_grad():
+            ref = F.scaled_dot_product_attention(q, Kc, Vc, enable_gqa=True)
+        if out is not None:
+            err = (out.double() - ref.double()).abs().max().item()
+            tol = TOL[s["dtype"]]
+            t["flexkv_vs_sdpa"] = dict(max_err=err, tol=tol, ok=err <= tol)
+            print(f"  flexkv vs SDPA at this shape: max |diff| {err:.3g} (tol {tol:g}) "
+                  f"{'ok' if err <= tol else 'FAIL'}")
+        rows.append(_row("SDPA enable_gqa, contiguous", gpu_ms(
+            lambda: F.scaled_dot_product_attention(q, Kc, Vc, enable_gqa=True), device), nbytes, copy_gbs))
+        del Kc, Vc
+    except Exception as e:
+        _section_error(report, "timing/sdpa", e)
+
+    # Every layer, then the host side: plan alone and whole steps.
+    try:
+        fns = [f1] + [d.layer_fn(l) for l in range(1, s["layers"])]
+
+        def layers():
+            return [fns[l](plan, q, d.k[l], d.v[l]) for l in range(s["layers"])]
+
+        with torch.no_grad():
+            layers()  # compiles the other layers' functions
+        rows.append(_row(f"flexkv attend, {s['layers']} layers", gpu_ms(layers, device),
+                         nbytes * s["layers"], copy_gbs))
+        t["plan_ms"] = Timer(stmt="plan(step)", globals={"plan": d.m.plan, "step": step}).blocked_autorange(
+            min_run_time=0.5).median * 1e3
+        print(f"  host plan (manager.plan): {t['plan_ms']:.3f} ms")
+
+        def whole_step():
+            st = d.step()
+            d.m.admit(st)
+            p = d.m.plan(st)
+            outs = [fns[l](p, q, d.k[l], d.v[l]) for l in range(s["layers"])]
+            d.advance(st)
+            return outs
+
+        with torch.no_grad():
+            whole_step()
+            t["step_ms"] = Timer(stmt="step()", globals={"step": whole_step}).blocked_autorange(
+                min_run_time=1.0).median * 1e3
+        t["plan_fraction_of_step"] = t["plan_ms"] / t["step_ms"]
+        print(f"  whole step (admit, plan, {s['layers']} layers, commit; synchronised): {t['step_ms']:.3f} ms, "
+              f"plan {100 * t['plan_fraction_of_step']:.1f}% of it")
+    except Exception as e:
+        _section_error(report, "timing/layers+host", e)
+
+    if cuda:
+        variants(d, report, deadline, nbytes, copy_gbs)
+
+
+def variants(d: Decode, report: dict, deadline: float, nbytes: int, copy_gbs) -> None:
+    """The same layer under other kernel options, without full blocks, and at a small batch (time allowing)."""
+    rows = report["timing"]["rows"]
+    cap = _capability(d.device)
+    q, k, v = d.q, d.k[0], d.v[0]
+    small = d.s["small_batch"]
+    tol = TOL[d.s["dtype"]]
+    expect = None
+    try:  # every variant attends at the same positions: one SDPA reference over all rows serves them all
+        Kc, Vc = d.contiguous_kv(d.m.plan(d.step()), 0)
+        with torch.no_grad():
+            expect = F.scaled_dot_product_attention(q, torch.cat([Kc, k], dim=2), torch.cat([Vc, v], dim=2),
+                                                    enable_gqa=True)
+        del Kc, Vc
+    except Exception as e:
+        _section_error(report, "timing/variants reference", e)
+    runs = [  # name, kernel options, full blocks planned, full-block tensors dropped, requests
+        ("flex_kernel_options", flexkv_options(cap), None, False, None),
+        ("main kernel (FORCE_USE_FLEX_ATTENTION)", lambda q_, k_, bm: {"FORCE_USE_FLEX_ATTENTION": True},
+         None, False, None),
+        (f"small batch {small}, as shipped", None, None, False, small),
+        (f"small batch {small}, no full-block tensors", None, False, True, small),
+        ("no full-block tensors", None, False, True, None),
+        ("kernel_options=None (torch defaults)", lambda q_, k_, bm: None, None, False, None),
+    ]
+    for i, (name, options, full, drop, requests) in enumerate(runs):
+        if time.monotonic() > deadline:
+            report.setdefault("skipped", []).append(f"variant {name}: out of time budget")
+            print(f"  (skipped, out of time budget) {name}")
+            continue
+        before = getattr(d.m, "full_blocks", None)
+        try:
+            torch._dynamo.reset()
+            if full is not None:
+                d.m.full_blocks = full
+            st = d.step(requests)
+            plan = d.m.plan(st)
+            if drop and int(plan.full_kv_num_blocks.max()) > 0:
+                raise RuntimeError("the plan lists full blocks; dropping them would change the result")
+            n = len(st.segments)
+            qq, kk, vv = q[:n], k[:n], v[:n]
+            with kernel_options_as(options, drop) if options or drop else contextlib.nullcontext():
+                f = d.layer_fn(0, tag=f"v{i}")
+                with torch.no_grad():
+                    out = f(plan, qq, kk, vv)
+                ms = gpu_ms(lambda: f(plan, qq, kk, vv), d.device)
+            extra = {}
+            if expect is not None:
+                err = (out.double() - expect[:n].double()).abs().max().item()
+                extra = dict(max_err_vs_sdpa=err, ok=err <= tol)
+                if err > tol:
+                    report.setdefault("variant_failures", []).append(f"{name}: max |diff| {err:.3g} > {tol:g}")
+                    print(f"  variant {name} disagrees with SDPA by {err:.3g} (> {tol:g})")
+            rows.append(_row(name, ms, d.read_bytes(n), copy_gbs, **extra))
+        except Exception as e:
+            _section_error(report, f"timing/variant {name}", e)
+        finally:
+            if before is not None:
+                d.m.full_blocks = before
+
+
+# ------------------------------------------------------------- plan at scale (CPU)
+
+
+def plan_at_bench_shape(report: dict) -> None:
+    """Host planning at the CUDA benchmark shape, on the meta device (nothing allocated), full blocks on."""
+    s = bench_shape(True)
+    cfg = BoundedKVConfig(num_layers=1, num_heads=s["kv_heads"], head_dim=s["head_dim"], rows_per_request=1,
+                          max_source_len=0, retention=SinkWindow(s["sink"], s["window"]), max_slots=s["requests"],
+                          max_step_tokens=1, max_sources=0, dtype=s["dtype"])
+    m = BoundedKVManager(cfg, "meta", block_size=s["block"])
+    m.full_blocks = True
+    rids = range(s["requests"])
+    m.admit(BoundedKVStep(tuple(Segment(r, 1) for r in rids), {r: StreamPosition(0, 0) for r in rids}))
+    m.commit(BoundedKVStep(tuple(Segment(r, 1) for r in rids), {r: StreamPosition(0, 20000 + r) for r in rids}))
+    step = BoundedKVStep(tuple(Segment(r, 1) for r in rids), {r: StreamPosition(0, 20001 + r) for r in rids})
+    ms = Timer(stmt="plan(step)", globals={"plan": m.plan, "step": step}).blocked_autorange(min_run_time=1.0).median
+    report["plan_ms_at_cuda_shape_on_this_cpu"] = ms * 1e3
+    print(f"  host plan at the CUDA bench shape (64 requests, window 4096, full blocks; meta device): {ms * 1e3:.2f} ms")
+
+
+# -------------------------------------------------------------------- output
+
+
+def _print_correctness_row(r: dict) -> None:
+    status = "ok" if r.get("ok") else "FAIL"
+    err = f"{r['max_err']:.2e}" if "max_err" in r else "-"
+    tail = f"  {r['error']}" if "error" in r else ""
+    print(f"  {r['name']:<34} {r.get('dtype', ''):<9} {r.get('kernel_options', ''):<20} "
+          f"steps {r.get('steps', '-'):>3}  max err {err:>9} (tol {r.get('tol', 0):g})  "
+          f"recompiles {r.get('recompiles', '-')}  compile {r.get('compile_s', float('nan')):.1f}s  "
+          f"step {r.get('step_ms', float('nan')):.1f}ms  {status}{tail}")
+
+
+def _print_timing_row(r: dict) -> None:
+    gbs = f"{r['gb_s']:8.1f}" if "gb_s" in r else " " * 8
+    frac = f"{100 * r['copy_fraction']:6.1f}%" if "copy_fraction" in r else ""
+    print(f"  {r['name']:<44} {r['ms']:9.4f} ms  {gbs} GB/s  {frac}")
+
+
+def _section_error(report: dict, where: str, e: BaseException) -> None:
+    msg = f"{where}: {type(e).__name__}: {_first_line(e)}"
+    report.setdefault("errors", []).append(msg)
+    print(f"  ERROR in {msg}")
+    traceback.print_exc(limit=3)
+
+
+def _device_info(device: torch.device) -> dict:
+    info = dict(device=str(device), torch=torch.__version__)
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        info.update(name=p.name, capability=list(torch.cuda.get_device_capability(device)),
+                    sm_count=p.multi_processor_count, cuda=torch.version.cuda)
+        try:
+            import triton
+
+            info["triton"] = triton.__version__
+        except Exception:
+            pass
+    else:
+        info.update(threads=torch.get_num_threads())
+    return info
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the figures to this file")
+    ap.add_argument("--cpu", action="store_true", help="run the CPU version even when CUDA is available")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds after which optional timing variants are skipped (default 240 on CUDA, 0 on CPU)")
+    ap.add_argument("--skip-timing", action="store_true", help="correctness and recompiles only")
+    args = ap.parse_args(argv)
+
+    start = time.monotonic()
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda:
+        print("no CUDA device found: ran the CPU version" if not args.cpu else "--cpu: ran the CPU version")
+    torch.set_float32_matmul_precision("highest")  # fp32 checks compare against float64 at 1e-4
+    report: dict = dict(info=_device_info(device))
+    print(f"device: {report['info']}")
+    deadline = start + (args.budget if args.budget is not None else (240.0 if cuda else 0.0))
+
+    print("correctness against the dense reference (compiled; recompiles counted after the first step):")
+    try:
+        correctness(device, report)
+    except Exception as e:
+        _section_error(report, "correctness", e)
+        report.setdefault("correctness", []).append(dict(name="correctness section", ok=False))
+    if not args.skip_timing:
+        print(f"decode timing ({'CUDA events' if cuda else 'torch.utils.benchmark.Timer'}; "
+              f"GB/s = retained K+V bytes read / time; copy GB/s = bytes read + written / time):")
+        try:
+            timing(device, report, deadline)
+        except Exception as e:
+            _section_error(report, "timing", e)
+        if not cuda:
+            try:
+                plan_at_bench_shape(report)
+            except Exception as e:
+                _section_error(report, "plan at the CUDA shape", e)
+
+    # As shipped is what counts: a failure fixed only by injected kernel options is still a failure.
+    shipped = [r for r in report.get("correctness", []) if r.get("kernel_options") != "flex_kernel_options"]
+    failed = [r["name"] + " " + str(r.get("dtype", "")) for r in shipped if not r.get("ok")]
+    scale = report.get("timing", {}).get("flexkv_vs_sdpa")
+    if scale is not None and not scale["ok"]:
+        failed.append("flexkv vs SDPA at the bench shape")
+    failed += [f"variant {v}" for v in report.get("variant_failures", [])]
+    report["failed"] = failed
+    report["wall_s"] = time.monotonic() - start
+    print(f"done in {report['wall_s']:.0f} s; correctness failures: {failed or 'none'}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2, default=str)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

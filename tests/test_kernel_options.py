@@ -1,0 +1,105 @@
+"""`flex_kernel_options` on hand-worked shapes (pure Python: no device, no compile)."""
+
+import pytest
+import torch
+
+from flexkv.kernel_options import (
+    decode_block_m,
+    decode_split_kv,
+    flex_kernel_options,
+    uses_decode_kernel,
+)
+
+BF16 = torch.bfloat16
+
+
+def opts(q_len, q_heads=32, kv_heads=8, *, head_dim=128, dtype=BF16, block=128, device="cuda", **kw):
+    return flex_kernel_options(device, q_len, kv_heads, q_heads, head_dim, dtype, block, **kw)
+
+
+def test_cpu_takes_no_options():
+    assert opts(1, device="cpu") is None
+    assert opts(33, block=8, device="cpu") is None  # CUDA-only limits do not apply
+
+
+def test_decode_tile_worked_examples():
+    # 4-way GQA: the decode kernel packs q_len * 4 query rows into one power-of-two tile (>= 16).
+    assert decode_block_m(1, 4) == 16
+    assert decode_block_m(9, 4) == 64  # 36 rows
+    assert decode_block_m(32, 4) == 128
+    assert decode_block_m(33, 4) == 256  # 132 rows: no longer divides a query block of 128
+    assert uses_decode_kernel(1, 32, 8)
+    assert uses_decode_kernel(127, 8, 8)
+    assert not uses_decode_kernel(128, 8, 8)  # long queries: main kernel
+    assert not uses_decode_kernel(1, 12, 4)  # 3-way GQA is not a power of two: main kernel
+
+
+def test_gqa4_decode_that_fits_one_query_block_keeps_torch_defaults():
+    assert opts(1) is None
+    assert opts(32) is None  # 128 rows: the largest tile that divides the query block
+
+
+def test_gqa4_from_33_tokens_takes_the_main_kernel():
+    assert opts(33) == {"FORCE_USE_FLEX_ATTENTION": True}
+    assert opts(100, q_heads=16) == {"FORCE_USE_FLEX_ATTENTION": True}  # 2-way: 200 rows -> tile 256
+    assert opts(33, q_heads=8) is None  # no GQA: 33 rows -> tile 64, fine
+    assert opts(128) is None  # main kernel anyway
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
+def test_every_decode_shape_compiles(group):
+    """For every short query the result either leaves the decode kernel or its tile divides the query block."""
+    for q_len in range(1, 128):
+        o = opts(q_len, q_heads=2 * group, kv_heads=2) or {}
+        if not o.get("FORCE_USE_FLEX_ATTENTION"):
+            assert 128 % decode_block_m(q_len, group) == 0, (q_len, group)
+        else:
+            assert q_len * group > 128, (q_len, group)
+
+
+def test_kv_block_sizes():
+    assert opts(1, block=256) is None
+    assert opts(1, block=64) == {"BLOCK_N": 64}  # torch's Hopper main-kernel tile for bf16 d64 is 128
+    assert opts(200, block=16) == {"BLOCK_N": 16}
+    assert opts(200, block=96) == {"BLOCK_N": 32}
+    assert opts(200, block=192) == {"BLOCK_N": 64}
+    assert opts(33, block=32) == {"BLOCK_N": 32, "FORCE_USE_FLEX_ATTENTION": True}
+    for bad in (8, 24, 100):
+        with pytest.raises(ValueError, match=f"KV block size {bad} cannot run on CUDA"):
+            opts(1, block=bad)
+
+
+def test_decode_tuning_needs_the_capability():
+    hopper = (9, 0)
+    assert opts(1, capability=hopper) == {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3}
+    assert opts(9, capability=hopper) == {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}  # 64-row tile
+    assert opts(32, capability=hopper) == {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}  # 128-row tile
+    # fp32 with a wide head keeps one stage, as torch's own table has it.
+    assert opts(1, dtype=torch.float32, head_dim=256, capability=hopper)["num_stages"] == 1
+    # Ampere: warps follow the tile, stages stay torch's.
+    assert opts(32, capability=(8, 0)) == {"BLOCK_N": 64, "num_warps": 8}
+    # The main kernel is never tuned here.
+    assert opts(33, capability=hopper) == {"FORCE_USE_FLEX_ATTENTION": True}
+    assert opts(1, block=32, capability=hopper)["BLOCK_N"] == 32
+
+
+def test_full_blocks_change_no_option():
+    for q_len in (1, 9, 33, 200):
+        assert opts(q_len, full_blocks=True) == opts(q_len, full_blocks=False)
+
+
+def test_decode_split_kv_worked_examples():
+    assert decode_split_kv(64, 8, 132) == 1  # 512 (row, head) pairs already fill an H100/H200
+    assert decode_split_kv(4, 8, 132) == 8  # 132 // 32 * 2
+    assert decode_split_kv(1, 1, 132) == 264
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="q_heads=12 must be a multiple of kv_heads=8"):
+        opts(1, q_heads=12)
+    with pytest.raises(ValueError, match="q_len must be an int >= 1"):
+        opts(0)
+    with pytest.raises(ValueError, match="q_block_size=64 must be a multiple of 128"):
+        opts(1, q_block_size=64)
+    with pytest.raises(ValueError, match="device_type must be a str"):
+        flex_kernel_options(torch.device("cuda"), 1, 8, 32, 128, BF16, 128)
