@@ -20,6 +20,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from .config import BoundedKVConfig
 from .layout import Layout
 from .masks import POSITION_MODES, make_mask_mod, make_score_mod
+from .kernel_options import flex_kernel_options
 from .planner import BoundedPlan, build_plan
 from .row_attention import attend_rows
 from .step import BoundedKVStep, Segment, StreamPosition
@@ -95,6 +96,13 @@ class BoundedKVManager(nn.Module):
         #: the CPU, where the gather is cheap next to the chunk's attention and FlexAttention's CPU
         #: kernel is slow for short query blocks, and FlexAttention everywhere else.
         self.attention_path = "auto"
+        cuda = self.device.type == "cuda"
+        # Read once, on the host: what the CUDA kernels are tuned and split by.
+        self._capability = torch.cuda.get_device_capability(self.device) if cuda else None
+        self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else None
+        # A KV block the CUDA kernels cannot compile is refused here, not at the first compiled step.
+        flex_kernel_options(self.device.type, 1, config.num_heads, config.num_heads, config.head_dim,
+                            config.dtype, self.layout.block_size, q_block_size=self.layout.q_block_size)
 
     # ------------------------------------------------------------------ views
 
@@ -330,7 +338,8 @@ class BoundedKVManager(nn.Module):
                         f"request {seg.request_id!r} is not admitted; call admit(step) before plan(step)"
                     )
             slots = {rid: r.slot for rid, r in self._requests.items()}
-        plan = build_plan(self.config, self.layout, step, slots.__getitem__, self.device, self.full_blocks)
+        plan = build_plan(self.config, self.layout, step, slots.__getitem__, self.device,
+                          self._full_blocks_for(len(step.segments) * self.config.rows_per_request, step.step_tokens))
         self._current_plan = plan
         return plan
 
@@ -364,6 +373,20 @@ class BoundedKVManager(nn.Module):
             self._free.sort()
 
     # -------------------------------------------------------------- attention
+
+    def _full_blocks_for(self, rows: int, tokens: int) -> bool:
+        """Whether a step of `rows` x `tokens` is planned with full blocks.
+
+        CUDA's decode kernel splits the KV length `SPLIT_KV` ways when the batch is small
+        (`rows * num_heads <= SMs`); with full blocks each split covers a share of the whole
+        layer tensor rather than of the row's blocks, so a row's work lands in one or two
+        splits. Such steps list every block as masked instead.
+        """
+        if not self.full_blocks:
+            return False
+        if self._sm_count is not None and tokens < self.layout.q_block_size:
+            return rows * self.config.num_heads > self._sm_count
+        return True
 
     def _rows_path(self, tokens: int) -> bool:
         """Whether a step of `tokens` tokens attends through `flexkv.row_attention` (see `attention_path`)."""
@@ -454,6 +477,7 @@ class BoundedKVManager(nn.Module):
         nq = lay.q_blocks(T * g)
         kv_num, kv_idx, full_num, full_idx = (
             plan.kv_num_blocks, plan.kv_indices, plan.full_kv_num_blocks, plan.full_kv_indices)
+        has_full = plan.has_full_blocks
         if self.device.type == "cpu" and kv_idx.shape[3] < lay.num_blocks:
             # The CPU kernel wants block lists as wide as the layer tensor (it reads only the first
             # kv_num_blocks of each); the plan stays compact and is widened here, on the device side.
@@ -461,6 +485,9 @@ class BoundedKVManager(nn.Module):
         if nq > 1:
             kv_num, full_num = (x.expand(N, 1, nq).contiguous() for x in (kv_num, full_num))
             kv_idx, full_idx = (x.expand(N, 1, nq, x.shape[3]).contiguous() for x in (kv_idx, full_idx))
+        if not has_full:
+            # No full-block tensors at all: the kernels then split a row by its own blocks.
+            full_num = full_idx = None
         block_mask = BlockMask.from_kv_blocks(
             kv_num,
             kv_idx,
@@ -475,12 +502,18 @@ class BoundedKVManager(nn.Module):
         # buffer, and inductor's CPU FlexAttention fails to lower a q that is only a view of another
         # tensor (a slice of a stacked 5-D tensor, or a projection's view + transpose).
         scale = D ** -0.5 if scale is None else scale
+        options = None
+        if not rows_path:
+            options = flex_kernel_options(
+                self.device.type, g * T, H, H if packed else Hq, D, q.dtype, lay.block_size, has_full,
+                q_block_size=lay.q_block_size, capability=self._capability)
         if rows_path:
             out = attend_rows(q.reshape(N, H, g * T, D) * scale, kc, vc, lay, plan, mask_mod, sm)
             return out.view(N, Hq, T, D)
         if packed:
             out = flex_attention(q.reshape(N, H, g * T, D) * scale, kc, vc, score_mod=sm, block_mask=block_mask,
-                                 scale=1.0)
+                                 scale=1.0, kernel_options=options)
             return out.view(N, Hq, T, D)
         q = q * scale
-        return flex_attention(q, kc, vc, score_mod=sm, block_mask=block_mask, scale=1.0, enable_gqa=Hq != H)
+        return flex_attention(q, kc, vc, score_mod=sm, block_mask=block_mask, scale=1.0, enable_gqa=Hq != H,
+                              kernel_options=options)

@@ -87,8 +87,11 @@ class BoundedPlan:
     keeps the packed table as bytes, for equality, hashing and inspection.
     """
 
-    def __init__(self, rows: int, tokens: int, width: int, table: array, device, full_width: int = 1):
+    def __init__(self, rows: int, tokens: int, width: int, table: array, device, full_blocks: bool = False):
+        full_width = width if full_blocks else 1
         self.rows = rows
+        #: Whether blocks every query reads whole are listed apart (a host bool: it shapes the graph).
+        self.has_full_blocks = full_blocks
         self.tokens = tokens
         self.width = width
         self.full_width = full_width
@@ -123,7 +126,8 @@ class BoundedPlan:
     def __eq__(self, other):
         if not isinstance(other, BoundedPlan):
             return NotImplemented
-        return (self.rows, self.tokens, self.width, self.host) == (other.rows, other.tokens, other.width, other.host)
+        return (self.rows, self.tokens, self.width, self.has_full_blocks, self.host) == (
+            other.rows, other.tokens, other.width, other.has_full_blocks, other.host)
 
     __hash__ = None
 
@@ -343,4 +347,4 @@ def build_plan(
     table.extend(full_num)
     table.extend(full_indices)
     table.extend(writes)
-    return BoundedPlan(rows, T, width, table, device, full_width)
+    return BoundedPlan(rows, T, width, table, device, full_blocks)
