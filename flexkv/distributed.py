@@ -40,6 +40,7 @@ that read its KV heads, so a GQA group is never split.
 from __future__ import annotations
 
 import hashlib
+import struct
 from dataclasses import dataclass
 from typing import Any, Hashable, Optional
 
@@ -190,11 +191,12 @@ class HeadShard:
 def plan_digest(plan: BoundedPlan) -> str:
     """A short digest of a plan's host table: equal plans give equal digests in every process.
 
-    Python hashes tuples of ints the same way in every process (string
-    hashing is salted per process, int hashing is not), and it is the
-    fastest digest at hand: about 0.1 ms for a 32-request plan.
+    BLAKE2b over the packed table (Python's own `hash` of bytes is salted per
+    process); a few microseconds for a 32-request plan.
     """
-    return f"{hash((plan.rows, plan.tokens, plan.host)) & 0xFFFFFFFFFFFFFFFF:016x}"
+    h = hashlib.blake2b(plan.host, digest_size=8)
+    h.update(struct.pack("<3q", plan.rows, plan.tokens, plan.width))
+    return h.hexdigest()
 
 
 _MASK = (1 << 64) - 1

@@ -22,7 +22,7 @@ from .layout import Layout
 from .masks import POSITION_MODES, make_mask_mod, make_score_mod
 from .kernel_options import flex_kernel_options
 from .planner import BoundedPlan, build_plan
-from .row_attention import attend_rows
+from .row_attention import attend_rows, gather_width
 from .step import BoundedKVStep, Segment, StreamPosition
 
 __all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted"]
@@ -508,7 +508,8 @@ class BoundedKVManager(nn.Module):
                 self.device.type, g * T, H, H if packed else Hq, D, q.dtype, lay.block_size, has_full,
                 q_block_size=lay.q_block_size, capability=self._capability)
         if rows_path:
-            out = attend_rows(q.reshape(N, H, g * T, D) * scale, kc, vc, lay, plan, mask_mod, sm)
+            out = attend_rows(q.reshape(N, H, g * T, D) * scale, kc, vc, lay, plan, mask_mod, sm,
+                              width=gather_width(c))
             return out.view(N, Hq, T, D)
         if packed:
             out = flex_attention(q.reshape(N, H, g * T, D) * scale, kc, vc, score_mod=sm, block_mask=block_mask,

@@ -48,24 +48,29 @@ def configs(draw):
     return cfg, q_heads
 
 
-@settings(max_examples=40)
+@settings(max_examples=60)
 @given(
     configs(),
     st.integers(0, 2**16),
     st.sampled_from([8, 16]),
     st.sampled_from([None, "stream", "cache"]),
+    st.sampled_from(["auto", "flex", "rows"]),
+    st.sampled_from([3, 1]),
 )
-def test_random_workloads_match_reference(cfg_q, seed, block_size, positions):
+def test_random_workloads_match_reference(cfg_q, seed, block_size, positions, path, segments):
+    """Every attention path agrees with the reference: FlexAttention, and the rows path both in place
+    (the step uses most of the pool's slot rows) and gathered (one segment against up to 4 slots)."""
     cfg, q_heads = cfg_q
     work = Workload(
         cfg,
         q_heads=q_heads,
-        segments=3,
+        segments=segments,
         seed=seed,
         block_size=block_size,
         score_mod=None if positions is None else score_bias,
         positions=positions or "stream",
     )
+    work.manager.attention_path = path
     for _ in range(10):
         work.step()
     assert work.worst < TOL, f"max error {work.worst} for {cfg}"
