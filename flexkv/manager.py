@@ -14,12 +14,13 @@ from typing import Callable, Hashable, Optional
 
 import torch
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from .config import BoundedKVConfig
 from .layout import DEFAULT_BLOCK_SIZE, Layout
 from .masks import POSITION_MODES, make_mask_mod, make_score_mod
 from .planner import BoundedPlan, build_plan
+from .sinks import apply_learned_sinks, check_sinks
 from .step import BoundedKVStep, Segment, StreamPosition
 
 __all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted"]
@@ -398,6 +399,7 @@ class BoundedKVManager(nn.Module):
         scale: Optional[float] = None,
         score_mod: Optional[Callable] = None,
         positions: str = "stream",
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Write the step's tokens into layer `layer_idx` and attend over what each row may read.
 
@@ -406,11 +408,14 @@ class BoundedKVManager(nn.Module):
         Returns `[N, Hq, T, D]`. `score_mod(score, b, h, q_pos, kv_pos)` gets
         stream positions (`positions="stream"`) or in-cache positions
         (`positions="cache"`). One `flex_attention` call; traceable by
-        `torch.compile(fullgraph=True)`.
+        `torch.compile(fullgraph=True)`. `sinks`: learned sink logits `[Hq]`
+        (see `flexkv.sinks`), served from the same call's log-sum-exp.
         """
         if plan is None:
             plan = self._current_plan
         self._check_attend(layer_idx, q, k, v, plan)
+        if sinks is not None:
+            check_sinks(sinks, q.shape[1], self.device)
         if positions not in POSITION_MODES:
             raise ValueError(f"attend: positions must be one of {POSITION_MODES}, got {positions!r}")
         c, lay = self.config, self.layout
@@ -448,9 +453,17 @@ class BoundedKVManager(nn.Module):
         # buffer, and inductor's CPU FlexAttention fails to lower a q that is only a view of another
         # tensor (a slice of a stacked 5-D tensor, or a projection's view + transpose).
         scale = D ** -0.5 if scale is None else scale
+        aux = None if sinks is None else AuxRequest(lse=True)
         if packed:
             out = flex_attention(q.reshape(N, H, g * T, D) * scale, kc, vc, score_mod=sm, block_mask=block_mask,
-                                 scale=1.0)
+                                 scale=1.0, return_aux=aux)
+        else:
+            q = q * scale
+            out = flex_attention(q, kc, vc, score_mod=sm, block_mask=block_mask, scale=1.0, enable_gqa=Hq != H,
+                                 return_aux=aux)
+        if sinks is None:
             return out.view(N, Hq, T, D)
-        q = q * scale
-        return flex_attention(q, kc, vc, score_mod=sm, block_mask=block_mask, scale=1.0, enable_gqa=Hq != H)
+        # Packed, query head h * g + i sits at rows i * T .. i * T + T - 1 of KV head h: the same
+        # [N, Hq, T] view serves the output and its log-sum-exp.
+        out, aux = out
+        return apply_learned_sinks(out.view(N, Hq, T, D), aux.lse.view(N, Hq, T), sinks)
