@@ -224,12 +224,15 @@ def test_generate_matches_the_model_under_its_per_layer_masks(generated):
     g = generated
     tol = 1e-4 if g.model.dtype == torch.float32 else 1e-5
     logits = torch.stack(g.out.logits, dim=1)  # [B, NEW, V]
+    worst = 0.0
     for b, p in enumerate(g.prompts):
         want_tokens, want_logits = reference_greedy(g.model, p, NEW)
         got_tokens = g.out.sequences[b, g.width:]
         assert got_tokens.tolist() == want_tokens.tolist(), f"{g.family} row {b} (prompt {len(p)})"
         torch.testing.assert_close(logits[b].double(), want_logits.double(), rtol=0, atol=tol)
+        worst = max(worst, (logits[b].double() - want_logits.double()).abs().max().item())
         assert g.cache.stream_length(b) == len(p) + NEW - 1  # the last token is returned, not fed
+    print(f"\n[{g.family}] {NEW} greedy tokens x {len(g.prompts)} rows equal; largest logit difference {worst:.1e}")
     windows = g.cache.layer_windows
     if all(w is not None for w in windows):
         # Every layer slides (Mistral): the cache keeps exactly what the model attends, so its
@@ -267,10 +270,14 @@ def test_each_layer_group_keeps_its_own_window(generated):
 
 def test_cache_memory_is_flat_while_dynamic_cache_grows(generated):
     g = generated
-    B = len(g.prompts)
-    print(f"\n[{g.family}] after {NEW} tokens ({NEW // WINDOW}x the window): one flexkv stream holds "
-          f"{g.cache.stream_bytes} B, a DynamicCache row {g.dyn_bytes[-1] // B} B; flexkv in all "
-          f"{g.flex_bytes[-1]} B (4 slots), DynamicCache {g.dyn_bytes[-1]} B ({B} rows)")
+    # One stream on its own (the longest prompt), for the per-stream figure.
+    one = DynamicCache(config=g.model.config)
+    g.model.generate(g.prompts[-1][None], past_key_values=one, max_new_tokens=NEW, do_sample=False)
+    alone = held_bytes(one)
+    print(f"\n[{g.family}] after {len(g.prompts[-1])} + {NEW} tokens ({NEW // WINDOW}x the window): one flexkv "
+          f"stream {g.cache.stream_bytes} B, DynamicCache for one stream {alone} B; flexkv cache in all "
+          f"{g.flex_bytes[-1]} B ({g.cache.manager.config.max_slots} slots), DynamicCache {g.dyn_bytes[-1]} B "
+          f"({len(g.prompts)} padded rows)")
     assert len(g.flex_bytes) == len(g.dyn_bytes) == NEW
     # Flat from the first decoded token on; after the prefill the manager also still holds the
     # prefill's last plans (tables of a few dozen ints), nothing more.
@@ -278,6 +285,7 @@ def test_cache_memory_is_flat_while_dynamic_cache_grows(generated):
     assert abs(g.flex_bytes[0] - g.flex_bytes[1]) < 2048
     assert g.flex_bytes[1] >= g.cache.memory_bytes
     if any(w is None for w in g.cache.layer_windows):
+        assert g.cache.stream_bytes < alone
         # (A sliding DynamicCache layer trims what the prefill wrote after the first token.)
         assert all(b > a for a, b in zip(g.dyn_bytes[1:], g.dyn_bytes[2:]))
 
