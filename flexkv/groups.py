@@ -171,6 +171,8 @@ class GroupedKVManager(nn.Module):
         self.groups = groups
         self.device = torch.device(device)
         self.managers = nn.ModuleList(BoundedKVManager(c, device, block_size=block_size) for c in configs)
+        # Host-side access without nn.ModuleList's indexing cost (it runs on every step).
+        self._mgrs = tuple(self.managers)
         self._route = tuple(route)
         self._lock = threading.RLock()
         self._current_plan: Optional[GroupedPlan] = None
@@ -186,40 +188,40 @@ class GroupedKVManager(nn.Module):
     def layer_manager(self, layer_idx: int) -> Tuple[BoundedKVManager, int]:
         """The manager holding model layer `layer_idx`, and the layer's index in it."""
         g, i = self.group_of(layer_idx)
-        return self.managers[g], i
+        return self._mgrs[g], i
 
     @property
     def requests(self) -> tuple:
         """Admitted request ids, in admission order (the same in every group)."""
-        return self.managers[0].requests
+        return self._mgrs[0].requests
 
     @property
     def free_slots(self) -> int:
-        return min(m.free_slots for m in self.managers)
+        return min(m.free_slots for m in self._mgrs)
 
     @property
     def sources(self) -> dict:
-        return self.managers[0].sources
+        return self._mgrs[0].sources
 
     def written(self, request_id: Hashable) -> int:
         """Tokens the request has committed to its stream."""
-        return self.managers[0].written(request_id)
+        return self._mgrs[0].written(request_id)
 
     @property
     def memory_bytes(self) -> int:
         """Bytes every group's key and value tensors hold."""
-        return sum(m.memory_bytes for m in self.managers)
+        return sum(m.memory_bytes for m in self._mgrs)
 
     @property
     def slot_bytes(self) -> int:
         """Bytes one request's slot holds over every group: the memory of one stream."""
-        return sum(m.slot_bytes for m in self.managers)
+        return sum(m.slot_bytes for m in self._mgrs)
 
     def memory_report(self) -> tuple:
         """One dict per group: its name, layers, retention, query window, cells per slot row,
         bytes per slot (over its layers, keys and values) and bytes held."""
         out = []
-        for g, m in zip(self.groups, self.managers):
+        for g, m in zip(self.groups, self._mgrs):
             out.append(
                 dict(
                     name=g.name,
@@ -238,10 +240,13 @@ class GroupedKVManager(nn.Module):
     def admit(self, step: BoundedKVStep) -> None:
         """Admit `step` in every group; atomic across groups (on any error nothing changes)."""
         with self._lock:
+            if len(self._mgrs) == 1:
+                self._mgrs[0].admit(step)  # atomic on its own
+                return
             done = []
             try:
-                for m in self.managers:
-                    before = {rid: m.written(rid) for rid in m.requests}
+                for m in self._mgrs:
+                    before = set(m.requests)
                     m.admit(step)
                     done.append((m, before))
             except BaseException:
@@ -249,7 +254,7 @@ class GroupedKVManager(nn.Module):
                     for rid in m.requests:
                         if rid not in before:
                             m.remove_request(rid)
-                        elif before[rid] == 0:
+                        elif m.written(rid) == 0:  # admit never changes `written`
                             # An admit binds the source of a stream that has written nothing;
                             # rewinding the empty stream unbinds it again.
                             m.reset_request(rid)
@@ -258,30 +263,30 @@ class GroupedKVManager(nn.Module):
     def plan(self, step: BoundedKVStep) -> GroupedPlan:
         """Plan `step` once per group; the result is also kept for `attend(plan=None)`."""
         with self._lock:
-            plan = GroupedPlan([m.plan(step) for m in self.managers])
+            plan = GroupedPlan([m.plan(step) for m in self._mgrs])
             self._current_plan = plan
             return plan
 
     def commit(self, step: BoundedKVStep) -> None:
         """Record each request's written tokens in every group (idempotent)."""
         with self._lock:
-            self.managers[0].commit(step)  # validates before any group changes
-            for m in self.managers[1:]:
+            self._mgrs[0].commit(step)  # validates before any group changes
+            for m in self._mgrs[1:]:
                 m.commit(step)
 
     def reset_request(self, request_id: Hashable) -> None:
         """Rewind a request to an empty stream in every group."""
         with self._lock:
-            self.managers[0].slot_of(request_id)
-            for m in self.managers:
+            self._mgrs[0].slot_of(request_id)
+            for m in self._mgrs:
                 m.reset_request(request_id)
 
     def remove_request(self, request_id: Hashable) -> None:
         """Free the request's slot in every group."""
         with self._lock:
-            if request_id not in self.managers[0].requests:
+            if request_id not in self._mgrs[0].requests:
                 raise ValueError(f"remove_request: request {request_id!r} is not admitted")
-            for m in self.managers:
+            for m in self._mgrs:
                 m.remove_request(request_id)
 
     def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
@@ -298,7 +303,7 @@ class GroupedKVManager(nn.Module):
         with self._lock:
             added = []
             try:
-                for g, m in zip(self.groups, self.managers):
+                for g, m in zip(self.groups, self._mgrs):
                     idx = torch.tensor(g.layers, device=keys.device)
                     added.append((m, m.add_source(keys.index_select(0, idx), values.index_select(0, idx))))
             except BaseException:
@@ -315,8 +320,8 @@ class GroupedKVManager(nn.Module):
     def remove_source(self, index: int) -> None:
         """Unregister a source in every group."""
         with self._lock:
-            self.managers[0].remove_source(index)
-            for m in self.managers[1:]:
+            self._mgrs[0].remove_source(index)
+            for m in self._mgrs[1:]:
                 m.remove_source(index)
 
     # -------------------------------------------------------------- attention
@@ -337,19 +342,19 @@ class GroupedKVManager(nn.Module):
         """`BoundedKVManager.attend` for model layer `layer_idx`, in its group with the group's plan."""
         if plan is None:
             plan = self._current_plan
-        if not isinstance(plan, GroupedPlan) or len(plan) != len(self.managers):
+        if not isinstance(plan, GroupedPlan) or len(plan) != len(self._mgrs):
             raise ValueError(
-                f"attend needs this cache's GroupedPlan (one plan per group, {len(self.managers)} groups): "
+                f"attend needs this cache's GroupedPlan (one plan per group, {len(self._mgrs)} groups): "
                 f"pass plan=cache.plan(step), got {plan!r}"
             )
         g, i = self.group_of(layer_idx)
-        return self.managers[g].attend(
+        return self._mgrs[g].attend(
             i, q, k, v, plan.plans[g], scale=scale, score_mod=score_mod, positions=positions, sinks=sinks
         )
 
     def extra_repr(self) -> str:
         parts = []
-        for g, m in zip(self.groups, self.managers):
+        for g, m in zip(self.groups, self._mgrs):
             label = f"{g.name}: " if g.name else ""
             parts.append(
                 f"{label}layers {list(g.layers)} keep {g.retention} ({m.layout.slot_row_len} cells per slot row)"
