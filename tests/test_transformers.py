@@ -381,6 +381,10 @@ def test_forward_without_flexkv_cache_is_the_models_own():
             after = model(input_ids=ids, attention_mask=mask).logits
         torch.testing.assert_close(after, before, rtol=0, atol=0, equal_nan=True, msg=family)
         assert torch.equal(plain, model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False))
+    fkt.disable(model)
+    assert getattr(model, "_flexkv_state", None) is None and not model._forward_pre_hooks
+    with pytest.raises(RuntimeError, match="did not plan"):  # no hooks: the cache refuses to be misused
+        model(input_ids=ids, past_key_values=cache)
     with pytest.raises(ValueError, match="ran in a forward no FlexKVCache planned"):
         model.set_attn_implementation("flexkv")
         model(input_ids=ids)

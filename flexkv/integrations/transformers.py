@@ -792,7 +792,8 @@ class FlexKVCache(Cache):
     def __repr__(self):
         c = self.manager.config
         groups = ", ".join(
-            f"{r['name']} layers {list(r['layers'])}: {r['retention']}" for r in self.memory_report()
+            f"{r['name']} layers {list(r['layers'])}: {r['retention']}, {r['slot_cells']} cells per stream and layer"
+            for r in self.memory_report()
         )
         return (
             f"FlexKVCache(positions={self.positions!r}, max_streams={c.max_slots}, layers={c.num_layers}, "
