@@ -16,6 +16,7 @@ from .engine import (
     apply_deployment,
     load_deployment,
 )
+from .groups import GroupedKVManager, GroupedPlan, LayerGroup
 from .layout import Layout
 from .manager import BoundedKVManager, SlotsExhausted, SourcesExhausted
 from .planner import BoundedPlan
@@ -31,6 +32,9 @@ __all__ = [
     "BoundedKVStep",
     "BoundedPlan",
     "EngineResourceInfo",
+    "GroupedKVManager",
+    "GroupedPlan",
+    "LayerGroup",
     "Layout",
     "NodeResourceSpec",
     "Resource",

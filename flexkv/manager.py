@@ -15,7 +15,7 @@ from typing import Callable, Hashable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from .config import BoundedKVConfig
 from .layout import Layout
@@ -23,6 +23,7 @@ from .masks import POSITION_MODES, make_mask_mod, make_score_mod
 from .kernel_options import flex_kernel_options
 from .planner import BoundedPlan, build_plan
 from .row_attention import attend_rows, gather_width
+from .sinks import apply_learned_sinks, check_sinks
 from .step import BoundedKVStep, Segment, StreamPosition
 
 __all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted"]
@@ -436,6 +437,7 @@ class BoundedKVManager(nn.Module):
         scale: Optional[float] = None,
         score_mod: Optional[Callable] = None,
         positions: str = "stream",
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Write the step's tokens into layer `layer_idx` and attend over what each row may read.
 
@@ -444,11 +446,14 @@ class BoundedKVManager(nn.Module):
         Returns `[N, Hq, T, D]`. `score_mod(score, b, h, q_pos, kv_pos)` gets
         stream positions (`positions="stream"`) or in-cache positions
         (`positions="cache"`). One `flex_attention` call; traceable by
-        `torch.compile(fullgraph=True)`.
+        `torch.compile(fullgraph=True)`. `sinks`: learned sink logits `[Hq]`
+        (see `flexkv.sinks`), served from the same call's log-sum-exp.
         """
         if plan is None:
             plan = self._current_plan
         self._check_attend(layer_idx, q, k, v, plan)
+        if sinks is not None:
+            check_sinks(sinks, q.shape[1], self.device)
         if positions not in POSITION_MODES:
             raise ValueError(f"attend: positions must be one of {POSITION_MODES}, got {positions!r}")
         c, lay = self.config, self.layout
@@ -462,7 +467,10 @@ class BoundedKVManager(nn.Module):
 
         Hq = q.shape[1]
         group = Hq // H
-        rows_path = self._rows_path(T)
+        # Learned sinks need each query's log-sum-exp, which the compiled CPU FlexAttention kernel
+        # does not return: on the CPU they take the rows path, which computes it.
+        rows_path = self._rows_path(T) or (
+            sinks is not None and self.device.type == "cpu" and self.attention_path == "auto")
         # On the CPU, fold each GQA group into the query axis: every KV head then meets its
         # group's queries in one pass over its keys instead of one pass per query head.
         packed = group > 1 and (self.pack_gqa or rows_path)
@@ -507,14 +515,24 @@ class BoundedKVManager(nn.Module):
             options = flex_kernel_options(
                 self.device.type, g * T, H, H if packed else Hq, D, q.dtype, lay.block_size, has_full,
                 q_block_size=lay.q_block_size, capability=self._capability)
+        lse = None
         if rows_path:
             out = attend_rows(q.reshape(N, H, g * T, D) * scale, kc, vc, lay, plan, mask_mod, sm,
-                              width=gather_width(c))
+                              width=gather_width(c), return_lse=sinks is not None)
+            if sinks is not None:
+                out, lse = out
+        else:
+            aux = None if sinks is None else AuxRequest(lse=True)
+            if packed:
+                out = flex_attention(q.reshape(N, H, g * T, D) * scale, kc, vc, score_mod=sm, block_mask=block_mask,
+                                     scale=1.0, kernel_options=options, return_aux=aux)
+            else:
+                out = flex_attention(q * scale, kc, vc, score_mod=sm, block_mask=block_mask, scale=1.0,
+                                     enable_gqa=Hq != H, kernel_options=options, return_aux=aux)
+            if sinks is not None:
+                out, lse = out[0], out[1].lse
+        if sinks is None:
             return out.view(N, Hq, T, D)
-        if packed:
-            out = flex_attention(q.reshape(N, H, g * T, D) * scale, kc, vc, score_mod=sm, block_mask=block_mask,
-                                 scale=1.0, kernel_options=options)
-            return out.view(N, Hq, T, D)
-        q = q * scale
-        return flex_attention(q, kc, vc, score_mod=sm, block_mask=block_mask, scale=1.0, enable_gqa=Hq != H,
-                              kernel_options=options)
+        # Packed (or from the rows path), query head h * g + i sits at rows i * T .. i * T + T - 1 of
+        # KV head h: the same [N, Hq, T] view serves the output and its log-sum-exp.
+        return apply_learned_sinks(out.view(N, Hq, T, D), lse.reshape(N, Hq, T), sinks)

@@ -21,7 +21,8 @@ decide, on the real cell indices, which cells a query reads and how it
 scores them, so the result is exactly FlexAttention's over the whole layer
 tensor. Without a `score_mod` the batch runs through
 `scaled_dot_product_attention`'s fused CPU kernel; with one, the scores are
-formed, modified and normalised explicitly (in float32).
+formed, modified and normalised explicitly (in float32, or float64 for
+float64 inputs).
 
 Shapes depend only on the config and the step's `N` and `T`, so a compiled
 step does not recompile as streams move. Single-token decode stays on
@@ -55,10 +56,12 @@ def gather_width(config) -> int:
     return config.max_retained + config.max_step_tokens
 
 
-def _dense(q, keys, values, b, cells, mask_mod, score_mod, extra=None):
+def _dense(q, keys, values, b, cells, mask_mod, score_mod, extra=None, want_lse=False):
     """Attention of q `[B, H, Q, D]` over keys/values `[B, H, W, D]` whose cells are `cells` `[B, W]`,
     for plan rows `b` `[B]`; `extra` (`[B, W]` bool or None) further limits the readable positions.
-    Returns the output and whether each query reads any cell (`[B, 1, Q or 1]`)."""
+    Returns the output, whether each query reads any cell (`[B, 1, Q or 1]`) and, with `want_lse`,
+    each query's natural-log sum of exp of its scores (`[B, H, Q]`, at least float32, -inf where it
+    reads nothing; else None)."""
     B, H, Q, _ = q.shape
     dev = q.device
     bb = b.view(B, 1, 1, 1)
@@ -68,15 +71,19 @@ def _dense(q, keys, values, b, cells, mask_mod, score_mod, extra=None):
     if extra is not None:
         allowed = allowed & extra.view(B, 1, 1, -1)
     reads = allowed.any(dim=-1)
-    if score_mod is None:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=1.0), reads
-    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2))
-    scores = score_mod(scores, bb, torch.arange(H, device=dev).view(1, H, 1, 1), q_idx, kv_idx)
+    if score_mod is None and not want_lse:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=1.0), reads, None
+    work = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.to(work), keys.to(work).transpose(-1, -2))
+    if score_mod is not None:
+        scores = score_mod(scores, bb, torch.arange(H, device=dev).view(1, H, 1, 1), q_idx, kv_idx)
     scores = scores.masked_fill(~allowed, _NEG_INF)
-    top = scores.amax(dim=-1, keepdim=True)
-    probs = torch.exp(scores - torch.where(reads.unsqueeze(-1), top, 0.0))
-    out = torch.matmul(probs, values.float()) / probs.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-    return out.to(q.dtype), reads
+    top = torch.where(reads.unsqueeze(-1), scores.amax(dim=-1, keepdim=True), 0.0)
+    probs = torch.exp(scores - top)
+    total = probs.sum(dim=-1, keepdim=True)
+    out = torch.matmul(probs, values.to(work)) / total.clamp_min(1e-30)
+    lse = (torch.log(total) + top).squeeze(-1) if want_lse else None
+    return out.to(q.dtype), reads, lse
 
 
 def _interval_cells(plan, width: int, device) -> tuple:
@@ -101,12 +108,15 @@ def attend_rows(
     mask_mod: Callable,
     score_mod: Optional[Callable] = None,
     width: Optional[int] = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+):
     """Attention of `q` (`[N, H, Q, D]`, already scaled; `Q` may hold a folded GQA group) over the
     cells each row may read, with the mask and score modifications of the FlexAttention path.
 
     `width`: cells per gathered row (`gather_width(config)`); needed unless the step reads in
-    place. Queries that read nothing (padding rows) return zeros, as in FlexAttention.
+    place. Queries that read nothing (padding rows) return zeros, as in FlexAttention. With
+    `return_lse`, returns `(out, lse)`: each query's natural-log sum of exp of its scores
+    (`[N, H, Q]`, float32; -inf where it reads nothing), as FlexAttention's log-sum-exp.
     """
     N, H, Q, D = q.shape
     dev = q.device
@@ -123,9 +133,10 @@ def attend_rows(
         keys = k_cache[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, D).transpose(0, 1)
         values = v_cache[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, D).transpose(0, 1)
         cells = base + torch.arange(n_slot, device=dev).view(-1, 1) * Lr + torch.arange(Lr, device=dev)
-        out, reads = _dense(q_slots, keys, values, rows, cells, mask_mod, score_mod)
+        out, reads, lse = _dense(q_slots, keys, values, rows, cells, mask_mod, score_mod, want_lse=return_lse)
         back = where.clamp(max=n_slot - 1)
         out, reads = out.index_select(0, back), reads.index_select(0, back) & live.view(N, 1, 1)
+        lse = lse.index_select(0, back) if lse is not None else None
     else:
         if width is None:
             raise ValueError("attend_rows: width (gather_width(config)) is needed when the step gathers")
@@ -133,5 +144,9 @@ def attend_rows(
         flat = cells.view(-1)
         keys = k_cache[0].index_select(1, flat).view(H, N, width, D).transpose(0, 1)
         values = v_cache[0].index_select(1, flat).view(H, N, width, D).transpose(0, 1)
-        out, reads = _dense(q, keys, values, torch.arange(N, device=dev), cells, mask_mod, score_mod, used)
-    return torch.where(reads.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=dev))
+        out, reads, lse = _dense(q, keys, values, torch.arange(N, device=dev), cells, mask_mod, score_mod, used,
+                                 want_lse=return_lse)
+    out = torch.where(reads.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=dev))
+    if return_lse:
+        return out, torch.where(reads, lse, _NEG_INF)
+    return out

@@ -1,0 +1,361 @@
+"""Per-layer retention: layers grouped by what they keep, one `BoundedKVManager` per group.
+
+Models mix layer types: Gemma 3 alternates five sliding-window layers with
+one global layer, gpt-oss alternates sliding and global layers, and each
+kind keeps a different part of the stream. `GroupedKVManager` holds one
+`BoundedKVManager` per `LayerGroup`, each with its own retention and so its
+own slot size: a group whose window is 128 holds 128 cells per slot, not
+what the widest group needs.
+
+A step still goes `admit -> plan -> attend (per layer) -> commit`:
+
+* `admit(step)` admits the step to every group, atomically: if one group
+  refuses, no group changes;
+* `plan(step)` plans it once per group (host ints, as `BoundedKVManager.plan`)
+  and returns a `GroupedPlan`;
+* `attend(layer, ...)` runs the layer's one FlexAttention call in its group's
+  manager, with the group's plan and the layer's index inside the group;
+* `commit(step)` records the written tokens in every group.
+
+Every group sees the same requests, written counts and sources; only what
+each keeps differs.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Hashable, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .config import BoundedKVConfig, Retention, SinkWindow
+from .manager import BoundedKVManager
+from .planner import BoundedPlan
+from .step import BoundedKVStep
+
+__all__ = ["LayerGroup", "GroupedKVManager", "GroupedPlan"]
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers that keep the same part of every stream.
+
+    Args:
+        layers: the model layer indices of the group (distinct ints >= 0).
+        retention: a `SinkWindow` (or a callable `source_len -> SinkWindow`)
+            for these layers.
+        query_window: the group's per-query window (see `BoundedKVConfig`),
+            or None for a per-step window.
+        name: a label for reports (`"sliding_attention"`, ...).
+    """
+
+    layers: Tuple[int, ...]
+    retention: Retention
+    query_window: Optional[int] = None
+    name: str = ""
+
+    def __post_init__(self):
+        try:
+            layers = tuple(self.layers)
+        except TypeError:
+            raise ValueError(f"LayerGroup.layers must be a sequence of layer indices, got {self.layers!r}") from None
+        if not layers:
+            raise ValueError("LayerGroup.layers is empty; a group needs at least one layer")
+        for i in layers:
+            if not _is_int(i) or i < 0:
+                raise ValueError(f"LayerGroup.layers must hold ints >= 0, got {i!r} in {list(layers)}")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"LayerGroup.layers must be distinct, got {list(layers)}")
+        object.__setattr__(self, "layers", layers)
+        if not isinstance(self.retention, SinkWindow) and not callable(self.retention):
+            raise ValueError(
+                f"LayerGroup.retention must be a SinkWindow or a callable source_len -> SinkWindow, got {self.retention!r}"
+            )
+        if self.query_window is not None and (not _is_int(self.query_window) or self.query_window < 0):
+            raise ValueError(f"LayerGroup.query_window must be an int >= 0 or None, got {self.query_window!r}")
+        if not isinstance(self.name, str):
+            raise ValueError(f"LayerGroup.name must be a str, got {self.name!r}")
+
+
+class GroupedPlan:
+    """One step planned for every group: `plans[g]` is group `g`'s `BoundedPlan`."""
+
+    def __init__(self, plans: Sequence[BoundedPlan]):
+        self.plans = tuple(plans)
+        self.rows = self.plans[0].rows
+        self.tokens = self.plans[0].tokens
+
+    def __getitem__(self, group: int) -> BoundedPlan:
+        return self.plans[group]
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+    def __eq__(self, other):
+        if not isinstance(other, GroupedPlan):
+            return NotImplemented
+        return self.plans == other.plans
+
+    __hash__ = None
+
+    def __repr__(self):
+        return f"GroupedPlan(groups={len(self.plans)}, rows={self.rows}, tokens={self.tokens})"
+
+
+class GroupedKVManager(nn.Module):
+    """A bounded KV cache whose layer groups each keep their own sink + window.
+
+    Args:
+        config: what the groups share: `num_layers` (all layers, every one
+            in exactly one group), heads, head dim, rows per request, slots,
+            sources, dtype, `max_step_tokens`. Its own `retention` and
+            `query_window` describe a single group of every layer when
+            `groups` is None; with groups they are replaced by each group's.
+        groups: the `LayerGroup`s; together they must cover
+            `range(config.num_layers)` once.
+        device, block_size: as for `BoundedKVManager`.
+
+    `managers[g]` is group `g`'s `BoundedKVManager` (its layer `i` is model
+    layer `groups[g].layers[i]`).
+    """
+
+    def __init__(
+        self,
+        config: BoundedKVConfig,
+        groups: Optional[Sequence[LayerGroup]] = None,
+        device="cpu",
+        *,
+        block_size: Optional[int] = None,
+    ):
+        super().__init__()
+        if not isinstance(config, BoundedKVConfig):
+            raise ValueError(f"config must be a BoundedKVConfig, got {type(config).__name__}")
+        L = config.num_layers
+        if groups is None:
+            groups = (LayerGroup(tuple(range(L)), config.retention, config.query_window),)
+        groups = tuple(groups)
+        if not groups:
+            raise ValueError("groups is empty; give at least one LayerGroup (or None for one group of every layer)")
+        for g in groups:
+            if not isinstance(g, LayerGroup):
+                raise ValueError(f"groups must hold LayerGroup objects, got {g!r}")
+        route: list = [None] * L
+        for gi, g in enumerate(groups):
+            for li, layer in enumerate(g.layers):
+                if layer >= L:
+                    raise ValueError(
+                        f"group {gi} names layer {layer}, but config.num_layers={L} (layers 0..{L - 1})"
+                    )
+                if route[layer] is not None:
+                    raise ValueError(f"layer {layer} is in groups {route[layer][0]} and {gi}; put each layer in one group")
+                route[layer] = (gi, li)
+        missing = [i for i, r in enumerate(route) if r is None]
+        if missing:
+            raise ValueError(f"layers {missing} are in no group; every layer of 0..{L - 1} needs one")
+        configs = []
+        for gi, g in enumerate(groups):
+            try:
+                configs.append(
+                    config.replace(num_layers=len(g.layers), retention=g.retention, query_window=g.query_window)
+                )
+            except ValueError as exc:
+                raise ValueError(f"group {gi} (layers {list(g.layers)}): {exc}") from None
+        self.config = config
+        self.groups = groups
+        self.device = torch.device(device)
+        self.managers = nn.ModuleList(BoundedKVManager(c, device, block_size=block_size) for c in configs)
+        # Host-side access without nn.ModuleList's indexing cost (it runs on every step).
+        self._mgrs = tuple(self.managers)
+        self._route = tuple(route)
+        self._lock = threading.RLock()
+        self._current_plan: Optional[GroupedPlan] = None
+
+    # ------------------------------------------------------------------ views
+
+    def group_of(self, layer_idx: int) -> Tuple[int, int]:
+        """`(group, index inside the group)` of model layer `layer_idx`."""
+        if not _is_int(layer_idx) or not 0 <= layer_idx < len(self._route):
+            raise ValueError(f"layer_idx must be an int in [0, {len(self._route)}), got {layer_idx!r}")
+        return self._route[layer_idx]
+
+    def layer_manager(self, layer_idx: int) -> Tuple[BoundedKVManager, int]:
+        """The manager holding model layer `layer_idx`, and the layer's index in it."""
+        g, i = self.group_of(layer_idx)
+        return self._mgrs[g], i
+
+    @property
+    def requests(self) -> tuple:
+        """Admitted request ids, in admission order (the same in every group)."""
+        return self._mgrs[0].requests
+
+    @property
+    def free_slots(self) -> int:
+        return min(m.free_slots for m in self._mgrs)
+
+    @property
+    def sources(self) -> dict:
+        return self._mgrs[0].sources
+
+    def written(self, request_id: Hashable) -> int:
+        """Tokens the request has committed to its stream."""
+        return self._mgrs[0].written(request_id)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes every group's key and value tensors hold."""
+        return sum(m.memory_bytes for m in self._mgrs)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one request's slot holds over every group: the memory of one stream."""
+        return sum(m.slot_bytes for m in self._mgrs)
+
+    def memory_report(self) -> tuple:
+        """One dict per group: its name, layers, retention, query window, cells per slot row,
+        bytes per slot (over its layers, keys and values) and bytes held."""
+        out = []
+        for g, m in zip(self.groups, self._mgrs):
+            out.append(
+                dict(
+                    name=g.name,
+                    layers=g.layers,
+                    retention=g.retention,
+                    query_window=g.query_window,
+                    slot_cells=m.layout.slot_row_len,
+                    slot_bytes=m.slot_bytes,
+                    memory_bytes=m.memory_bytes,
+                )
+            )
+        return tuple(out)
+
+    # -------------------------------------------------------------- lifecycle
+
+    def admit(self, step: BoundedKVStep) -> None:
+        """Admit `step` in every group; atomic across groups (on any error nothing changes)."""
+        with self._lock:
+            if len(self._mgrs) == 1:
+                self._mgrs[0].admit(step)  # atomic on its own
+                return
+            done = []
+            try:
+                for m in self._mgrs:
+                    before = set(m.requests)
+                    m.admit(step)
+                    done.append((m, before))
+            except BaseException:
+                for m, before in done:
+                    for rid in m.requests:
+                        if rid not in before:
+                            m.remove_request(rid)
+                        elif m.written(rid) == 0:  # admit never changes `written`
+                            # An admit binds the source of a stream that has written nothing;
+                            # rewinding the empty stream unbinds it again.
+                            m.reset_request(rid)
+                raise
+
+    def plan(self, step: BoundedKVStep) -> GroupedPlan:
+        """Plan `step` once per group; the result is also kept for `attend(plan=None)`."""
+        with self._lock:
+            plan = GroupedPlan([m.plan(step) for m in self._mgrs])
+            self._current_plan = plan
+            return plan
+
+    def commit(self, step: BoundedKVStep) -> None:
+        """Record each request's written tokens in every group (idempotent)."""
+        with self._lock:
+            self._mgrs[0].commit(step)  # validates before any group changes
+            for m in self._mgrs[1:]:
+                m.commit(step)
+
+    def reset_request(self, request_id: Hashable) -> None:
+        """Rewind a request to an empty stream in every group."""
+        with self._lock:
+            self._mgrs[0].slot_of(request_id)
+            for m in self._mgrs:
+                m.reset_request(request_id)
+
+    def remove_request(self, request_id: Hashable) -> None:
+        """Free the request's slot in every group."""
+        with self._lock:
+            if request_id not in self._mgrs[0].requests:
+                raise ValueError(f"remove_request: request {request_id!r} is not admitted")
+            for m in self._mgrs:
+                m.remove_request(request_id)
+
+    def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Register a shared prefix for every group; `keys`, `values` as for
+        `BoundedKVManager.add_source` with all `config.num_layers` layers."""
+        c = self.config
+        for name, t in (("keys", keys), ("values", values)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 5 or t.shape[0] != c.num_layers:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"add_source: {name} must be [num_layers={c.num_layers}, rows_per_request, num_heads, L, head_dim], "
+                    f"got {got}"
+                )
+        with self._lock:
+            added = []
+            try:
+                for g, m in zip(self.groups, self._mgrs):
+                    idx = torch.tensor(g.layers, device=keys.device)
+                    added.append((m, m.add_source(keys.index_select(0, idx), values.index_select(0, idx))))
+            except BaseException:
+                for m, index in added:
+                    m.remove_source(index)
+                raise
+            indices = {index for _, index in added}
+            if len(indices) != 1:  # only if a group's manager was used on its own
+                for m, index in added:
+                    m.remove_source(index)
+                raise RuntimeError(f"add_source: the groups placed the source at different indices {sorted(indices)}")
+            return indices.pop()
+
+    def remove_source(self, index: int) -> None:
+        """Unregister a source in every group."""
+        with self._lock:
+            self._mgrs[0].remove_source(index)
+            for m in self._mgrs[1:]:
+                m.remove_source(index)
+
+    # -------------------------------------------------------------- attention
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: Optional[GroupedPlan] = None,
+        *,
+        scale: Optional[float] = None,
+        score_mod: Optional[Callable] = None,
+        positions: str = "stream",
+        sinks: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """`BoundedKVManager.attend` for model layer `layer_idx`, in its group with the group's plan."""
+        if plan is None:
+            plan = self._current_plan
+        if not isinstance(plan, GroupedPlan) or len(plan) != len(self._mgrs):
+            raise ValueError(
+                f"attend needs this cache's GroupedPlan (one plan per group, {len(self._mgrs)} groups): "
+                f"pass plan=cache.plan(step), got {plan!r}"
+            )
+        g, i = self.group_of(layer_idx)
+        return self._mgrs[g].attend(
+            i, q, k, v, plan.plans[g], scale=scale, score_mod=score_mod, positions=positions, sinks=sinks
+        )
+
+    def extra_repr(self) -> str:
+        parts = []
+        for g, m in zip(self.groups, self._mgrs):
+            label = f"{g.name}: " if g.name else ""
+            parts.append(
+                f"{label}layers {list(g.layers)} keep {g.retention} ({m.layout.slot_row_len} cells per slot row)"
+            )
+        return "; ".join(parts)

@@ -1,0 +1,170 @@
+"""Layer groups (`GroupedKVManager`) and learned sinks (`flexkv.sinks`), in the core.
+
+A grouped cache must attend each layer exactly as a `ReferenceCache` of that
+layer's own retention does, hold per group only what that group keeps, and
+admit atomically across groups. Learned sinks are checked against softmax
+over the attended scores plus one extra score with a zero value.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from flexkv import (
+    BoundedKVConfig,
+    BoundedKVManager,
+    BoundedKVStep,
+    GroupedKVManager,
+    GroupedPlan,
+    LayerGroup,
+    Segment,
+    SinkWindow,
+    SlotsExhausted,
+    StreamPosition,
+)
+from flexkv.reference import ReferenceCache
+from flexkv.sinks import apply_learned_sinks
+from single_thread import one_thread  # noqa: F401
+
+H, HQ, D = 2, 4, 8
+
+
+def base_config(**kw):
+    c = dict(num_layers=4, num_heads=H, head_dim=D, rows_per_request=1, max_source_len=0, max_sources=0,
+             retention=SinkWindow(2, 6), max_slots=3, dtype=torch.float64, max_step_tokens=4)
+    c.update(kw)
+    return BoundedKVConfig(**c)
+
+
+GROUPS = (
+    LayerGroup((0, 2), SinkWindow(0, 3), query_window=3, name="sliding"),
+    LayerGroup((1, 3), SinkWindow(2, 6), query_window=6, name="full"),
+)
+
+
+def step(segs, written, tokens=None):
+    return BoundedKVStep(tuple(Segment(r, s) for r, s in segs),
+                         {r: StreamPosition(0, written[r]) for r, _ in segs if r is not None}, tokens=tokens)
+
+
+def test_each_layer_attends_as_its_groups_reference():
+    cfg = base_config()
+    m = GroupedKVManager(cfg, GROUPS, block_size=8)
+    refs = [ReferenceCache(cfg.replace(num_layers=1, retention=g.retention, query_window=g.query_window))
+            for g in GROUPS]
+    g = torch.Generator().manual_seed(0)
+    written = {"a": 0, "b": 0}
+    # Prefill chunks, then decode steps far past both windows; "b" joins late and a padding row rides along.
+    schedule = [[("a", 4)], [("a", 4), (None, 0)], [("a", 3), ("b", 4)]] + [[("a", 1), ("b", 1)]] * 12
+    for segs in schedule:
+        st = step(segs, written, tokens=max(s for _, s in segs) or 1)
+        m.admit(st)
+        plan = m.plan(st)
+        assert isinstance(plan, GroupedPlan) and len(plan) == 2
+        N, T = len(segs), st.step_tokens
+        for layer in range(cfg.num_layers):
+            q = torch.randn(N, HQ, T, D, generator=g, dtype=torch.float64)
+            k = torch.randn(N, H, T, D, generator=g, dtype=torch.float64)
+            v = torch.randn(N, H, T, D, generator=g, dtype=torch.float64)
+            got = m.attend(layer, q, k, v, plan)
+            gi, li = m.group_of(layer)
+            ref = refs[gi]
+            # The reference keeps one layer per cache: feed it this layer's stream under a per-layer id.
+            rst = BoundedKVStep(tuple(Segment(None if r is None else (r, layer), s) for r, s in segs),
+                                {(r, layer): p for r, p in st.positions.items()}, tokens=T)
+            want = ref.attend(0, q, k, v, rst)
+            ref.commit(rst)
+            for i, (r, s) in enumerate(segs):
+                if r is not None:
+                    torch.testing.assert_close(got[i, :, :s], want[i, :, :s], rtol=0, atol=1e-12)
+        m.commit(st)
+        for r, s in segs:
+            if r is not None:
+                written[r] += s
+    assert m.written("a") == written["a"] and m.written("b") == written["b"]
+    assert m.group_of(2) == (0, 1) and m.group_of(3) == (1, 1)
+
+
+def test_memory_follows_each_groups_window():
+    cfg = base_config()
+    m = GroupedKVManager(cfg, GROUPS, block_size=8)
+    report = m.memory_report()
+    assert [r["name"] for r in report] == ["sliding", "full"]
+    assert [r["slot_cells"] for r in report] == [0 + 3 + 4, 2 + 6 + 4]  # sink + window + step headroom
+    per_layer_cell = 2 * H * D * 8  # keys and values, float64
+    assert [r["slot_bytes"] for r in report] == [2 * 7 * per_layer_cell, 2 * 12 * per_layer_cell]
+    assert m.slot_bytes == sum(r["slot_bytes"] for r in report)
+    assert m.memory_bytes == sum(r["memory_bytes"] for r in report)
+    one = BoundedKVManager(cfg.replace(query_window=6), block_size=8)  # every layer keeping sink 2 + window 6
+    assert m.slot_bytes < one.slot_bytes
+    assert "sliding: layers [0, 2] keep SinkWindow(sink=0, window=3" in repr(m)
+    # No groups: one group of every layer, the config's own retention.
+    assert GroupedKVManager(cfg, block_size=8).slot_bytes == BoundedKVManager(cfg, block_size=8).slot_bytes
+
+
+def test_admit_is_atomic_across_groups():
+    m = GroupedKVManager(base_config(max_slots=2), GROUPS, block_size=8)
+    m.admit(step([("a", 1)], {"a": 0}))
+    m.commit(step([("a", 1)], {"a": 0}))
+    # Take group 1's last slot behind the grouped cache's back: group 0 then accepts what group 1 refuses.
+    m.managers[1].admit(step([("x", 1)], {"x": 0}))
+    before = copy.deepcopy((m.managers[0]._requests, m.managers[0]._free))
+    with pytest.raises(SlotsExhausted):
+        m.admit(step([("a", 1), ("b", 1)], {"a": 1, "b": 0}))
+    assert copy.deepcopy((m.managers[0]._requests, m.managers[0]._free)) == before
+    assert m.requests == ("a",) and m.written("a") == 1
+    with pytest.raises(ValueError, match=r"request 'a': written=0 but 1 tokens are committed"):
+        m.admit(step([("a", 1)], {"a": 0}))
+
+
+def test_bad_groups_are_named():
+    cfg = base_config()
+    with pytest.raises(ValueError, match=r"layer 2 is in groups 0 and 1"):
+        GroupedKVManager(cfg, (LayerGroup((0, 1, 2), SinkWindow(1, 2)), LayerGroup((2, 3), SinkWindow(1, 2))))
+    with pytest.raises(ValueError, match=r"layers \[3\] are in no group"):
+        GroupedKVManager(cfg, (LayerGroup((0, 1, 2), SinkWindow(1, 2)),))
+    with pytest.raises(ValueError, match=r"group 0 names layer 4, but config.num_layers=4"):
+        GroupedKVManager(cfg, (LayerGroup((0, 1, 2, 3, 4), SinkWindow(1, 2)),))
+    with pytest.raises(ValueError, match=r"group 1 \(layers \[3\]\): query_window=5 needs window >= 5"):
+        GroupedKVManager(cfg, (LayerGroup((0, 1, 2), SinkWindow(1, 8)), LayerGroup((3,), SinkWindow(1, 2), 5)))
+    with pytest.raises(ValueError, match=r"LayerGroup.layers must be distinct"):
+        LayerGroup((1, 1), SinkWindow(1, 2))
+    with pytest.raises(ValueError, match=r"LayerGroup.layers is empty"):
+        LayerGroup((), SinkWindow(1, 2))
+    with pytest.raises(ValueError, match=r"LayerGroup.retention must be a SinkWindow"):
+        LayerGroup((0,), 5)
+    m = GroupedKVManager(cfg, GROUPS, block_size=8)
+    x = torch.zeros(1, H, 1, D, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"attend needs this cache's GroupedPlan"):
+        m.attend(0, x, x, x, plan=None)
+
+
+def test_sources_are_split_by_layer():
+    cfg = base_config(max_source_len=3, max_sources=1)
+    m = GroupedKVManager(cfg, GROUPS, block_size=8)
+    keys = torch.arange(4, dtype=torch.float64).view(4, 1, 1, 1, 1).expand(4, 1, H, 3, D).contiguous()
+    assert m.add_source(keys, keys + 10) == 0
+    for gi, g in enumerate(GROUPS):
+        kc = m.managers[gi].k_cache_1
+        assert kc[0, 0, 0, 0].item() == g.layers[1]  # the group's second layer holds that model layer's source
+    m.remove_source(0)
+    assert m.sources == {} and all(mm.sources == {} for mm in m.managers)
+
+
+def test_learned_sinks_rescale_by_the_extra_softmax_term():
+    g = torch.Generator().manual_seed(3)
+    N, T, K = 2, 3, 5
+    scores = torch.randn(N, HQ, T, K, generator=g, dtype=torch.float64) * 3
+    values = torch.randn(N, HQ, K, D, generator=g, dtype=torch.float64)
+    sinks = torch.randn(HQ, generator=g, dtype=torch.float32)
+    out = torch.softmax(scores, -1) @ values
+    lse = torch.logsumexp(scores, -1)
+    got = apply_learned_sinks(out, lse, sinks)
+    extra = sinks.double().view(1, HQ, 1, 1).expand(N, HQ, T, 1)
+    want = torch.softmax(torch.cat([scores, extra], -1), -1)[..., :K] @ values
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-14)
+    # A query that attends nothing keeps its zeros, even with a -inf sink.
+    dead = apply_learned_sinks(torch.zeros(1, HQ, 1, D), torch.full((1, HQ, 1), float("-inf")),
+                               torch.full((HQ,), float("-inf")))
+    assert torch.equal(dead, torch.zeros_like(dead))
