@@ -254,7 +254,7 @@ class SinkRotation(nn.Module):
         cells = torch.where(
             live.view(-1, 1), sink_base.view(-1, 1) + offs, self._scratch_base + offs % self._scratch_len
         )
-        kc = getattr(self.manager, f"k_cache_{self.layer_idx}")
+        kc = self.manager._layer_kv(self.layer_idx)[0]
         index = (self.manager._zero_index, self.manager._head_index, cells.view(1, N * S))
         kc.index_put_(index, rotated.transpose(0, 1).reshape(H, N * S, D))
 

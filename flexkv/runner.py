@@ -19,19 +19,13 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from .compiling import graphs_compiled
 from .manager import BoundedKVManager
 from .reference import ReferenceCache
 from .step import BoundedKVStep, Segment
 from .workload import StreamModel, Traffic, Workload, fresh_function
 
 __all__ = ["run_workload", "CompiledStep", "graphs_compiled", "percentile"]
-
-
-def graphs_compiled() -> int:
-    """Graphs torch.compile has produced in this process so far (dynamo's `unique_graphs`)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
 
 
 def percentile(values: List[float], q: float) -> float:

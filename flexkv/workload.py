@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import types
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from .compiling import fresh_function
 from .config import BoundedKVConfig, SinkWindow
 from .step import BoundedKVStep, Segment, StreamPosition
 
@@ -339,20 +339,6 @@ BUILTIN = Workload(
 
 
 # ------------------------------------------------------------------ model
-
-
-def fresh_function(fn: Callable, tag: str) -> Callable:
-    """A copy of `fn` with its own code object.
-
-    `torch.compile` keeps its cache of compiled graphs on the code object; a
-    copy per layer gives each layer its own cache, so a per-layer compiled
-    function never recompiles because another layer was called, and never
-    walks the guards of the other layers' entries.
-    """
-    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{tag}")
-    if hasattr(code, "co_qualname"):
-        code = code.replace(co_qualname=f"{fn.__code__.co_qualname}_{tag}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:
