@@ -6,7 +6,7 @@ StreamingLLM's 4 attention sinks plus a sliding window per request, in a
 bounded flexkv cache:
 
 - a long prompt is prefilled in chunks of `chunk` tokens with a per-query
-  window and sink (`query_window = window`, SPEC section 2): every prompt
+  window and sink (`query_window = window`, docs/contract.md section 2): every prompt
   token attends exactly what it would if the prompt were fed one token at a
   time, StreamingLLM-style, however far past the window the prompt goes;
 - then it decodes one token per step, far past the window;

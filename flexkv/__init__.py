@@ -10,6 +10,7 @@ compile); under it, `BoundedKVManager` is the cache with the engine-facing
 docs/contract.md.
 """
 
+from .compiling import warn_if_untested
 from .config import BoundedKVConfig, SinkWindow
 from .engine import (
     BoundedKVResource,
@@ -27,6 +28,8 @@ from .session import Chunk, StepResult, StreamSession
 from .step import BoundedKVStep, ResourceStep, Segment, StreamPosition
 
 __version__ = "0.1.0"
+
+warn_if_untested()
 
 __all__ = [
     # the step loop

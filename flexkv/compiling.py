@@ -13,7 +13,7 @@ from typing import Callable, Tuple
 
 import torch
 
-__all__ = ["TORCH_VERSION", "SUPPORTED_TORCH", "fresh_function", "graphs_compiled"]
+__all__ = ["TORCH_VERSION", "SUPPORTED_TORCH", "warn_if_untested", "fresh_function", "graphs_compiled"]
 
 
 def _version(text: str) -> Tuple[int, int]:
@@ -25,6 +25,19 @@ def _version(text: str) -> Tuple[int, int]:
 TORCH_VERSION = _version(torch.__version__)
 #: The torch releases flexkv is tested with, inclusive (pyproject pins `torch>=2.11,<2.16`).
 SUPPORTED_TORCH = ((2, 11), (2, 15))
+
+
+def warn_if_untested() -> None:
+    """Warn (once, at import) when this torch is outside the releases flexkv is tested with."""
+    lo, hi = SUPPORTED_TORCH
+    if not lo <= TORCH_VERSION <= hi:
+        import warnings
+
+        warnings.warn(
+            f"flexkv is tested with torch {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}; this is torch {torch.__version__}. "
+            f"Compiled FlexAttention changes between releases: run tests/test_compiled.py before relying on it",
+            stacklevel=3,
+        )
 
 
 def fresh_function(fn: Callable, tag: str) -> Callable:

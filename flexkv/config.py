@@ -78,7 +78,7 @@ Retention = Union[SinkWindow, Callable[[int], SinkWindow]]
 
 @dataclass(frozen=True)
 class BoundedKVConfig:
-    """Static description of one bounded KV cache (SPEC section 4).
+    """Static description of one bounded KV cache (docs/contract.md section 4).
 
     `retention` is one `SinkWindow` for every request, or a callable
     `source_len -> SinkWindow` that is resolved once here for every length in

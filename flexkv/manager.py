@@ -46,7 +46,7 @@ def _is_int(x) -> bool:
 
 
 class BoundedKVManager(nn.Module):
-    """A bounded sink + window KV cache for `config.max_slots` requests (SPEC section 5).
+    """A bounded sink + window KV cache for `config.max_slots` requests (docs/contract.md section 5).
 
     Args:
         config: the cache's `BoundedKVConfig`; its `dtype` must be settled

@@ -59,7 +59,7 @@ class Workload:
     rows per request (2 for batched classifier-free guidance).
     Retention: `source_len` entries of a shared source (0: none; `sources`
     distinct ones, each request picks one), `sink`, `window`,
-    `window_includes_step`, `query_window`, `reverse_step_order` (SPEC 1-2).
+    `window_includes_step`, `query_window`, `reverse_step_order` (docs/contract.md sections 1-2).
     Step: each request writes `span` tokens per step out of `tokens` (T);
     with `final_tokens`, a request ends with one step of `final_tokens`
     tokens that writes `final_span`. `score_bias: relative` adds a learned

@@ -15,13 +15,17 @@ import types
 
 import pytest
 import torch
-import transformers
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
-import flexkv.integrations.transformers as fkt
-from flexkv import SinkWindow
-from flexkv.integrations.transformers import FlexKVCache
+# An optional extra: without it (`pip install -e '.[test]'`) this module is skipped, not an error.
+transformers = pytest.importorskip(
+    "transformers", reason="the transformers extra is not installed (pip install -e '.[transformers]')"
+)
+from transformers import DynamicCache  # noqa: E402, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList  # noqa: E402
+
+import flexkv.integrations.transformers as fkt  # noqa: E402
+from flexkv import SinkWindow  # noqa: E402
+from flexkv.integrations.transformers import FlexKVCache  # noqa: E402
 
 SINK, WINDOW = 3, 8
 VOCAB = 97
