@@ -507,7 +507,9 @@ class StreamSession:
         """Run one step of `fn` for the requests in `feeds` (see the module docstring); returns a `StepResult`.
 
         Requests not started yet start here (empty stream, no source). Any
-        error is raised before the cache or any request changes.
+        error is raised before the cache or any request changes. Pass the same
+        `fn` object every step: the session compiles once per `fn` (and
+        bucket), so a new lambda per step would compile every step.
         """
         if not isinstance(feeds, Mapping) or not feeds:
             raise ValueError("feeds must be a non-empty mapping of request id -> tokens (or Chunk)")
