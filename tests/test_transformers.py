@@ -20,7 +20,7 @@ import torch
 transformers = pytest.importorskip(
     "transformers", reason="the transformers extra is not installed (pip install -e '.[transformers]')"
 )
-from transformers import DynamicCache  # noqa: E402, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList  # noqa: E402
 
 import flexkv.integrations.transformers as fkt  # noqa: E402
