@@ -1,4 +1,4 @@
-"""Small helpers for running flexkv under `torch.compile`, and what differs between torch releases.
+"""Running flexkv under `torch.compile`: code-object copies, graph counts, and what differs between torch releases.
 
 flexkv supports torch 2.11 to 2.15. The APIs it uses (`flex_attention`,
 `BlockMask.from_kv_blocks`, dynamo's counters and config) have the same
