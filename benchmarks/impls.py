@@ -56,8 +56,8 @@ class Steady:
             raise ValueError("benchmarks time the regular step; a writing last chunk is not modelled")
         with torch.no_grad():
             for l in range(w.layers):
-                getattr(m, f"k_cache_{l}").copy_(torch.randn(getattr(m, f"k_cache_{l}").shape, generator=g))
-                getattr(m, f"v_cache_{l}").copy_(torch.randn(getattr(m, f"v_cache_{l}").shape, generator=g))
+                for buf in m._layer_kv(l):
+                    buf.copy_(torch.randn(buf.shape, generator=g))
         self.sources = []
         for s in range(w.sources if w.source_len else 0):
             shape = (w.layers, R, H, w.source_len, D)
@@ -92,7 +92,7 @@ class Steady:
             cells.append([entry_cell(row, ring, j)[1] for j in kept])
         idx = torch.tensor(cells)  # [N, kept]
         for l in range(w.layers):
-            kc, vc = getattr(m, f"k_cache_{l}")[0], getattr(m, f"v_cache_{l}")[0]  # [H, S, D]
+            kc, vc = (t[0] for t in m._layer_kv(l))  # [H, S, D]
             self.keys.append(kc[:, idx].permute(1, 0, 2, 3).contiguous())  # [N, H, kept, D]
             self.values.append(vc[:, idx].permute(1, 0, 2, 3).contiguous())
         self.inputs = []

@@ -6,13 +6,15 @@ StreamingLLM's 4 attention sinks plus a sliding window per request, in a
 bounded flexkv cache:
 
 - a long prompt is prefilled in chunks of `chunk` tokens with a per-query
-  window and sink (`query_window = window`, SPEC section 2): every prompt
+  window and sink (`query_window = window`, docs/contract.md section 2): every prompt
   token attends exactly what it would if the prompt were fed one token at a
   time, StreamingLLM-style, however far past the window the prompt goes;
 - then it decodes one token per step, far past the window;
-- requests join and leave a fixed-size batch; a step where some request is
-  still prefilling carries `chunk` tokens per row (decoding rows write one
-  and ignore the rest), otherwise one.
+- requests join and leave through a `flexkv.StreamSession`, which keeps
+  their positions and lanes and pads every step to a fixed batch: a step
+  where some request is still prefilling carries `chunk` tokens per row
+  (a decoding request feeds one; the per-query window keeps it from seeing
+  the padding after it), otherwise one.
 
 `rope_positions="stream"` rotates every key once, at its stream index;
 `"cache"` uses StreamingLLM's in-cache positions (served by
@@ -38,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow, StreamSession
 from flexkv.rotary import Rotary
 from flexkv.uncached import UncachedHistory
 from flexkv.wrap import StepContext, attention
@@ -160,20 +162,19 @@ class ChatDecoder(nn.Module):
 
 
 class Runner:
-    """A model, its `StepContext`, and the function one step runs (compiled or not)."""
+    """The model on a `StreamSession` over one cache (bounded or uncached), compiled or not."""
 
     def __init__(self, cfg: ChatConfig, cache, compile: bool = False, weights: Optional[dict] = None):
-        self.context = StepContext(cache)
-        self.model = ChatDecoder(cfg, self.context).eval().requires_grad_(False)  # inference only: compiled CPU FlexAttention has no backward
+        # a prefill chunk of `chunk` tokens or a decode step of 1; StreamingLLM's cache positions feed one
+        token_sizes = (1, cfg.chunk) if cfg.rope_positions == "stream" else (1,)
+        self.session = StreamSession(cache, compile=compile, token_sizes=token_sizes)
+        self.model = ChatDecoder(cfg, self.session.context).eval().requires_grad_(False)  # inference only: compiled CPU FlexAttention has no backward
         if weights is not None:
             self.model.load_state_dict(weights)
-        context, model = self.context, self.model
 
-        def step(plan, tokens):
-            context.bind(plan)
-            return model(tokens)
-
-        self.step = torch.compile(step, fullgraph=True, dynamic=False) if compile else step
+    def forward(self, attn, tokens):
+        """The session's model step: `tokens [B, T]` -> logits `[B, T, vocab]` (attention through `attn`)."""
+        return self.model(tokens)
 
     @classmethod
     def bounded(cls, cfg: ChatConfig, compile: bool = False, weights=None, block_size: int = 128) -> "Runner":
@@ -204,69 +205,53 @@ def stream(cfg: ChatConfig, runners: List[Runner], requests: List[Request],
            on_step: Optional[Callable] = None) -> dict:
     """Stream `requests` through every runner in lockstep (the first one picks the tokens).
 
-    Each request occupies one row of a fixed batch of `len(requests)` rows
-    from its `start_step` until it has generated `max_new` tokens. Returns
-    `steps`, `tokens` (written), `seconds` (per runner, host planning
-    included), `max_dev` (largest |logit| difference of each runner from the
-    last one over every position every request wrote) and `max_len` (the
-    longest stream).
+    Each request joins at its `start_step` and leaves once it has generated
+    `max_new` tokens; a prefilling request feeds its next `chunk` prompt
+    tokens (one at a time with cache positions), a decoding one its last
+    generated token. Returns `steps`, `tokens` (written), `seconds` (per
+    runner, host planning included), `max_dev` (largest |logit| difference
+    of each runner from the last one over every position every request
+    wrote) and `max_len` (the longest stream).
     """
-    B = len(requests)
+    chunk = cfg.chunk if cfg.rope_positions == "stream" else 1
     seconds = [0.0] * len(runners)
     max_dev = [0.0] * len(runners)
     steps = tokens_written = 0
     done = set()
-    while len(done) < B:
-        live = [r for r in requests if r.start_step <= steps and r.rid not in done]
-        live_ids = {r.rid for r in live}
-        T = cfg.chunk if cfg.rope_positions == "stream" and any(r.prefilling for r in live) else 1
-        tokens = torch.zeros(B, T, dtype=torch.long)
-        segs, pos, spans = [], {}, []
-        for i, r in enumerate(requests):
-            if r.rid not in live_ids:
-                segs.append(Segment(None, 0))
-                spans.append(0)
+    while len(done) < len(requests):
+        feeds = {}
+        for r in requests:
+            if r.start_step > steps or r.rid in done:
                 continue
             if r.prefilling:
-                span = min(T, len(r.prompt) - r.fed)
-                tokens[i, :span] = torch.tensor(r.prompt[r.fed:r.fed + span])
+                feeds[r.rid] = torch.tensor(r.prompt[r.fed:r.fed + chunk])
             else:
-                span = 1
-                tokens[i, 0] = r.generated[-1]
-            segs.append(Segment(r.rid, span))
-            pos[r.rid] = StreamPosition(0, r.written)
-            spans.append(span)
-        step = BoundedKVStep(tuple(segs), pos, tokens=T)
+                feeds[r.rid] = torch.tensor(r.generated[-1:])
         outs = []
         for k, run in enumerate(runners):
             t0 = time.perf_counter()
-            plan = run.context.begin(step)
-            logits = run.step(plan, tokens)
-            run.context.commit()
+            outs.append(run.session.step(feeds, run.forward))
             seconds[k] += time.perf_counter() - t0
-            outs.append(logits)
-        for i, r in enumerate(requests):
-            if spans[i]:
-                for k in range(len(runners)):
-                    dev = (outs[k][i, :spans[i]] - outs[-1][i, :spans[i]]).abs().max().item()
-                    max_dev[k] = max(max_dev[k], dev)
-        for i, r in enumerate(requests):
-            if not spans[i]:
+        for r in requests:
+            if r.rid not in feeds:
                 continue
-            r.written += spans[i]
-            tokens_written += spans[i]
+            for k in range(len(runners)):
+                max_dev[k] = max(max_dev[k], (outs[k][r.rid] - outs[-1][r.rid]).abs().max().item())
+            span = len(feeds[r.rid])
+            r.written += span
+            tokens_written += span
             if r.prefilling:
-                r.fed += spans[i]
+                r.fed += span
                 if r.prefilling:
                     continue
-            r.generated.append(int(outs[0][i, spans[i] - 1].argmax()))
+            r.generated.append(int(outs[0][r.rid][-1].argmax()))
             if len(r.generated) >= r.max_new:
                 done.add(r.rid)
                 for run in runners:
-                    run.context.remove_request(r.rid)
+                    run.session.finish(r.rid)
         steps += 1
         if on_step is not None:
-            on_step(steps, step, outs)
+            on_step(steps, outs)
     return {"steps": steps, "tokens": tokens_written, "seconds": seconds, "max_dev": max_dev,
             "max_len": max(r.written for r in requests)}
 
@@ -299,13 +284,10 @@ def main(argv=None):
         runners.append(Runner.uncached(cfg, weights=bounded.model.state_dict()))
     # four requests, prompts of 1.5-4x the window, two of them joining late
     reqs = make_requests([240, 90, 150, 200], args.new_tokens, start_steps=[0, 0, 12, 40], vocab=cfg.vocab)
-    # throwaway requests in the same batch shape compile both graphs (chunk, decode) outside the timing
-    warm = make_requests([cfg.chunk + 1] * len(reqs), 2, seed=1, vocab=cfg.vocab)
-    for r in warm:
-        r.rid = "warm-" + r.rid
-    stream(cfg, [bounded], warm)
+    # compile both step shapes (a prefill chunk, a decode step) on padding, outside the timing
+    bounded.session.warmup(bounded.forward, torch.zeros(1, dtype=torch.long))
     res = stream(cfg, runners, reqs)
-    m = bounded.context.cache
+    m = bounded.session.cache
     sink_copies = sum(b.attn.core.rope.memory_bytes for b in bounded.model.blocks)
     print(f"streaming chat decoder: {cfg.layers} layers, {cfg.heads} q / {cfg.kv_heads} kv heads x {cfg.head_dim}, "
           f"sink {cfg.sink} + window {cfg.window}, prefill chunk {cfg.chunk}, rope positions {cfg.rope_positions!r}, "

@@ -16,7 +16,7 @@ do:
   `q . W_r R(i-j)` is left out: a `score_mod` cannot see the query vector.)
 - the convolution module's depthwise convolution is causal; its last
   `kernel - 1` inputs per layer are carried from step to step with the
-  request (a small state outside flexkv).
+  request (the `StreamSession` keeps it as the request's state).
 
 Two variants (`ConformerConfig.causal`):
 
@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv import BoundedKVConfig, BoundedKVManager, Chunk, SinkWindow, StreamSession
 from flexkv.uncached import UncachedHistory
 from flexkv.wrap import StepContext, attention
 
@@ -212,21 +212,23 @@ class StreamingConformer(nn.Module):
 
 
 class Runner:
-    """A conformer over one cache (bounded or uncached) and its step (compiled or not)."""
+    """A conformer on a `StreamSession` over one cache (bounded or uncached), compiled or not.
+
+    The session carries each request's convolution state (`initial_state`):
+    it hands the model every lane's state and keeps what the model returns.
+    """
 
     def __init__(self, cfg: ConformerConfig, cache, compile: bool = False, weights: Optional[dict] = None):
         self.cfg = cfg
-        self.context = StepContext(cache)
-        self.model = StreamingConformer(cfg, self.context).eval().requires_grad_(False)  # inference only: compiled CPU FlexAttention has no backward
+        self.session = StreamSession(cache, compile=compile, token_sizes=(cfg.step_tokens,),
+                                     initial_state=lambda: torch.zeros(cfg.layers, cfg.dim, cfg.kernel - 1))
+        self.model = StreamingConformer(cfg, self.session.context).eval().requires_grad_(False)  # inference only: compiled CPU FlexAttention has no backward
         if weights is not None:
             self.model.load_state_dict(weights)
-        context, model = self.context, self.model
 
-        def step(plan, feats, state):
-            context.bind(plan)
-            return model(feats, state)
-
-        self.step = torch.compile(step, fullgraph=True, dynamic=False) if compile else step
+    def forward(self, attn, feats, state):
+        """The session's model step: `feats [B, T, feats]`, conv state `[B, layers, dim, kernel - 1]`."""
+        return self.model(feats, state)
 
     @classmethod
     def bounded(cls, cfg: ConformerConfig, compile: bool = False, weights=None, block_size: int = 128) -> "Runner":
@@ -257,48 +259,36 @@ def stream(cfg: ConformerConfig, runners: List, utterances: List[Utterance]) -> 
     output difference of each runner from the last over every encoded frame)
     and `outputs` (the first runner's encoder output per request).
     """
-    B, C, T = len(utterances), cfg.chunk, cfg.step_tokens
-    L = cfg.layers
-    states = [torch.zeros(B, L, cfg.dim, cfg.kernel - 1) for _ in runners]
+    C, T = cfg.chunk, cfg.step_tokens
     seconds = [0.0] * len(runners)
     max_dev = [0.0] * len(runners)
     outputs = {u.rid: [] for u in utterances}
     steps = frames = 0
     while not all(u.finished for u in utterances):
-        feats = torch.zeros(B, T, cfg.feats)
-        segs, pos, live = [], {}, []
-        for i, u in enumerate(utterances):
+        feeds = {}
+        for u in utterances:
             if u.start_step > steps or u.finished:
-                segs.append(Segment(None, 0))
                 continue
-            if u.done == 0:
-                for s in states:
-                    s[i] = 0  # a new request starts with an empty convolution state
+            chunk = torch.zeros(T, cfg.feats)
             got = u.feats[u.done:u.done + T]  # the chunk and its look-ahead (zeros past the end)
-            feats[i, :got.shape[0]] = got
-            segs.append(Segment(u.rid, C))
-            pos[u.rid] = StreamPosition(0, u.done)
-            live.append(i)
-        step = BoundedKVStep(tuple(segs), pos, tokens=T)
+            chunk[:got.shape[0]] = got
+            feeds[u.rid] = Chunk(chunk, span=C)  # the look-ahead frames are read, not written
         outs = []
         for k, run in enumerate(runners):
             t0 = time.perf_counter()
-            out, new_state = run.step(run.context.begin(step), feats, states[k])
-            run.context.commit()
+            outs.append(run.session.step(feeds, run.forward))
             seconds[k] += time.perf_counter() - t0
-            for i in live:
-                states[k][i] = new_state[i]
-            outs.append(out)
-        for i in live:
-            u = utterances[i]
+        for u in utterances:
+            if u.rid not in feeds:
+                continue
             for k in range(len(runners)):
-                max_dev[k] = max(max_dev[k], (outs[k][i, :C] - outs[-1][i, :C]).abs().max().item())
-            outputs[u.rid].append(outs[0][i, :C])
+                max_dev[k] = max(max_dev[k], (outs[k][u.rid][:C] - outs[-1][u.rid][:C]).abs().max().item())
+            outputs[u.rid].append(outs[0][u.rid][:C])
             u.done += C
             frames += C
             if u.finished:
                 for run in runners:
-                    run.context.remove_request(u.rid)
+                    run.session.finish(u.rid)
         steps += 1
     return {"steps": steps, "frames": frames, "seconds": seconds, "max_dev": max_dev,
             "outputs": {rid: torch.cat(o) for rid, o in outputs.items()}}
@@ -330,12 +320,10 @@ def main(argv=None):
         runners.append(Runner.uncached(cfg, weights=bounded.model.state_dict()))
     n = args.chunks
     utts = make_utterances(cfg, [n, max(1, n - 20), n, max(1, n // 2)], start_steps=[0, 0, 7, n // 4])
-    warm = make_utterances(cfg, [1] * len(utts), seed=9)  # compile outside the timing, same batch shape
-    for u in warm:
-        u.rid = "warm-" + u.rid
-    stream(cfg, [bounded], warm)
+    # compile outside the timing, on padding steps of the same shape
+    bounded.session.warmup(bounded.forward, torch.zeros(cfg.step_tokens, cfg.feats))
     res = stream(cfg, runners, utts)
-    m = bounded.context.cache
+    m = bounded.session.cache
     mode = (f"causal, per-query window {cfg.window}" if cfg.causal
             else f"chunk {cfg.chunk} + look-ahead {cfg.lookahead}, window {cfg.window}")
     print(f"cache-aware streaming conformer: {cfg.layers} layers, {cfg.heads} heads x {cfg.head_dim}, {mode}, "

@@ -23,9 +23,9 @@ keys (`rows_per_request=2`); the velocity is `v_u + w (v_c - v_u)`.
 Attention carries no positions (the frames' order reaches the model through
 its conditioning only), so a chunk may join its stream last-first
 (`reverse_step_order=True`): within the window the chunk's first frames are
-the last to be evicted. A request's final chunk is solved with
-`Segment(rid, span=0)` and `BoundedKVStep(tokens=chunk)`: its frames are
-attended as look-ahead and never written, since nothing will read them.
+the last to be evicted. A request's final chunk is fed as
+`Chunk(inputs, span=0)`: its frames are attended as look-ahead and never
+written, since nothing will read them.
 
 The same model runs without a bounded cache (`flexkv.uncached`) for
 checking; `python examples/streaming_tts.py` streams both and prints frames
@@ -44,9 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv import BoundedKVConfig, BoundedKVManager, Chunk, SinkWindow, StreamSession
 from flexkv.uncached import UncachedHistory
-from flexkv.wrap import StepContext, attention
+from flexkv.wrap import attention
 
 
 @dataclass(frozen=True)
@@ -204,21 +204,19 @@ def encode_prompt(model: FlowDiT, mel: torch.Tensor, tokens: torch.Tensor):
 
 
 class Runner:
-    """A DiT over one cache (bounded or uncached) and its chunk step (compiled or not)."""
+    """A DiT on a `StreamSession` over one cache (bounded or uncached), compiled or not."""
 
     def __init__(self, cfg: TTSConfig, cache, compile: bool = False, weights: Optional[dict] = None):
         self.cfg = cfg
-        self.context = StepContext(cache)
-        self.model = FlowDiT(cfg, lambda i: attention(self.context, i)).eval().requires_grad_(False)  # inference only: compiled CPU FlexAttention has no backward
+        self.session = StreamSession(cache, compile=compile, token_sizes=(cfg.chunk,))
+        self.model = FlowDiT(cfg, lambda i: attention(self.session.context, i)).eval().requires_grad_(False)  # inference only: compiled CPU FlexAttention has no backward
         if weights is not None:
             self.model.load_state_dict(weights)
-        context, model = self.context, self.model
 
-        def step(plan, noise, tokens):
-            context.bind(plan)
-            return model(noise, tokens)
-
-        self.step = torch.compile(step, fullgraph=True, dynamic=False) if compile else step
+    def forward(self, attn, inputs):
+        """The session's model step: `(noise [B, T, mel], tokens [B, T])` -> mel `[B, T, mel]`."""
+        noise, tokens = inputs
+        return self.model(noise, tokens)
 
     @classmethod
     def bounded(cls, cfg: TTSConfig, compile: bool = False, weights=None, block_size: int = 128) -> "Runner":
@@ -252,11 +250,11 @@ def stream(cfg: TTSConfig, runners: List[Runner], prompts, utterances: List[Utte
     `max_abs` (largest mel value, for scale) and `mels` (the first runner's
     output per request).
     """
-    B, T = len(utterances), cfg.chunk
+    T = cfg.chunk
     sources = [encode_prompt(runners[0].model, mel, tok) for mel, tok in prompts]
     index = []
     for run in runners:
-        index.append([run.context.cache.add_source(k, v) for k, v in sources])
+        index.append([run.session.add_source(k, v) for k, v in sources])
     lengths = [mel.shape[0] for mel, _ in prompts]
     g = torch.Generator().manual_seed(seed)
     seconds = [0.0] * len(runners)
@@ -264,38 +262,34 @@ def stream(cfg: TTSConfig, runners: List[Runner], prompts, utterances: List[Utte
     mels = {u.rid: [] for u in utterances}
     steps = frames = 0
     while any(u.done_chunks < u.chunks(T) for u in utterances):
-        segs, pos = [], {}
-        noise = torch.randn(B, T, cfg.mel, generator=g)
-        tokens = torch.zeros(B, T, dtype=torch.long)
-        live = []
-        for i, u in enumerate(utterances):
+        feeds = {}
+        for u in utterances:
             if u.start_step > steps or u.done_chunks >= u.chunks(T):
-                segs.append(Segment(None, 0))
                 continue
+            if u.done_chunks == 0:  # a new request starts on its voice prompt, shared as a source
+                for k, run in enumerate(runners):
+                    run.session.start(u.rid, source=index[k][u.prompt], source_len=lengths[u.prompt])
             last = u.done_chunks == u.chunks(T) - 1
-            segs.append(Segment(u.rid, 0 if last else T))  # the last chunk is read, never written
-            pos[u.rid] = StreamPosition(lengths[u.prompt], u.done_chunks * T, source=index[0][u.prompt])
-            tokens[i] = u.tokens[u.done_chunks * T:(u.done_chunks + 1) * T]
-            live.append(i)
-        step = BoundedKVStep(tuple(segs), pos, tokens=T)
+            noise = torch.randn(T, cfg.mel, generator=g)
+            tokens = u.tokens[u.done_chunks * T:(u.done_chunks + 1) * T]
+            feeds[u.rid] = Chunk((noise, tokens), span=0 if last else T)  # the last chunk is read, never written
         outs = []
         for k, run in enumerate(runners):
             t0 = time.perf_counter()
-            out = run.step(run.context.begin(step), noise, tokens)
-            run.context.commit()
+            outs.append(run.session.step(feeds, run.forward))
             seconds[k] += time.perf_counter() - t0
-            outs.append(out)
-        for i in live:
-            u = utterances[i]
+        for u in utterances:
+            if u.rid not in feeds:
+                continue
             for k in range(len(runners)):
-                max_dev[k] = max(max_dev[k], (outs[k][i] - outs[-1][i]).abs().max().item())
-            max_abs = max(max_abs, outs[-1][i].abs().max().item())
-            mels[u.rid].append(outs[0][i])
+                max_dev[k] = max(max_dev[k], (outs[k][u.rid] - outs[-1][u.rid]).abs().max().item())
+            max_abs = max(max_abs, outs[-1][u.rid].abs().max().item())
+            mels[u.rid].append(outs[0][u.rid])
             u.done_chunks += 1
             frames += T
             if u.done_chunks == u.chunks(T):
                 for run in runners:
-                    run.context.remove_request(u.rid)
+                    run.session.finish(u.rid)
         steps += 1
     return {"steps": steps, "frames": frames, "seconds": seconds, "max_dev": max_dev, "max_abs": max_abs,
             "mels": {rid: torch.cat(m) for rid, m in mels.items()}}
@@ -335,15 +329,10 @@ def main(argv=None):
     # three utterances in voice 0 (one joining late), one in voice 1
     n = args.chunks
     utts = make_utterances(cfg, [n, n - 5, n, n - 10], [0, 0, 1, 0], start_steps=[0, 0, 3, 8])
-    # compile outside the timing: the same batch shape, throwaway requests (their sources are freed below)
-    warm = make_utterances(cfg, [1] * len(utts), [0] * len(utts), seed=5)
-    for u in warm:
-        u.rid = "warm-" + u.rid
-    stream(cfg, [bounded], prompts, warm)
-    for i in list(bounded.context.cache.sources):
-        bounded.context.cache.remove_source(i)
+    # compile outside the timing, on padding steps of the same shape
+    bounded.session.warmup(bounded.forward, (torch.zeros(cfg.chunk, cfg.mel), torch.zeros(cfg.chunk, dtype=torch.long)))
     res = stream(cfg, runners, prompts, utts)
-    m = bounded.context.cache
+    m = bounded.session.cache
     print(f"streaming TTS flow-matching DiT: {cfg.solver_steps} Euler steps x {cfg.blocks} blocks = {cfg.layers} "
           f"cache layers, {cfg.heads} heads x {cfg.head_dim}, chunk {cfg.chunk} frames, CFG w={cfg.guidance}, "
           f"voice prompt (sink) + window {cfg.window}, {'eager' if args.eager else 'compiled'}, "

@@ -4,6 +4,9 @@ Run with:
 
     torchrun --nproc_per_node 2 examples/tp_streaming.py [--steps 64] [--compile] [--check] [--check-plans]
 
+or as a plain script, `python examples/tp_streaming.py [...]`, which starts
+`--nproc` (default 2) local processes over gloo itself.
+
 A toy attention stack (no MLPs) is split Megatron-style over the ranks of the
 job: each rank computes the queries, keys and values of its own heads
 (column-parallel projections), attends over its share of the KV cache, and
@@ -132,16 +135,20 @@ def scheduler(seed: int, steps: int, batch: int, slots: int):
         yield removals, BoundedKVStep(tuple(segs), positions), tokens
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", type=int, default=2, help="local processes to start when not run under torchrun")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--compile", action="store_true", help="run each step as one torch.compile'd graph")
     ap.add_argument("--check", action="store_true", help="compare with a single-process model on rank 0")
     ap.add_argument("--check-plans", action="store_true", help="compare plans across ranks every step")
-    args = ap.parse_args()
+    return ap
 
-    use_cuda = torch.cuda.is_available()
+
+def main(argv=None, force_gloo: bool = False):
+    args = parser().parse_args(argv)
+    use_cuda = torch.cuda.is_available() and not force_gloo
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if use_cuda else "gloo")
@@ -231,5 +238,34 @@ def main():
     dist.destroy_process_group()
 
 
+def _local_rank(rank: int, world: int, port: int, argv) -> None:
+    """One of the processes a plain `python examples/tp_streaming.py` starts (what torchrun would set up)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    main(argv, force_gloo=True)
+
+
+def run_locally(argv=None) -> None:
+    """Start `--nproc` processes on this machine (gloo over loopback), each running `main`."""
+    import socket
+    import sys
+
+    import torch.multiprocessing as mp
+
+    argv = sys.argv[1:] if argv is None else argv
+    nproc = parser().parse_args(argv).nproc
+    if nproc < 1:
+        raise SystemExit(f"--nproc must be >= 1, got {nproc}")
+    with socket.socket() as sock:  # a free port on the loopback interface for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    print(f"no RANK in the environment: starting {nproc} local processes over gloo "
+          f"(under torchrun: torchrun --nproc_per_node {nproc} examples/tp_streaming.py)", flush=True)
+    mp.spawn(_local_rank, args=(nproc, port, argv), nprocs=nproc, join=True)
+
+
 if __name__ == "__main__":
-    main()
+    if "RANK" in os.environ:
+        main()
+    else:
+        run_locally()

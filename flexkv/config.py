@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -27,26 +27,40 @@ def _int(name: str, value, lo: int, hint: str = "") -> int:
     return value
 
 
-@dataclass(frozen=True)
-class SinkWindow:
+class _SinkWindowFields(NamedTuple):
+    sink: int
+    window: int
+    window_includes_step: bool = False
+
+
+class SinkWindow(_SinkWindowFields):
     """Keep the stream's first `sink` entries and its last `window` entries.
 
     `window_includes_step=True` counts the step's written tokens against the
     window: a step writing `span` tokens reads only the last `window - span`
     retained entries (none when that is <= 0).
+
+    A named tuple (`sink, window, includes = policy`, `policy[1]`,
+    `policy._replace(window=...)`) whose construction checks its values:
+    `SinkWindow(...)`, `_make` and `_replace` all raise `ValueError` naming a
+    bad value.
     """
 
-    sink: int
-    window: int
-    window_includes_step: bool = False
+    __slots__ = ()
 
-    def __post_init__(self):
-        _int("SinkWindow.sink", self.sink, 0)
-        _int("SinkWindow.window", self.window, 0)
-        if not isinstance(self.window_includes_step, bool):
+    def __new__(cls, sink: int, window: int, window_includes_step: bool = False):
+        _int("SinkWindow.sink", sink, 0)
+        _int("SinkWindow.window", window, 0)
+        if not isinstance(window_includes_step, bool):
             raise ValueError(
-                f"SinkWindow.window_includes_step must be a bool, got {self.window_includes_step!r}"
+                f"SinkWindow.window_includes_step must be a bool, got {window_includes_step!r}"
             )
+        return super().__new__(cls, sink, window, window_includes_step)
+
+    @classmethod
+    def _make(cls, iterable) -> "SinkWindow":
+        # namedtuple's own _make (and so _replace) builds the tuple directly; validate through __new__.
+        return cls(*iterable)
 
     def window_start(self, n: int, span: int) -> int:
         """First stream index of the window for a step at stream length `n`.
@@ -64,7 +78,7 @@ Retention = Union[SinkWindow, Callable[[int], SinkWindow]]
 
 @dataclass(frozen=True)
 class BoundedKVConfig:
-    """Static description of one bounded KV cache (SPEC section 4).
+    """Static description of one bounded KV cache (docs/contract.md section 4).
 
     `retention` is one `SinkWindow` for every request, or a callable
     `source_len -> SinkWindow` that is resolved once here for every length in

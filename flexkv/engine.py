@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from .config import BoundedKVConfig
+from .step import ResourceStep
 
 __all__ = [
     "EngineResourceInfo",
@@ -68,10 +69,6 @@ class NodeResourceSpec:
             unknown = ", ".join(sorted(overrides))
             raise ValueError(f"resource {self.resource_key!r} accepts no YAML overrides, got: {unknown}")
         return self
-
-
-class ResourceStep:
-    """Base class of the per-step objects an engine hands to its resources."""
 
 
 class Resource:

@@ -50,7 +50,7 @@ def _is_int(x) -> bool:
 
 
 class BoundedKVManager(nn.Module):
-    """A bounded sink + window KV cache for `config.max_slots` requests (SPEC section 5).
+    """A bounded sink + window KV cache for `config.max_slots` requests (docs/contract.md section 5).
 
     Args:
         config: the cache's `BoundedKVConfig`; its `dtype` must be settled
@@ -139,10 +139,28 @@ class BoundedKVManager(nn.Module):
         with self._lock:
             return dict(self._sources)
 
+    def _layer_kv(self, layer_idx):
+        """Layer `layer_idx`'s key and value buffers, `[1, num_heads, S, head_dim]`.
+
+        Every layer keeps tensors of its own (`k_cache_{i}`, `v_cache_{i}`):
+        inductor's CPU FlexAttention kernel reads a key or value view from its
+        storage's start, ignoring the view's offset (torch 2.11 to 2.15), so a
+        layer sliced out of one stacked tensor would read layer 0 when compiled.
+
+        Under `torch.compile` a layer index may arrive as a symbolic int (a
+        compiled `attend` called with one layer after another). It is compared
+        with each layer here, which specialises the graph on its value with a
+        guard instead of formatting a buffer name from it: each layer then
+        gets its graph once, during warm-up, and none later.
+        """
+        for i in range(self.config.num_layers):
+            if layer_idx == i:
+                return getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
+        raise ValueError(f"layer_idx must be an int in [0, {self.config.num_layers}), got {layer_idx!r}")
+
     def _cache_buffers(self):
         for i in range(self.config.num_layers):
-            yield getattr(self, f"k_cache_{i}")
-            yield getattr(self, f"v_cache_{i}")
+            yield from self._layer_kv(i)
 
     @property
     def memory_bytes(self) -> int:
@@ -195,8 +213,7 @@ class BoundedKVManager(nn.Module):
                 )
             with torch.no_grad():
                 for layer in range(c.num_layers):
-                    kc = getattr(self, f"k_cache_{layer}")
-                    vc = getattr(self, f"v_cache_{layer}")
+                    kc, vc = self._layer_kv(layer)
                     for r in range(c.rows_per_request):
                         base = self.layout.source_row(index, r)
                         kc[0, :, base:base + length].copy_(keys[layer, r])
@@ -398,7 +415,9 @@ class BoundedKVManager(nn.Module):
     def _check_attend(self, layer_idx, q, k, v, plan) -> None:
         c = self.config
         if not _is_int(layer_idx) or not 0 <= layer_idx < c.num_layers:
-            raise ValueError(f"layer_idx must be an int in [0, {c.num_layers}), got {layer_idx!r}")
+            # A compiled call may hold the index as a symbolic int, which cannot be formatted.
+            got = "an index outside that range" if torch.compiler.is_compiling() else repr(layer_idx)
+            raise ValueError(f"layer_idx must be an int in [0, {c.num_layers}), got {got}")
         if not isinstance(plan, BoundedPlan):
             raise ValueError("attend needs a plan: pass plan=manager.plan(step) (or call plan() first)")
         N, T = plan.rows, plan.tokens
@@ -457,8 +476,7 @@ class BoundedKVManager(nn.Module):
         if positions not in POSITION_MODES:
             raise ValueError(f"attend: positions must be one of {POSITION_MODES}, got {positions!r}")
         c, lay = self.config, self.layout
-        kc = getattr(self, f"k_cache_{layer_idx}")
-        vc = getattr(self, f"v_cache_{layer_idx}")
+        kc, vc = self._layer_kv(layer_idx)
         N, H, T, D = k.shape
         cells = plan.write_index.view(1, N * T).long()
         index = (self._zero_index, self._head_index, cells)

@@ -2,7 +2,7 @@
 
 Every physical key cell maps to the stream index it holds for a given row
 (or to none), using only the plan's per-row tensors and two constants, the
-ring length and the step's `T`. The mask is then SPEC section 2 written on
+ring length and the step's `T`. The mask is then docs/contract.md section 2 written on
 stream indices; it is exact on its own (eager FlexAttention evaluates it on
 every cell), and the plan's block lists only skip blocks where it is false.
 
@@ -54,7 +54,7 @@ def stream_index(plan, ring_len: int, tokens: int, b, kv_idx):
 
 
 def make_mask_mod(plan, ring_len: int, tokens: int, query_window: Optional[int], packed: bool = False):
-    """The retention mask of SPEC section 2 for `plan` (per-step or per-query window).
+    """The retention mask of contract section 2 for `plan` (per-step or per-query window).
 
     `packed`: the query axis holds `group * tokens` queries (a GQA group folded into
     it, group-major), so the step's token is `q_idx % tokens`.

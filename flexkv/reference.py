@@ -1,4 +1,4 @@
-"""A dense whole-stream reference for SPEC section 2, in float64.
+"""A dense whole-stream reference for docs/contract.md section 2, in float64.
 
 It keeps every entry of every stream (nothing is ever evicted), builds each
 query's attended set straight from the definition, and computes softmax
@@ -20,7 +20,7 @@ __all__ = ["attended_indices", "own_stream_indices", "cache_positions", "Referen
 
 
 def own_stream_indices(n: int, span: int, tokens: int, reverse: bool) -> List[int]:
-    """Stream index of each of a step's `tokens` own tokens (SPEC section 2)."""
+    """Stream index of each of a step's `tokens` own tokens (contract section 2)."""
     return [n + span - 1 - t if (reverse and t < span) else n + t for t in range(tokens)]
 
 

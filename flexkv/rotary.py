@@ -3,7 +3,7 @@
 A rotary model rotates each query and key by an angle proportional to its
 position; the score of a query at position `p` and a key at position `j`
 then depends on `j - p` only. With a bounded cache there are two choices of
-position (SPEC section 6):
+position (docs/contract.md section 6):
 
 ``"stream"``
     the entry's stream index. A key is rotated once, when it is written, and
@@ -13,7 +13,7 @@ position (SPEC section 6):
 ``"cache"``
     StreamingLLM's in-cache positions: the sink entries keep theirs and
     everything after them moves down by the number of entries evicted so
-    far (`evicted = lo - sink`, SPEC section 2), so positions never grow past
+    far (`evicted = lo - sink`, contract section 6), so positions never grow past
     the cache's size. StreamingLLM's reference code, and the old transformers
     `SinkCache`, keep un-rotated keys and re-rotate every cached key at every
     step: O(window) work per layer per step.
@@ -124,7 +124,7 @@ class Rotary(nn.Module):
 
 
 def stream_positions(plan, tokens: int, reverse: bool = False) -> torch.Tensor:
-    """Stream index of each of a step's own tokens, `[N, T]` int64, from the plan's tensors (SPEC section 2).
+    """Stream index of each of a step's own tokens, `[N, T]` int64, from the plan's tensors (contract section 2).
 
     Token `t` of flat row `b` sits at `n[b] + t`; with `reverse` a written
     token (`t < span[b]`) sits at `n[b] + span[b] - 1 - t`. Padding rows get
@@ -254,7 +254,7 @@ class SinkRotation(nn.Module):
         cells = torch.where(
             live.view(-1, 1), sink_base.view(-1, 1) + offs, self._scratch_base + offs % self._scratch_len
         )
-        kc = getattr(self.manager, f"k_cache_{self.layer_idx}")
+        kc = self.manager._layer_kv(self.layer_idx)[0]
         index = (self.manager._zero_index, self.manager._head_index, cells.view(1, N * S))
         kc.index_put_(index, rotated.transpose(0, 1).reshape(H, N * S, D))
 

@@ -2,8 +2,8 @@
 
 `run_workload(workload)` builds the cache and a `StreamModel`, compiles the
 model step, warms every batch shape up on all-padding steps, then drives
-`Traffic` for `workload.steps` model steps: admit, plan, the compiled layers,
-commit, departures. It measures step and planning time, counts graphs
+`Traffic` for `workload.steps` model steps through a `StreamSession` (which
+admits, pads, plans, runs the compiled layers and commits), then departures. It measures step and planning time, counts graphs
 compiled after the warm-up (there should be none), follows slot memory
 against what an unbounded cache would hold, and checks a few steps of a few
 tracked requests against the float64 `flexkv.reference`. The result is a
@@ -19,19 +19,14 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from .compiling import graphs_compiled
 from .manager import BoundedKVManager
 from .reference import ReferenceCache
+from .session import Chunk, StreamSession
 from .step import BoundedKVStep, Segment
 from .workload import StreamModel, Traffic, Workload, fresh_function
 
 __all__ = ["run_workload", "CompiledStep", "graphs_compiled", "percentile"]
-
-
-def graphs_compiled() -> int:
-    """Graphs torch.compile has produced in this process so far (dynamo's `unique_graphs`)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
 
 
 def percentile(values: List[float], q: float) -> float:
@@ -150,6 +145,26 @@ class _Tracker:
         return [cat(c) for c in keys], [cat(c) for c in values]
 
 
+def _feeds(w: Workload, traffic: Traffic, inputs: Callable):
+    """The session feeds of the next model step: `("main", feeds)` and maybe `("final", feeds)`.
+
+    Requests in their regular phase write `span` of the step's `tokens`; a
+    request at its end feeds one final chunk of `final_tokens` that writes
+    `final_span` (see `Traffic`).
+    """
+    out = []
+    regular = [(i, r) for i, r in enumerate(traffic.lanes) if r is not None and not r.final]
+    if regular:
+        x = inputs(w.step_tokens)
+        out.append(("main", {r.rid: x[i] if w.span == w.step_tokens else Chunk(x[i], span=w.span)
+                             for i, r in regular}))
+    final = [(i, r) for i, r in enumerate(traffic.lanes) if r is not None and r.final]
+    if final:
+        x = inputs(w.final_tokens)
+        out.append(("final", {r.rid: Chunk(x[i], span=w.final_span) for i, r in final}))
+    return out
+
+
 def run_workload(
     workload: Workload,
     *,
@@ -166,33 +181,45 @@ def run_workload(
     manager = BoundedKVManager(cfg, device, block_size=w.block_size)
     model = StreamModel(w, seed=w.seed, device=device)
     gen = torch.Generator().manual_seed(w.seed + 1)
+    token_sizes = sorted({w.step_tokens} | ({w.final_tokens} if w.final_tokens is not None else set()))
+    # The session owns positions, lanes (one per request, `requests` of them), padding and the step;
+    # the model step compiles per layer (`CompiledStep`), so the session runs it as given.
+    session = StreamSession(manager, batch_sizes=(w.requests,), token_sizes=token_sizes, compile=False)
 
     sources = []
     for s in range(w.sources if w.source_len else 0):
         shape = (w.layers, w.rows, w.kv_heads, w.source_len, w.head_dim)
         k = torch.randn(shape, generator=gen).to(w.torch_dtype)
         v = torch.randn(shape, generator=gen).to(w.torch_dtype)
-        idx = manager.add_source(k.to(device), v.to(device))
+        idx = session.add_source(k.to(device), v.to(device))
         sources.append((idx, k, v))
 
     R = w.rows
-    N = w.requests * R
     stepper = CompiledStep(manager, model, w.compile)
 
+    def model_step(attn, x):
+        """`x [B, T, rows, d_model]` from the session -> the model's rows `[B * rows, T, d_model]`."""
+        B, T = x.shape[:2]
+        return stepper(x.transpose(1, 2).reshape(B * R, T, -1), attn.plan)
+
     def inputs(T):
-        ids = torch.randint(0, StreamModel.VOCAB, (N, T), generator=gen).to(device)
-        return model.embed[ids]
+        """Embedded random tokens for every lane: `[requests, T, rows, d_model]`, one feed per lane."""
+        ids = torch.randint(0, StreamModel.VOCAB, (w.requests * R, T), generator=gen).to(device)
+        return model.embed[ids].view(w.requests, R, T, -1).transpose(1, 2)
+
+    def start(reqs):
+        for r in reqs:
+            session.start(r.rid, source=r.source, source_len=w.source_len)
 
     # Warm-up: one all-padding step of each batch shape compiles everything the run needs.
     graphs0 = graphs_compiled()
     traffic = Traffic(w)
     t0 = time.perf_counter()
-    with torch.no_grad():
-        for _, st in traffic.padding_steps():
-            stepper(inputs(st.step_tokens), manager.plan(st))
+    session.warmup(model_step, inputs(1)[0])
     _sync(device)
     compile_s = time.perf_counter() - t0
     graphs_warm = graphs_compiled()
+    start(traffic.active)
 
     tracker = _Tracker(w, w.check_requests)
     checks: List[dict] = []
@@ -243,21 +270,18 @@ def run_workload(
         for step_no in range(w.steps):
             last = step_no == w.steps - 1
             step_s = 0.0
-            for kind, st in traffic.steps():
-                x = inputs(st.step_tokens)
+            for kind, feeds in _feeds(w, traffic, inputs):
                 _sync(device)
                 t0 = time.perf_counter()
-                manager.admit(st)
-                plan = manager.plan(st)
-                t1 = time.perf_counter()
-                _, records = stepper(x, plan)
+                res = session.step(feeds, model_step)
                 _sync(device)
-                manager.commit(st)
                 t2 = time.perf_counter()
-                plan_times.append(t1 - t0)
+                _, records = res.outputs
+                st = res.step
+                plan_times.append(res.plan_s)
                 call_times.append(t2 - t0)
                 step_s += t2 - t0
-                lane_of = {seg.request_id: i for i, seg in enumerate(st.segments) if seg.request_id is not None}
+                lane_of = res.lanes
                 # Reference checks: a tracked request at its last regular step or its final step
                 # (its longest stream), and whatever is tracked at the end of the run.
                 # The budget is released evenly over the run, so checks do not all land early.
@@ -279,10 +303,11 @@ def run_workload(
             step_times.append(step_s)
             traffic.advance()
             for r in traffic.departed:
-                manager.remove_request(r.rid)
+                session.finish(r.rid)
                 tracker.hist.pop(r.rid, None)
                 finished += 1
             arrived += len(traffic.arrived)
+            start(traffic.arrived)
             offer(traffic.arrived)
             if manager.memory_bytes != mem0:
                 mem_flat = False

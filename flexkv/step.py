@@ -1,22 +1,30 @@
-"""What one model step tells the cache: which requests, where they stand, how much they write."""
+"""What one model step tells the cache: which requests, where they stand, how much they write.
+
+This is the bottom of flexkv's import graph: it imports nothing from the
+package, so every other module may import it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping, Optional, Tuple
+from typing import Hashable, Mapping, NamedTuple, Optional, Tuple
 
-from .engine import ResourceStep
-
-__all__ = ["StreamPosition", "Segment", "BoundedKVStep"]
+__all__ = ["ResourceStep", "StreamPosition", "Segment", "BoundedKVStep"]
 
 
-@dataclass(frozen=True)
-class StreamPosition:
+class ResourceStep:
+    """Base class of the per-step objects an engine hands to its resources (see `flexkv.engine`)."""
+
+
+class StreamPosition(NamedTuple):
     """Where a request stands when a step starts.
 
     The stream holds `source_len` entries of registered source `source`, then
     `written` tokens the request wrote; the step's first token sits at stream
-    index `source_len + written`.
+    index `source_len + written`. A plain named tuple
+    (`source_len, written, source = pos`, `pos._replace(written=...)`);
+    `BoundedKVManager.admit` checks the values and names the request when one
+    is wrong.
     """
 
     source_len: int

@@ -113,7 +113,7 @@ class UncachedHistory:
         rotary=None,
         rope_positions: str = "stream",
     ) -> torch.Tensor:
-        """Attention of `step` for `layer` over the whole history, masked by retention (SPEC section 2).
+        """Attention of `step` for `layer` over the whole history, masked by retention (docs/contract.md section 2).
 
         `positions` chooses what `score_mod` receives, `rope_positions` where
         `rotary` (a `flexkv.rotary.Rotary`, or None) rotates queries and keys.

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import types
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from .compiling import fresh_function
 from .config import BoundedKVConfig, SinkWindow
 from .step import BoundedKVStep, Segment, StreamPosition
 
@@ -59,7 +59,7 @@ class Workload:
     rows per request (2 for batched classifier-free guidance).
     Retention: `source_len` entries of a shared source (0: none; `sources`
     distinct ones, each request picks one), `sink`, `window`,
-    `window_includes_step`, `query_window`, `reverse_step_order` (SPEC 1-2).
+    `window_includes_step`, `query_window`, `reverse_step_order` (docs/contract.md sections 1-2).
     Step: each request writes `span` tokens per step out of `tokens` (T);
     with `final_tokens`, a request ends with one step of `final_tokens`
     tokens that writes `final_span`. `score_bias: relative` adds a learned
@@ -339,20 +339,6 @@ BUILTIN = Workload(
 
 
 # ------------------------------------------------------------------ model
-
-
-def fresh_function(fn: Callable, tag: str) -> Callable:
-    """A copy of `fn` with its own code object.
-
-    `torch.compile` keeps its cache of compiled graphs on the code object; a
-    copy per layer gives each layer its own cache, so a per-layer compiled
-    function never recompiles because another layer was called, and never
-    walks the guards of the other layers' entries.
-    """
-    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{tag}")
-    if hasattr(code, "co_qualname"):
-        code = code.replace(co_qualname=f"{fn.__code__.co_qualname}_{tag}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:

@@ -95,6 +95,21 @@ class StepContext:
         """Make `plan` the one the layers read (call it inside a compiled step, on its argument)."""
         self.plan = plan
 
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Attention of layer `layer_idx` for the bound step, with no attention module in between.
+
+        `BoundedKVManager.attend(layer_idx, q, k, v, plan, **kwargs)` with the
+        bound plan, or `UncachedHistory.attend` with the begun step. Calling
+        the context does the same: `context(layer_idx, q, k, v)`.
+        """
+        if isinstance(self.cache, UncachedHistory):
+            if self.step is None:
+                raise ValueError("StepContext.attend: no step; call begin(step) first")
+            return self.cache.attend(layer_idx, q, k, v, self.step, **kwargs)
+        return self.cache.attend(layer_idx, q, k, v, self.plan, **kwargs)
+
+    __call__ = attend
+
     def commit(self) -> None:
         """Commit the step begun last."""
         if self.step is None:

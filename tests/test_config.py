@@ -124,3 +124,32 @@ def test_shipped_deployment_example_loads():
     specs = [BoundedKVSpec("chat_kv", (), make()), BoundedKVSpec("tts_kv", (), make())]
     out = load_deployment(root / "configs" / "deployment.yaml", specs)
     assert [s.config.max_slots for s in out] == [64, 8]
+
+
+def test_sink_window_is_a_named_tuple():
+    pol = SinkWindow(4, 16)
+    sink, window, includes = pol
+    assert (sink, window, includes) == (4, 16, False) and pol[1] == 16 and pol._fields[:2] == ("sink", "window")
+    wider = pol._replace(window=32)
+    assert isinstance(wider, SinkWindow) and wider == (4, 32, False) and pol.window == 16
+    assert wider.window_start(100, 1) == 68 and SinkWindow._make((1, 2, True)).window_includes_step
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: SinkWindow(4, 16)._replace(sink=-1), r"SinkWindow.sink must be >= 0, got -1"),
+    (lambda: SinkWindow(4, 16)._replace(window=2.5), r"SinkWindow.window must be an int >= 0, got 2.5"),
+    (lambda: SinkWindow._make((1, 2, "yes")), r"SinkWindow.window_includes_step must be a bool, got 'yes'"),
+])
+def test_sink_window_replace_and_make_validate(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_stream_position_is_a_named_tuple():
+    from flexkv import StreamPosition
+
+    pos = StreamPosition(3, 5)
+    source_len, written, source = pos
+    assert (source_len, written, source) == (3, 5, 0) and pos.length == 8 and pos[1] == 5
+    later = pos._replace(written=9)
+    assert isinstance(later, StreamPosition) and later.length == 12 and pos.written == 5

@@ -17,7 +17,7 @@ def _check(bounded):
     # two requests share voice 0 (one joins a step late), one speaks in voice 1 and leaves early
     utts = make_utterances(CFG, [5, 3, 2], [0, 0, 1], start_steps=[0, 1, 0])
     res = stream(CFG, [bounded, uncached], prompts, utts)
-    m = bounded.context.cache
+    m = bounded.session.cache
     assert m.sources == {0: 30, 1: 17}  # each prompt registered once, read by every request in its voice
     assert res["frames"] == 10 * CFG.chunk and res["steps"] == 5
     assert res["max_dev"][0] < 1e-4 * max(1.0, res["max_abs"]), res["max_dev"]

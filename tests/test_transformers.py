@@ -18,8 +18,9 @@ import types
 import pytest
 import torch
 
+# An optional extra: without it (`pip install -e '.[test]'`) this module is skipped, not an error.
 transformers = pytest.importorskip(
-    "transformers", reason="flexkv.integrations.transformers needs the optional transformers package"
+    "transformers", reason="the transformers extra is not installed (pip install -e '.[transformers]')"
 )
 
 from single_thread import one_thread  # noqa: E402,F401

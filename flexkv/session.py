@@ -1,0 +1,684 @@
+"""`StreamSession`: the step loop of a streaming model, written once.
+
+A model that streams through a bounded cache needs the same loop every
+time: keep each request's position, give new requests a slot (or make them
+wait), pad the batch to a fixed shape so the compiled step never
+recompiles, compile and warm up, then per step admit, plan, run the model,
+commit. `StreamSession` is that loop::
+
+    session = StreamSession(config)                 # or an existing BoundedKVManager
+
+    def model(attn, tokens):                        # tokens [B, T]: every request's, padded
+        x = embed(tokens)
+        for layer in range(num_layers):
+            q, k, v = project(layer, x)             # [B, heads, T, head_dim]
+            x = x + out_proj(layer, attn(layer, q, k, v))
+        return logits(x)                            # [B, T, vocab]
+
+    out = session.step({"chat0": prompt_ids, "chat1": next_id}, model)
+    out["chat0"]                                    # chat0's logits, [len(prompt_ids), vocab]
+    session.finish("chat0")                         # its slot goes to the next request
+
+What it does per `step(feeds, fn)`:
+
+- `feeds` maps request ids to what each request feeds this step: a tensor
+  (or a tuple, list or dict of tensors) with the request's tokens along
+  dimension 0, or a `Chunk(inputs, span=k)` that writes only the first `k`
+  tokens (the rest are look-ahead tokens: attended, never written). A request
+  seen for the first time starts with an empty stream and no source;
+  `start()` starts one on a shared source.
+- Each request holds a *lane*, its row in the batch (`rows_per_request` rows
+  with CFG), from its start until `finish()`: the lowest free lane, as
+  stable as the request. The batch is padded to the smallest of
+  `batch_sizes` that covers every lane in the step, and `T` to the smallest of
+  `token_sizes` that holds every feed; padded lanes are padding segments
+  (they read and write nothing).
+- `fn(attn, inputs)` runs the model on the padded batch (`inputs` has the
+  structure of one feed, each tensor `[B, T, ...]`); `attn(layer, q, k, v,
+  **kw)` is the cache's attention for the step (`BoundedKVManager.attend`
+  with the step's plan). `attn` is the session's `StepContext`, so modules
+  built with `flexkv.wrap.attention(session.context, layer)` work too.
+- The result maps each request of the step to its share of `fn`'s output:
+  every output tensor `[B, T, ...]` cut to the request's lane and tokens.
+
+With `compile=True` (the default) `fn` runs under
+`torch.compile(fullgraph=True, dynamic=False)`, once per `(B, T)` bucket:
+the first step (or `warmup`) compiles every bucket on all-padding steps,
+and no later step compiles. `initial_state` gives every request a model state
+carried between steps (a convolution's last inputs, say); `fn` then takes
+and returns it (see `StreamSession`).
+
+When every lane is held, `when_full` decides: `"queue"` (default) keeps new
+requests waiting, first come first served, and admits them as lanes free
+up (their feeds are left out of steps meanwhile and listed in
+`StepResult.waiting`); `"refuse"` raises `SlotsExhausted` and changes
+nothing.
+
+The low-level API (`admit`, `plan`, `attend`, `commit`) stays what an
+engine uses; the session is built on it and on nothing else.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from .compiling import fresh_function
+from .config import BoundedKVConfig
+from .manager import BoundedKVManager, SlotsExhausted
+from .step import BoundedKVStep, Segment, StreamPosition
+from .uncached import UncachedHistory
+from .wrap import StepContext
+
+__all__ = ["StreamSession", "Chunk", "StepResult", "WHEN_FULL"]
+
+WHEN_FULL = ("queue", "refuse")
+
+_session_ids = itertools.count()
+
+
+class Chunk(NamedTuple):
+    """What one request feeds a step when it does not write all of it.
+
+    `inputs`: a tensor, or a tuple, list or dict of tensors, with the chunk's
+    tokens along dimension 0. `span`: how many of them are written to the
+    stream (default: all); the remaining ones are look-ahead tokens, attended
+    but never written (a conformer's right context, a TTS model's last chunk
+    with `span=0`).
+    """
+
+    inputs: Any
+    span: Optional[int] = None
+
+
+# ------------------------------------------------------------------ pytrees
+
+
+def _flatten(x, where: str) -> Tuple[List[torch.Tensor], Any]:
+    """Leaves and structure of a tensor or a (nested) tuple/list/dict of tensors."""
+    if isinstance(x, torch.Tensor):
+        return [x], None
+    if isinstance(x, (tuple, list)):
+        leaves, specs = [], []
+        for i, e in enumerate(x):
+            lv, sp = _flatten(e, f"{where}[{i}]")
+            leaves += lv
+            specs.append((len(lv), sp))
+        return leaves, (type(x), specs)
+    if isinstance(x, dict):
+        leaves, specs = [], []
+        for key, e in x.items():
+            lv, sp = _flatten(e, f"{where}[{key!r}]")
+            leaves += lv
+            specs.append((key, len(lv), sp))
+        return leaves, (dict, specs)
+    raise ValueError(
+        f"{where} must be a tensor or a tuple, list or dict of tensors, got {type(x).__name__}"
+    )
+
+
+def _unflatten(spec, leaves: Sequence[torch.Tensor]):
+    if spec is None:
+        return leaves[0]
+    kind, specs = spec
+    out, i = [], 0
+    if kind is dict:
+        d = {}
+        for key, n, sp in specs:
+            d[key] = _unflatten(sp, leaves[i:i + n])
+            i += n
+        return d
+    for n, sp in specs:
+        out.append(_unflatten(sp, leaves[i:i + n]))
+        i += n
+    return kind(out)
+
+
+def _map(fn: Callable, x):
+    """`fn` applied to every tensor of a (nested) tuple/list/dict; other values are kept."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_map(fn, e) for e in x)
+    if isinstance(x, dict):
+        return {k: _map(fn, e) for k, e in x.items()}
+    return x
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _sizes(name: str, sizes, default: Tuple[int, ...], hi: int, hi_name: str) -> Tuple[int, ...]:
+    if sizes is None:
+        return default
+    try:
+        values = tuple(sizes)
+    except TypeError:
+        raise ValueError(f"{name} must be a sequence of ints in [1, {hi_name}={hi}], got {sizes!r}") from None
+    if not values or any(not _is_int(v) or not 1 <= v <= hi for v in values):
+        raise ValueError(f"{name} must be a non-empty sequence of ints in [1, {hi_name}={hi}], got {sizes!r}")
+    return tuple(sorted(set(values)))
+
+
+# ------------------------------------------------------------------ results
+
+
+class StepResult(Mapping):
+    """What `StreamSession.step` returns: each request's share of the model's output.
+
+    `result[rid]` is `fn`'s output with every tensor `[B, T, ...]` cut to the
+    request's lane and its own tokens: `t[lane, :n]`. The whole batch is
+    there too:
+
+    - `outputs`: `fn`'s output as it returned it (padded lanes included);
+    - `lanes`: request id -> lane (batch row; rows `lane * R .. lane * R + R - 1`
+      of the attention with `rows_per_request = R`);
+    - `tokens`: request id -> how many tokens it fed;
+    - `step`: the `BoundedKVStep` that ran (its positions are before the step);
+    - `plan`: the step's plan (None for an `UncachedHistory`);
+    - `waiting`: request ids fed this step that wait for a lane (not run);
+    - `plan_s`: host seconds spent admitting, checking and planning.
+    """
+
+    def __init__(self, outputs, lanes: Dict, tokens: Dict, step, plan, waiting: tuple, plan_s: float):
+        self.outputs = outputs
+        self.lanes = lanes
+        self.tokens = tokens
+        self.step = step
+        self.plan = plan
+        self.waiting = waiting
+        self.plan_s = plan_s
+
+    def __getitem__(self, request_id):
+        if request_id not in self.lanes:
+            where = "waits for a lane" if request_id in self.waiting else "was not in this step"
+            raise KeyError(f"request {request_id!r} {where}")
+        lane, n = self.lanes[request_id], self.tokens[request_id]
+        T = self.step.step_tokens
+        B = len(self.step.segments)
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() < 2 or t.shape[0] != B or t.shape[1] != T:
+                raise ValueError(
+                    f"an output of shape {tuple(t.shape)} is not [B={B}, T={T}, ...], so it cannot be cut per "
+                    f"request; read result.outputs and result.lanes instead"
+                )
+            return t[lane, :n]
+
+        return _map(cut, self.outputs)
+
+    def __iter__(self) -> Iterator:
+        return iter(self.lanes)
+
+    def __len__(self) -> int:
+        return len(self.lanes)
+
+    def __repr__(self):
+        return f"StepResult(requests={list(self.lanes)}, waiting={list(self.waiting)})"
+
+
+@dataclass
+class _Request:
+    lane: int
+    source: int
+    source_len: int
+    written: int = 0
+    state: Any = None
+
+
+# ------------------------------------------------------------------ session
+
+
+class StreamSession:
+    """Streams requests through a bounded cache: positions, lanes, padding, compile and the step.
+
+    Args:
+        cache: a `BoundedKVConfig` (the session builds a `BoundedKVManager`
+            on `device`), a `BoundedKVManager`, or an `UncachedHistory` (the
+            same model without eviction, for checking; needs `compile=False`).
+        device: where a cache built from a config lives.
+        batch_sizes: the batch sizes `B` (lanes) a step is padded to; default
+            `(max_slots,)`, one batch shape. Each needs its own compile.
+        token_sizes: the token counts `T` a step is padded to; default
+            `(1, max_step_tokens)`. With a per-step window (`query_window`
+            None) every query attends the step's whole `T`, so each feed must
+            hold exactly `T` tokens; with a per-query window feeds may be
+            shorter (queries never see later tokens).
+        when_full: ``"queue"`` or ``"refuse"``: what `start` (or a step with a
+            new request) does when every lane is held (module docstring).
+        compile: run `fn` under `torch.compile(fullgraph=True,
+            dynamic=False)`, warmed up on every bucket at its first step.
+            With False, `fn` runs as given (it may hold compiled parts of its
+            own; `attn.plan` is the step's plan).
+        initial_state: a callable returning the model state of a new (or
+            reset) request: a tensor or tuple/list/dict of tensors. Then `fn`
+            is called `fn(attn, inputs, state)` with every request's state
+            stacked by lane (zeros on padded lanes) and returns
+            `(outputs, new_state)`; each request keeps `new_state[lane]`.
+        block_size: FlexAttention's KV block size of a cache built from a config.
+    """
+
+    def __init__(
+        self,
+        cache,
+        device="cpu",
+        *,
+        batch_sizes: Optional[Sequence[int]] = None,
+        token_sizes: Optional[Sequence[int]] = None,
+        when_full: str = "queue",
+        compile: bool = True,
+        initial_state: Optional[Callable[[], Any]] = None,
+        block_size: Optional[int] = None,
+    ):
+        if isinstance(cache, BoundedKVConfig):
+            kw = {} if block_size is None else {"block_size": block_size}
+            cache = BoundedKVManager(cache, device, **kw)
+        elif block_size is not None:
+            raise ValueError("block_size is for a cache the session builds from a BoundedKVConfig; "
+                             "this cache already has its layout")
+        if not isinstance(cache, (BoundedKVManager, UncachedHistory)):
+            raise ValueError(
+                f"cache must be a BoundedKVConfig, a BoundedKVManager or an UncachedHistory, got {type(cache).__name__}"
+            )
+        if when_full not in WHEN_FULL:
+            raise ValueError(f"when_full must be one of {WHEN_FULL}, got {when_full!r}")
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile must be a bool, got {compile!r}")
+        if compile and isinstance(cache, UncachedHistory):
+            raise ValueError("compile=True needs a BoundedKVManager: an UncachedHistory attends on the host in "
+                             "float64 and is not traceable; pass compile=False")
+        if initial_state is not None and not callable(initial_state):
+            raise ValueError(f"initial_state must be a callable returning a new request's state, got {initial_state!r}")
+        c = cache.config
+        self.cache = cache
+        self.config = c
+        self.context = StepContext(cache)
+        self.batch_sizes = _sizes("batch_sizes", batch_sizes, (c.max_slots,), c.max_slots, "max_slots")
+        self.token_sizes = _sizes("token_sizes", token_sizes, tuple(sorted({1, c.max_step_tokens})),
+                                  c.max_step_tokens, "max_step_tokens")
+        self.when_full = when_full
+        self.compile = compile
+        self.initial_state = initial_state
+        self._id = next(_session_ids)
+        self._requests: Dict[Hashable, _Request] = {}
+        self._free_lanes: List[int] = list(range(c.max_slots))
+        self._queue: deque = deque()  # (request_id, source, source_len), first come first served
+        self._runners: Dict[Any, Callable] = {}
+        self._warm: set = set()  # (fn, B, T) compiled
+
+    # ------------------------------------------------------------- views
+
+    @property
+    def requests(self) -> tuple:
+        """Request ids holding a lane, in lane order."""
+        return tuple(sorted(self._requests, key=lambda r: self._requests[r].lane))
+
+    @property
+    def waiting(self) -> tuple:
+        """Request ids waiting for a lane, first in line first."""
+        return tuple(r for r, _, _ in self._queue)
+
+    @property
+    def free_lanes(self) -> int:
+        return len(self._free_lanes)
+
+    def lane(self, request_id: Hashable) -> int:
+        """The lane (batch row) a started request holds."""
+        return self._get(request_id).lane
+
+    def written(self, request_id: Hashable) -> int:
+        """Tokens a started request has written to its stream."""
+        return self._get(request_id).written
+
+    def state(self, request_id: Hashable):
+        """A started request's carried model state (None without `initial_state`)."""
+        return self._get(request_id).state
+
+    def _get(self, request_id) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            where = " (it waits for a lane)" if request_id in self.waiting else ""
+            raise ValueError(f"request {request_id!r} holds no lane{where}; start() it or feed it to step()")
+        return req
+
+    # ----------------------------------------------------------- sources
+
+    def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Register a shared read-only prefix (see `BoundedKVManager.add_source`); returns its index."""
+        return self.cache.add_source(keys, values)
+
+    def remove_source(self, index: int) -> None:
+        self.cache.remove_source(index)
+
+    # --------------------------------------------------------- lifecycle
+
+    def _check_start(self, request_id, source, source_len) -> None:
+        c = self.config
+        if request_id is None:
+            raise ValueError("request id None is reserved for padding; use any other hashable id")
+        for name, val in (("source", source), ("source_len", source_len)):
+            if not _is_int(val) or val < 0:
+                raise ValueError(f"request {request_id!r}: {name} must be an int >= 0, got {val!r}")
+        if not c.min_source_len <= source_len <= c.max_source_len:
+            raise ValueError(
+                f"request {request_id!r}: source_len={source_len} is outside [min_source_len={c.min_source_len}, "
+                f"max_source_len={c.max_source_len}]"
+                + ("; start() it with a registered source" if source_len < c.min_source_len else "")
+            )
+        if source_len:
+            sources = self.cache.sources if isinstance(self.cache, BoundedKVManager) else None
+            if sources is not None and source not in sources:
+                raise ValueError(
+                    f"request {request_id!r}: unknown source {source}; registered sources: {sorted(sources)} "
+                    f"(add_source() it first)"
+                )
+            if sources is not None and source_len > sources[source]:
+                raise ValueError(
+                    f"request {request_id!r}: source_len={source_len} is longer than source {source} "
+                    f"({sources[source]} entries)"
+                )
+
+    def _admit(self, request_id, source, source_len) -> None:
+        """Take the lowest free lane and the cache's slot for a request (admitted with a span-0 step)."""
+        step = BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(source_len, 0, source)})
+        self.cache.admit(step)
+        lane = self._free_lanes.pop(0)
+        state = None if self.initial_state is None else self.initial_state()
+        self._requests[request_id] = _Request(lane, source, source_len, 0, state)
+
+    def start(self, request_id: Hashable, *, source: int = 0, source_len: int = 0) -> bool:
+        """Start a request on an empty stream, optionally after `source_len` entries of source `source`.
+
+        Returns True when it holds a lane now, False when it waits for one
+        (`when_full="queue"`); with `when_full="refuse"` a full pool raises
+        `SlotsExhausted`. Errors change nothing.
+        """
+        if request_id in self._requests or request_id in self.waiting:
+            raise ValueError(f"request {request_id!r} is already started; finish() or reset() it")
+        self._check_start(request_id, source, source_len)
+        if self._free_lanes:
+            self._admit(request_id, source, source_len)
+            return True
+        if self.when_full == "refuse":
+            raise SlotsExhausted(
+                f"all {self.config.max_slots} lanes are held, so request {request_id!r} cannot start; finish() a "
+                f"request first, raise max_slots, or use when_full='queue'"
+            )
+        self._queue.append((request_id, source, source_len))
+        return False
+
+    def finish(self, request_id: Hashable) -> None:
+        """End a request: its lane and slot go to the first waiting request (if any)."""
+        for i, (rid, _, _) in enumerate(self._queue):
+            if rid == request_id:
+                del self._queue[i]
+                return
+        req = self._get(request_id)
+        self.cache.remove_request(request_id)
+        del self._requests[request_id]
+        self._free_lanes.append(req.lane)
+        self._free_lanes.sort()
+        while self._queue and self._free_lanes:
+            rid, source, source_len = self._queue.popleft()
+            self._admit(rid, source, source_len)
+
+    def reset(self, request_id: Hashable, *, source: Optional[int] = None, source_len: Optional[int] = None) -> None:
+        """Rewind a request to an empty stream (new state too), keeping its lane; optionally a new source."""
+        for i, (rid, src, L) in enumerate(self._queue):
+            if rid == request_id:
+                src = src if source is None else source
+                L = L if source_len is None else source_len
+                self._check_start(request_id, src, L)
+                self._queue[i] = (rid, src, L)
+                return
+        req = self._get(request_id)
+        src = req.source if source is None else source
+        L = req.source_len if source_len is None else source_len
+        self._check_start(request_id, src, L)
+        self.cache.reset_request(request_id)
+        self.cache.admit(BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(L, 0, src)}))
+        req.source, req.source_len, req.written = src, L, 0
+        req.state = None if self.initial_state is None else self.initial_state()
+
+    # -------------------------------------------------------------- steps
+
+    def _runner(self, fn: Callable) -> Callable:
+        run = self._runners.get(fn)
+        if run is not None:
+            return run
+        context = self.context
+        if self.initial_state is None:
+            def session_step(plan, inputs):
+                context.bind(plan)  # inside the graph: the plan is an input, not a guard
+                return fn(context, inputs)
+        else:
+            def session_step(plan, inputs, state):
+                context.bind(plan)
+                return fn(context, inputs, state)
+        if self.compile:
+            # A code object of its own: compiled graphs are cached per code object, and another
+            # session's (or another fn's) entries must not be walked or evicted by this one.
+            session_step = torch.compile(fresh_function(session_step, f"s{self._id}_{len(self._runners)}"),
+                                         fullgraph=True, dynamic=False)
+        self._runners[fn] = session_step
+        return session_step
+
+    def _parse(self, request_id, feed):
+        """(leaves, spec, n, span) of one feed, checked."""
+        inputs, span = (feed.inputs, feed.span) if isinstance(feed, Chunk) else (feed, None)
+        leaves, spec = _flatten(inputs, f"the feed of request {request_id!r}")
+        if not leaves:
+            raise ValueError(f"the feed of request {request_id!r} holds no tensor")
+        n = leaves[0].shape[0] if leaves[0].dim() else 0
+        for t in leaves:
+            if t.dim() == 0 or t.shape[0] != n:
+                raise ValueError(
+                    f"request {request_id!r}: every tensor it feeds needs its tokens along dim 0, and they disagree "
+                    f"(shapes {[tuple(x.shape) for x in leaves]})"
+                )
+        if n < 1:
+            raise ValueError(f"request {request_id!r} feeds no token; feed at least one (or leave it out)")
+        top = self.token_sizes[-1]
+        if n > top:
+            raise ValueError(
+                f"request {request_id!r} feeds {n} tokens, more than the largest token size {top}; split the feed "
+                f"into chunks of at most {top} or raise token_sizes (and max_step_tokens)"
+            )
+        if span is None:
+            span = n
+        if not _is_int(span) or not 0 <= span <= n:
+            raise ValueError(f"request {request_id!r}: Chunk span must be an int in [0, {n}] (tokens fed), got {span!r}")
+        return leaves, spec, n, span
+
+    def _bucket(self, sizes, need: int) -> int:
+        return next(s for s in sizes if s >= need)
+
+    @staticmethod
+    def _signature(leaves) -> tuple:
+        return tuple((tuple(t.shape[1:]), t.dtype, t.device) for t in leaves)
+
+    def step(self, feeds: Mapping[Hashable, Any], fn: Callable) -> StepResult:
+        """Run one step of `fn` for the requests in `feeds` (see the module docstring); returns a `StepResult`.
+
+        Requests not started yet start here (empty stream, no source). Any
+        error is raised before the cache or any request changes. Pass the same
+        `fn` object every step: the session compiles once per `fn` (and
+        bucket), so a new lambda per step would compile every step.
+        """
+        if not isinstance(feeds, Mapping) or not feeds:
+            raise ValueError("feeds must be a non-empty mapping of request id -> tokens (or Chunk)")
+        if not callable(fn):
+            raise ValueError(f"fn must be a callable fn(attn, inputs), got {fn!r}")
+        parsed = {rid: self._parse(rid, feed) for rid, feed in feeds.items()}
+        sig = None
+        for rid, (leaves, spec, n, span) in parsed.items():
+            s = (spec, self._signature(leaves))
+            if sig is None:
+                sig, first = s, rid
+            elif s != sig:
+                raise ValueError(
+                    f"requests {first!r} and {rid!r} feed differently shaped inputs ({sig[1]} vs {s[1]} after the "
+                    f"token dim); every request of a step must feed the same structure, trailing shapes and dtypes"
+                )
+        # Who runs: started requests, then new ones while lanes are free (in feed order).
+        queued = set(self.waiting)
+        new = [rid for rid in parsed if rid not in self._requests and rid not in queued]
+        for rid in new:
+            self._check_start(rid, 0, 0)
+        free = len(self._free_lanes)
+        if len(new) > free and self.when_full == "refuse":
+            raise SlotsExhausted(
+                f"the step starts {len(new)} new request(s) but only {free} of {self.config.max_slots} lanes are "
+                f"free; finish() requests first, raise max_slots, or use when_full='queue'"
+            )
+        starting, deferred = new[:free], new[free:]
+        running = [rid for rid in parsed if rid in self._requests or rid in starting]
+        waiting = tuple(rid for rid in parsed if rid in queued or rid in deferred)
+        if not running:
+            for rid in deferred:
+                self._queue.append((rid, 0, 0))
+            return StepResult(None, {}, {}, None, None, waiting, 0.0)
+        T = self._bucket(self.token_sizes, max(parsed[r][2] for r in running))
+        if self.config.query_window is None:
+            for rid in running:
+                if parsed[rid][2] != T:
+                    raise ValueError(
+                        f"request {rid!r} feeds {parsed[rid][2]} tokens in a step of T={T}; with a per-step window "
+                        f"every query attends all T tokens of its row, so padding would be attended. Feed T tokens "
+                        f"(Chunk(inputs, span=k) writes only k), step it separately, or add its length to token_sizes"
+                    )
+        # Lanes the new requests will take: the lowest free ones, in feed order.
+        lanes = {rid: self._requests[rid].lane for rid in running if rid in self._requests}
+        for rid, lane in zip(starting, self._free_lanes):
+            lanes[rid] = lane
+        need = max(lanes.values()) + 1
+        if need > self.batch_sizes[-1]:
+            raise ValueError(
+                f"lane {need - 1} does not fit the largest batch size {self.batch_sizes[-1]}; "
+                f"batch_sizes must reach max_slots={self.config.max_slots} to run every lane"
+            )
+        B = self._bucket(self.batch_sizes, need)
+
+        # From here on the session changes: start the new requests, then begin the step.
+        for rid in starting:
+            self._admit(rid, 0, 0)
+        for rid in deferred:
+            self._queue.append((rid, 0, 0))
+        try:
+            return self._run(parsed, running, lanes, waiting, B, T, fn)
+        except BaseException:
+            for rid in starting:  # a failed step leaves no request it started
+                if rid in self._requests:
+                    self.cache.remove_request(rid)
+                    self._free_lanes.append(self._requests.pop(rid).lane)
+            self._free_lanes.sort()
+            for rid in deferred:
+                self._queue.remove(next(q for q in self._queue if q[0] == rid))
+            raise
+
+    def _pad(self, per_lane: Dict[int, Sequence[torch.Tensor]], template: Sequence[torch.Tensor], B: int, T: Optional[int]):
+        """Stack per-lane leaves into `[B, (T,) ...]` batches, zeros where a lane has nothing (or fewer tokens)."""
+        out = []
+        for i, t in enumerate(template):
+            shape = (B,) + ((T,) + tuple(t.shape[1:]) if T is not None else tuple(t.shape))
+            rows = []
+            full = True
+            for lane in range(B):
+                leaves = per_lane.get(lane)
+                if leaves is None or (T is not None and leaves[i].shape[0] != T):
+                    full = False
+                    break
+                rows.append(leaves[i])
+            if full:
+                out.append(torch.stack(rows))
+                continue
+            batch = torch.zeros(shape, dtype=t.dtype, device=t.device)
+            for lane, leaves in per_lane.items():
+                x = leaves[i]
+                if T is None:
+                    batch[lane] = x
+                else:
+                    batch[lane, :x.shape[0]] = x
+            out.append(batch)
+        return out
+
+    def _run(self, parsed, running, lanes, waiting, B, T, fn) -> StepResult:
+        spec = parsed[running[0]][1]
+        template = parsed[running[0]][0]
+        if self.compile and (fn, B, T) not in self._warm:
+            self._warm_up(fn, template, spec)
+        t0 = time.perf_counter()
+        by_lane = {lanes[rid]: rid for rid in running}
+        segments, positions = [], {}
+        for lane in range(B):
+            rid = by_lane.get(lane)
+            if rid is None:
+                segments.append(Segment(None, 0))
+                continue
+            req = self._requests[rid]
+            segments.append(Segment(rid, parsed[rid][3]))
+            positions[rid] = StreamPosition(req.source_len, req.written, req.source)
+        step = BoundedKVStep(tuple(segments), positions, tokens=T)
+        plan = self.context.begin(step)
+        plan_s = time.perf_counter() - t0
+        inputs = _unflatten(spec, self._pad({lanes[r]: parsed[r][0] for r in running}, template, B, T))
+        run = self._runner(fn)
+        with torch.no_grad():
+            if self.initial_state is None:
+                outputs = run(plan, inputs)
+            else:
+                states = {lanes[r]: _flatten(self._requests[r].state, f"the state of request {r!r}") for r in running}
+                s_leaves, s_spec = states[lanes[running[0]]]
+                state = _unflatten(s_spec, self._pad({l: lv for l, (lv, _) in states.items()}, s_leaves, B, None))
+                result = run(plan, inputs, state)
+                if not isinstance(result, (tuple, list)) or len(result) != 2:
+                    raise ValueError("with initial_state, fn must return (outputs, new_state)")
+                outputs, new_state = result
+        self.context.commit()
+        for rid in running:
+            req = self._requests[rid]
+            req.written += parsed[rid][3]
+            if self.initial_state is not None:
+                lane = lanes[rid]
+                req.state = _map(lambda t: t[lane], new_state)
+        return StepResult(outputs, {rid: lanes[rid] for rid in running},
+                          {rid: parsed[rid][2] for rid in running}, step, plan, waiting, plan_s)
+
+    def warmup(self, fn: Callable, example) -> float:
+        """Compile `fn` for every `(B, T)` bucket on all-padding steps; returns the seconds it took.
+
+        `example` is one request's feed (a tensor or structure of tensors with
+        any number of tokens, or a `Chunk`): its trailing shapes and dtypes are
+        what later steps feed. Padding steps read and write nothing a request
+        holds. `step` does this itself the first time it meets `fn` when
+        `compile=True`.
+        """
+        inputs = example.inputs if isinstance(example, Chunk) else example
+        template, spec = _flatten(inputs, "warmup's example")
+        return self._warm_up(fn, template, spec)
+
+    def _warm_up(self, fn, template, spec) -> float:
+        t0 = time.perf_counter()
+        run = self._runner(fn)
+        state_leaves = state_spec = None
+        if self.initial_state is not None:
+            state_leaves, state_spec = _flatten(self.initial_state(), "initial_state()")
+        for B in self.batch_sizes:
+            for T in self.token_sizes:
+                step = BoundedKVStep(tuple(Segment(None, 0) for _ in range(B)), {}, tokens=T)
+                plan = self.cache.plan(step)
+                self.context.step, self.context.plan = step, plan
+                inputs = _unflatten(spec, self._pad({}, template, B, T))
+                with torch.no_grad():
+                    if state_leaves is None:
+                        run(plan, inputs)
+                    else:
+                        run(plan, inputs, _unflatten(state_spec, self._pad({}, state_leaves, B, None)))
+                self._warm.add((fn, B, T))
+        return time.perf_counter() - t0

@@ -1,0 +1,113 @@
+"""flexkv's modules import each other in one direction only: the import graph inside the package is acyclic.
+
+Every import statement counts, wherever it stands: at module level, under
+`if TYPE_CHECKING:`, in a class body, and inside a function. A deferred
+import inside a function does not run at import time, but it is still a
+dependency, and a cycle through it closes the moment someone moves the
+import to the top of its module. Only modules of the package are nodes;
+`from . import x` and `from .x import y` both count as an edge to `x`.
+"""
+
+import ast
+from pathlib import Path
+
+import flexkv
+
+PACKAGE = Path(flexkv.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports_of(name: str, path: Path) -> set:
+    """The package modules `name` imports, anywhere in its source."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                # `import flexkv.x.y` imports flexkv, flexkv.x and flexkv.x.y
+                found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names)
+    return {m for m in found if m in MODULES and m != name}
+
+
+def find_cycle(graph: dict):
+    """One cycle of `graph` as a list of nodes (first == last), or None."""
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt, path)
+                if found:
+                    return found
+        path.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node, [])
+            if found:
+                return found
+    return None
+
+
+def test_the_finder_sees_a_cycle_through_a_function_level_import(tmp_path):
+    """The checker itself: a deferred import closing a cycle is found."""
+    src = {"a": "from .b import x\n", "b": "def f():\n    from .a import y\n"}
+    graph = {}
+    for mod, text in src.items():
+        path = tmp_path / f"{mod}.py"
+        path.write_text(text)
+        MODULES[f"flexkv.{mod}_probe"] = path
+    try:
+        for mod in src:
+            text = src[mod].replace(".b ", ".b_probe ").replace(".a ", ".a_probe ")
+            (tmp_path / f"{mod}.py").write_text(text)
+            graph[f"flexkv.{mod}_probe"] = imports_of(f"flexkv.{mod}_probe", tmp_path / f"{mod}.py")
+    finally:
+        for mod in src:
+            MODULES.pop(f"flexkv.{mod}_probe")
+    assert find_cycle(graph) == ["flexkv.a_probe", "flexkv.b_probe", "flexkv.a_probe"]
+
+
+def test_no_import_cycle_inside_flexkv():
+    graph = {name: imports_of(name, path) for name, path in MODULES.items()}
+    assert len(graph) > 15 and "flexkv.session" in graph
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_step_is_the_bottom_layer():
+    """step.py, which every layer uses, imports nothing from flexkv."""
+    assert imports_of("flexkv.step", MODULES["flexkv.step"]) == set()
+
+
+def test_public_names_are_exported_and_internals_are_not():
+    assert set(flexkv.__all__) >= {"StreamSession", "Chunk", "BoundedKVManager", "BoundedKVConfig", "SinkWindow",
+                                   "BoundedKVStep", "Segment", "StreamPosition", "SlotsExhausted"}
+    assert "Layout" not in flexkv.__all__
+    for name in flexkv.__all__:
+        assert getattr(flexkv, name).__module__.startswith("flexkv."), name

@@ -1,0 +1,246 @@
+"""StreamSession: the step loop, checked against the dense reference (flexkv.reference).
+
+The model here is attention only: `fn` turns each request's feed (a
+`[T, 3, heads, head_dim]` tensor holding q, k and v per token) into every
+layer's attention output, so each output can be compared with
+`ReferenceCache.attend` on the step the session ran.
+"""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from flexkv import BoundedKVConfig, BoundedKVManager, Chunk, SinkWindow, SlotsExhausted, StreamSession
+from flexkv.reference import ReferenceCache
+from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
+
+H, D, LAYERS = 2, 8, 2
+
+
+def config(**kw):
+    base = dict(num_layers=LAYERS, num_heads=H, head_dim=D, rows_per_request=1, max_source_len=0, max_sources=0,
+                retention=SinkWindow(2, 6), max_slots=3, max_step_tokens=3, query_window=6)
+    base.update(kw)
+    return BoundedKVConfig(**base)
+
+
+def model(attn, x):
+    """`x [B, T, 3, H, D]` (q, k, v per token) -> `[B, T, LAYERS, H, D]`: each layer's attention output.
+
+    Layer `l` attends `x` scaled by `l + 1`, so the layers hold different keys.
+    """
+    outs = []
+    for layer in range(LAYERS):
+        q, k, v = ((x[:, :, i] * (layer + 1)).transpose(1, 2) for i in range(3))
+        outs.append(attn(layer, q, k, v).transpose(1, 2))
+    return torch.stack(outs, dim=2)
+
+
+def feed(n, seed):
+    return torch.randn(n, 3, H, D, generator=torch.Generator().manual_seed(seed))
+
+
+class Checked:
+    """A session and the reference, stepped together; `step` returns the largest difference."""
+
+    def __init__(self, cfg, **kw):
+        self.cfg = cfg
+        self.session = StreamSession(BoundedKVManager(cfg, block_size=8), compile=False, **kw)
+        self.ref = ReferenceCache(cfg)
+
+    def step(self, feeds):
+        res = self.session.step(feeds, model)
+        if res.step is None:
+            return res, 0.0
+        B, T = len(res.step.segments), res.step.step_tokens
+        x = torch.zeros(B, T, 3, H, D)
+        for rid, lane in res.lanes.items():
+            data = feeds[rid].inputs if isinstance(feeds[rid], Chunk) else feeds[rid]
+            x[lane, :len(data)] = data
+        worst = 0.0
+        for layer in range(LAYERS):
+            q, k, v = ((x[:, :, i] * (layer + 1)).transpose(1, 2) for i in range(3))
+            want = self.ref.attend(layer, q, k, v, res.step).transpose(1, 2)
+            for rid, lane in res.lanes.items():
+                got = res[rid][:, layer]
+                worst = max(worst, (got.double() - want[lane, :res.tokens[rid]]).abs().max().item())
+        self.ref.commit(res.step)
+        return res, worst
+
+    def finish(self, rid):
+        self.session.finish(rid)
+        self.ref.remove_request(rid)
+
+
+@pytest.fixture
+def checked():
+    return Checked(config())
+
+
+def test_decode_and_chunks_of_any_length_match_the_reference(checked):
+    """Per-query window: requests feed 1..3 tokens in one step, far past the window, and leave."""
+    worst = 0.0
+    for s in range(24):
+        feeds = {"a": feed(1 + s % 3, s), "b": feed(1, 100 + s)}
+        if s >= 5:
+            feeds["c"] = feed(2, 200 + s)
+        if s == 15:
+            checked.finish("b")
+        res, err = checked.step(feeds)
+        worst = max(worst, err)
+    assert checked.session.written("a") == sum(1 + s % 3 for s in range(24)) > 3 * 8
+    assert worst < 1e-5
+
+
+def test_lanes_are_the_lowest_free_and_stay_with_the_request(checked):
+    s = checked.session
+    res, _ = checked.step({"a": feed(1, 0), "b": feed(1, 1), "c": feed(1, 2)})
+    assert res.lanes == {"a": 0, "b": 1, "c": 2}
+    checked.finish("a")
+    res, _ = checked.step({"c": feed(1, 3), "d": feed(1, 4)})
+    assert res.lanes == {"c": 2, "d": 0}  # the newcomer takes lane 0; "c" keeps its lane
+    assert s.requests == ("d", "b", "c")
+
+
+def test_batch_pads_to_the_smallest_bucket_and_tokens_to_the_smallest_size():
+    c = Checked(config(max_slots=4), batch_sizes=(2, 4), token_sizes=(1, 3))
+    res, err = c.step({"a": feed(1, 0)})
+    assert (len(res.step.segments), res.step.step_tokens) == (2, 1) and err < 1e-5
+    res, err = c.step({"a": feed(2, 1), "b": feed(1, 2), "c": feed(1, 3)})
+    assert (len(res.step.segments), res.step.step_tokens) == (4, 3) and err < 1e-5
+    assert [seg.request_id for seg in res.step.segments] == ["a", "b", "c", None]
+
+
+def test_queue_admits_waiting_requests_first_come_first_served():
+    c = Checked(config(max_slots=2))
+    s = c.session
+    assert s.start("a") and s.start("b")
+    assert not s.start("c") and not s.start("d")
+    res, _ = c.step({"a": feed(1, 0), "c": feed(1, 1)})
+    assert res.waiting == ("c",) and list(res) == ["a"]
+    c.finish("a")
+    assert s.waiting == ("d",) and s.lane("c") == 0
+    res, err = c.step({"c": feed(1, 2), "b": feed(1, 3)})
+    assert set(res.lanes) == {"b", "c"} and err < 1e-5
+
+
+def test_refuse_raises_and_changes_nothing():
+    c = Checked(config(max_slots=2), when_full="refuse")
+    c.step({"a": feed(1, 0)})
+    with pytest.raises(SlotsExhausted, match=r"starts 2 new request\(s\) but only 1 of 2 lanes are free"):
+        c.session.step({"a": feed(1, 1), "b": feed(1, 2), "c": feed(1, 3)}, model)
+    assert c.session.requests == ("a",) and c.session.written("a") == 1 and c.session.cache.free_slots == 1
+    assert c.session.start("b")
+    with pytest.raises(SlotsExhausted, match="when_full='queue'"):
+        c.session.start("c")
+    assert c.session.requests == ("a", "b") and c.session.waiting == ()
+
+
+def test_per_step_window_refuses_feeds_shorter_than_the_step():
+    """Without a per-query window every query attends the whole step, so padding a feed would be read."""
+    c = Checked(config(query_window=None))
+    c.step({"a": feed(3, 0)})
+    with pytest.raises(ValueError, match=r"request 'b' feeds 1 tokens in a step of T=3; with a per-step window"):
+        c.session.step({"a": feed(3, 1), "b": feed(1, 2)}, model)
+    assert c.session.requests == ("a",) and c.session.written("a") == 3
+    res, err = c.step({"a": Chunk(feed(3, 3), span=1), "b": feed(3, 4)})  # look-ahead: a writes 1 of 3
+    assert err < 1e-5 and c.session.written("a") == 4 and res.step.segments[0].span == 1
+
+
+def test_sources_and_reset_to_another_source():
+    cfg = config(max_source_len=5, max_sources=2, query_window=None, retention=lambda L: SinkWindow(L, 4))
+    c = Checked(cfg)
+    shapes = [(LAYERS, 1, H, n, D) for n in (5, 3)]
+    for i, shape in enumerate(shapes):
+        k, v = torch.randn(shape), torch.randn(shape)
+        assert c.session.add_source(k, v) == i
+        c.ref.add_source(i, k, v)
+    c.session.start("a", source=0, source_len=5)
+    worst = max(c.step({"a": feed(3, s)})[1] for s in range(5))
+    c.session.reset("a", source=1, source_len=3)
+    c.ref.reset_request("a")
+    assert c.session.written("a") == 0
+    worst = max([worst] + [c.step({"a": feed(3, 10 + s)})[1] for s in range(5)])
+    assert worst < 1e-5
+    assert c.session.cache.sources == {0: 5, 1: 3}
+
+
+def test_state_is_carried_per_request_and_renewed_on_reset():
+    s = StreamSession(BoundedKVManager(config(), block_size=8), compile=False,
+                      initial_state=lambda: torch.zeros(2))
+
+    def counting(attn, x, state):  # counts the tokens each request fed, in its state
+        model(attn, x)
+        return x[:, :, 0, 0, 0], state + (x[:, :, 1, 0, 0] != 0).sum(1, keepdim=True).float()
+
+    ones = torch.ones(2, 3, H, D)
+    s.step({"a": ones, "b": ones[:1]}, counting)
+    s.step({"a": ones[:1]}, counting)
+    assert s.state("a").tolist() == [3.0, 3.0] and s.state("b").tolist() == [1.0, 1.0]
+    s.reset("a")
+    assert s.state("a").tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("feeds, match", [
+    ({}, r"feeds must be a non-empty mapping"),
+    ({"a": feed(4, 0)}, r"request 'a' feeds 4 tokens, more than the largest token size 3"),
+    ({"a": Chunk(feed(2, 0), span=3)}, r"request 'a': Chunk span must be an int in \[0, 2\]"),
+    ({"a": feed(1, 0), "b": torch.zeros(1, 3, H, D + 1)}, r"requests 'a' and 'b' feed differently shaped inputs"),
+    ({"a": [feed(2, 0), torch.zeros(3)]}, r"request 'a': every tensor it feeds needs its tokens along dim 0"),
+    ({"a": "tokens"}, r"the feed of request 'a' must be a tensor or a tuple, list or dict of tensors"),
+    ({None: feed(1, 0)}, r"request id None is reserved for padding"),
+])
+def test_bad_feeds_raise_and_change_nothing(checked, feeds, match):
+    checked.step({"z": feed(1, 9)})
+    with pytest.raises(ValueError, match=match):
+        checked.session.step(feeds, model)
+    assert checked.session.requests == ("z",) and checked.session.written("z") == 1
+
+
+def test_bad_session_arguments():
+    cfg = config()
+    with pytest.raises(ValueError, match=r"when_full must be one of \('queue', 'refuse'\)"):
+        StreamSession(cfg, when_full="drop")
+    with pytest.raises(ValueError, match=r"token_sizes must be a non-empty sequence of ints in \[1, max_step_tokens=3\]"):
+        StreamSession(cfg, token_sizes=(4,))
+    with pytest.raises(ValueError, match=r"batch_sizes must be a non-empty sequence of ints in \[1, max_slots=3\]"):
+        StreamSession(cfg, batch_sizes=())
+    from flexkv.uncached import UncachedHistory
+    with pytest.raises(ValueError, match=r"compile=True needs a BoundedKVManager"):
+        StreamSession(UncachedHistory(cfg))
+    s = StreamSession(cfg, compile=False)
+    with pytest.raises(ValueError, match=r"request 'x' holds no lane; start\(\) it or feed it to step\(\)"):
+        s.finish("x")
+    s.start("a")
+    with pytest.raises(ValueError, match=r"request 'a' is already started"):
+        s.start("a")
+    with pytest.raises(ValueError, match=r"request 'b': unknown source|source_len=2 is outside"):
+        s.start("b", source_len=2)
+
+
+def test_compiled_session_warms_every_bucket_once_and_never_recompiles():
+    """Two token sizes -> two graphs at the first step; then churn, wraps and mixed lengths compile nothing."""
+    cfg = config()
+    script = [{"a": feed(1 + 2 * (s % 2), s), "b": feed(1, 50 + s)} if s < 9 else {"a": feed(1 + 2 * (s % 2), s)}
+              for s in range(16)]
+    eager = Checked(cfg)  # first, so eager FlexAttention's own graphs are not counted below
+    want = []
+    for feeds in script:
+        if "b" not in feeds and "b" in eager.session.requests:
+            eager.finish("b")
+        res, err = eager.step(feeds)
+        assert err < 1e-5
+        want.append({r: res[r] for r in feeds})
+    torch._dynamo.reset()
+    compiled = StreamSession(BoundedKVManager(cfg, block_size=8), token_sizes=(1, 3))
+    before = counters["stats"]["unique_graphs"]
+    worst = 0.0
+    for s, feeds in enumerate(script):
+        if "b" not in feeds and "b" in compiled.requests:
+            compiled.finish("b")
+        with torch._dynamo.config.patch(error_on_recompile=s > 0):
+            got = compiled.step(feeds, model)
+        assert counters["stats"]["unique_graphs"] - before == 2
+        worst = max([worst] + [(got[r] - want[s][r]).abs().max().item() for r in feeds])
+    assert worst < 1e-5
