@@ -316,6 +316,42 @@ class GroupedKVManager(nn.Module):
                 raise RuntimeError(f"add_source: the groups placed the source at different indices {sorted(indices)}")
             return indices.pop()
 
+    def add_private_source(self, request_id: Hashable, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """A prefix of `request_id`'s own in every group (see `BoundedKVManager.add_private_source`);
+        `keys`, `values` with all `config.num_layers` layers."""
+        c = self.config
+        for name, t in (("keys", keys), ("values", values)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 5 or t.shape[0] != c.num_layers:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"add_private_source: {name} must be [num_layers={c.num_layers}, rows_per_request, num_heads, "
+                    f"L, head_dim], got {got}"
+                )
+        with self._lock:
+            added = []
+            try:
+                for g, m in zip(self.groups, self._mgrs):
+                    idx = torch.tensor(g.layers, device=keys.device)
+                    added.append(m.add_private_source(request_id, keys.index_select(0, idx),
+                                                      values.index_select(0, idx)))
+            except BaseException:
+                for m in self._mgrs[:len(added)]:
+                    m.remove_private_source(request_id)
+                raise
+            return added[0]
+
+    def remove_private_source(self, request_id: Hashable) -> None:
+        """Free `request_id`'s private source in every group."""
+        with self._lock:
+            self._mgrs[0].remove_private_source(request_id)
+            for m in self._mgrs[1:]:
+                m.remove_private_source(request_id)
+
+    @property
+    def private_sources(self) -> dict:
+        """Private sources: request id -> source place index (in the first group)."""
+        return self._mgrs[0].private_sources
+
     def remove_source(self, index: int) -> None:
         """Unregister a source in every group."""
         with self._lock:

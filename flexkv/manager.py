@@ -84,7 +84,8 @@ class BoundedKVManager(nn.Module):
         self._lock = threading.RLock()
         self._requests: dict = {}
         self._free = list(range(config.max_slots))  # kept sorted: the lowest free slot goes first
-        self._sources: dict = {}  # index -> registered length
+        self._sources: dict = {}  # index -> registered length (shared and private)
+        self._private: dict = {}  # request id -> index of its private source
         self._current_plan: Optional[BoundedPlan] = None
         #: Fold GQA groups into the query axis (on by default on the CPU; see `attend`).
         self.pack_gqa = self.device.type == "cpu"
@@ -135,9 +136,10 @@ class BoundedKVManager(nn.Module):
 
     @property
     def sources(self) -> dict:
-        """Registered sources: index -> length."""
+        """Registered shared sources: index -> length (private sources: `private_sources`)."""
         with self._lock:
-            return dict(self._sources)
+            private = set(self._private.values())
+            return {i: n for i, n in self._sources.items() if i not in private}
 
     def _layer_kv(self, layer_idx):
         """Layer `layer_idx`'s key and value buffers, `[1, num_heads, S, head_dim]`.
@@ -176,54 +178,126 @@ class BoundedKVManager(nn.Module):
 
     # ---------------------------------------------------------------- sources
 
+    def _check_source(self, what: str, keys, values) -> int:
+        """Validate a source's keys and values; returns its length."""
+        c = self.config
+        for name, t in (("keys", keys), ("values", values)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
+            if t.dim() != 5:
+                raise ValueError(
+                    f"{what}: {name} must be [num_layers, rows_per_request, num_heads, L, head_dim] "
+                    f"= [{c.num_layers}, {c.rows_per_request}, {c.num_heads}, L, {c.head_dim}], got {tuple(t.shape)}"
+                )
+            want = (c.num_layers, c.rows_per_request, c.num_heads, t.shape[3], c.head_dim)
+            if tuple(t.shape) != want:
+                raise ValueError(f"{what}: {name} shape expected {want}, got {tuple(t.shape)}")
+            if t.shape[3] > c.max_source_len:
+                raise ValueError(
+                    f"{what}: source length {t.shape[3]} exceeds max_source_len={c.max_source_len}"
+                )
+            if t.dtype != c.dtype:
+                raise ValueError(f"{what}: {name} dtype expected {c.dtype}, got {t.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"{what}: {name} device expected {self.device}, got {t.device}")
+        if keys.shape != values.shape:
+            raise ValueError(f"{what}: keys {tuple(keys.shape)} and values {tuple(values.shape)} differ")
+        return keys.shape[3]
+
+    def _store_source(self, keys, values, length: int) -> int:
+        """Copy a checked source into the first free source place (under the lock); returns its index."""
+        c = self.config
+        index = next((i for i in range(c.max_sources) if i not in self._sources), None)
+        if index is None:
+            raise SourcesExhausted(
+                f"all max_sources={c.max_sources} source places are taken ({len(self._private)} by private "
+                f"sources); remove_source() a shared one, remove a request with a private one, "
+                f"or raise max_sources"
+            )
+        with torch.no_grad():
+            for layer in range(c.num_layers):
+                kc, vc = self._layer_kv(layer)
+                for r in range(c.rows_per_request):
+                    base = self.layout.source_row(index, r)
+                    kc[0, :, base:base + length].copy_(keys[layer, r])
+                    vc[0, :, base:base + length].copy_(values[layer, r])
+        self._sources[index] = length
+        return index
+
     def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Register a read-only prefix shared by requests; returns its index.
 
         `keys`, `values`: `[num_layers, rows_per_request, num_heads, L, head_dim]`
         with `L <= max_source_len`, in the cache's dtype and on its device.
         """
-        c = self.config
-        for name, t in (("keys", keys), ("values", values)):
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"add_source: {name} must be a tensor, got {type(t).__name__}")
-            if t.dim() != 5:
-                raise ValueError(
-                    f"add_source: {name} must be [num_layers, rows_per_request, num_heads, L, head_dim] "
-                    f"= [{c.num_layers}, {c.rows_per_request}, {c.num_heads}, L, {c.head_dim}], got {tuple(t.shape)}"
-                )
-            want = (c.num_layers, c.rows_per_request, c.num_heads, t.shape[3], c.head_dim)
-            if tuple(t.shape) != want:
-                raise ValueError(f"add_source: {name} shape expected {want}, got {tuple(t.shape)}")
-            if t.shape[3] > c.max_source_len:
-                raise ValueError(
-                    f"add_source: source length {t.shape[3]} exceeds max_source_len={c.max_source_len}"
-                )
-            if t.dtype != c.dtype:
-                raise ValueError(f"add_source: {name} dtype expected {c.dtype}, got {t.dtype}")
-            if t.device != self.device:
-                raise ValueError(f"add_source: {name} device expected {self.device}, got {t.device}")
-        if keys.shape != values.shape:
-            raise ValueError(f"add_source: keys {tuple(keys.shape)} and values {tuple(values.shape)} differ")
-        length = keys.shape[3]
+        length = self._check_source("add_source", keys, values)
         with self._lock:
-            index = next((i for i in range(c.max_sources) if i not in self._sources), None)
-            if index is None:
-                raise SourcesExhausted(
-                    f"all max_sources={c.max_sources} sources are registered; remove_source() one or raise max_sources"
+            return self._store_source(keys, values, length)
+
+    def add_private_source(self, request_id: Hashable, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Give `request_id` a prefix of its own (a per-request prompt): its stream then declares
+        `StreamPosition(source_len, written, source=-1)`.
+
+        The entries live in one of the `max_sources` source places, like a shared
+        source, reserved for this request; returns that place's index. The
+        place is freed when the request is removed (`remove_request`) or by
+        `remove_private_source`; `reset_request` keeps it for the restarted
+        stream.
+        Set it before the request's stream starts: before its first `admit`,
+        or after `reset_request`.
+        """
+        if request_id is None:
+            raise ValueError("add_private_source: request_id None is reserved for padding segments")
+        length = self._check_source("add_private_source", keys, values)
+        with self._lock:
+            if request_id in self._private:
+                raise ValueError(
+                    f"add_private_source: request {request_id!r} already has private source "
+                    f"{self._private[request_id]}; reset_request() or remove_private_source() it first"
                 )
-            with torch.no_grad():
-                for layer in range(c.num_layers):
-                    kc, vc = self._layer_kv(layer)
-                    for r in range(c.rows_per_request):
-                        base = self.layout.source_row(index, r)
-                        kc[0, :, base:base + length].copy_(keys[layer, r])
-                        vc[0, :, base:base + length].copy_(values[layer, r])
-            self._sources[index] = length
+            req = self._requests.get(request_id)
+            if req is not None and req.source_len is not None:
+                raise ValueError(
+                    f"add_private_source: request {request_id!r} has started its stream (source {req.source}, "
+                    f"source_len={req.source_len}); reset_request() it first"
+                )
+            index = self._store_source(keys, values, length)
+            self._private[request_id] = index
             return index
+
+    def remove_private_source(self, request_id: Hashable) -> None:
+        """Free `request_id`'s private source (its stream must not be reading it)."""
+        with self._lock:
+            if request_id not in self._private:
+                raise ValueError(f"remove_private_source: request {request_id!r} has no private source")
+            req = self._requests.get(request_id)
+            if req is not None and req.source == -1 and req.source_len:
+                raise ValueError(
+                    f"remove_private_source: request {request_id!r} is reading it; reset_request() it "
+                    f"first, or remove_request() it (which frees the private source too)"
+                )
+            self._free_private(request_id)
+
+    def _free_private(self, request_id: Hashable) -> None:
+        index = self._private.pop(request_id, None)
+        if index is not None:
+            del self._sources[index]
+
+    @property
+    def private_sources(self) -> dict:
+        """Private sources: request id -> source place index."""
+        with self._lock:
+            return dict(self._private)
 
     def remove_source(self, index: int) -> None:
         """Unregister a source no admitted request reads."""
         with self._lock:
+            owner = next((rid for rid, i in self._private.items() if i == index), None)
+            if owner is not None:
+                raise ValueError(
+                    f"remove_source: source {index} is request {owner!r}'s private source; "
+                    f"remove_private_source({owner!r}) or remove_request({owner!r}) frees it"
+                )
             if index not in self._sources:
                 raise ValueError(f"remove_source: no source {index!r}; registered: {sorted(self._sources)}")
             users = [rid for rid, r in self._requests.items() if r.source == index and r.source_len]
@@ -293,7 +367,12 @@ class BoundedKVManager(nn.Module):
                     continue
                 pos = step.positions[rid]
                 L, w, src = pos.source_len, pos.written, pos.source
-                for name, val in (("source_len", L), ("written", w), ("source", src)):
+                if not _is_int(src) or src < -1:
+                    raise ValueError(
+                        f"request {rid!r}: source must be a registered source index >= 0, or -1 for the "
+                        f"request's private source, got {src!r}"
+                    )
+                for name, val in (("source_len", L), ("written", w)):
                     if not _is_int(val) or val < 0:
                         raise ValueError(f"request {rid!r}: {name} must be an int >= 0, got {val!r}")
                 if not c.min_source_len <= L <= c.max_source_len:
@@ -301,7 +380,24 @@ class BoundedKVManager(nn.Module):
                         f"request {rid!r}: source_len={L} is outside [min_source_len={c.min_source_len}, "
                         f"max_source_len={c.max_source_len}]"
                     )
-                if L > 0:
+                if L > 0 and src == -1:
+                    if rid not in self._private:
+                        raise ValueError(
+                            f"request {rid!r}: source=-1 declares a private source, but none was added; "
+                            f"add_private_source({rid!r}, keys, values) first"
+                        )
+                    if L > self._sources[self._private[rid]]:
+                        raise ValueError(
+                            f"request {rid!r}: source_len={L} is longer than its private source "
+                            f"({self._sources[self._private[rid]]} entries)"
+                        )
+                elif L > 0:
+                    owner = next((o for o, i in self._private.items() if i == src), None)
+                    if owner is not None:
+                        raise ValueError(
+                            f"request {rid!r}: source {src} is request {owner!r}'s private source; "
+                            f"declare a shared source, or source=-1 with a private source of its own"
+                        )
                     if src not in self._sources:
                         raise ValueError(
                             f"request {rid!r}: unknown source {src}; registered sources: {sorted(self._sources)} "
@@ -356,8 +452,10 @@ class BoundedKVManager(nn.Module):
                         f"request {seg.request_id!r} is not admitted; call admit(step) before plan(step)"
                     )
             slots = {rid: r.slot for rid, r in self._requests.items()}
+            private = dict(self._private)
         plan = build_plan(self.config, self.layout, step, slots.__getitem__, self.device,
-                          self._full_blocks_for(len(step.segments) * self.config.rows_per_request, step.step_tokens))
+                          self._full_blocks_for(len(step.segments) * self.config.rows_per_request, step.step_tokens),
+                          private_source=private.get)
         self._current_plan = plan
         return plan
 
@@ -374,7 +472,11 @@ class BoundedKVManager(nn.Module):
                     self._requests[seg.request_id].written = pos.written + seg.span
 
     def reset_request(self, request_id: Hashable) -> None:
-        """Rewind a request to an empty stream; it keeps its slot and may pick a new source."""
+        """Rewind a request to an empty stream; it keeps its slot and may pick a new source.
+
+        Its private source, if any, stays with it: the restarted stream may read it again
+        (`source=-1`), or `remove_private_source` frees it for a new one.
+        """
         with self._lock:
             req = self._requests.get(request_id)
             if req is None:
@@ -382,11 +484,12 @@ class BoundedKVManager(nn.Module):
             req.written, req.source, req.source_len = 0, None, None
 
     def remove_request(self, request_id: Hashable) -> None:
-        """Free the request's slot."""
+        """Free the request's slot (and its private source, if any)."""
         with self._lock:
             req = self._requests.pop(request_id, None)
             if req is None:
                 raise ValueError(f"remove_request: request {request_id!r} is not admitted")
+            self._free_private(request_id)
             self._free.append(req.slot)
             self._free.sort()
 

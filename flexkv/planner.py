@@ -58,7 +58,7 @@ of reach, so their mask is empty.
 from __future__ import annotations
 
 from array import array
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Optional
 
 import torch
 
@@ -223,13 +223,15 @@ def build_plan(
     slot_of: Callable[[Hashable], int],
     device,
     full_blocks: bool = False,
+    private_source: Optional[Callable[[Hashable], Optional[int]]] = None,
 ) -> BoundedPlan:
     """Plan `step` for the cache described by `config`/`layout`.
 
     `slot_of(request_id)` gives an admitted request's slot. The step must
     already be valid (the manager checks it); this function only computes.
     `full_blocks`: list the blocks every query of a row attends whole as full
-    blocks (FlexAttention skips the mask there).
+    blocks (FlexAttention skips the mask there). `private_source(request_id)`
+    gives the source place of a request that declares `source=-1`.
     """
     R = layout.rows_per_request
     T = step.step_tokens
@@ -283,8 +285,9 @@ def build_plan(
         else:
             own = range(n, n + T)
         n_mod = n % ring
+        source = private_source(rid) if pos.source == -1 and L else pos.source
         for r in range(R):
-            src_row = pos.source * R + r if L else 0
+            src_row = source * R + r if L else 0
             src = src_row * Ls
             slot_row = slot * R + r
             base = slots_base + slot_row * Lr

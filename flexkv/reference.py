@@ -58,6 +58,7 @@ class ReferenceCache:
     def __init__(self, config: BoundedKVConfig):
         self.config = config
         self.sources: Dict[int, tuple] = {}
+        self.private: Dict[Hashable, tuple] = {}
         # rid -> per layer: (K, V) of shape [R, H, written, D]
         self.streams: Dict[Hashable, List[tuple]] = {}
         self.pending: Dict[tuple, tuple] = {}
@@ -67,6 +68,10 @@ class ReferenceCache:
 
     def remove_source(self, index: int) -> None:
         self.sources.pop(index, None)
+
+    def add_private_source(self, rid, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Request `rid`'s own source, read when its position declares `source=-1`."""
+        self.private[rid] = (keys.double().cpu(), values.double().cpu())
 
     def stream(self, rid) -> List[tuple]:
         """Request `rid`'s written entries per layer: `(K, V)`, each `[R, H, written, D]` (created empty)."""
@@ -110,7 +115,7 @@ class ReferenceCache:
                 b = si * R + r
                 parts_k, parts_v = [], []
                 if L:
-                    sk, sv = self.sources[pos.source]
+                    sk, sv = self.private[rid] if pos.source == -1 else self.sources[pos.source]
                     parts_k.append(sk[layer, r, :, :L])
                     parts_v.append(sv[layer, r, :, :L])
                 parts_k.append(Kw[r, :, : pos.written])

@@ -356,22 +356,39 @@ class StreamSession:
     def remove_source(self, index: int) -> None:
         self.cache.remove_source(index)
 
+    def add_private_source(self, request_id: Hashable, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Give `request_id` a prefix of its own (see `BoundedKVManager.add_private_source`); then
+        `start(request_id, source=-1, source_len=...)`. It is freed when the request finishes; a reset
+        keeps it."""
+        return self.cache.add_private_source(request_id, keys, values)
+
     # --------------------------------------------------------- lifecycle
 
     def _check_start(self, request_id, source, source_len) -> None:
         c = self.config
         if request_id is None:
             raise ValueError("request id None is reserved for padding; use any other hashable id")
-        for name, val in (("source", source), ("source_len", source_len)):
-            if not _is_int(val) or val < 0:
-                raise ValueError(f"request {request_id!r}: {name} must be an int >= 0, got {val!r}")
+        if not _is_int(source) or source < -1:
+            raise ValueError(
+                f"request {request_id!r}: source must be a registered source index >= 0, or -1 for a private "
+                f"source (add_private_source), got {source!r}"
+            )
+        if not _is_int(source_len) or source_len < 0:
+            raise ValueError(f"request {request_id!r}: source_len must be an int >= 0, got {source_len!r}")
         if not c.min_source_len <= source_len <= c.max_source_len:
             raise ValueError(
                 f"request {request_id!r}: source_len={source_len} is outside [min_source_len={c.min_source_len}, "
                 f"max_source_len={c.max_source_len}]"
                 + ("; start() it with a registered source" if source_len < c.min_source_len else "")
             )
-        if source_len:
+        if source_len and source == -1:
+            private = self.cache.private_sources if isinstance(self.cache, BoundedKVManager) else None
+            if private is not None and request_id not in private:
+                raise ValueError(
+                    f"request {request_id!r}: source=-1 needs a private source; "
+                    f"add_private_source({request_id!r}, keys, values) first"
+                )
+        elif source_len:
             sources = self.cache.sources if isinstance(self.cache, BoundedKVManager) else None
             if sources is not None and source not in sources:
                 raise ValueError(
@@ -418,6 +435,8 @@ class StreamSession:
         for i, (rid, _, _) in enumerate(self._queue):
             if rid == request_id:
                 del self._queue[i]
+                if request_id in getattr(self.cache, "private_sources", {}):
+                    self.cache.remove_private_source(request_id)
                 return
         req = self._get(request_id)
         self.cache.remove_request(request_id)

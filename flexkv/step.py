@@ -19,9 +19,10 @@ class ResourceStep:
 class StreamPosition(NamedTuple):
     """Where a request stands when a step starts.
 
-    The stream holds `source_len` entries of registered source `source`, then
-    `written` tokens the request wrote; the step's first token sits at stream
-    index `source_len + written`. A plain named tuple
+    The stream holds `source_len` entries of registered source `source` (or,
+    with `source=-1`, of the request's own private source, see
+    `BoundedKVManager.add_private_source`), then `written` tokens the request
+    wrote; the step's first token sits at stream index `source_len + written`. A plain named tuple
     (`source_len, written, source = pos`, `pos._replace(written=...)`);
     `BoundedKVManager.admit` checks the values and names the request when one
     is wrong.

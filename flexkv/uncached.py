@@ -48,6 +48,7 @@ class UncachedHistory:
             raise ValueError(f"config must be a BoundedKVConfig, got {type(config).__name__}")
         self.config = config
         self._sources: Dict[int, tuple] = {}
+        self._private: Dict[Hashable, tuple] = {}
         # Whole streams are kept (and committed in stream order) exactly as the reference keeps them.
         self._history = ReferenceCache(config)
 
@@ -68,6 +69,18 @@ class UncachedHistory:
 
     def remove_source(self, index: int) -> None:
         self._sources.pop(index)
+
+    def add_private_source(self, request_id: Hashable, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """A prefix of `request_id`'s own, read when its position declares `source=-1`."""
+        c = self.config
+        want = (c.num_layers, c.rows_per_request, c.num_heads)
+        if keys.dim() != 5 or tuple(keys.shape[:3]) != want or keys.shape != values.shape:
+            raise ValueError(
+                f"add_private_source: keys and values must both be [{want[0]}, {want[1]}, {want[2]}, L, "
+                f"{c.head_dim}], got {tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+        self._private[request_id] = (keys.detach().double().cpu(), values.detach().double().cpu())
+        return -1
 
     def admit(self, step: BoundedKVStep) -> None:
         """Check that each request's `written` matches what was committed."""
@@ -144,7 +157,7 @@ class UncachedHistory:
             order = sorted(range(T), key=lambda t: own[t])
             parts_k, parts_v = [], []
             if L:
-                sk, sv = self._sources[pos.source]
+                sk, sv = self._private[rid] if pos.source == -1 else self._sources[pos.source]
                 parts_k.append(sk[layer, :, :, :L])
                 parts_v.append(sv[layer, :, :, :L])
             parts_k += [K_hist[:, :, : pos.written], k[rows][:, :, order]]
