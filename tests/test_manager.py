@@ -150,7 +150,7 @@ def test_source_errors(m):
     with pytest.raises(ValueError, match=r"keys \(2, 2, 2, 3, 4\) and values \(2, 2, 2, 2, 4\) differ"):
         m.add_source(k, v[:, :, :, :2])
     assert m.add_source(k, v) == 1
-    with pytest.raises(SourcesExhausted, match=r"all max_sources=2 sources are registered"):
+    with pytest.raises(SourcesExhausted, match=r"all max_sources=2 source places are taken"):
         m.add_source(k, v)
     m.admit(step(("a", 1), a=StreamPosition(2, 0, source=1)))
     with pytest.raises(ValueError, match=r"source 1 is still read by requests \['a'\]"):
