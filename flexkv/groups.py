@@ -288,23 +288,28 @@ class GroupedKVManager(nn.Module):
             for m in self._mgrs:
                 m.remove_request(request_id)
 
-    def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Register a shared prefix for every group; `keys`, `values` as for
-        `BoundedKVManager.add_source` with all `config.num_layers` layers."""
+    def _per_group(self, what: str, keys: torch.Tensor, values: torch.Tensor):
+        """Check all-layer source tensors; yield each group's manager with its layers' keys and values."""
         c = self.config
         for name, t in (("keys", keys), ("values", values)):
             if not isinstance(t, torch.Tensor) or t.dim() != 5 or t.shape[0] != c.num_layers:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(
-                    f"add_source: {name} must be [num_layers={c.num_layers}, rows_per_request, num_heads, L, head_dim], "
+                    f"{what}: {name} must be [num_layers={c.num_layers}, rows_per_request, num_heads, L, head_dim], "
                     f"got {got}"
                 )
+        for g, m in zip(self.groups, self._mgrs):
+            idx = torch.tensor(g.layers, device=keys.device)
+            yield m, keys.index_select(0, idx), values.index_select(0, idx)
+
+    def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Register a shared prefix for every group; `keys`, `values` as for
+        `BoundedKVManager.add_source` with all `config.num_layers` layers."""
         with self._lock:
             added = []
             try:
-                for g, m in zip(self.groups, self._mgrs):
-                    idx = torch.tensor(g.layers, device=keys.device)
-                    added.append((m, m.add_source(keys.index_select(0, idx), values.index_select(0, idx))))
+                for m, k, v in self._per_group("add_source", keys, values):
+                    added.append((m, m.add_source(k, v)))
             except BaseException:
                 for m, index in added:
                     m.remove_source(index)
@@ -319,26 +324,17 @@ class GroupedKVManager(nn.Module):
     def add_private_source(self, request_id: Hashable, keys: torch.Tensor, values: torch.Tensor) -> int:
         """A prefix of `request_id`'s own in every group (see `BoundedKVManager.add_private_source`);
         `keys`, `values` with all `config.num_layers` layers."""
-        c = self.config
-        for name, t in (("keys", keys), ("values", values)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 5 or t.shape[0] != c.num_layers:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(
-                    f"add_private_source: {name} must be [num_layers={c.num_layers}, rows_per_request, num_heads, "
-                    f"L, head_dim], got {got}"
-                )
         with self._lock:
             added = []
             try:
-                for g, m in zip(self.groups, self._mgrs):
-                    idx = torch.tensor(g.layers, device=keys.device)
-                    added.append(m.add_private_source(request_id, keys.index_select(0, idx),
-                                                      values.index_select(0, idx)))
+                for m, k, v in self._per_group("add_private_source", keys, values):
+                    m.add_private_source(request_id, k, v)
+                    added.append(m)
             except BaseException:
-                for m in self._mgrs[:len(added)]:
+                for m in added:
                     m.remove_private_source(request_id)
                 raise
-            return added[0]
+            return added[0].private_sources[request_id]
 
     def remove_private_source(self, request_id: Hashable) -> None:
         """Free `request_id`'s private source in every group."""

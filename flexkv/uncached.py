@@ -54,17 +54,21 @@ class UncachedHistory:
 
     # ---------------------------------------------------------------- host API
 
-    def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Register a source `[num_layers, rows_per_request, num_heads, L, head_dim]` (un-rotated keys)."""
+    def _check_source(self, what: str, keys: torch.Tensor, values: torch.Tensor) -> tuple:
         c = self.config
         want = (c.num_layers, c.rows_per_request, c.num_heads)
         if keys.dim() != 5 or tuple(keys.shape[:3]) != want or keys.shape != values.shape:
             raise ValueError(
-                f"add_source: keys and values must both be [{want[0]}, {want[1]}, {want[2]}, L, {c.head_dim}], "
+                f"{what}: keys and values must both be [{want[0]}, {want[1]}, {want[2]}, L, {c.head_dim}], "
                 f"got {tuple(keys.shape)} and {tuple(values.shape)}"
             )
+        return keys.detach().double().cpu(), values.detach().double().cpu()
+
+    def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Register a source `[num_layers, rows_per_request, num_heads, L, head_dim]` (un-rotated keys)."""
+        entry = self._check_source("add_source", keys, values)
         index = next(i for i in range(len(self._sources) + 1) if i not in self._sources)
-        self._sources[index] = (keys.detach().double().cpu(), values.detach().double().cpu())
+        self._sources[index] = entry
         return index
 
     def remove_source(self, index: int) -> None:
@@ -72,14 +76,7 @@ class UncachedHistory:
 
     def add_private_source(self, request_id: Hashable, keys: torch.Tensor, values: torch.Tensor) -> int:
         """A prefix of `request_id`'s own, read when its position declares `source=-1`."""
-        c = self.config
-        want = (c.num_layers, c.rows_per_request, c.num_heads)
-        if keys.dim() != 5 or tuple(keys.shape[:3]) != want or keys.shape != values.shape:
-            raise ValueError(
-                f"add_private_source: keys and values must both be [{want[0]}, {want[1]}, {want[2]}, L, "
-                f"{c.head_dim}], got {tuple(keys.shape)} and {tuple(values.shape)}"
-            )
-        self._private[request_id] = (keys.detach().double().cpu(), values.detach().double().cpu())
+        self._private[request_id] = self._check_source("add_private_source", keys, values)
         return -1
 
     def admit(self, step: BoundedKVStep) -> None:
