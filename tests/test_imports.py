@@ -111,3 +111,31 @@ def test_public_names_are_exported_and_internals_are_not():
     assert "Layout" not in flexkv.__all__
     for name in flexkv.__all__:
         assert getattr(flexkv, name).__module__.startswith("flexkv."), name
+
+
+#: The package in layers, bottom up; a module imports only from its own layer or below.
+LAYERS = (
+    ("types and config", {"config", "step"}),
+    ("the cache", {"layout", "masks", "sinks", "kernel_options", "planner", "row_attention", "manager", "groups"}),
+    ("model side and the dense reference", {"compiling", "reference", "uncached", "rotary", "wrap"}),
+    ("running streams", {"session", "workload", "show", "runner"}),
+    ("entry points and integrations", {"", "__main__", "cli", "engine", "distributed", "integrations",
+                                       "integrations.transformers"}),
+)
+
+
+def layer_of(module: str) -> int:
+    short = module[len("flexkv."):] if module.startswith("flexkv.") else ""
+    for depth, (_, members) in enumerate(LAYERS):
+        if short in members:
+            return depth
+    raise AssertionError(f"{module} is in no layer of tests/test_imports.py LAYERS: place it there")
+
+
+def test_modules_import_only_their_layer_or_below():
+    upward = []
+    for name, path in MODULES.items():
+        for dep in imports_of(name, path):
+            if layer_of(dep) > layer_of(name):
+                upward.append(f"{name} ({LAYERS[layer_of(name)][0]}) imports {dep} ({LAYERS[layer_of(dep)][0]})")
+    assert not upward, "imports pointing up a layer:\n" + "\n".join(upward)
