@@ -12,7 +12,7 @@ plain dict (`report`), ready for JSON.
 
 from __future__ import annotations
 
-import math
+import statistics
 import platform
 import time
 from typing import Callable, Dict, List, Optional
@@ -29,15 +29,13 @@ from .workload import StreamModel, Traffic, Workload, fresh_function
 __all__ = ["run_workload", "CompiledStep", "graphs_compiled", "percentile"]
 
 
-def percentile(values: List[float], q: float) -> float:
-    """The q-th percentile (0..100) of `values`, linear between ranks; nan when empty."""
+def percentile(values: List[float], q: int) -> float:
+    """The q-th percentile (q in 1..99) of `values`, linear between ranks; nan when empty."""
     if not values:
         return float("nan")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    if len(values) == 1:
+        return float(values[0])
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def _attend_with(manager: BoundedKVManager, model: StreamModel, plan) -> Callable:
