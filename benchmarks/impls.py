@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from flexkv import BoundedKVManager, BoundedKVStep, Segment, StreamPosition
 from flexkv.reference import attended_indices
 from flexkv.show import entry_cell
-from flexkv.workload import StreamModel, Workload, fresh_function
+from flexkv.stream_model import StreamModel
+from flexkv.workload import Workload, fresh_function
 
 __all__ = ["Steady", "FlexKV", "Gather", "CatSlice", "Unbounded", "Floor", "IMPLS", "check"]
 

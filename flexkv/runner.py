@@ -24,7 +24,9 @@ from .manager import BoundedKVManager
 from .reference import ReferenceCache
 from .session import Chunk, StreamSession
 from .step import BoundedKVStep, Segment
-from .workload import StreamModel, Traffic, Workload, fresh_function
+from .stream_model import StreamModel
+from .traffic import Traffic
+from .workload import Workload, fresh_function
 
 __all__ = ["run_workload", "CompiledStep", "graphs_compiled", "percentile"]
 

@@ -1,33 +1,23 @@
-"""Streaming workloads: their description, a small attention model, and seeded traffic.
+"""Streaming workloads: the static description of one streaming use of the cache.
 
-A `Workload` is the static description of one streaming use of the cache
-(model shape, retention, step shape, batch, run length), read from a YAML
-file by `load_workload` or taken from `BUILTIN`. From it come:
-
-- `Workload.config()`: the `BoundedKVConfig` of its cache;
-- `StreamModel`: a stack of attention layers with random projections (and,
-  for `score_bias: relative`, a Transformer-XL-style relative bias on in-cache
-  positions), whose layers call an `attend(layer, q, k, v)` they are given:
-  `BoundedKVManager.attend` in `flexkv run`, other caches in the benchmarks;
-- `Traffic`: seeded arrivals and departures over a fixed number of batch
-  lanes, producing the `BoundedKVStep`s of a run.
-
-Nothing here times or checks anything; `flexkv.runner` does.
+A `Workload` (model shape, retention, step shape, batch, run length) is read
+from a YAML file by `load_workload` (checked field by field) or taken from
+`BUILTIN`; `Workload.config()` gives the `BoundedKVConfig` of its cache.
+What runs from it lives beside it: `flexkv.stream_model.StreamModel` (the
+attention model) and `flexkv.traffic.Traffic` (seeded arrivals and
+departures). Nothing here times or checks anything; `flexkv.runner` does.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import random
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
-from torch import nn
 
 from .compiling import fresh_function
 from .config import BoundedKVConfig, SinkWindow
-from .step import BoundedKVStep, Segment, StreamPosition
 
 __all__ = [
     "Workload",
@@ -35,9 +25,6 @@ __all__ = [
     "BUILTIN",
     "load_workload",
     "parse_workload",
-    "StreamModel",
-    "Traffic",
-    "Request",
     "fresh_function",
 ]
 
@@ -336,200 +323,3 @@ BUILTIN = Workload(
     seed=0,
     compile="layer",
 )
-
-
-# ------------------------------------------------------------------ model
-
-
-def _rms(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-
-
-class StreamModel(nn.Module):
-    """`layers` attention layers with random projections (pre-norm, residual).
-
-    `forward`-style use goes through `layer(l, x, attend)`: `x [N, T, d_model]`
-    with `N = segments * rows`, `attend(l, q, k, v) -> [N, q_heads, T, D]`
-    with `q [N, q_heads, T, D]`, `k, v [N, kv_heads, T, D]` (views of the
-    projections' outputs; attend with the default scale). Weights are
-    registered buffers (nothing to train) drawn from `seed`, one set per layer.
-    With `score_bias == "relative"`, `score_mod(l)` adds `bias_l[h, q_pos -
-    kv_pos + max_tokens - 1]` on in-cache positions (`positions == "cache"`).
-    """
-
-    VOCAB = 256
-
-    def __init__(self, workload: Workload, *, seed: int = 0, device="cpu"):
-        super().__init__()
-        w = workload
-        self.workload = w
-        g = torch.Generator().manual_seed(seed)
-        d, hq, hk, dh = w.d_model, w.num_q_heads, w.kv_heads, w.head_dim
-        dtype = w.torch_dtype
-
-        def rand(*shape, scale):
-            return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=device)
-
-        self.register_buffer("embed", rand(self.VOCAB, d, scale=1.0))
-        for l in range(w.layers):
-            self.register_buffer(f"wq_{l}", rand(d, hq * dh, scale=d ** -0.5))
-            self.register_buffer(f"wk_{l}", rand(d, hk * dh, scale=d ** -0.5))
-            self.register_buffer(f"wv_{l}", rand(d, hk * dh, scale=d ** -0.5))
-            self.register_buffer(f"wo_{l}", rand(hq * dh, d, scale=(hq * dh) ** -0.5))
-        self.bias_len = w.window + 2 * w.max_tokens
-        if w.score_bias == "relative":
-            for l in range(w.layers):
-                self.register_buffer(f"bias_{l}", rand(hq, self.bias_len, scale=0.5))
-        self.positions = "cache" if w.score_bias == "relative" else "stream"
-
-    def score_mod(self, l: int, device=None) -> Optional[Callable]:
-        """Layer `l`'s score_mod, or None without a score bias.
-
-        `device` moves the bias table (the float64 reference runs on the CPU).
-        """
-        if self.workload.score_bias != "relative":
-            return None
-        bias = getattr(self, f"bias_{l}")
-        if device is not None:
-            bias = bias.detach().to(device)
-        shift = self.workload.max_tokens - 1
-        top = self.bias_len - 1
-
-        def relative_bias(score, b, h, q_pos, kv_pos):
-            return score + bias[h, (q_pos - kv_pos + shift).clamp(0, top)]
-
-        return relative_bias
-
-    def qkv(self, l: int, x: torch.Tensor):
-        """Layer `l`'s q, k, v for `x [N, T, d_model]`, in the `[N, heads, T, D]` layout."""
-        w = self.workload
-        N, T, _ = x.shape
-        h = _rms(x)
-        q = (h @ getattr(self, f"wq_{l}")).view(N, T, w.num_q_heads, w.head_dim).transpose(1, 2)
-        k = (h @ getattr(self, f"wk_{l}")).view(N, T, w.kv_heads, w.head_dim).transpose(1, 2)
-        v = (h @ getattr(self, f"wv_{l}")).view(N, T, w.kv_heads, w.head_dim).transpose(1, 2)
-        return q, k, v
-
-    def layer(self, l: int, x: torch.Tensor, attend: Callable):
-        """One layer: returns `(x_next, q, k, v, o)` (the last four for checking)."""
-        N, T, _ = x.shape
-        q, k, v = self.qkv(l, x)
-        o = attend(l, q, k, v)
-        x = x + o.transpose(1, 2).reshape(N, T, -1) @ getattr(self, f"wo_{l}")
-        return x, q, k, v, o
-
-
-# ---------------------------------------------------------------- traffic
-
-
-@dataclass
-class Request:
-    """One request of a run: its id, source, how much it will write, and where it stands."""
-
-    rid: int
-    source: int
-    length: int
-    written: int = 0
-    final: bool = False  # its next step is the final chunk
-    arrived: int = 0
-
-
-class Traffic:
-    """Seeded arrivals and departures over `workload.requests` batch lanes.
-
-    Each model step is one regular step (T = `tokens`, every request in its
-    regular phase writes `span`) and, when the workload has a final chunk and
-    some request reached its length, one final step for those requests. Lanes
-    without a request are padding segments, so every step of a kind has the
-    same batch shape. Call `steps()` for the step(s) of the next model step,
-    then `advance(done_steps)` once they are committed; `departed` and
-    `arrived` list what changed.
-    """
-
-    def __init__(self, workload: Workload, seed: Optional[int] = None):
-        self.w = workload
-        self.rng = random.Random(workload.seed if seed is None else seed)
-        self.lanes: List[Optional[Request]] = [None] * workload.requests
-        self.next_id = 0
-        self.step_no = 0
-        self.arrived: List[Request] = []
-        self.departed: List[Request] = []
-        self._fill(force=True)
-
-    def _new(self) -> Request:
-        w = self.w
-        lo, hi = w.stream_len
-        n = self.rng.randint(lo, hi)
-        length = max(w.span, -(-n // w.span) * w.span)  # whole steps
-        src = self.rng.randrange(w.sources) if w.source_len else 0
-        r = Request(self.next_id, src, length, arrived=self.step_no)
-        self.next_id += 1
-        return r
-
-    def _fill(self, force: bool = False) -> None:
-        self.arrived = []
-        for i, r in enumerate(self.lanes):
-            if r is None and (force or self.rng.random() < self.w.arrival):
-                self.lanes[i] = self._new()
-                self.arrived.append(self.lanes[i])
-
-    @property
-    def active(self) -> List[Request]:
-        return [r for r in self.lanes if r is not None]
-
-    def _position(self, r: Request) -> StreamPosition:
-        return StreamPosition(self.w.source_len, r.written, r.source)
-
-    def steps(self) -> List[Tuple[str, BoundedKVStep]]:
-        """The step(s) of the next model step: `("main", step)` and maybe `("final", step)`."""
-        w = self.w
-        out = []
-        segs, pos = [], {}
-        for r in self.lanes:
-            if r is None or r.final:
-                segs.append(Segment(None, 0))
-            else:
-                segs.append(Segment(r.rid, w.span))
-                pos[r.rid] = self._position(r)
-        out.append(("main", BoundedKVStep(tuple(segs), pos, tokens=w.step_tokens)))
-        if w.final_tokens is not None and any(r is not None and r.final for r in self.lanes):
-            segs, pos = [], {}
-            for r in self.lanes:
-                if r is not None and r.final:
-                    segs.append(Segment(r.rid, w.final_span))
-                    pos[r.rid] = self._position(r)
-                else:
-                    segs.append(Segment(None, 0))
-            out.append(("final", BoundedKVStep(tuple(segs), pos, tokens=w.final_tokens)))
-        return out
-
-    def advance(self) -> None:
-        """Account the committed step(s): requests write, finish, leave; new ones arrive."""
-        w = self.w
-        self.departed = []
-        for i, r in enumerate(self.lanes):
-            if r is None:
-                continue
-            if r.final:
-                r.written += w.final_span
-                self.departed.append(r)
-                self.lanes[i] = None
-                continue
-            r.written += w.span
-            if r.written >= r.length:
-                if w.final_tokens is not None:
-                    r.final = True
-                else:
-                    self.departed.append(r)
-                    self.lanes[i] = None
-        self.step_no += 1
-        self._fill()
-
-    def padding_steps(self) -> List[Tuple[str, BoundedKVStep]]:
-        """One all-padding step of each kind: compiling these warms every batch shape up."""
-        w = self.w
-        pad = tuple(Segment(None, 0) for _ in range(w.requests))
-        out = [("main", BoundedKVStep(pad, {}, tokens=w.step_tokens))]
-        if w.final_tokens is not None:
-            out.append(("final", BoundedKVStep(pad, {}, tokens=w.final_tokens)))
-        return out

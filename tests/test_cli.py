@@ -12,7 +12,8 @@ import torch
 from flexkv import BoundedKVConfig, SinkWindow, Segment, BoundedKVStep, StreamPosition
 from flexkv.cli import main
 from flexkv.reference import ReferenceCache
-from flexkv.workload import Traffic, load_workload
+from flexkv.traffic import Traffic
+from flexkv.workload import load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
