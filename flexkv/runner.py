@@ -165,6 +165,228 @@ def _feeds(w: Workload, traffic: Traffic, inputs: Callable):
     return out
 
 
+class _WorkloadRun:
+    """One run of a workload, in stages: set-up, warm-up, steps (each with its checks and its memory
+    and progress accounting), then the report. `run_workload` drives it."""
+
+    def __init__(self, w: Workload, device, progress, progress_every_s: float):
+        self.w, self.device = w, device
+        self.progress, self.progress_every_s = progress, progress_every_s
+        self.wall0 = time.perf_counter()
+        self.cfg = w.config()
+        torch.manual_seed(w.seed)
+        self.manager = BoundedKVManager(self.cfg, device, block_size=w.block_size)
+        self.model = StreamModel(w, seed=w.seed, device=device)
+        self.gen = torch.Generator().manual_seed(w.seed + 1)
+        token_sizes = sorted({w.step_tokens} | ({w.final_tokens} if w.final_tokens is not None else set()))
+        # The session owns positions, lanes (one per request, `requests` of them), padding and the step;
+        # the model step compiles per layer (`CompiledStep`), so the session runs it as given.
+        self.session = StreamSession(self.manager, batch_sizes=(w.requests,), token_sizes=token_sizes,
+                                     compile=False)
+        self.sources = []
+        for _ in range(w.sources if w.source_len else 0):
+            shape = (w.layers, w.rows, w.kv_heads, w.source_len, w.head_dim)
+            k = torch.randn(shape, generator=self.gen).to(w.torch_dtype)
+            v = torch.randn(shape, generator=self.gen).to(w.torch_dtype)
+            self.sources.append((self.session.add_source(k.to(device), v.to(device)), k, v))
+        self.stepper = CompiledStep(self.manager, self.model, w.compile)
+        self.traffic = Traffic(w)
+        self.tracker = _Tracker(w, w.check_requests)
+        self.checks: List[dict] = []
+        self.step_times: List[float] = []  # per model step (all its calls)
+        self.call_times: List[float] = []
+        self.plan_times: List[float] = []
+        self.memory_series: List[dict] = []
+        self.tokens = self.finished = self.longest = self.unbounded_peak = 0
+        self.mem0 = self.manager.memory_bytes
+        self.mem_flat = True
+        self.source_bytes = len(self.sources) * w.source_len * w.entry_bytes
+        self.last_progress = time.perf_counter()
+
+    # ------------------------------------------------------------ model
+
+    def model_step(self, attn, x):
+        """`x [B, T, rows, d_model]` from the session -> the model's rows `[B * rows, T, d_model]`."""
+        B, T = x.shape[:2]
+        return self.stepper(x.transpose(1, 2).reshape(B * self.w.rows, T, -1), attn.plan)
+
+    def inputs(self, T):
+        """Embedded random tokens for every lane: `[requests, T, rows, d_model]`, one feed per lane."""
+        w = self.w
+        ids = torch.randint(0, StreamModel.VOCAB, (w.requests * w.rows, T), generator=self.gen).to(self.device)
+        return self.model.embed[ids].view(w.requests, w.rows, T, -1).transpose(1, 2)
+
+    # ------------------------------------------------------------ stages
+
+    def warm_up(self) -> None:
+        """One all-padding step of each batch shape compiles everything the run needs."""
+        self.graphs0 = graphs_compiled()
+        t0 = time.perf_counter()
+        self.session.warmup(self.model_step, self.inputs(1)[0])
+        _sync(self.device)
+        self.compile_s = time.perf_counter() - t0
+        self.graphs_warm = graphs_compiled()
+        self.arrived = len(self.traffic.active)
+        self._start(self.traffic.active)
+
+    def _start(self, reqs) -> None:
+        # Prefer tracking requests that will outlive the window, so checks land after the rings wrap.
+        w = self.w
+        for r in reqs:
+            self.session.start(r.rid, source=r.source, source_len=w.source_len)
+        long_enough = w.sink + w.window + w.span
+        for r in sorted(reqs, key=lambda r: (r.length < long_enough, r.rid)):
+            self.tracker.offer(r.rid)
+
+    def _check(self, step_no, kind, st, rid, lane, records) -> None:
+        """Compare every layer's output rows of `rid` with the float64 reference."""
+        R = self.w.rows
+        seg, pos = st.segments[lane], st.positions[rid]
+        ref = ReferenceCache(self.cfg)
+        for idx, k, v in self.sources:
+            ref.add_source(idx, k, v)
+        keys, values = self.tracker.stream(rid)
+        ref.load_stream(rid, keys, values)
+        sub = BoundedKVStep((Segment(rid, seg.span),), {rid: pos}, tokens=st.step_tokens)
+        rows = slice(lane * R, lane * R + R)
+        err = 0.0
+        for l, (q, k, v, o) in enumerate(records):
+            want = ref.attend(l, q[rows].cpu(), k[rows].cpu(), v[rows].cpu(), sub,
+                              score_mod=self.model.score_mod(l, device="cpu"), positions=self.model.positions)
+            err = max(err, float((o[rows].double().cpu() - want).abs().max()))
+        self.checks.append({
+            "step": step_no, "kind": kind, "request": rid, "stream_len": pos.length,
+            "written": pos.written, "span": seg.span, "tokens": st.step_tokens, "max_abs_error": err,
+        })
+
+    def step(self, step_no: int) -> None:
+        """One model step: its calls (a regular one, and a final chunk when due), checks, traffic."""
+        w, R = self.w, self.w.rows
+        last = step_no == w.steps - 1
+        step_s = 0.0
+        for kind, feeds in _feeds(w, self.traffic, self.inputs):
+            _sync(self.device)
+            t0 = time.perf_counter()
+            res = self.session.step(feeds, self.model_step)
+            _sync(self.device)
+            t2 = time.perf_counter()
+            _, records = res.outputs
+            st = res.step
+            self.plan_times.append(res.plan_s)
+            self.call_times.append(t2 - t0)
+            step_s += t2 - t0
+            # Reference checks: a tracked request at its last regular step or its final step
+            # (its longest stream), and whatever is tracked at the end of the run.
+            # The budget is released evenly over the run, so checks do not all land early.
+            allowed = w.check_steps if last else (w.check_steps * (step_no + 1)) // w.steps
+            by_id = {r.rid: r for r in self.traffic.active}
+            for rid, lane in res.lanes.items():
+                if rid not in self.tracker.hist or len(self.checks) >= allowed:
+                    continue
+                r = by_id[rid]
+                if kind == "final" or last or r.written + w.span >= r.length:
+                    self._check(step_no, kind, st, rid, lane, records)
+            for rid, lane in res.lanes.items():
+                if rid in self.tracker.hist:
+                    self.tracker.record(rid, slice(lane * R, lane * R + R), st.segments[lane].span, records)
+            for seg in st.segments:
+                if seg.request_id is not None:
+                    self.tokens += seg.span
+                    self.longest = max(self.longest, st.positions[seg.request_id].length + seg.span)
+        self.step_times.append(step_s)
+        self.traffic.advance()
+        for r in self.traffic.departed:
+            self.session.finish(r.rid)
+            self.tracker.hist.pop(r.rid, None)
+            self.finished += 1
+        self.arrived += len(self.traffic.arrived)
+        self._start(self.traffic.arrived)
+        self._account(step_no, step_s, last)
+
+    def _account(self, step_no: int, step_s: float, last: bool) -> None:
+        """Memory over the run, and progress every `progress_every_s`."""
+        m, w = self.manager, self.w
+        if m.memory_bytes != self.mem0:
+            self.mem_flat = False
+        active = self.traffic.active
+        unbounded = self.source_bytes + sum(r.written for r in active) * w.entry_bytes
+        self.unbounded_peak = max(self.unbounded_peak, unbounded)
+        self.memory_series.append({
+            "step": step_no,
+            "active": len(active),
+            "bounded_bytes": m.memory_bytes,
+            "slots_in_use_bytes": len(active) * m.slot_bytes,
+            "unbounded_bytes": unbounded,
+            "step_ms": step_s * 1e3,
+        })
+        now = time.perf_counter()
+        if self.progress is not None and (now - self.last_progress >= self.progress_every_s or last):
+            self.last_progress = now
+            self.progress({
+                "step": step_no + 1, "steps": w.steps, "active": len(active),
+                "p50_ms": percentile(self.step_times[-200:], 50) * 1e3,
+                "plan_ms": percentile(self.plan_times[-200:], 50) * 1e3,
+                "bounded_bytes": m.memory_bytes, "unbounded_bytes": unbounded,
+                "elapsed_s": now - self.wall0,
+            })
+
+    def report(self) -> dict:
+        w, m, cfg = self.w, self.manager, self.cfg
+        step_times, plan_times = self.step_times, self.plan_times
+        total_s = sum(step_times)
+        slots_bytes = cfg.max_slots * m.slot_bytes
+        end = self.memory_series[-1] if self.memory_series else {}
+        step_p50 = percentile(step_times, 50)
+        plan_p50 = percentile(plan_times, 50)
+        return {
+            "workload": w.name,
+            "summary": w.summary(),
+            "device": str(self.device),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "compile_mode": w.compile,
+            "steps": w.steps,
+            "calls": len(self.call_times),
+            "tokens": self.tokens,
+            "tokens_per_s": self.tokens / total_s if total_s > 0 else float("nan"),
+            "step_ms": {
+                "p50": step_p50 * 1e3,
+                "p95": percentile(step_times, 95) * 1e3,
+                "mean": total_s / max(len(step_times), 1) * 1e3,
+                "max": max(step_times) * 1e3 if step_times else float("nan"),
+            },
+            "compile_s": self.compile_s,
+            "graphs_compiled": self.graphs_warm - self.graphs0,
+            "recompiles_after_warmup": graphs_compiled() - self.graphs_warm,
+            "plan_ms": {
+                "p50": plan_p50 * 1e3,
+                "mean": sum(plan_times) / max(len(plan_times), 1) * 1e3,
+                "fraction_of_step": plan_p50 / step_p50 if step_p50 > 0 else float("nan"),
+            },
+            "memory": {
+                "memory_bytes": m.memory_bytes,
+                "slot_bytes": m.slot_bytes,
+                "max_slots": cfg.max_slots,
+                "slots_bytes": slots_bytes,
+                "sources_bytes": self.source_bytes,
+                "other_bytes": m.memory_bytes - slots_bytes - self.source_bytes,
+                "flat": self.mem_flat,
+                "slots_in_use_bytes_end": end.get("slots_in_use_bytes", 0),
+                "unbounded_bytes_end": end.get("unbounded_bytes", 0),
+                "unbounded_bytes_peak": self.unbounded_peak,
+            },
+            "requests": {"arrived": self.arrived, "finished": self.finished, "longest_stream": self.longest,
+                         "window": w.window, "sink": w.sink},
+            "reference": {
+                "checks": self.checks,
+                "max_abs_error": max((c["max_abs_error"] for c in self.checks), default=float("nan")),
+            },
+            "wall_s": time.perf_counter() - self.wall0,
+            "series": self.memory_series,
+        }
+
+
 def run_workload(
     workload: Workload,
     *,
@@ -173,218 +395,9 @@ def run_workload(
     progress_every_s: float = 2.0,
 ) -> dict:
     """Run `workload` and return its report (see the module docstring and docs/cli.md)."""
-    w = workload
-    device = torch.device(device)
-    wall0 = time.perf_counter()
-    cfg = w.config()
-    torch.manual_seed(w.seed)
-    manager = BoundedKVManager(cfg, device, block_size=w.block_size)
-    model = StreamModel(w, seed=w.seed, device=device)
-    gen = torch.Generator().manual_seed(w.seed + 1)
-    token_sizes = sorted({w.step_tokens} | ({w.final_tokens} if w.final_tokens is not None else set()))
-    # The session owns positions, lanes (one per request, `requests` of them), padding and the step;
-    # the model step compiles per layer (`CompiledStep`), so the session runs it as given.
-    session = StreamSession(manager, batch_sizes=(w.requests,), token_sizes=token_sizes, compile=False)
-
-    sources = []
-    for s in range(w.sources if w.source_len else 0):
-        shape = (w.layers, w.rows, w.kv_heads, w.source_len, w.head_dim)
-        k = torch.randn(shape, generator=gen).to(w.torch_dtype)
-        v = torch.randn(shape, generator=gen).to(w.torch_dtype)
-        idx = session.add_source(k.to(device), v.to(device))
-        sources.append((idx, k, v))
-
-    R = w.rows
-    stepper = CompiledStep(manager, model, w.compile)
-
-    def model_step(attn, x):
-        """`x [B, T, rows, d_model]` from the session -> the model's rows `[B * rows, T, d_model]`."""
-        B, T = x.shape[:2]
-        return stepper(x.transpose(1, 2).reshape(B * R, T, -1), attn.plan)
-
-    def inputs(T):
-        """Embedded random tokens for every lane: `[requests, T, rows, d_model]`, one feed per lane."""
-        ids = torch.randint(0, StreamModel.VOCAB, (w.requests * R, T), generator=gen).to(device)
-        return model.embed[ids].view(w.requests, R, T, -1).transpose(1, 2)
-
-    def start(reqs):
-        for r in reqs:
-            session.start(r.rid, source=r.source, source_len=w.source_len)
-
-    # Warm-up: one all-padding step of each batch shape compiles everything the run needs.
-    graphs0 = graphs_compiled()
-    traffic = Traffic(w)
-    t0 = time.perf_counter()
-    session.warmup(model_step, inputs(1)[0])
-    _sync(device)
-    compile_s = time.perf_counter() - t0
-    graphs_warm = graphs_compiled()
-    start(traffic.active)
-
-    tracker = _Tracker(w, w.check_requests)
-    checks: List[dict] = []
-    # Prefer tracking requests that will outlive the window, so checks land after the rings wrap.
-    long_enough = w.sink + w.window + w.span
-
-    def offer(reqs):
-        for r in sorted(reqs, key=lambda r: (r.length < long_enough, r.rid)):
-            tracker.offer(r.rid)
-
-    offer(traffic.active)
-
-    step_times: List[float] = []  # per model step (all its calls)
-    call_times: List[float] = []
-    plan_times: List[float] = []
-    memory_series: List[dict] = []
-    tokens = 0
-    finished = 0
-    arrived = len(traffic.active)
-    longest = 0
-    mem0 = manager.memory_bytes
-    mem_flat = True
-    source_bytes = len(sources) * w.source_len * w.entry_bytes
-    last_progress = time.perf_counter()
-    unbounded_peak = 0
-
-    def run_check(step_no, kind, st, rid, lane, records):
-        """Compare every layer's output rows of `rid` with the float64 reference."""
-        seg, pos = st.segments[lane], st.positions[rid]
-        ref = ReferenceCache(cfg)
-        for idx, k, v in sources:
-            ref.add_source(idx, k, v)
-        keys, values = tracker.stream(rid)
-        ref.load_stream(rid, keys, values)
-        sub = BoundedKVStep((Segment(rid, seg.span),), {rid: pos}, tokens=st.step_tokens)
-        rows = slice(lane * R, lane * R + R)
-        err = 0.0
-        for l, (q, k, v, o) in enumerate(records):
-            want = ref.attend(l, q[rows].cpu(), k[rows].cpu(), v[rows].cpu(), sub,
-                              score_mod=model.score_mod(l, device="cpu"), positions=model.positions)
-            err = max(err, float((o[rows].double().cpu() - want).abs().max()))
-        checks.append({
-            "step": step_no, "kind": kind, "request": rid, "stream_len": pos.length,
-            "written": pos.written, "span": seg.span, "tokens": st.step_tokens, "max_abs_error": err,
-        })
-
+    run = _WorkloadRun(workload, torch.device(device), progress, progress_every_s)
+    run.warm_up()
     with torch.no_grad():
-        for step_no in range(w.steps):
-            last = step_no == w.steps - 1
-            step_s = 0.0
-            for kind, feeds in _feeds(w, traffic, inputs):
-                _sync(device)
-                t0 = time.perf_counter()
-                res = session.step(feeds, model_step)
-                _sync(device)
-                t2 = time.perf_counter()
-                _, records = res.outputs
-                st = res.step
-                plan_times.append(res.plan_s)
-                call_times.append(t2 - t0)
-                step_s += t2 - t0
-                lane_of = res.lanes
-                # Reference checks: a tracked request at its last regular step or its final step
-                # (its longest stream), and whatever is tracked at the end of the run.
-                # The budget is released evenly over the run, so checks do not all land early.
-                allowed = w.check_steps if last else (w.check_steps * (step_no + 1)) // w.steps
-                by_id = {r.rid: r for r in traffic.active}
-                for rid, lane in lane_of.items():
-                    if rid not in tracker.hist or len(checks) >= allowed:
-                        continue
-                    r = by_id[rid]
-                    if kind == "final" or last or r.written + w.span >= r.length:
-                        run_check(step_no, kind, st, rid, lane, records)
-                for rid, lane in lane_of.items():
-                    if rid in tracker.hist:
-                        tracker.record(rid, slice(lane * R, lane * R + R), st.segments[lane].span, records)
-                for seg in st.segments:
-                    if seg.request_id is not None:
-                        tokens += seg.span
-                        longest = max(longest, st.positions[seg.request_id].length + seg.span)
-            step_times.append(step_s)
-            traffic.advance()
-            for r in traffic.departed:
-                session.finish(r.rid)
-                tracker.hist.pop(r.rid, None)
-                finished += 1
-            arrived += len(traffic.arrived)
-            start(traffic.arrived)
-            offer(traffic.arrived)
-            if manager.memory_bytes != mem0:
-                mem_flat = False
-            active = traffic.active
-            unbounded = source_bytes + sum(r.written for r in active) * w.entry_bytes
-            unbounded_peak = max(unbounded_peak, unbounded)
-            memory_series.append({
-                "step": step_no,
-                "active": len(active),
-                "bounded_bytes": manager.memory_bytes,
-                "slots_in_use_bytes": len(active) * manager.slot_bytes,
-                "unbounded_bytes": unbounded,
-                "step_ms": step_s * 1e3,
-            })
-            now = time.perf_counter()
-            if progress is not None and (now - last_progress >= progress_every_s or last):
-                last_progress = now
-                recent = step_times[-200:]
-                progress({
-                    "step": step_no + 1, "steps": w.steps, "active": len(active),
-                    "p50_ms": percentile(recent, 50) * 1e3, "plan_ms": percentile(plan_times[-200:], 50) * 1e3,
-                    "bounded_bytes": manager.memory_bytes, "unbounded_bytes": unbounded,
-                    "elapsed_s": now - wall0,
-                })
-
-    graphs_end = graphs_compiled()
-    total_s = sum(step_times)
-    slots_bytes = cfg.max_slots * manager.slot_bytes
-    end = memory_series[-1] if memory_series else {}
-    step_p50 = percentile(step_times, 50)
-    plan_p50 = percentile(plan_times, 50)
-    report = {
-        "workload": w.name,
-        "summary": w.summary(),
-        "device": str(device),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "machine": platform.machine(),
-        "compile_mode": w.compile,
-        "steps": w.steps,
-        "calls": len(call_times),
-        "tokens": tokens,
-        "tokens_per_s": tokens / total_s if total_s > 0 else float("nan"),
-        "step_ms": {
-            "p50": step_p50 * 1e3,
-            "p95": percentile(step_times, 95) * 1e3,
-            "mean": total_s / max(len(step_times), 1) * 1e3,
-            "max": max(step_times) * 1e3 if step_times else float("nan"),
-        },
-        "compile_s": compile_s,
-        "graphs_compiled": graphs_warm - graphs0,
-        "recompiles_after_warmup": graphs_end - graphs_warm,
-        "plan_ms": {
-            "p50": plan_p50 * 1e3,
-            "mean": sum(plan_times) / max(len(plan_times), 1) * 1e3,
-            "fraction_of_step": plan_p50 / step_p50 if step_p50 > 0 else float("nan"),
-        },
-        "memory": {
-            "memory_bytes": manager.memory_bytes,
-            "slot_bytes": manager.slot_bytes,
-            "max_slots": cfg.max_slots,
-            "slots_bytes": slots_bytes,
-            "sources_bytes": source_bytes,
-            "other_bytes": manager.memory_bytes - slots_bytes - source_bytes,
-            "flat": mem_flat,
-            "slots_in_use_bytes_end": end.get("slots_in_use_bytes", 0),
-            "unbounded_bytes_end": end.get("unbounded_bytes", 0),
-            "unbounded_bytes_peak": unbounded_peak,
-        },
-        "requests": {"arrived": arrived, "finished": finished, "longest_stream": longest,
-                     "window": w.window, "sink": w.sink},
-        "reference": {
-            "checks": checks,
-            "max_abs_error": max((c["max_abs_error"] for c in checks), default=float("nan")),
-        },
-        "wall_s": time.perf_counter() - wall0,
-        "series": memory_series,
-    }
-    return report
-
+        for step_no in range(workload.steps):
+            run.step(step_no)
+    return run.report()
