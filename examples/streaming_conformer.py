@@ -231,7 +231,8 @@ class Runner:
         return self.model(feats, state)
 
     @classmethod
-    def bounded(cls, cfg: ConformerConfig, compile: bool = False, weights=None, block_size: int = 128) -> "Runner":
+    def bounded(cls, cfg: ConformerConfig, compile: bool = False, weights=None,
+                block_size: Optional[int] = None) -> "Runner":
         return cls(cfg, BoundedKVManager(cfg.cache_config(), block_size=block_size), compile, weights)
 
     @classmethod

@@ -219,7 +219,8 @@ class Runner:
         return self.model(noise, tokens)
 
     @classmethod
-    def bounded(cls, cfg: TTSConfig, compile: bool = False, weights=None, block_size: int = 128) -> "Runner":
+    def bounded(cls, cfg: TTSConfig, compile: bool = False, weights=None,
+                block_size: Optional[int] = None) -> "Runner":
         return cls(cfg, BoundedKVManager(cfg.cache_config(), block_size=block_size), compile, weights)
 
     @classmethod
