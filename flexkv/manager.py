@@ -548,6 +548,35 @@ class BoundedKVManager(nn.Module):
                 f"got {tuple(q.shape)}"
             )
 
+    def _block_mask(self, plan: BoundedPlan, q_len: int, mask_mod: Callable) -> BlockMask:
+        """The plan's block lists as FlexAttention's block mask for a query of `q_len` rows."""
+        lay = self.layout
+        N = plan.rows
+        # Every query block of a row visits the same KV blocks: the plan lists them once per row.
+        nq = lay.q_blocks(q_len)
+        kv_num, kv_idx, full_num, full_idx = (
+            plan.kv_num_blocks, plan.kv_indices, plan.full_kv_num_blocks, plan.full_kv_indices)
+        if self.device.type == "cpu" and kv_idx.shape[3] < lay.num_blocks:
+            # The CPU kernel wants block lists as wide as the layer tensor (it reads only the first
+            # kv_num_blocks of each); the plan stays compact and is widened here, on the device side.
+            kv_idx = F.pad(kv_idx, (0, lay.num_blocks - kv_idx.shape[3]))
+        if nq > 1:
+            kv_num, full_num = (x.expand(N, 1, nq).contiguous() for x in (kv_num, full_num))
+            kv_idx, full_idx = (x.expand(N, 1, nq, x.shape[3]).contiguous() for x in (kv_idx, full_idx))
+        if not plan.has_full_blocks:
+            # No full-block tensors at all: the kernels then split a row by its own blocks.
+            full_num = full_idx = None
+        return BlockMask.from_kv_blocks(
+            kv_num,
+            kv_idx,
+            full_num,
+            full_idx,
+            BLOCK_SIZE=(lay.q_block_size, lay.block_size),
+            mask_mod=mask_mod,
+            seq_lengths=(q_len, lay.total_len),
+            compute_q_blocks=False,
+        )
+
     def attend(
         self,
         layer_idx: int,
@@ -567,7 +596,8 @@ class BoundedKVManager(nn.Module):
         `[N, num_heads, T, D]` with `N = len(step.segments) * rows_per_request`.
         Returns `[N, Hq, T, D]`. `score_mod(score, b, h, q_pos, kv_pos)` gets
         stream positions (`positions="stream"`) or in-cache positions
-        (`positions="cache"`). One `flex_attention` call; traceable by
+        (`positions="cache"`). One attention call (`flex_attention`, or on the
+        rows path `flexkv.row_attention`; see `attention_path`); traceable by
         `torch.compile(fullgraph=True)`. `sinks`: learned sink logits `[Hq]`
         (see `flexkv.sinks`), served from the same call's log-sum-exp.
         """
@@ -602,40 +632,10 @@ class BoundedKVManager(nn.Module):
             sm = make_score_mod(
                 plan, lay.ring_len, T, score_mod, positions, c.reverse_step_order, c.query_window, group=g
             )
-        # Every query block of a row visits the same KV blocks: the plan lists them once per row.
-        nq = lay.q_blocks(T * g)
-        kv_num, kv_idx, full_num, full_idx = (
-            plan.kv_num_blocks, plan.kv_indices, plan.full_kv_num_blocks, plan.full_kv_indices)
-        has_full = plan.has_full_blocks
-        if self.device.type == "cpu" and kv_idx.shape[3] < lay.num_blocks:
-            # The CPU kernel wants block lists as wide as the layer tensor (it reads only the first
-            # kv_num_blocks of each); the plan stays compact and is widened here, on the device side.
-            kv_idx = F.pad(kv_idx, (0, lay.num_blocks - kv_idx.shape[3]))
-        if nq > 1:
-            kv_num, full_num = (x.expand(N, 1, nq).contiguous() for x in (kv_num, full_num))
-            kv_idx, full_idx = (x.expand(N, 1, nq, x.shape[3]).contiguous() for x in (kv_idx, full_idx))
-        if not has_full:
-            # No full-block tensors at all: the kernels then split a row by its own blocks.
-            full_num = full_idx = None
-        block_mask = BlockMask.from_kv_blocks(
-            kv_num,
-            kv_idx,
-            full_num,
-            full_idx,
-            BLOCK_SIZE=(lay.q_block_size, lay.block_size),
-            mask_mod=mask_mod,
-            seq_lengths=(T * g, lay.total_len),
-            compute_q_blocks=False,
-        )
         # The scale is applied to q here rather than inside flex_attention: the product is a fresh
         # buffer, and inductor's CPU FlexAttention fails to lower a q that is only a view of another
         # tensor (a slice of a stacked 5-D tensor, or a projection's view + transpose).
         scale = D ** -0.5 if scale is None else scale
-        options = None
-        if not rows_path:
-            options = flex_kernel_options(
-                self.device.type, g * T, H, H if packed else Hq, D, q.dtype, lay.block_size, has_full,
-                q_block_size=lay.q_block_size, capability=self._capability)
         lse = None
         if rows_path:
             out = attend_rows(q.reshape(N, H, g * T, D) * scale, kc, vc, lay, plan, mask_mod, sm,
@@ -643,6 +643,10 @@ class BoundedKVManager(nn.Module):
             if sinks is not None:
                 out, lse = out
         else:
+            block_mask = self._block_mask(plan, T * g, mask_mod)
+            options = flex_kernel_options(
+                self.device.type, g * T, H, H if packed else Hq, D, q.dtype, lay.block_size, plan.has_full_blocks,
+                q_block_size=lay.q_block_size, capability=self._capability)
             aux = None if sinks is None else AuxRequest(lse=True)
             if packed:
                 out = flex_attention(q.reshape(N, H, g * T, D) * scale, kc, vc, score_mod=sm, block_mask=block_mask,
