@@ -41,14 +41,15 @@ def _ceil_div(a: int, b: int) -> int:
 def default_block_size(config: BoundedKVConfig, device_type: str) -> int:
     """The KV block size flexkv picks when none is given.
 
-    CUDA: 128, the block FlexAttention's CUDA kernels are tuned for (smaller
-    blocks shrink their tiles). Elsewhere, a power of two near an eighth of
+    CUDA (and `"meta"`, which plans as CUDA does): 128, the block
+    FlexAttention's CUDA kernels are tuned for (smaller blocks shrink their
+    tiles). Elsewhere, a power of two near an eighth of
     the cells a row keeps (`max_retained + max_step_tokens`), between 16 and
     128: a row's reads start and end inside a few partly used blocks (sinks,
     window, ring wrap), so the blocks should be small next to what a row
     keeps, but each visited block has a fixed cost, so not tiny.
     """
-    if device_type == "cuda":
+    if device_type in ("cuda", "meta"):
         return DEFAULT_BLOCK_SIZE
     cells = (config.max_retained + config.max_step_tokens) // 8
     block = 16

@@ -56,7 +56,8 @@ class BoundedKVManager(nn.Module):
         config: the cache's `BoundedKVConfig`; its `dtype` must be settled
             (build through `BoundedKVResource` to take the engine's).
         device: where the KV tensors live. `"meta"` allocates nothing and
-            still plans, which shows that planning never touches device data.
+            still plans, exactly as CUDA would (block size and full blocks), which
+            shows that planning never touches device data.
         block_size: FlexAttention's KV block size (cells per block); None (the default) lets
             flexkv choose for the config and device (`flexkv.layout.default_block_size`).
     """
@@ -90,8 +91,9 @@ class BoundedKVManager(nn.Module):
         #: Fold GQA groups into the query axis (on by default on the CPU; see `attend`).
         self.pack_gqa = self.device.type == "cpu"
         #: Plan blocks every query reads whole as full blocks, skipping the mask there. On by
-        #: default on CUDA; torch 2.13's compiled CPU kernel ran slower with them.
-        self.full_blocks = self.device.type == "cuda"
+        #: default on CUDA (and on "meta", which plans as CUDA does); torch 2.13's compiled CPU
+        #: kernel ran slower with them.
+        self.full_blocks = self.device.type in ("cuda", "meta")
         #: How `attend` computes attention: `"flex"` (one FlexAttention call over the layer tensor,
         #: reading every cell in place), `"rows"` (each row's source and slot rows gathered, then
         #: dense attention; `flexkv.row_attention`) or `"auto"`: rows for chunked steps (T > 1) on

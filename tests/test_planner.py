@@ -11,7 +11,9 @@ most 4 entries, 2 slots, SinkWindow(3, 4), max_step_tokens 2):
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.layout import Layout
 from flexkv.masks import make_mask_mod
+from flexkv.planner import build_plan
 
 
 def cfg(**kw):
@@ -161,8 +163,24 @@ def test_planning_on_meta_device_never_touches_device_data():
     plan = m.plan(step)
     assert plan.kv_indices.device.type == "meta" and plan.n.device.type == "meta"
     ref = manager(config)
+    ref.full_blocks = True  # meta plans as CUDA does: with full blocks
     ref.admit(step)
     assert plan == ref.plan(step)
+
+
+def test_meta_plans_with_the_cuda_defaults():
+    """A meta cache with nothing set takes CUDA's block size and full blocks, so its plan is the
+    plan a CUDA cache would make (built here from the layout and planner with CUDA's rules)."""
+    config = cfg(max_source_len=0, max_sources=0, retention=SinkWindow(4, 300), max_step_tokens=1, max_slots=3)
+    m = BoundedKVManager(config, "meta")
+    cuda_layout = Layout.for_config(config, None, "cuda")
+    assert m.layout == cuda_layout and cuda_layout.block_size == 128
+    step = start(m, [Segment("a", 1), Segment("b", 1)], {"a": StreamPosition(0, 900), "b": StreamPosition(0, 41)})
+    plan = m.plan(step)
+    slots = {"a": m.slot_of("a"), "b": m.slot_of("b")}
+    want = build_plan(config, cuda_layout, step, slots.__getitem__, "cpu", full_blocks=True)
+    assert plan == want and plan.has_full_blocks
+    assert plan.blocks(0, full=True)  # a row reading 304 cells holds whole blocks of 128
 
 
 def test_blocks_every_query_reads_whole_skip_the_mask():
