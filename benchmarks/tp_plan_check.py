@@ -57,7 +57,7 @@ def main():
     dist.barrier()
     t_checked = timed(plan_and_check, args.iters)
     line = (f"rank {rank}/{world}: plan {t_plan:.3f} ms, digests {t_digest:.3f} ms, "
-            f"plan + check_in_sync {t_checked:.3f} ms ({len(plan.host)} plan ints)")
+            f"plan + check_in_sync {t_checked:.3f} ms ({len(plan.host) // 4} plan ints)")
     lines = [None] * world
     dist.all_gather_object(lines, line)
     if rank == 0:

@@ -565,8 +565,10 @@ class BoundedKVManager(nn.Module):
         if nq > 1:
             kv_num, full_num = (x.expand(N, 1, nq).contiguous() for x in (kv_num, full_num))
             kv_idx, full_idx = (x.expand(N, 1, nq, x.shape[3]).contiguous() for x in (kv_idx, full_idx))
-        if not plan.has_full_blocks:
-            # No full-block tensors at all: the kernels then split a row by its own blocks.
+        if not plan.has_full_blocks and self.device.type != "cpu":
+            # No full-block tensors at all: CUDA's decode kernel then splits a row by its own blocks.
+            # (The CPU kernel is given the plan's zero counts instead: torch 2.13's compiled CPU
+            # kernel failed to build without full-block tensors.)
             full_num = full_idx = None
         return BlockMask.from_kv_blocks(
             kv_num,

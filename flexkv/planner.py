@@ -72,10 +72,11 @@ __all__ = ["BoundedPlan", "ROW_FIELDS", "INTERVALS", "build_plan"]
 #: Cell intervals per row: sinks and window each reach the source, the sink region and the ring,
 #: and the ring splits where it wraps; merged, no row needs more than this.
 INTERVALS = 6
-ROW_FIELDS = (
+SCALAR_FIELDS = (
     "src_base", "src_len", "sink_base", "ring_start", "ring_base", "n", "n_mod", "sink", "lo", "span",
     "src_row", "slot_row",
-) + tuple(f"cell_{e}{k}" for k in range(INTERVALS) for e in ("lo", "hi"))
+)
+ROW_FIELDS = SCALAR_FIELDS + tuple(f"cell_{e}{k}" for k in range(INTERVALS) for e in ("lo", "hi"))
 _FAR = 1 << 30  # a base no cell index can reach: padding rows' regions start here
 
 
@@ -95,8 +96,7 @@ class BoundedPlan:
         self.tokens = tokens
         self.width = width
         self.full_width = full_width
-        self._table = table
-        self.host = table.tobytes()
+        self._table = table  # kept alive: on the CPU the plan's tensors are views of it
         self.device = torch.device(device)
         buf = torch.frombuffer(table, dtype=torch.int32) if len(table) else torch.zeros(0, dtype=torch.int32)
         if self.device.type == "cuda":
@@ -104,8 +104,6 @@ class BoundedPlan:
             buf = buf.to(self.device, non_blocking=True)
         elif self.device.type != "cpu":
             buf = buf.to(self.device)
-        else:
-            buf = buf.clone()  # the table's own memory: the host array may be reused or freed
         self.table = buf
         o = 0
         for name in ROW_FIELDS:
@@ -123,6 +121,11 @@ class BoundedPlan:
         o += rows * tokens
         assert o == len(table), (o, len(table))
 
+    @property
+    def host(self) -> bytes:
+        """The packed host table, as bytes (for equality, digests and inspection)."""
+        return self._table.tobytes()
+
     def __eq__(self, other):
         if not isinstance(other, BoundedPlan):
             return NotImplemented
@@ -133,12 +136,12 @@ class BoundedPlan:
 
     def row(self, i: int) -> dict:
         """The host values of flat row `i`'s scalar fields, by name (for inspection and tests)."""
-        return {name: self._table[k * self.rows + i] for k, name in enumerate(ROW_FIELDS[:12])}
+        return {name: self._table[k * self.rows + i] for k, name in enumerate(SCALAR_FIELDS)}
 
     def cell_intervals(self, i: int) -> list:
         """The non-empty cell intervals `(lo, hi)` some query of flat row `i` attends, in order."""
         t, N = self._table, self.rows
-        base = 12 * N
+        base = len(SCALAR_FIELDS) * N
         out = []
         for k in range(INTERVALS):
             lo, hi = t[base + 2 * k * N + i], t[base + (2 * k + 1) * N + i]
@@ -248,8 +251,8 @@ def build_plan(
     n_fields = len(ROW_FIELDS)
     cols = [[0] * rows for _ in range(n_fields)]
     (c_src_base, c_src_len, c_sink_base, c_ring_start, c_ring_base,
-     c_n, c_n_mod, c_sink, c_lo, c_span, c_src_row, c_slot_row) = cols[:12]
-    c_cells = cols[12:]
+     c_n, c_n_mod, c_sink, c_lo, c_span, c_src_row, c_slot_row) = cols[:len(SCALAR_FIELDS)]
+    c_cells = cols[len(SCALAR_FIELDS):]
     num_blocks = [0] * rows
     full_num = [0] * rows
     indices = array("i", bytes(4 * rows * width))
