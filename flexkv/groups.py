@@ -35,7 +35,7 @@ from .manager import BoundedKVManager
 from .planner import BoundedPlan
 from .step import BoundedKVStep
 
-__all__ = ["LayerGroup", "GroupedKVManager", "GroupedPlan"]
+__all__ = ["LayerGroup", "GroupedKVManager", "GroupedPlan", "layer_group_configs"]
 
 
 def _is_int(x) -> bool:
@@ -81,6 +81,51 @@ class LayerGroup:
             raise ValueError(f"LayerGroup.query_window must be an int >= 0 or None, got {self.query_window!r}")
         if not isinstance(self.name, str):
             raise ValueError(f"LayerGroup.name must be a str, got {self.name!r}")
+
+
+def layer_group_configs(config: BoundedKVConfig, groups: Optional[Sequence[LayerGroup]] = None):
+    """Check `groups` against `config`; returns `(groups, configs, route)`.
+
+    `configs[g]` is group `g`'s own `BoundedKVConfig` (its layers, retention
+    and query window; everything else shared), `route[layer]` the
+    `(group, index inside the group)` of each model layer. `groups=None` is
+    one group of every layer with `config`'s own retention. This is the one
+    place a grouped cache's per-group configs come from: `GroupedKVManager`
+    and the uncached twin (`flexkv.uncached.UncachedHistory`) both use it.
+    """
+    if not isinstance(config, BoundedKVConfig):
+        raise ValueError(f"config must be a BoundedKVConfig, got {type(config).__name__}")
+    L = config.num_layers
+    if groups is None:
+        groups = (LayerGroup(tuple(range(L)), config.retention, config.query_window),)
+    groups = tuple(groups)
+    if not groups:
+        raise ValueError("groups is empty; give at least one LayerGroup (or None for one group of every layer)")
+    for g in groups:
+        if not isinstance(g, LayerGroup):
+            raise ValueError(f"groups must hold LayerGroup objects, got {g!r}")
+    route: list = [None] * L
+    for gi, g in enumerate(groups):
+        for li, layer in enumerate(g.layers):
+            if layer >= L:
+                raise ValueError(
+                    f"group {gi} names layer {layer}, but config.num_layers={L} (layers 0..{L - 1})"
+                )
+            if route[layer] is not None:
+                raise ValueError(f"layer {layer} is in groups {route[layer][0]} and {gi}; put each layer in one group")
+            route[layer] = (gi, li)
+    missing = [i for i, r in enumerate(route) if r is None]
+    if missing:
+        raise ValueError(f"layers {missing} are in no group; every layer of 0..{L - 1} needs one")
+    configs = []
+    for gi, g in enumerate(groups):
+        try:
+            configs.append(
+                config.replace(num_layers=len(g.layers), retention=g.retention, query_window=g.query_window)
+            )
+        except ValueError as exc:
+            raise ValueError(f"group {gi} (layers {list(g.layers)}): {exc}") from None
+    return groups, tuple(configs), tuple(route)
 
 
 class GroupedPlan:
@@ -136,43 +181,14 @@ class GroupedKVManager(nn.Module):
         super().__init__()
         if not isinstance(config, BoundedKVConfig):
             raise ValueError(f"config must be a BoundedKVConfig, got {type(config).__name__}")
-        L = config.num_layers
-        if groups is None:
-            groups = (LayerGroup(tuple(range(L)), config.retention, config.query_window),)
-        groups = tuple(groups)
-        if not groups:
-            raise ValueError("groups is empty; give at least one LayerGroup (or None for one group of every layer)")
-        for g in groups:
-            if not isinstance(g, LayerGroup):
-                raise ValueError(f"groups must hold LayerGroup objects, got {g!r}")
-        route: list = [None] * L
-        for gi, g in enumerate(groups):
-            for li, layer in enumerate(g.layers):
-                if layer >= L:
-                    raise ValueError(
-                        f"group {gi} names layer {layer}, but config.num_layers={L} (layers 0..{L - 1})"
-                    )
-                if route[layer] is not None:
-                    raise ValueError(f"layer {layer} is in groups {route[layer][0]} and {gi}; put each layer in one group")
-                route[layer] = (gi, li)
-        missing = [i for i, r in enumerate(route) if r is None]
-        if missing:
-            raise ValueError(f"layers {missing} are in no group; every layer of 0..{L - 1} needs one")
-        configs = []
-        for gi, g in enumerate(groups):
-            try:
-                configs.append(
-                    config.replace(num_layers=len(g.layers), retention=g.retention, query_window=g.query_window)
-                )
-            except ValueError as exc:
-                raise ValueError(f"group {gi} (layers {list(g.layers)}): {exc}") from None
+        groups, configs, route = layer_group_configs(config, groups)
         self.config = config
         self.groups = groups
         self.device = torch.device(device)
         self.managers = nn.ModuleList(BoundedKVManager(c, device, block_size=block_size) for c in configs)
         # Host-side access without nn.ModuleList's indexing cost (it runs on every step).
         self._mgrs = tuple(self.managers)
-        self._route = tuple(route)
+        self._route = route
         self._lock = threading.RLock()
         self._current_plan: Optional[GroupedPlan] = None
 
