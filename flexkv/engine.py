@@ -80,14 +80,24 @@ class Resource:
 
 @dataclass(frozen=True)
 class BoundedKVSpec(NodeResourceSpec):
-    """Declares one bounded KV cache to an engine."""
+    """Declares one bounded KV cache to an engine.
+
+    `groups`: layer groups that keep retention of their own (`LayerGroup`s,
+    or one `SinkWindow` per layer); the resource is then a
+    `GroupedKVManager`.
+    """
 
     config: Optional[BoundedKVConfig] = None
+    groups: Optional[tuple] = None
 
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.config, BoundedKVConfig):
             raise ValueError(f"BoundedKVSpec.config must be a BoundedKVConfig, got {self.config!r}")
+        if self.groups is not None:
+            from .groups import as_layer_groups
+
+            object.__setattr__(self, "groups", as_layer_groups(self.config, self.groups))
 
     def apply_yaml_overrides(self, max_slots: Any = None, **unknown) -> "BoundedKVSpec":
         """Return a copy retuned by a deployment's YAML block.
@@ -107,13 +117,16 @@ class BoundedKVSpec(NodeResourceSpec):
 
 
 class BoundedKVResource(Resource):
-    """Builds a `BoundedKVManager` from a `BoundedKVSpec`, settling `dtype=None` from the engine.
+    """Builds the cache a `BoundedKVSpec` declares, settling `dtype=None` from the engine.
 
-    When `info` names a tensor-parallel share (see `EngineResourceInfo`), the
-    result is a `flexkv.distributed.ShardedKVManager` holding this rank's KV heads.
+    The result is a `BoundedKVManager`, or a `GroupedKVManager` when the spec
+    has `groups`. When `info` names a tensor-parallel share (see
+    `EngineResourceInfo`), each manager is a
+    `flexkv.distributed.ShardedKVManager` holding this rank's KV heads.
     """
 
     def build(self, spec: BoundedKVSpec, info: EngineResourceInfo):
+        from .groups import GroupedKVManager
         from .manager import BoundedKVManager
 
         if not isinstance(spec, BoundedKVSpec):
@@ -124,10 +137,16 @@ class BoundedKVResource(Resource):
         if info.tensor_parallel:
             from .distributed import ShardedKVManager
 
-            return ShardedKVManager(
-                config, info.device, process_group=info.process_group, rank=info.rank, world_size=info.world_size
-            )
-        return BoundedKVManager(config, info.device)
+            def manager(cfg):
+                return ShardedKVManager(
+                    cfg, info.device, process_group=info.process_group, rank=info.rank, world_size=info.world_size
+                )
+        else:
+            def manager(cfg):
+                return BoundedKVManager(cfg, info.device)
+        if spec.groups is None:
+            return manager(config)
+        return GroupedKVManager(config, spec.groups, info.device, manager=manager)
 
 
 def apply_deployment(specs: Sequence[NodeResourceSpec], blocks: Mapping[str, Any]) -> list:

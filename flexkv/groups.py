@@ -35,7 +35,8 @@ from .manager import BoundedKVManager
 from .planner import BoundedPlan
 from .step import BoundedKVStep
 
-__all__ = ["LayerGroup", "GroupedKVManager", "GroupedPlan", "layer_group_configs"]
+__all__ = ["LayerGroup", "GroupedKVManager", "GroupedPlan", "layer_group_configs", "per_layer_groups", "as_layer_groups",
+           "build_cache"]
 
 
 def _is_int(x) -> bool:
@@ -81,6 +82,70 @@ class LayerGroup:
             raise ValueError(f"LayerGroup.query_window must be an int >= 0 or None, got {self.query_window!r}")
         if not isinstance(self.name, str):
             raise ValueError(f"LayerGroup.name must be a str, got {self.name!r}")
+
+
+def per_layer_groups(retention: Sequence[Retention], query_window=None) -> Tuple[LayerGroup, ...]:
+    """`LayerGroup`s from one retention per layer: layers whose retention and query window are
+    equal share a group (in order of their first layer).
+
+    `retention[i]` is layer `i`'s `SinkWindow` (or callable `source_len -> SinkWindow`;
+    callables are grouped by identity). `query_window`: one value (int or None) for every
+    layer, or one per layer. A local/global model::
+
+        per_layer_groups([SinkWindow(0, 127), SinkWindow(4, 1020)] * 6)
+    """
+    try:
+        policies = list(retention)
+    except TypeError:
+        raise ValueError(f"retention must be a sequence with one policy per layer, got {retention!r}") from None
+    if not policies:
+        raise ValueError("retention is empty; give one SinkWindow per layer")
+    if isinstance(query_window, (list, tuple)):
+        windows = list(query_window)
+        if len(windows) != len(policies):
+            raise ValueError(
+                f"query_window names {len(windows)} layers but retention names {len(policies)}; give one per layer "
+                f"or a single value"
+            )
+    else:
+        windows = [query_window] * len(policies)
+    found: dict = {}
+    for layer, (pol, qw) in enumerate(zip(policies, windows)):
+        if not isinstance(pol, SinkWindow) and not callable(pol):
+            raise ValueError(f"retention[{layer}] must be a SinkWindow or a callable source_len -> SinkWindow, got {pol!r}")
+        key = (pol if isinstance(pol, SinkWindow) else id(pol), qw)
+        found.setdefault(key, (pol, qw, []))[2].append(layer)
+    return tuple(LayerGroup(tuple(layers), pol, qw) for pol, qw, layers in found.values())
+
+
+def as_layer_groups(config: BoundedKVConfig, groups) -> Tuple[LayerGroup, ...]:
+    """The `LayerGroup`s a user means by `groups`: `LayerGroup`s as given, or one retention per
+    layer (`SinkWindow`s or callables, `config.num_layers` of them; see `per_layer_groups`),
+    each layer with `config.query_window`."""
+    try:
+        items = tuple(groups)
+    except TypeError:
+        raise ValueError(
+            f"groups must be a sequence of LayerGroups or one SinkWindow per layer, got {groups!r}") from None
+    if items and all(isinstance(g, LayerGroup) for g in items):
+        return items
+    if items and not any(isinstance(g, LayerGroup) for g in items):
+        if len(items) != config.num_layers:
+            raise ValueError(
+                f"groups gives {len(items)} per-layer retentions but config.num_layers={config.num_layers}; "
+                f"give one SinkWindow per layer, or LayerGroups"
+            )
+        return per_layer_groups(items, config.query_window)
+    raise ValueError(
+        f"groups must be LayerGroups, or one SinkWindow per layer (not a mix), got {list(items)!r}")
+
+
+def build_cache(config: BoundedKVConfig, groups=None, device="cpu", *, block_size: Optional[int] = None):
+    """The cache for `config`: a `BoundedKVManager`, or with `groups` (LayerGroups, or one
+    retention per layer) a `GroupedKVManager` whose layer groups keep their own retention."""
+    if groups is None:
+        return BoundedKVManager(config, device, block_size=block_size)
+    return GroupedKVManager(config, as_layer_groups(config, groups), device, block_size=block_size)
 
 
 def layer_group_configs(config: BoundedKVConfig, groups: Optional[Sequence[LayerGroup]] = None):
@@ -153,6 +218,21 @@ class GroupedPlan:
         return f"GroupedPlan(groups={len(self.plans)}, rows={self.rows}, tokens={self.tokens})"
 
 
+class GroupRotation(nn.Module):
+    """One group's `flexkv.rotary.SinkRotation`, called with a `GroupedPlan` (it takes its group's plan)."""
+
+    def __init__(self, group: int, rotation: nn.Module):
+        super().__init__()
+        self.group = group
+        self.rotation = rotation
+
+    def check_step(self, step: BoundedKVStep) -> None:
+        self.rotation.check_step(step)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, plan: "GroupedPlan"):
+        return self.rotation(q, k, plan.plans[self.group])
+
+
 class GroupedKVManager(nn.Module):
     """A bounded KV cache whose layer groups each keep their own sink + window.
 
@@ -165,6 +245,10 @@ class GroupedKVManager(nn.Module):
         groups: the `LayerGroup`s; together they must cover
             `range(config.num_layers)` once.
         device, block_size: as for `BoundedKVManager`.
+        manager: builds each group's manager from its config (default:
+            `BoundedKVManager(config, device, block_size=block_size)`); a
+            tensor-parallel engine passes one that builds
+            `flexkv.distributed.ShardedKVManager`s.
 
     `managers[g]` is group `g`'s `BoundedKVManager` (its layer `i` is model
     layer `groups[g].layers[i]`).
@@ -177,15 +261,25 @@ class GroupedKVManager(nn.Module):
         device="cpu",
         *,
         block_size: Optional[int] = None,
+        manager: Optional[Callable[[BoundedKVConfig], BoundedKVManager]] = None,
     ):
         super().__init__()
         if not isinstance(config, BoundedKVConfig):
             raise ValueError(f"config must be a BoundedKVConfig, got {type(config).__name__}")
         groups, configs, route = layer_group_configs(config, groups)
+        if manager is None:
+            def manager(cfg):
+                return BoundedKVManager(cfg, device, block_size=block_size)
+        elif not callable(manager):
+            raise ValueError(f"manager must be a callable config -> BoundedKVManager, got {manager!r}")
         self.config = config
         self.groups = groups
         self.device = torch.device(device)
-        self.managers = nn.ModuleList(BoundedKVManager(c, device, block_size=block_size) for c in configs)
+        built = [manager(c) for c in configs]
+        for gi, m in enumerate(built):
+            if not isinstance(m, BoundedKVManager):
+                raise ValueError(f"manager(config) must return a BoundedKVManager, got {type(m).__name__} for group {gi}")
+        self.managers = nn.ModuleList(built)
         # Host-side access without nn.ModuleList's indexing cost (it runs on every step).
         self._mgrs = tuple(self.managers)
         self._route = route
@@ -204,6 +298,35 @@ class GroupedKVManager(nn.Module):
         """The manager holding model layer `layer_idx`, and the layer's index in it."""
         g, i = self.group_of(layer_idx)
         return self._mgrs[g], i
+
+    # ------------------------------------------------------ the cache protocol
+    # What every flexkv cache offers the front doors above it (`flexkv.protocol.StreamCache`).
+
+    #: `attend` traces under `torch.compile(fullgraph=True)`.
+    compilable = True
+
+    def layer_config(self, layer_idx: int) -> BoundedKVConfig:
+        """The config that governs model layer `layer_idx`: its group's (retention, windows)."""
+        g, _ = self.group_of(layer_idx)
+        return self._mgrs[g].config
+
+    def rotation(self, layer_idx: int, rotary, mode: str = "stream") -> "GroupRotation":
+        """Rotary positions for model layer `layer_idx` (see `BoundedKVManager.rotation`), in its group;
+        called with this cache's `GroupedPlan`."""
+        g, i = self.group_of(layer_idx)
+        return GroupRotation(g, self._mgrs[g].rotation(i, rotary, mode))
+
+    def stream_positions(self, plan: GroupedPlan, tokens: Optional[int] = None) -> torch.Tensor:
+        """Stream index of each of the step's own tokens, `[N, T]` (the same in every group)."""
+        if not isinstance(plan, GroupedPlan):
+            raise ValueError(f"stream_positions needs this cache's GroupedPlan (cache.plan(step)), got {type(plan).__name__}")
+        return self._mgrs[0].stream_positions(plan.plans[0], tokens)
+
+    def check_start(self, request_id: Hashable, source: int = 0, source_len: int = 0, *,
+                    restart: bool = False) -> None:
+        """Raise what `admit` would raise for this declaration (see `BoundedKVManager.check_start`)."""
+        for m in self._mgrs:  # the groups share declarations; each may refuse a source length
+            m.check_start(request_id, source, source_len, restart=restart)
 
     @property
     def requests(self) -> tuple:

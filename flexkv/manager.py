@@ -22,6 +22,7 @@ from .layout import Layout
 from .masks import POSITION_MODES, make_mask_mod, make_score_mod
 from .kernel_options import flex_kernel_options
 from .planner import BoundedPlan, build_plan
+from .rotary import SinkRotation, stream_positions
 from .row_attention import attend_rows, gather_width
 from .sinks import apply_learned_sinks, check_sinks
 from .step import BoundedKVStep, Segment, StreamPosition
@@ -142,6 +143,39 @@ class BoundedKVManager(nn.Module):
         with self._lock:
             private = set(self._private.values())
             return {i: n for i, n in self._sources.items() if i not in private}
+
+    # ------------------------------------------------------ the cache protocol
+    # What every flexkv cache offers the front doors above it (`flexkv.protocol.StreamCache`).
+
+    #: `attend` traces under `torch.compile(fullgraph=True)`.
+    compilable = True
+
+    def layer_config(self, layer_idx: int) -> BoundedKVConfig:
+        """The config that governs layer `layer_idx` (its retention and windows): this cache's own."""
+        self._layer_index(layer_idx)
+        return self.config
+
+    def layer_manager(self, layer_idx: int):
+        """`(manager, index in it)` holding layer `layer_idx`: this manager and the same index."""
+        return self, self._layer_index(layer_idx)
+
+    def rotation(self, layer_idx: int, rotary, mode: str = "stream") -> SinkRotation:
+        """Rotary positions for layer `layer_idx` (`flexkv.rotary.SinkRotation`): call it as
+        `q, k = rotation(q, k, plan)` before `attend`; in ``"cache"`` mode run its `check_step`
+        on the host before planning (`flexkv.wrap.StepContext` does)."""
+        return SinkRotation(self, self._layer_index(layer_idx), rotary, mode)
+
+    def stream_positions(self, plan: BoundedPlan, tokens: Optional[int] = None) -> torch.Tensor:
+        """Stream index of each of the step's own tokens, `[N, T]` int64 on the device (contract
+        section 2; padding rows count from 0). Traceable: no host sync."""
+        if not isinstance(plan, BoundedPlan):
+            raise ValueError(f"stream_positions needs this cache's plan (cache.plan(step)), got {type(plan).__name__}")
+        return stream_positions(plan, plan.tokens if tokens is None else tokens, self.config.reverse_step_order)
+
+    def _layer_index(self, layer_idx) -> int:
+        if not _is_int(layer_idx) or not 0 <= layer_idx < self.config.num_layers:
+            raise ValueError(f"layer_idx must be an int in [0, {self.config.num_layers}), got {layer_idx!r}")
+        return layer_idx
 
     def _layer_kv(self, layer_idx):
         """Layer `layer_idx`'s key and value buffers, `[1, num_heads, S, head_dim]`.
@@ -353,6 +387,87 @@ class BoundedKVManager(nn.Module):
                 )
         return T
 
+    def _check_declaration(self, rid: Hashable, pos: StreamPosition, restart: bool = False) -> None:
+        """Every check of one request's declaration (under the lock); changes nothing.
+
+        The one home of these checks: `admit` runs them for every request of a
+        step, and `check_start` for a request about to start (or, with
+        `restart`, restart) its stream, so every front door refuses the same
+        declarations with the same message.
+        """
+        c = self.config
+        L, w, src = pos.source_len, pos.written, pos.source
+        if not _is_int(src) or src < -1:
+            raise ValueError(
+                f"request {rid!r}: source must be a registered source index >= 0, or -1 for the "
+                f"request's private source, got {src!r}"
+            )
+        for name, val in (("source_len", L), ("written", w)):
+            if not _is_int(val) or val < 0:
+                raise ValueError(f"request {rid!r}: {name} must be an int >= 0, got {val!r}")
+        if not c.min_source_len <= L <= c.max_source_len:
+            raise ValueError(
+                f"request {rid!r}: source_len={L} is outside [min_source_len={c.min_source_len}, "
+                f"max_source_len={c.max_source_len}]"
+                + ("; start it on a registered source" if L < c.min_source_len else "")
+            )
+        if L > 0 and src == -1:
+            if rid not in self._private:
+                raise ValueError(
+                    f"request {rid!r}: source=-1 declares a private source, but none was added; "
+                    f"add_private_source({rid!r}, keys, values) first"
+                )
+            if L > self._sources[self._private[rid]]:
+                raise ValueError(
+                    f"request {rid!r}: source_len={L} is longer than its private source "
+                    f"({self._sources[self._private[rid]]} entries)"
+                )
+        elif L > 0:
+            owner = next((o for o, i in self._private.items() if i == src), None)
+            if owner is not None:
+                raise ValueError(
+                    f"request {rid!r}: source {src} is request {owner!r}'s private source; "
+                    f"declare a shared source, or source=-1 with a private source of its own"
+                )
+            if src not in self._sources:
+                raise ValueError(
+                    f"request {rid!r}: unknown source {src}; registered sources: {sorted(self._sources)} "
+                    f"(add_source() it first)"
+                )
+            if L > self._sources[src]:
+                raise ValueError(
+                    f"request {rid!r}: source_len={L} is longer than source {src} "
+                    f"({self._sources[src]} entries)"
+                )
+        req = self._requests.get(rid)
+        committed = 0 if req is None or restart else req.written
+        if w != committed:
+            raise ValueError(
+                f"request {rid!r}: written={w} but {committed} tokens are committed; "
+                f"positions must follow commit()"
+            )
+        if not restart and req is not None and req.source_len is not None and (
+            L != req.source_len or (L > 0 and src != req.source)
+        ):
+            raise ValueError(
+                f"request {rid!r}: stream started with source {req.source} (source_len={req.source_len}) "
+                f"but this step declares source {src} (source_len={L}); reset_request() to change it"
+            )
+
+    def check_start(self, request_id: Hashable, source: int = 0, source_len: int = 0, *,
+                    restart: bool = False) -> None:
+        """Raise what `admit` would raise for `request_id` starting its stream on this declaration.
+
+        `source`, `source_len` as in `StreamPosition`. With `restart`, the
+        request is checked as if `reset_request` had rewound it first (its
+        current stream and source binding are ignored). Changes nothing, and
+        does not check for a free slot (`free_slots` says that).
+        """
+        if request_id is None:
+            raise ValueError("request id None is reserved for padding segments; use any other hashable id")
+        with self._lock:
+            self._check_declaration(request_id, StreamPosition(source_len, 0, source), restart)
+
     def admit(self, step: BoundedKVStep) -> None:
         """Give each new request of `step` a free slot and check every declaration.
 
@@ -367,64 +482,8 @@ class BoundedKVManager(nn.Module):
                 rid = seg.request_id
                 if rid is None:
                     continue
-                pos = step.positions[rid]
-                L, w, src = pos.source_len, pos.written, pos.source
-                if not _is_int(src) or src < -1:
-                    raise ValueError(
-                        f"request {rid!r}: source must be a registered source index >= 0, or -1 for the "
-                        f"request's private source, got {src!r}"
-                    )
-                for name, val in (("source_len", L), ("written", w)):
-                    if not _is_int(val) or val < 0:
-                        raise ValueError(f"request {rid!r}: {name} must be an int >= 0, got {val!r}")
-                if not c.min_source_len <= L <= c.max_source_len:
-                    raise ValueError(
-                        f"request {rid!r}: source_len={L} is outside [min_source_len={c.min_source_len}, "
-                        f"max_source_len={c.max_source_len}]"
-                    )
-                if L > 0 and src == -1:
-                    if rid not in self._private:
-                        raise ValueError(
-                            f"request {rid!r}: source=-1 declares a private source, but none was added; "
-                            f"add_private_source({rid!r}, keys, values) first"
-                        )
-                    if L > self._sources[self._private[rid]]:
-                        raise ValueError(
-                            f"request {rid!r}: source_len={L} is longer than its private source "
-                            f"({self._sources[self._private[rid]]} entries)"
-                        )
-                elif L > 0:
-                    owner = next((o for o, i in self._private.items() if i == src), None)
-                    if owner is not None:
-                        raise ValueError(
-                            f"request {rid!r}: source {src} is request {owner!r}'s private source; "
-                            f"declare a shared source, or source=-1 with a private source of its own"
-                        )
-                    if src not in self._sources:
-                        raise ValueError(
-                            f"request {rid!r}: unknown source {src}; registered sources: {sorted(self._sources)} "
-                            f"(add_source() it first)"
-                        )
-                    if L > self._sources[src]:
-                        raise ValueError(
-                            f"request {rid!r}: source_len={L} is longer than source {src} "
-                            f"({self._sources[src]} entries)"
-                        )
-                req = self._requests.get(rid)
-                committed = 0 if req is None else req.written
-                if w != committed:
-                    raise ValueError(
-                        f"request {rid!r}: written={w} but {committed} tokens are committed; "
-                        f"positions must follow commit()"
-                    )
-                if req is not None and req.source_len is not None and (
-                    L != req.source_len or (L > 0 and src != req.source)
-                ):
-                    raise ValueError(
-                        f"request {rid!r}: stream started with source {req.source} (source_len={req.source_len}) "
-                        f"but this step declares source {src} (source_len={L}); reset_request() to change it"
-                    )
-                if req is None:
+                self._check_declaration(rid, step.positions[rid])
+                if rid not in self._requests:
                     new.append(rid)
             if len(new) > len(self._free):
                 raise SlotsExhausted(

@@ -49,7 +49,6 @@ import torch
 from torch import nn
 
 from .config import BoundedKVConfig
-from .manager import BoundedKVManager
 from .step import BoundedKVStep
 
 __all__ = [
@@ -161,10 +160,14 @@ class SinkRotation(nn.Module):
     step whose queries do not share one eviction count.
     """
 
-    def __init__(self, manager: BoundedKVManager, layer_idx: int, rotary: Rotary, mode: str = "stream"):
+    def __init__(self, manager, layer_idx: int, rotary: Rotary, mode: str = "stream"):
         super().__init__()
-        if not isinstance(manager, BoundedKVManager):
-            raise ValueError(f"SinkRotation: manager must be a BoundedKVManager, got {type(manager).__name__}")
+        # A BoundedKVManager (not imported here: the manager builds these, see its `rotation`).
+        if not all(hasattr(manager, a) for a in ("layout", "config", "_layer_kv")):
+            raise ValueError(
+                f"SinkRotation: manager must be a BoundedKVManager, got {type(manager).__name__}; "
+                f"for any flexkv cache use cache.rotation(layer_idx, rotary, mode)"
+            )
         c = manager.config
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < c.num_layers:
             raise ValueError(f"SinkRotation: layer_idx must be an int in [0, {c.num_layers}), got {layer_idx!r}")

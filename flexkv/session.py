@@ -54,13 +54,31 @@ up (their feeds are left out of steps meanwhile and listed in
 `StepResult.waiting`); `"refuse"` raises `SlotsExhausted` and changes
 nothing.
 
+Every retention the core has runs here: give `groups=` (LayerGroups, or
+one `SinkWindow` per layer) for a model whose layers keep different parts
+of the stream, or pass any flexkv cache (`flexkv.protocol.StreamCache`: a
+`BoundedKVManager`, a `GroupedKVManager`, or the uncached twin
+`flexkv.uncached.UncachedHistory` for checking). The session uses the cache
+only through that protocol, and adds no semantics of its own.
+
+Every operation is atomic: it happens, or it raises and nothing changed
+(the cache, every lane, every waiting request). That holds for a model
+function that raises (`KeyboardInterrupt` included): the step's tokens are
+not committed and its new requests are not started. A session is not
+thread-safe and not re-entrant: an operation called while another runs
+(from another thread, or from inside the model function) raises
+`RuntimeError` and changes nothing.
+
 The low-level API (`admit`, `plan`, `attend`, `commit`) stays what an
 engine uses; the session is built on it and on nothing else.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import itertools
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -70,9 +88,10 @@ import torch
 
 from .compiling import fresh_function
 from .config import BoundedKVConfig
-from .manager import BoundedKVManager, SlotsExhausted
+from .groups import build_cache
+from .manager import SlotsExhausted
+from .protocol import check_cache
 from .step import BoundedKVStep, Segment, StreamPosition
-from .uncached import UncachedHistory
 from .wrap import StepContext
 
 __all__ = ["StreamSession", "Chunk", "StepResult", "WHEN_FULL"]
@@ -181,7 +200,7 @@ class StepResult(Mapping):
       of the attention with `rows_per_request = R`);
     - `tokens`: request id -> how many tokens it fed;
     - `step`: the `BoundedKVStep` that ran (its positions are before the step);
-    - `plan`: the step's plan (None for an `UncachedHistory`);
+    - `plan`: the step's plan (what the cache's `plan` returned);
     - `waiting`: request ids fed this step that wait for a lane (not run);
     - `plan_s`: host seconds spent admitting, checking and planning.
     """
@@ -235,21 +254,51 @@ class _Request:
 # ------------------------------------------------------------------ session
 
 
+@dataclass
+class _Waiting:
+    request_id: Hashable
+    source: int
+    source_len: int
+    blocked: Optional[str] = None  # why it could not take a lane that freed up (its declaration broke)
+
+
+def _state_factory(initial_state: Callable) -> Callable[[Hashable], Any]:
+    """`initial_state` as a function of the request id: it may take the id, or nothing."""
+    try:
+        params = [p for p in inspect.signature(initial_state).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    except (TypeError, ValueError):  # a builtin without a signature: called without arguments
+        params = []
+    if len(params) > 1:
+        raise ValueError(
+            f"initial_state must take no argument or one (the request id), got {initial_state!r} taking {len(params)}"
+        )
+    if params:
+        return initial_state
+    return lambda request_id: initial_state()
+
+
 class StreamSession:
     """Streams requests through a bounded cache: positions, lanes, padding, compile and the step.
 
     Args:
-        cache: a `BoundedKVConfig` (the session builds a `BoundedKVManager`
-            on `device`), a `BoundedKVManager`, or an `UncachedHistory` (the
-            same model without eviction, for checking; needs `compile=False`).
+        cache: a `BoundedKVConfig` (the session builds the cache on
+            `device`: a `BoundedKVManager`, or with `groups` a
+            `GroupedKVManager`), or any flexkv cache
+            (`flexkv.protocol.StreamCache`): a `BoundedKVManager`, a
+            `GroupedKVManager`, or an `UncachedHistory` (the same model
+            without eviction, for checking; needs `compile=False`).
+        groups: with a config, the layer groups that keep their own
+            retention: `LayerGroup`s, or one `SinkWindow` per layer.
         device: where a cache built from a config lives.
         batch_sizes: the batch sizes `B` (lanes) a step is padded to; default
-            `(max_slots,)`, one batch shape. Each needs its own compile.
+            `(max_slots,)`, one batch shape. Each needs its own compile; the
+            largest must be `max_slots` (every lane must fit a batch).
         token_sizes: the token counts `T` a step is padded to; default
             `(1, max_step_tokens)`. With a per-step window (`query_window`
-            None) every query attends the step's whole `T`, so each feed must
-            hold exactly `T` tokens; with a per-query window feeds may be
-            shorter (queries never see later tokens).
+            None in some layer) every query attends the step's whole `T`, so
+            each feed must hold exactly `T` tokens; with per-query windows
+            feeds may be shorter (queries never see later tokens).
         when_full: ``"queue"`` or ``"refuse"``: what `start` (or a step with a
             new request) does when every lane is held (module docstring).
         compile: run `fn` under `torch.compile(fullgraph=True,
@@ -257,10 +306,12 @@ class StreamSession:
             With False, `fn` runs as given (it may hold compiled parts of its
             own; `attn.plan` is the step's plan).
         initial_state: a callable returning the model state of a new (or
-            reset) request: a tensor or tuple/list/dict of tensors. Then `fn`
-            is called `fn(attn, inputs, state)` with every request's state
-            stacked by lane (zeros on padded lanes) and returns
-            `(outputs, new_state)`; each request keeps `new_state[lane]`.
+            reset) request: a tensor or tuple/list/dict of tensors. It may
+            take the request id (`initial_state(request_id)`) to start
+            requests differently. Then `fn` is called `fn(attn, inputs,
+            state)` with every request's state stacked by lane (zeros on
+            padded lanes) and returns `(outputs, new_state)`, `new_state`
+            shaped like `state`; each request keeps `new_state[lane]`.
         block_size: FlexAttention's KV block size of a cache built from a config.
     """
 
@@ -269,48 +320,57 @@ class StreamSession:
         cache,
         device="cpu",
         *,
+        groups=None,
         batch_sizes: Optional[Sequence[int]] = None,
         token_sizes: Optional[Sequence[int]] = None,
         when_full: str = "queue",
         compile: bool = True,
-        initial_state: Optional[Callable[[], Any]] = None,
+        initial_state: Optional[Callable[..., Any]] = None,
         block_size: Optional[int] = None,
     ):
         if isinstance(cache, BoundedKVConfig):
-            kw = {} if block_size is None else {"block_size": block_size}
-            cache = BoundedKVManager(cache, device, **kw)
-        elif block_size is not None:
-            raise ValueError("block_size is for a cache the session builds from a BoundedKVConfig; "
-                             "this cache already has its layout")
-        if not isinstance(cache, (BoundedKVManager, UncachedHistory)):
-            raise ValueError(
-                f"cache must be a BoundedKVConfig, a BoundedKVManager or an UncachedHistory, got {type(cache).__name__}"
-            )
+            cache = build_cache(cache, groups, device, block_size=block_size)
+        elif block_size is not None or groups is not None:
+            raise ValueError("block_size and groups are for a cache the session builds from a BoundedKVConfig; "
+                             f"this {type(cache).__name__} already has its layout")
+        check_cache(cache, "StreamSession")
         if when_full not in WHEN_FULL:
             raise ValueError(f"when_full must be one of {WHEN_FULL}, got {when_full!r}")
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be a bool, got {compile!r}")
-        if compile and isinstance(cache, UncachedHistory):
-            raise ValueError("compile=True needs a BoundedKVManager: an UncachedHistory attends on the host in "
-                             "float64 and is not traceable; pass compile=False")
+        if compile and not cache.compilable:
+            raise ValueError(f"compile=True needs a cache whose attention traces: this {type(cache).__name__} "
+                             f"attends on the host (float64) and is not traceable; pass compile=False")
         if initial_state is not None and not callable(initial_state):
             raise ValueError(f"initial_state must be a callable returning a new request's state, got {initial_state!r}")
         c = cache.config
+        batch = _sizes("batch_sizes", batch_sizes, (c.max_slots,), c.max_slots, "max_slots")
+        if batch[-1] != c.max_slots:
+            raise ValueError(
+                f"batch_sizes={list(batch)} cannot hold every lane: requests take lanes 0..{c.max_slots - 1} "
+                f"(max_slots={c.max_slots}), so the largest batch size must be {c.max_slots}; add it, or lower max_slots"
+            )
         self.cache = cache
         self.config = c
         self.context = StepContext(cache)
-        self.batch_sizes = _sizes("batch_sizes", batch_sizes, (c.max_slots,), c.max_slots, "max_slots")
+        self.batch_sizes = batch
         self.token_sizes = _sizes("token_sizes", token_sizes, tuple(sorted({1, c.max_step_tokens})),
                                   c.max_step_tokens, "max_step_tokens")
         self.when_full = when_full
         self.compile = compile
         self.initial_state = initial_state
+        self._new_state = None if initial_state is None else _state_factory(initial_state)
+        # Whether padding a row's tokens would be attended: a per-step window in some layer
+        # attends every token of the step.
+        self._fill_tokens = any(cache.layer_config(i).query_window is None for i in range(c.num_layers))
         self._id = next(_session_ids)
         self._requests: Dict[Hashable, _Request] = {}
         self._free_lanes: List[int] = list(range(c.max_slots))
-        self._queue: deque = deque()  # (request_id, source, source_len), first come first served
+        self._queue: deque = deque()  # _Waiting, first come first served
         self._runners: Dict[Any, Callable] = {}
         self._warm: set = set()  # (fn, B, T) compiled
+        self._guard = threading.Lock()
+        self._running: Optional[Tuple[str, int]] = None  # (operation, thread id) while one runs
 
     # ------------------------------------------------------------- views
 
@@ -322,7 +382,7 @@ class StreamSession:
     @property
     def waiting(self) -> tuple:
         """Request ids waiting for a lane, first in line first."""
-        return tuple(r for r, _, _ in self._queue)
+        return tuple(w.request_id for w in self._queue)
 
     @property
     def free_lanes(self) -> int:
@@ -347,66 +407,83 @@ class StreamSession:
             raise ValueError(f"request {request_id!r} holds no lane{where}; start() it or feed it to step()")
         return req
 
+    def _waiting(self, request_id) -> Optional[_Waiting]:
+        return next((w for w in self._queue if w.request_id == request_id), None)
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str):
+        """Run one session operation at a time; refuse re-entrant and concurrent calls, changing nothing."""
+        me = threading.get_ident()
+        if not self._guard.acquire(blocking=False):
+            running, owner = self._running or ("an operation", None)
+            if owner == me:
+                raise RuntimeError(
+                    f"StreamSession.{what}() was called while {running}() is running in the same thread (from "
+                    f"inside the model function, or a callback of it); a session runs one operation at a time: "
+                    f"call it after {running}() returns. Nothing changed"
+                )
+            raise RuntimeError(
+                f"StreamSession.{what}() was called from another thread while {running}() runs; a session is not "
+                f"thread-safe: give each thread a session of its own, or serialise the calls with a lock. "
+                f"Nothing changed"
+            )
+        self._running = (what, me)
+        try:
+            yield
+        finally:
+            self._running = None
+            self._guard.release()
+
     # ----------------------------------------------------------- sources
 
     def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Register a shared read-only prefix (see `BoundedKVManager.add_source`); returns its index."""
-        return self.cache.add_source(keys, values)
+        with self._exclusive("add_source"):
+            return self.cache.add_source(keys, values)
 
     def remove_source(self, index: int) -> None:
-        self.cache.remove_source(index)
+        """Unregister a shared source that no request reads, or waits to read."""
+        with self._exclusive("remove_source"):
+            readers = [w.request_id for w in self._queue if w.source == index and w.source != -1 and w.source_len]
+            if readers:
+                raise ValueError(
+                    f"remove_source: source {index} is declared by waiting requests {readers}; finish() them or "
+                    f"reset() them to another source first"
+                )
+            self.cache.remove_source(index)
 
     def add_private_source(self, request_id: Hashable, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Give `request_id` a prefix of its own (see `BoundedKVManager.add_private_source`); then
         `start(request_id, source=-1, source_len=...)`. It is freed when the request finishes; a reset
         keeps it."""
-        return self.cache.add_private_source(request_id, keys, values)
+        with self._exclusive("add_private_source"):
+            return self.cache.add_private_source(request_id, keys, values)
+
+    def remove_private_source(self, request_id: Hashable) -> None:
+        """Free `request_id`'s private source; refused while its stream reads it, or waits to."""
+        with self._exclusive("remove_private_source"):
+            w = self._waiting(request_id)
+            if w is not None and w.source == -1 and w.source_len:
+                raise ValueError(
+                    f"remove_private_source: waiting request {request_id!r} is declared on it (source=-1, "
+                    f"source_len={w.source_len}); finish() it or reset() it to another source first"
+                )
+            self.cache.remove_private_source(request_id)
 
     # --------------------------------------------------------- lifecycle
 
-    def _check_start(self, request_id, source, source_len) -> None:
-        c = self.config
+    def _check_start(self, request_id, source, source_len, restart: bool = False) -> None:
+        """The cache's own declaration checks (the one home of them), for a request starting now or later."""
         if request_id is None:
             raise ValueError("request id None is reserved for padding; use any other hashable id")
-        if not _is_int(source) or source < -1:
-            raise ValueError(
-                f"request {request_id!r}: source must be a registered source index >= 0, or -1 for a private "
-                f"source (add_private_source), got {source!r}"
-            )
-        if not _is_int(source_len) or source_len < 0:
-            raise ValueError(f"request {request_id!r}: source_len must be an int >= 0, got {source_len!r}")
-        if not c.min_source_len <= source_len <= c.max_source_len:
-            raise ValueError(
-                f"request {request_id!r}: source_len={source_len} is outside [min_source_len={c.min_source_len}, "
-                f"max_source_len={c.max_source_len}]"
-                + ("; start() it with a registered source" if source_len < c.min_source_len else "")
-            )
-        if source_len and source == -1:
-            private = self.cache.private_sources if isinstance(self.cache, BoundedKVManager) else None
-            if private is not None and request_id not in private:
-                raise ValueError(
-                    f"request {request_id!r}: source=-1 needs a private source; "
-                    f"add_private_source({request_id!r}, keys, values) first"
-                )
-        elif source_len:
-            sources = self.cache.sources if isinstance(self.cache, BoundedKVManager) else None
-            if sources is not None and source not in sources:
-                raise ValueError(
-                    f"request {request_id!r}: unknown source {source}; registered sources: {sorted(sources)} "
-                    f"(add_source() it first)"
-                )
-            if sources is not None and source_len > sources[source]:
-                raise ValueError(
-                    f"request {request_id!r}: source_len={source_len} is longer than source {source} "
-                    f"({sources[source]} entries)"
-                )
+        self.cache.check_start(request_id, source, source_len, restart=restart)
 
     def _admit(self, request_id, source, source_len) -> None:
         """Take the lowest free lane and the cache's slot for a request (admitted with a span-0 step)."""
+        state = None if self._new_state is None else self._new_state(request_id)
         step = BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(source_len, 0, source)})
         self.cache.admit(step)
         lane = self._free_lanes.pop(0)
-        state = None if self.initial_state is None else self.initial_state()
         self._requests[request_id] = _Request(lane, source, source_len, 0, state)
 
     def start(self, request_id: Hashable, *, source: int = 0, source_len: int = 0) -> bool:
@@ -414,56 +491,82 @@ class StreamSession:
 
         Returns True when it holds a lane now, False when it waits for one
         (`when_full="queue"`); with `when_full="refuse"` a full pool raises
-        `SlotsExhausted`. Errors change nothing.
+        `SlotsExhausted`. The declaration is checked now, whether the request
+        starts or waits; errors change nothing.
         """
-        if request_id in self._requests or request_id in self.waiting:
-            raise ValueError(f"request {request_id!r} is already started; finish() or reset() it")
-        self._check_start(request_id, source, source_len)
-        if self._free_lanes:
-            self._admit(request_id, source, source_len)
-            return True
-        if self.when_full == "refuse":
-            raise SlotsExhausted(
-                f"all {self.config.max_slots} lanes are held, so request {request_id!r} cannot start; finish() a "
-                f"request first, raise max_slots, or use when_full='queue'"
-            )
-        self._queue.append((request_id, source, source_len))
-        return False
+        with self._exclusive("start"):
+            if request_id in self._requests or self._waiting(request_id) is not None:
+                raise ValueError(f"request {request_id!r} is already started; finish() or reset() it")
+            self._check_start(request_id, source, source_len)
+            if self._free_lanes:
+                self._admit(request_id, source, source_len)
+                return True
+            if self.when_full == "refuse":
+                raise SlotsExhausted(
+                    f"all {self.config.max_slots} lanes are held, so request {request_id!r} cannot start; finish() a "
+                    f"request first, raise max_slots, or use when_full='queue'"
+                )
+            self._queue.append(_Waiting(request_id, source, source_len))
+            return False
 
     def finish(self, request_id: Hashable) -> None:
-        """End a request: its lane and slot go to the first waiting request (if any)."""
-        for i, (rid, _, _) in enumerate(self._queue):
-            if rid == request_id:
-                del self._queue[i]
-                if request_id in getattr(self.cache, "private_sources", {}):
+        """End a request: its lane and slot go to the first waiting requests that can start.
+
+        A waiting request whose declaration no longer holds (its source was
+        removed behind the session's back) keeps its place in the queue and
+        does not take the lane; `step` says why when it is fed, and `reset`
+        or `finish` fixes it.
+        """
+        with self._exclusive("finish"):
+            w = self._waiting(request_id)
+            if w is not None:
+                if request_id in self.cache.private_sources:
                     self.cache.remove_private_source(request_id)
+                self._queue.remove(w)
                 return
-        req = self._get(request_id)
-        self.cache.remove_request(request_id)
-        del self._requests[request_id]
-        self._free_lanes.append(req.lane)
-        self._free_lanes.sort()
-        while self._queue and self._free_lanes:
-            rid, source, source_len = self._queue.popleft()
-            self._admit(rid, source, source_len)
+            req = self._get(request_id)
+            self.cache.remove_request(request_id)
+            del self._requests[request_id]
+            self._free_lanes.append(req.lane)
+            self._free_lanes.sort()
+            self._admit_waiting()
+
+    def _admit_waiting(self) -> None:
+        """Give free lanes to waiting requests, first come first served, each checked first."""
+        for w in list(self._queue):
+            if not self._free_lanes:
+                break
+            try:
+                self._check_start(w.request_id, w.source, w.source_len)
+            except ValueError as exc:
+                w.blocked = str(exc)
+                continue
+            self._queue.remove(w)
+            self._admit(w.request_id, w.source, w.source_len)
 
     def reset(self, request_id: Hashable, *, source: Optional[int] = None, source_len: Optional[int] = None) -> None:
-        """Rewind a request to an empty stream (new state too), keeping its lane; optionally a new source."""
-        for i, (rid, src, L) in enumerate(self._queue):
-            if rid == request_id:
-                src = src if source is None else source
-                L = L if source_len is None else source_len
+        """Rewind a request to an empty stream (new state too), keeping its lane; optionally a new source.
+
+        The new declaration is checked before anything changes; a waiting
+        request keeps its place in the queue with the new declaration.
+        """
+        with self._exclusive("reset"):
+            w = self._waiting(request_id)
+            if w is not None:
+                src = w.source if source is None else source
+                L = w.source_len if source_len is None else source_len
                 self._check_start(request_id, src, L)
-                self._queue[i] = (rid, src, L)
+                w.source, w.source_len, w.blocked = src, L, None
+                self._admit_waiting()
                 return
-        req = self._get(request_id)
-        src = req.source if source is None else source
-        L = req.source_len if source_len is None else source_len
-        self._check_start(request_id, src, L)
-        self.cache.reset_request(request_id)
-        self.cache.admit(BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(L, 0, src)}))
-        req.source, req.source_len, req.written = src, L, 0
-        req.state = None if self.initial_state is None else self.initial_state()
+            req = self._get(request_id)
+            src = req.source if source is None else source
+            L = req.source_len if source_len is None else source_len
+            self._check_start(request_id, src, L, restart=True)
+            state = None if self._new_state is None else self._new_state(request_id)
+            self.cache.reset_request(request_id)
+            self.cache.admit(BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(L, 0, src)}))
+            req.source, req.source_len, req.written, req.state = src, L, 0, state
 
     # -------------------------------------------------------------- steps
 
@@ -526,10 +629,16 @@ class StreamSession:
         """Run one step of `fn` for the requests in `feeds` (see the module docstring); returns a `StepResult`.
 
         Requests not started yet start here (empty stream, no source). Any
-        error is raised before the cache or any request changes. Pass the same
-        `fn` object every step: the session compiles once per `fn` (and
-        bucket), so a new lambda per step would compile every step.
+        error is raised before the cache or any request changes, and a `fn`
+        that raises (any exception, `KeyboardInterrupt` included) commits
+        nothing and starts no request. Pass the same `fn` object every step:
+        the session compiles once per `fn` (and bucket), so a new lambda per
+        step would compile every step.
         """
+        with self._exclusive("step"):
+            return self._step(feeds, fn)
+
+    def _step(self, feeds, fn) -> StepResult:
         if not isinstance(feeds, Mapping) or not feeds:
             raise ValueError("feeds must be a non-empty mapping of request id -> tokens (or Chunk)")
         if not callable(fn):
@@ -544,6 +653,13 @@ class StreamSession:
                 raise ValueError(
                     f"requests {first!r} and {rid!r} feed differently shaped inputs ({sig[1]} vs {s[1]} after the "
                     f"token dim); every request of a step must feed the same structure, trailing shapes and dtypes"
+                )
+        for rid in parsed:
+            w = self._waiting(rid)
+            if w is not None and w.blocked is not None:
+                raise ValueError(
+                    f"request {rid!r} waits for a lane but can no longer start: {w.blocked}; reset() it with a valid "
+                    f"source or finish() it"
                 )
         # Who runs: started requests, then new ones while lanes are free (in feed order).
         queued = set(self.waiting)
@@ -561,10 +677,10 @@ class StreamSession:
         waiting = tuple(rid for rid in parsed if rid in queued or rid in deferred)
         if not running:
             for rid in deferred:
-                self._queue.append((rid, 0, 0))
+                self._queue.append(_Waiting(rid, 0, 0))
             return StepResult(None, {}, {}, None, None, waiting, 0.0)
         T = self._bucket(self.token_sizes, max(parsed[r][2] for r in running))
-        if self.config.query_window is None:
+        if self._fill_tokens:
             for rid in running:
                 if parsed[rid][2] != T:
                     raise ValueError(
@@ -576,29 +692,24 @@ class StreamSession:
         lanes = {rid: self._requests[rid].lane for rid in running if rid in self._requests}
         for rid, lane in zip(starting, self._free_lanes):
             lanes[rid] = lane
-        need = max(lanes.values()) + 1
-        if need > self.batch_sizes[-1]:
-            raise ValueError(
-                f"lane {need - 1} does not fit the largest batch size {self.batch_sizes[-1]}; "
-                f"batch_sizes must reach max_slots={self.config.max_slots} to run every lane"
-            )
-        B = self._bucket(self.batch_sizes, need)
+        B = self._bucket(self.batch_sizes, max(lanes.values()) + 1)
 
         # From here on the session changes: start the new requests, then begin the step.
-        for rid in starting:
-            self._admit(rid, 0, 0)
-        for rid in deferred:
-            self._queue.append((rid, 0, 0))
+        started = []
         try:
+            for rid in starting:
+                self._admit(rid, 0, 0)
+                started.append(rid)
+            for rid in deferred:
+                self._queue.append(_Waiting(rid, 0, 0))
             return self._run(parsed, running, lanes, waiting, B, T, fn)
         except BaseException:
-            for rid in starting:  # a failed step leaves no request it started
-                if rid in self._requests:
-                    self.cache.remove_request(rid)
-                    self._free_lanes.append(self._requests.pop(rid).lane)
+            for rid in started:  # a failed step leaves no request it started
+                self.cache.remove_request(rid)
+                self._free_lanes.append(self._requests.pop(rid).lane)
             self._free_lanes.sort()
-            for rid in deferred:
-                self._queue.remove(next(q for q in self._queue if q[0] == rid))
+            for w in [w for w in self._queue if w.request_id in deferred]:
+                self._queue.remove(w)
             raise
 
     def _pad(self, per_lane: Dict[int, Sequence[torch.Tensor]], template: Sequence[torch.Tensor], B: int, T: Optional[int]):
@@ -627,6 +738,27 @@ class StreamSession:
             out.append(batch)
         return out
 
+    def _check_new_state(self, result, state_leaves: List[torch.Tensor], state_spec) -> Any:
+        """`fn`'s `(outputs, new_state)`, with `new_state` checked against the state it was given."""
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            raise ValueError("with initial_state, fn must return (outputs, new_state)")
+        outputs, new_state = result
+        try:
+            leaves, spec = _flatten(new_state, "the new_state fn returned")
+        except ValueError:
+            leaves, spec = None, None
+        given = [(tuple(t.shape), t.dtype) for t in state_leaves]
+        got = None if leaves is None else [(tuple(t.shape), t.dtype) for t in leaves]
+        if spec != state_spec or got != given:
+            what = type(new_state).__name__ if leaves is None else [s for s, _ in got]
+            raise ValueError(
+                f"with initial_state, fn must return (outputs, new_state) with new_state shaped like the state it "
+                f"was given (every request's state stacked by lane: {[s for s, _ in given]}, dtypes "
+                f"{[d for _, d in given]}); the second item it returned is {what}. A model without state must not "
+                f"be given initial_state; one whose outputs are a pair must return ((out1, out2), new_state)"
+            )
+        return outputs, new_state
+
     def _run(self, parsed, running, lanes, waiting, B, T, fn) -> StepResult:
         spec = parsed[running[0]][1]
         template = parsed[running[0]][0]
@@ -654,11 +786,9 @@ class StreamSession:
             else:
                 states = {lanes[r]: _flatten(self._requests[r].state, f"the state of request {r!r}") for r in running}
                 s_leaves, s_spec = states[lanes[running[0]]]
-                state = _unflatten(s_spec, self._pad({l: lv for l, (lv, _) in states.items()}, s_leaves, B, None))
-                result = run(plan, inputs, state)
-                if not isinstance(result, (tuple, list)) or len(result) != 2:
-                    raise ValueError("with initial_state, fn must return (outputs, new_state)")
-                outputs, new_state = result
+                stacked = self._pad({l: lv for l, (lv, _) in states.items()}, s_leaves, B, None)
+                outputs, new_state = self._check_new_state(run(plan, inputs, _unflatten(s_spec, stacked)),
+                                                           stacked, s_spec)
         self.context.commit()
         for rid in running:
             req = self._requests[rid]
@@ -678,16 +808,17 @@ class StreamSession:
         holds. `step` does this itself the first time it meets `fn` when
         `compile=True`.
         """
-        inputs = example.inputs if isinstance(example, Chunk) else example
-        template, spec = _flatten(inputs, "warmup's example")
-        return self._warm_up(fn, template, spec)
+        with self._exclusive("warmup"):
+            inputs = example.inputs if isinstance(example, Chunk) else example
+            template, spec = _flatten(inputs, "warmup's example")
+            return self._warm_up(fn, template, spec)
 
     def _warm_up(self, fn, template, spec) -> float:
         t0 = time.perf_counter()
         run = self._runner(fn)
         state_leaves = state_spec = None
-        if self.initial_state is not None:
-            state_leaves, state_spec = _flatten(self.initial_state(), "initial_state()")
+        if self._new_state is not None:
+            state_leaves, state_spec = _flatten(self._new_state(None), "initial_state()")
         for B in self.batch_sizes:
             for T in self.token_sizes:
                 step = BoundedKVStep(tuple(Segment(None, 0) for _ in range(B)), {}, tokens=T)

@@ -207,7 +207,7 @@ def test_bad_session_arguments():
     with pytest.raises(ValueError, match=r"batch_sizes must be a non-empty sequence of ints in \[1, max_slots=3\]"):
         StreamSession(cfg, batch_sizes=())
     from flexkv.uncached import UncachedHistory
-    with pytest.raises(ValueError, match=r"compile=True needs a BoundedKVManager"):
+    with pytest.raises(ValueError, match=r"compile=True needs a cache whose attention traces"):
         StreamSession(UncachedHistory(cfg))
     s = StreamSession(cfg, compile=False)
     with pytest.raises(ValueError, match=r"request 'x' holds no lane; start\(\) it or feed it to step\(\)"):

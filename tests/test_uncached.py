@@ -79,7 +79,7 @@ def test_rotary_cache_positions_match_streamingllm():
 def test_rejects_stale_positions_and_bad_modes():
     cfg = BoundedKVConfig(1, H, D, 1, 0, SinkWindow(1, 2), max_slots=2)
     unc = UncachedHistory(cfg)
-    with pytest.raises(ValueError, match="written=3 but 0 are committed"):
+    with pytest.raises(ValueError, match="written=3 but 0 tokens are committed"):
         unc.admit(BoundedKVStep((Segment("a", 1),), {"a": StreamPosition(0, 3)}))
     step = BoundedKVStep((Segment("a", 1),), {"a": StreamPosition(0, 0)})
     x = torch.zeros(1, H, 1, D)

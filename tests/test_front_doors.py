@@ -1,0 +1,239 @@
+"""Every front door serves every retention the core has.
+
+`StreamSession`, `flexkv.wrap` and the engine seam use a cache only through
+the cache protocol (`flexkv.protocol.StreamCache`), so a model whose layers
+keep different parts of the stream (a `GroupedKVManager`, or its uncached
+twin) runs through each of them. The oracle is one `ReferenceCache` per
+layer, built with that layer's own retention: it shares no code with the
+groups, the session or the twin.
+"""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from flexkv import (
+    BoundedKVConfig,
+    BoundedKVManager,
+    BoundedKVResource,
+    BoundedKVSpec,
+    BoundedKVStep,
+    EngineResourceInfo,
+    GroupedKVManager,
+    LayerGroup,
+    Segment,
+    SinkWindow,
+    StreamPosition,
+    StreamSession,
+)
+from flexkv.protocol import StreamCache, check_cache
+from flexkv.reference import ReferenceCache
+from flexkv.rotary import Rotary
+from flexkv.uncached import UncachedHistory
+from flexkv.wrap import StepContext, attention
+from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
+
+H, HQ, D, LAYERS = 2, 4, 8, 3
+
+GROUPS = (
+    LayerGroup((0, 2), SinkWindow(0, 3), query_window=3, name="local"),
+    LayerGroup((1,), SinkWindow(2, 6), query_window=6, name="global"),
+)
+
+
+def config(**kw):
+    base = dict(num_layers=LAYERS, num_heads=H, head_dim=D, rows_per_request=1, max_source_len=0, max_sources=0,
+                retention=SinkWindow(2, 6), max_slots=3, max_step_tokens=3, query_window=3)
+    base.update(kw)
+    return BoundedKVConfig(**base)
+
+
+class LayerReference:
+    """One `ReferenceCache` per layer, each with its layer's group retention."""
+
+    def __init__(self, cfg, groups):
+        by_layer = {layer: g for g in groups for layer in g.layers}
+        self.refs = [ReferenceCache(cfg.replace(num_layers=1, retention=by_layer[i].retention,
+                                                query_window=by_layer[i].query_window)) for i in range(cfg.num_layers)]
+
+    def attend(self, layer, q, k, v, step):
+        return self.refs[layer].attend(0, q, k, v, step)
+
+    def commit(self, step):
+        for ref in self.refs:
+            ref.commit(step)
+
+    def remove(self, rid):
+        for ref in self.refs:
+            ref.remove_request(rid)
+
+
+def split(x, layer):
+    """`x [B, T, 3, HQ, D]` -> q `[B, HQ, T, D]`, k, v `[B, H, T, D]`, scaled per layer so layers differ."""
+    x = x * (layer + 1)
+    return x[:, :, 0].transpose(1, 2), x[:, :, 1, :H].transpose(1, 2), x[:, :, 2, :H].transpose(1, 2)
+
+
+def model(attn, x):
+    """Attention only: every layer's output, `[B, T, LAYERS, HQ, D]`."""
+    return torch.stack([attn(layer, *split(x, layer)).transpose(1, 2) for layer in range(LAYERS)], dim=2)
+
+
+def feed(n, seed):
+    return torch.randn(n, 3, HQ, D, generator=torch.Generator().manual_seed(seed))
+
+
+SCHEDULE = (
+    # (feeds as {request: tokens}, request to finish after the step)
+    [({"a": 3, "b": 1}, None), ({"a": 2, "b": 1}, None), ({"a": 1, "b": 3, "c": 1}, None)]
+    + [({"a": 1, "b": 1, "c": 2}, None)] * 5
+    + [({"a": 1, "b": 1, "c": 1}, "b")]
+    + [({"a": 1, "c": 1, "d": 3}, None)] * 4
+)
+
+
+def run_schedule(session, ref):
+    """Stream `SCHEDULE` through `session` and `ref`; returns the largest difference seen."""
+    worst, seed = 0.0, 0
+    for feeds_n, finish in SCHEDULE:
+        feeds = {}
+        for rid, n in feeds_n.items():
+            feeds[rid] = feed(n, seed)
+            seed += 1
+        res = session.step(feeds, model)
+        B, T = len(res.step.segments), res.step.step_tokens
+        x = torch.zeros(B, T, 3, HQ, D)
+        for rid, lane in res.lanes.items():
+            x[lane, :res.tokens[rid]] = feeds[rid]
+        for layer in range(LAYERS):
+            q, k, v = split(x, layer)
+            want = ref.attend(layer, q, k, v, res.step).transpose(1, 2)
+            for rid, lane in res.lanes.items():
+                got = res[rid][:, layer].double()
+                worst = max(worst, (got - want[lane, :res.tokens[rid]]).abs().max().item())
+        ref.commit(res.step)
+        if finish is not None:
+            session.finish(finish)
+            ref.remove(finish)
+    return worst
+
+
+@pytest.mark.parametrize("cache", [
+    lambda cfg: BoundedKVManager(cfg, block_size=8),
+    lambda cfg: GroupedKVManager(cfg, GROUPS, block_size=8),
+    lambda cfg: UncachedHistory(cfg),
+    lambda cfg: UncachedHistory(cfg, GROUPS),
+], ids=["bounded", "grouped", "uncached", "uncached-grouped"])
+def test_every_cache_meets_the_protocol(cache):
+    c = cache(config())
+    assert isinstance(c, StreamCache)
+    assert check_cache(c, "here") is c
+
+
+def test_a_config_is_not_a_cache_and_the_error_says_what_is_missing():
+    with pytest.raises(ValueError, match=r"here: the cache must be a flexkv cache .* BoundedKVConfig lacks .*admit"):
+        check_cache(config(), "here")
+
+
+@pytest.mark.parametrize("make", [
+    lambda cfg: StreamSession(GroupedKVManager(cfg, GROUPS, block_size=8), compile=False),
+    lambda cfg: StreamSession(UncachedHistory(cfg, GROUPS), compile=False),
+    lambda cfg: StreamSession(cfg, groups=GROUPS, compile=False, block_size=8),
+], ids=["grouped", "uncached-grouped", "config-and-groups"])
+def test_session_attends_each_layer_by_its_groups_retention(make):
+    cfg = config()
+    assert run_schedule(make(cfg), LayerReference(cfg, GROUPS)) < 1e-5
+
+
+def test_session_from_one_retention_per_layer():
+    """`groups=` as one SinkWindow per layer: layers with equal retention share a group."""
+    cfg = config(query_window=None)
+    per_layer = [SinkWindow(0, 3), SinkWindow(2, 6), SinkWindow(0, 3)]
+    session = StreamSession(cfg, groups=per_layer, compile=False, block_size=8, token_sizes=(2,))
+    assert [g.layers for g in session.cache.groups] == [(0, 2), (1,)]
+    groups = (LayerGroup((0, 2), SinkWindow(0, 3)), LayerGroup((1,), SinkWindow(2, 6)))
+    worst = 0.0
+    ref = LayerReference(cfg, groups)
+    for s in range(12):  # per-step windows: every feed holds the step's T tokens
+        res = session.step({"a": feed(2, s), "b": feed(2, 50 + s)}, model)
+        x = torch.zeros(3, 2, 3, HQ, D)
+        x[res.lanes["a"]], x[res.lanes["b"]] = feed(2, s), feed(2, 50 + s)
+        for layer in range(LAYERS):
+            want = ref.attend(layer, *split(x, layer), res.step).transpose(1, 2)
+            for rid in ("a", "b"):
+                worst = max(worst, (res[rid][:, layer].double() - want[res.lanes[rid]]).abs().max().item())
+        ref.commit(res.step)
+    assert worst < 1e-5
+
+
+def test_per_layer_retention_names_a_bad_group():
+    with pytest.raises(ValueError, match=r"group 0 \(layers \[0, 2\]\): query_window=3 needs window >= 3"):
+        StreamSession(config(), groups=[SinkWindow(0, 2), SinkWindow(2, 6), SinkWindow(0, 2)], compile=False)
+    with pytest.raises(ValueError, match="gives 2 per-layer retentions but config.num_layers=3"):
+        StreamSession(config(), groups=[SinkWindow(0, 3)] * 2, compile=False)
+
+
+def test_compiled_session_over_a_grouped_cache_compiles_once_and_matches_the_reference():
+    cfg = config()
+    session = StreamSession(cfg, groups=GROUPS, token_sizes=(1, 3), block_size=8)
+    torch._dynamo.reset()
+    counters.clear()
+    # Warm-up compiles the two token buckets; then nothing may compile again.
+    session.warmup(model, feed(1, 0))
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 2
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        worst = run_schedule(session, LayerReference(cfg, GROUPS))
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert worst < 1e-4
+
+
+def test_wrap_cores_on_a_grouped_cache_compute_what_the_grouped_twin_computes():
+    """The same attention modules, rotary at in-cache positions, over the grouped cache and its twin."""
+    cfg = config(query_window=None)
+    groups = (LayerGroup((0, 2), SinkWindow(0, 3), name="local"), LayerGroup((1,), SinkWindow(2, 4), name="global"))
+    rot = Rotary(D, base=50.0)
+    contexts = [StepContext(GroupedKVManager(cfg, groups, block_size=8)), StepContext(UncachedHistory(cfg, groups))]
+    cores = [[attention(ctx, i, rotary=rot, rope_positions="cache") for i in range(LAYERS)] for ctx in contexts]
+    g = torch.Generator().manual_seed(3)
+    written = 0
+    for s in range(14):
+        step = BoundedKVStep((Segment("a", 1), Segment(None, 0)), {"a": StreamPosition(0, written)})
+        qkv = [(torch.randn(2, HQ, 1, D, generator=g), torch.randn(2, H, 1, D, generator=g),
+                torch.randn(2, H, 1, D, generator=g)) for _ in range(LAYERS)]
+        outs = []
+        for ctx, layers in zip(contexts, cores):
+            ctx.bind(ctx.begin(step))
+            outs.append([layer(*qkv[i]) for i, layer in enumerate(layers)])
+            ctx.commit()
+        for got, want in zip(*outs):
+            torch.testing.assert_close(got[:1], want[:1], rtol=0, atol=1e-5)
+        written += 1
+    assert written > 4 + 2  # past the global group's sink + window: in-cache positions shifted
+
+
+def test_stream_positions_are_the_same_public_view_on_every_cache():
+    """A reversed chunk of 3 written tokens and one look-ahead token, next to a padding row."""
+    cfg = config(query_window=None, reverse_step_order=True, max_step_tokens=4, max_source_len=5, max_sources=1)
+    step = BoundedKVStep((Segment("a", 3), Segment(None, 0)), {"a": StreamPosition(5, 0, 0)}, tokens=4)
+    want = torch.tensor([[7, 6, 5, 8], [0, 1, 2, 3]])  # n = 5: written tokens last-first, then look-ahead
+    source = torch.zeros(LAYERS, 1, H, 5, D)
+    for cache in (BoundedKVManager(cfg, block_size=8), GroupedKVManager(cfg, None, block_size=8),
+                  UncachedHistory(cfg)):
+        ctx = StepContext(cache)
+        assert cache.add_source(source, source) == 0
+        ctx.begin(step)
+        assert torch.equal(ctx.stream_positions().cpu(), want), type(cache).__name__
+
+
+def test_engine_spec_with_groups_builds_a_grouped_cache():
+    cfg = config(dtype=None)
+    spec = BoundedKVSpec("kv", (), cfg, groups=GROUPS)
+    cache = BoundedKVResource().build(spec, EngineResourceInfo("cpu", torch.float64))
+    assert isinstance(cache, GroupedKVManager)
+    assert [m.config.retention for m in cache.managers] == [g.retention for g in GROUPS]
+    assert cache.config.dtype == torch.float64
+    retuned = spec.apply_yaml_overrides(max_slots=5)
+    assert retuned.groups == GROUPS and BoundedKVResource().build(
+        retuned, EngineResourceInfo("cpu", torch.float32)).free_slots == 5
