@@ -512,6 +512,9 @@ class StreamSession:
     def finish(self, request_id: Hashable) -> None:
         """End a request: its lane and slot go to the first waiting requests that can start.
 
+        Its private source, if any, is freed (also for a request that was
+        given one and never started).
+
         A waiting request whose declaration no longer holds (its source was
         removed behind the session's back) keeps its place in the queue and
         does not take the lane; `step` says why when it is fed, and `reset`
@@ -523,6 +526,10 @@ class StreamSession:
                 if request_id in self.cache.private_sources:
                     self.cache.remove_private_source(request_id)
                 self._queue.remove(w)
+                return
+            if request_id not in self._requests and request_id in self.cache.private_sources \
+                    and request_id not in self.cache.requests:
+                self.cache.remove_private_source(request_id)  # given a private source, never started
                 return
             req = self._get(request_id)
             self.cache.remove_request(request_id)

@@ -1,0 +1,285 @@
+"""StreamSession's lifecycle: every operation happens whole or raises with nothing changed.
+
+Waiting requests, resets, private sources, model functions that raise
+(`KeyboardInterrupt` too), re-entrant and concurrent calls, and the model
+state a stateful `fn` returns. Each test drives one sequence and then checks
+that the session still computes what the dense reference computes.
+"""
+
+import threading
+
+import pytest
+import torch
+
+from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow, StreamSession
+from flexkv.reference import ReferenceCache
+from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
+
+H, D, LAYERS = 2, 8, 2
+
+
+def config(**kw):
+    base = dict(num_layers=LAYERS, num_heads=H, head_dim=D, rows_per_request=1, max_source_len=6, max_sources=3,
+                retention=SinkWindow(2, 6), max_slots=2, max_step_tokens=3, query_window=6)
+    base.update(kw)
+    return BoundedKVConfig(**base)
+
+
+def model(attn, x):
+    """`x [B, T, 3, H, D]` (q, k, v per token) -> `[B, T, LAYERS, H, D]`."""
+    outs = []
+    for layer in range(LAYERS):
+        q, k, v = ((x[:, :, i] * (layer + 1)).transpose(1, 2) for i in range(3))
+        outs.append(attn(layer, q, k, v).transpose(1, 2))
+    return torch.stack(outs, dim=2)
+
+
+def feed(n, seed):
+    return torch.randn(n, 3, H, D, generator=torch.Generator().manual_seed(seed))
+
+
+def source(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYERS, 1, H, n, D, generator=g), torch.randn(LAYERS, 1, H, n, D, generator=g)
+
+
+class Checked:
+    """A session and the reference, stepped together."""
+
+    def __init__(self, **kw):
+        self.cfg = config()
+        self.session = StreamSession(BoundedKVManager(self.cfg, block_size=8), compile=False, **kw)
+        self.ref = ReferenceCache(self.cfg)
+
+    def add_source(self, n, seed):
+        k, v = source(n, seed)
+        index = self.session.add_source(k, v)
+        self.ref.add_source(index, k, v)
+        return index
+
+    def add_private_source(self, rid, n, seed):
+        k, v = source(n, seed)
+        self.session.add_private_source(rid, k, v)
+        self.ref.add_private_source(rid, k, v)
+
+    def step(self, feeds, fn=model):
+        """One session step; returns the largest difference from the reference over every request."""
+        res = self.session.step(feeds, fn)
+        B, T = len(res.step.segments), res.step.step_tokens
+        x = torch.zeros(B, T, 3, H, D)
+        for rid, lane in res.lanes.items():
+            x[lane, :res.tokens[rid]] = feeds[rid]
+        worst = 0.0
+        for layer in range(LAYERS):
+            q, k, v = ((x[:, :, i] * (layer + 1)).transpose(1, 2) for i in range(3))
+            want = self.ref.attend(layer, q, k, v, res.step).transpose(1, 2)
+            for rid, lane in res.lanes.items():
+                got = res[rid][:, layer] if fn is model else model_outputs(res, rid)[:, layer]
+                worst = max(worst, (got.double() - want[lane, :res.tokens[rid]]).abs().max().item())
+        self.ref.commit(res.step)
+        return worst
+
+    def snapshot(self):
+        s = self.session
+        return (s.requests, s.waiting, {r: s.written(r) for r in s.requests}, s.cache.free_slots,
+                dict(s.cache.private_sources), dict(s.cache.sources))
+
+
+def model_outputs(res, rid):
+    out = res[rid]
+    return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.fixture
+def full():
+    """Both lanes held by "a" (on shared source 0) and "b"; "c" has a private source of 4 entries."""
+    c = Checked()
+    c.add_source(6, 1)
+    c.session.start("a", source=0, source_len=5)
+    c.session.start("b")
+    c.add_private_source("c", 4, 2)
+    c.step({"a": feed(2, 3), "b": feed(1, 4)})
+    return c
+
+
+def test_waiting_start_with_a_source_len_past_its_private_source_is_refused_at_start(full):
+    before = full.snapshot()
+    with pytest.raises(ValueError, match=r"request 'c': source_len=5 is longer than its private source \(4 entries\)"):
+        full.session.start("c", source=-1, source_len=5)
+    assert full.snapshot() == before
+    # The request can still start correctly, waits, and takes the lane "b" leaves.
+    assert full.session.start("c", source=-1, source_len=4) is False
+    full.session.finish("b")
+    full.ref.remove_request("b")
+    assert full.session.lane("c") == 1
+    assert max(full.step({"a": feed(1, 5), "c": feed(3, 6)}) for _ in range(4)) < 1e-5
+
+
+def test_remove_source_is_refused_while_a_waiting_request_declares_it(full):
+    index = full.add_source(3, 7)
+    assert index == 2  # place 1 holds c's private source
+    assert full.session.start("d", source=index, source_len=3) is False
+    before = full.snapshot()
+    with pytest.raises(ValueError, match=r"remove_source: source 2 is declared by waiting requests \['d'\]"):
+        full.session.remove_source(index)
+    assert full.snapshot() == before
+    full.session.finish("b")
+    full.ref.remove_request("b")
+    assert full.session.requests == ("a", "d")
+    assert full.step({"a": feed(1, 8), "d": feed(2, 9)}) < 1e-5
+
+
+def test_reset_past_the_private_source_is_refused_before_the_stream_is_rewound():
+    c = Checked()
+    c.add_private_source("p", 3, 1)
+    c.session.start("p", source=-1, source_len=3)
+    c.step({"p": feed(2, 2)})
+    before = c.snapshot()
+    with pytest.raises(ValueError, match=r"request 'p': source_len=5 is longer than its private source \(3 entries\)"):
+        c.session.reset("p", source_len=5)
+    assert c.snapshot() == before and c.session.cache.written("p") == 2
+    assert c.step({"p": feed(1, 3)}) < 1e-5  # the stream goes on where it was
+
+
+def test_reset_of_a_waiting_request_to_a_too_long_private_source_is_refused(full):
+    assert full.session.start("c") is False
+    before = full.snapshot()
+    with pytest.raises(ValueError, match=r"request 'c': source_len=6 is longer than its private source"):
+        full.session.reset("c", source=-1, source_len=6)
+    assert full.snapshot() == before
+    full.session.reset("c", source=-1, source_len=4)
+    full.session.finish("a")
+    full.ref.remove_request("a")
+    assert full.step({"b": feed(1, 5), "c": feed(2, 6)}) < 1e-5
+
+
+def test_finishing_a_waiting_request_frees_its_private_source(full):
+    assert full.session.start("c", source=-1, source_len=4) is False
+    full.session.finish("c")
+    assert full.session.waiting == () and "c" not in full.session.cache.private_sources
+
+
+def test_finishing_a_request_that_never_started_frees_its_private_source(full):
+    full.session.finish("c")
+    assert "c" not in full.session.cache.private_sources
+    with pytest.raises(ValueError, match=r"request 'c' holds no lane"):
+        full.session.finish("c")
+
+
+def test_remove_private_source_is_refused_while_a_waiting_request_declares_it(full):
+    assert full.session.start("c", source=-1, source_len=4) is False
+    with pytest.raises(ValueError, match=r"waiting request 'c' is declared on it"):
+        full.session.remove_private_source("c")
+    assert "c" in full.session.cache.private_sources
+
+
+def test_a_waiting_request_whose_source_vanished_keeps_its_place_and_says_why(full):
+    """A source removed behind the session's back (on the cache itself): the lane it would take stays
+    free, the request keeps waiting, and feeding it names the reason; a reset puts it right."""
+    index = full.add_source(3, 7)
+    assert full.session.start("d", source=index, source_len=3) is False
+    full.session.cache.remove_source(index)
+    full.session.finish("b")
+    full.ref.remove_request("b")
+    assert full.session.waiting == ("d",) and full.session.free_lanes == 1
+    with pytest.raises(ValueError, match=r"request 'd' waits for a lane but can no longer start: .*unknown source 2"):
+        full.session.step({"a": feed(1, 8), "d": feed(1, 9)}, model)
+    full.session.reset("d", source=0, source_len=6)
+    assert full.session.requests == ("a", "d")
+    assert full.step({"a": feed(1, 10), "d": feed(1, 11)}) < 1e-5
+
+
+def test_a_model_function_interrupted_by_ctrl_c_commits_nothing_and_starts_nothing(full):
+    before = full.snapshot()
+    calls = []
+
+    def interrupted(attn, x):
+        model(attn, x)
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        full.session.step({"a": feed(1, 5), "b": feed(1, 6)}, interrupted)
+    assert calls and full.snapshot() == before
+    full.session.finish("b")
+    full.ref.remove_request("b")
+    before = full.snapshot()
+    with pytest.raises(KeyboardInterrupt):  # a new request fed to the interrupted step is not started
+        full.session.step({"a": feed(1, 5), "n": feed(1, 6)}, interrupted)
+    assert full.snapshot() == before
+    assert max(full.step({"a": feed(1, 7 + s), "n": feed(2, 20 + s)}) for s in range(4)) < 1e-5
+
+
+def test_step_called_from_inside_the_model_function_is_refused(full):
+    before = full.snapshot()
+
+    def reentrant(attn, x):
+        full.session.step({"b": feed(1, 0)}, model)
+
+    with pytest.raises(RuntimeError, match=r"step\(\) was called while step\(\) is running in the same thread"):
+        full.session.step({"a": feed(1, 5)}, reentrant)
+    assert full.snapshot() == before
+
+    def finishing(attn, x):
+        full.session.finish("b")
+
+    with pytest.raises(RuntimeError, match=r"finish\(\) was called while step\(\) is running"):
+        full.session.step({"a": feed(1, 5)}, finishing)
+    assert full.snapshot() == before
+    assert full.step({"a": feed(1, 6), "b": feed(1, 7)}) < 1e-5
+
+
+def test_a_second_thread_stepping_the_same_session_is_refused(full):
+    inside, release = threading.Event(), threading.Event()
+    errors = []
+
+    def slow(attn, x):
+        out = model(attn, x)
+        inside.set()
+        release.wait(10)
+        return out
+
+    def first():
+        full.session.step({"a": feed(1, 5), "b": feed(1, 6)}, slow)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert inside.wait(10)
+    try:
+        full.session.step({"a": feed(1, 7)}, model)
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    finally:
+        release.set()
+        thread.join(10)
+    assert errors and "from another thread while step() runs; a session is not thread-safe" in errors[0]
+    assert full.session.written("a") == 3 and full.session.written("b") == 2  # only the first step ran
+
+
+def test_a_stateful_model_returning_two_outputs_and_no_state_is_refused():
+    s = StreamSession(BoundedKVManager(config(), block_size=8), compile=False, initial_state=lambda: torch.zeros(3))
+
+    def two_outputs(attn, x, state):
+        out = model(attn, x)
+        return out, out.sum(-1)  # the second output is not the state
+
+    with pytest.raises(ValueError, match=r"new_state shaped like the state it was given .*\[\(2, 3\)\]"):
+        s.step({"a": feed(1, 0)}, two_outputs)
+    assert s.requests == () and s.cache.free_slots == 2
+
+
+def test_initial_state_may_depend_on_the_request():
+    s = StreamSession(BoundedKVManager(config(), block_size=8), compile=False,
+                      initial_state=lambda rid: torch.full((2,), float(len(rid))))
+
+    def keep(attn, x, state):
+        return model(attn, x), state
+
+    s.step({"a": feed(1, 0), "bbb": feed(1, 1)}, keep)
+    assert s.state("a").tolist() == [1.0, 1.0] and s.state("bbb").tolist() == [3.0, 3.0]
+
+
+def test_batch_sizes_must_hold_every_lane():
+    with pytest.raises(ValueError, match=r"batch_sizes=\[1\] cannot hold every lane: .* must be 2"):
+        StreamSession(config(), batch_sizes=(1,), compile=False)
+    assert StreamSession(config(), batch_sizes=(1, 2), compile=False).batch_sizes == (1, 2)
