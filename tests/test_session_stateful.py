@@ -1,0 +1,244 @@
+"""StreamSession as a state machine, against a model of it written from the contract.
+
+`SessionModel` is docs/contract.md section 5 and the session's documented
+rules in plain Python: which requests hold which lane, who waits in what
+order, which sources and private sources exist, what each request has
+written, and which operation must be refused (with which error) because of
+all that. Hypothesis drives random programs of starts, steps (with new and
+waiting requests fed), finishes, resets and source changes through the
+session and the model side by side; after every operation the session's
+observable state must equal the model's, every refused operation must have
+changed nothing, and every step's outputs must equal the dense reference's.
+"""
+
+from typing import Dict, List, Optional
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow, SlotsExhausted, SourcesExhausted, StreamSession
+from flexkv.reference import ReferenceCache
+
+H, D, LAYERS, SLOTS, PLACES, MAX_SOURCE = 1, 4, 2, 2, 2, 4
+IDS = ("a", "b", "c", "d")
+CONFIG = BoundedKVConfig(num_layers=LAYERS, num_heads=H, head_dim=D, rows_per_request=1, max_source_len=MAX_SOURCE,
+                         max_sources=PLACES, retention=SinkWindow(1, 4), max_slots=SLOTS, max_step_tokens=2,
+                         query_window=4, dtype=torch.float64)
+
+
+def model_fn(attn, x):
+    """`x [B, T, 3, H, D]` (q, k, v per token) -> `[B, T, LAYERS, H, D]`."""
+    return torch.stack([attn(layer, *((x[:, :, i] * (layer + 1)).transpose(1, 2) for i in range(3))).transpose(1, 2)
+                        for layer in range(LAYERS)], dim=2)
+
+
+class SessionModel:
+    """What the contract says the session holds, and whether an operation is allowed."""
+
+    def __init__(self):
+        self.lanes: Dict[str, int] = {}
+        self.decl: Dict[str, tuple] = {}  # running request -> (source, source_len)
+        self.written: Dict[str, int] = {}
+        self.queue: List[list] = []  # [request, source, source_len], first come first served
+        self.shared: Dict[int, int] = {}  # place -> length
+        self.private: Dict[str, tuple] = {}  # request -> (place, length)
+
+    def waiting(self, rid) -> Optional[list]:
+        return next((w for w in self.queue if w[0] == rid), None)
+
+    def free_lanes(self) -> List[int]:
+        return [lane for lane in range(SLOTS) if lane not in self.lanes.values()]
+
+    def free_place(self) -> Optional[int]:
+        used = set(self.shared) | {p for p, _ in self.private.values()}
+        return next((i for i in range(PLACES) if i not in used), None)
+
+    def declaration_ok(self, rid, source, source_len) -> bool:
+        if not 0 <= source_len <= MAX_SOURCE:
+            return False
+        if source_len == 0:
+            return True
+        if source == -1:
+            return rid in self.private and source_len <= self.private[rid][1]
+        return source in self.shared and source_len <= self.shared[source]
+
+    def run(self, rid, source, source_len):
+        self.lanes[rid] = self.free_lanes()[0]
+        self.decl[rid] = (source, source_len)
+        self.written[rid] = 0
+
+    def remove(self, rid):
+        del self.lanes[rid], self.decl[rid], self.written[rid]
+        self.private.pop(rid, None)
+        for w in list(self.queue):  # lanes go to the waiting requests, in order
+            if self.free_lanes():
+                self.queue.remove(w)
+                self.run(*w)
+
+
+class SessionMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.session = StreamSession(BoundedKVManager(CONFIG, block_size=8), compile=False)
+        self.ref = ReferenceCache(CONFIG)
+        self.m = SessionModel()
+        self.seed = 0
+        self.worst = 0.0
+
+    def tensors(self, *shape):
+        self.seed += 1
+        return torch.randn(*shape, generator=torch.Generator().manual_seed(self.seed), dtype=torch.float64)
+
+    def refused(self, error, call):
+        """`call()` must raise `error` and change nothing the model tracks."""
+        before = self.observed()
+        with pytest.raises(error):
+            call()
+        assert self.observed() == before
+
+    def observed(self):
+        s = self.session
+        return (s.requests, {r: (s.lane(r), s.written(r)) for r in s.requests}, s.waiting, s.cache.free_slots,
+                s.cache.sources, s.cache.private_sources)
+
+    @invariant()
+    def matches_the_model(self):
+        s, m = self.session, self.m
+        assert s.requests == tuple(sorted(m.lanes, key=m.lanes.get))
+        assert {r: (s.lane(r), s.written(r)) for r in s.requests} == {r: (m.lanes[r], m.written[r]) for r in m.lanes}
+        assert s.waiting == tuple(w[0] for w in m.queue)
+        assert s.cache.free_slots == SLOTS - len(m.lanes)
+        assert s.cache.sources == m.shared
+        assert s.cache.private_sources == {r: p for r, (p, _) in m.private.items()}
+        assert self.worst < 1e-9
+
+    # ------------------------------------------------------------ sources
+
+    @rule(length=st.integers(1, MAX_SOURCE))
+    def add_source(self, length):
+        k, v = self.tensors(LAYERS, 1, H, length, D), self.tensors(LAYERS, 1, H, length, D)
+        place = self.m.free_place()
+        if place is None:
+            return self.refused(SourcesExhausted, lambda: self.session.add_source(k, v))
+        assert self.session.add_source(k, v) == place
+        self.m.shared[place] = length
+        self.ref.add_source(place, k, v)
+
+    @rule(place=st.integers(0, PLACES - 1))
+    def remove_source(self, place):
+        m = self.m
+        read = any(src == place and length for src, length in m.decl.values()) or any(
+            w[1] == place and w[2] for w in m.queue)
+        if place not in m.shared or read:
+            return self.refused(ValueError, lambda: self.session.remove_source(place))
+        self.session.remove_source(place)
+        del m.shared[place]
+
+    @rule(rid=st.sampled_from(IDS), length=st.integers(1, MAX_SOURCE))
+    def add_private_source(self, rid, length):
+        k, v = self.tensors(LAYERS, 1, H, length, D), self.tensors(LAYERS, 1, H, length, D)
+        m = self.m
+        if rid in m.private or rid in m.lanes:  # a running request's stream has started
+            return self.refused(ValueError, lambda: self.session.add_private_source(rid, k, v))
+        place = m.free_place()
+        if place is None:
+            return self.refused(SourcesExhausted, lambda: self.session.add_private_source(rid, k, v))
+        self.session.add_private_source(rid, k, v)
+        m.private[rid] = (place, length)
+        self.ref.add_private_source(rid, k, v)
+
+    @rule(rid=st.sampled_from(IDS))
+    def remove_private_source(self, rid):
+        m = self.m
+        w = m.waiting(rid)
+        reading = (w is not None and w[1] == -1 and w[2]) or (rid in m.decl and m.decl[rid][0] == -1 and m.decl[rid][1])
+        if rid not in m.private or reading:
+            return self.refused(ValueError, lambda: self.session.remove_private_source(rid))
+        self.session.remove_private_source(rid)
+        del m.private[rid]
+
+    # ---------------------------------------------------------- lifecycle
+
+    @rule(rid=st.sampled_from(IDS), source=st.integers(-1, PLACES - 1), source_len=st.integers(0, MAX_SOURCE + 1))
+    def start(self, rid, source, source_len):
+        m = self.m
+        if rid in m.lanes or m.waiting(rid) or not m.declaration_ok(rid, source, source_len):
+            return self.refused(ValueError, lambda: self.session.start(rid, source=source, source_len=source_len))
+        runs = bool(m.free_lanes())
+        assert self.session.start(rid, source=source, source_len=source_len) is runs
+        if runs:
+            m.run(rid, source, source_len)
+        else:
+            m.queue.append([rid, source, source_len])
+
+    @rule(rid=st.sampled_from(IDS))
+    def finish(self, rid):
+        m = self.m
+        w = m.waiting(rid)
+        if w is not None:
+            m.queue.remove(w)
+            m.private.pop(rid, None)
+        elif rid in m.lanes:
+            m.remove(rid)
+            self.ref.remove_request(rid)
+        elif rid in m.private:
+            del m.private[rid]
+        else:
+            return self.refused(ValueError, lambda: self.session.finish(rid))
+        self.session.finish(rid)
+
+    @rule(rid=st.sampled_from(IDS), source=st.none() | st.integers(-1, PLACES - 1),
+          source_len=st.none() | st.integers(0, MAX_SOURCE + 1))
+    def reset(self, rid, source, source_len):
+        m = self.m
+        w = m.waiting(rid)
+        if w is None and rid not in m.lanes:
+            return self.refused(ValueError, lambda: self.session.reset(rid, source=source, source_len=source_len))
+        old = (w[1], w[2]) if w is not None else m.decl[rid]
+        new = (old[0] if source is None else source, old[1] if source_len is None else source_len)
+        if not m.declaration_ok(rid, *new):
+            return self.refused(ValueError, lambda: self.session.reset(rid, source=source, source_len=source_len))
+        self.session.reset(rid, source=source, source_len=source_len)
+        if w is not None:
+            w[1], w[2] = new
+        else:
+            m.decl[rid], m.written[rid] = new, 0
+            self.ref.reset_request(rid)
+
+    @rule(fed=st.dictionaries(st.sampled_from(IDS), st.integers(1, 2), min_size=1, max_size=4))
+    def step(self, fed):
+        m = self.m
+        feeds = {rid: self.tensors(n, 3, H, D) for rid, n in fed.items()}
+        new = [r for r in fed if r not in m.lanes and m.waiting(r) is None]
+        for rid in new:  # new requests start on an empty stream, lowest free lane first, in feed order
+            if m.free_lanes():
+                m.run(rid, 0, 0)
+            else:
+                m.queue.append([rid, 0, 0])
+        res = self.session.step(feeds, model_fn)
+        running = [r for r in fed if r in m.lanes]
+        assert sorted(res.lanes) == sorted(running)
+        assert sorted(res.waiting) == sorted(r for r in fed if m.waiting(r))
+        if not running:
+            return
+        assert res.lanes == {r: m.lanes[r] for r in running}
+        B, T = len(res.step.segments), res.step.step_tokens
+        x = torch.zeros(B, T, 3, H, D, dtype=torch.float64)
+        for rid in running:
+            x[m.lanes[rid], :fed[rid]] = feeds[rid]
+        for layer in range(LAYERS):
+            q, k, v = ((x[:, :, i] * (layer + 1)).transpose(1, 2) for i in range(3))
+            want = self.ref.attend(layer, q, k, v, res.step).transpose(1, 2)
+            for rid in running:
+                got = res[rid][:, layer]
+                self.worst = max(self.worst, (got - want[m.lanes[rid], :fed[rid]]).abs().max().item())
+        self.ref.commit(res.step)
+        for rid in running:
+            m.written[rid] += fed[rid]
+
+
+SessionMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+test_session_against_its_model = SessionMachine.TestCase
