@@ -29,6 +29,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 from transformers.masking_utils import create_sliding_window_causal_mask  # noqa: E402
 
 import flexkv.integrations.transformers as fkt  # noqa: E402
+from flexkv.integrations.transformers.model_config import layer_windows  # noqa: E402
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition  # noqa: E402
 from flexkv.integrations.transformers import FlexKVCache  # noqa: E402
 
@@ -644,7 +645,7 @@ def test_unsupported_transformers_release_fails_with_one_message(monkeypatch):
     # transformers swaps its module object in sys.modules on first attribute access: patch the live one.
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
     with pytest.raises(ImportError, match=r"needs transformers>=5\.23,<5\.25.*found transformers 4\.57\.1"):
-        fkt._import_transformers()
+        fkt.registration.import_transformers()
 
 
 def test_bad_arguments_are_named():
@@ -684,13 +685,13 @@ def test_bad_arguments_are_named():
 def test_model_layer_types_are_read_or_refused():
     cfg = types.SimpleNamespace(sliding_window=6, layer_types=["sliding_attention", "full_attention", "chunked_attention"])
     with pytest.raises(ValueError, match="layer 2 is of type 'chunked_attention'"):
-        fkt._layer_windows(cfg, 3)
-    assert fkt._layer_windows(types.SimpleNamespace(sliding_window=6), 2) == [6, 6]
-    assert fkt._layer_windows(types.SimpleNamespace(sliding_window=None), 2) == [None, None]
-    assert fkt._layer_windows(types.SimpleNamespace(sliding_window=6, use_sliding_window=False), 2) == [None, None]
+        layer_windows(cfg, 3)
+    assert layer_windows(types.SimpleNamespace(sliding_window=6), 2) == [6, 6]
+    assert layer_windows(types.SimpleNamespace(sliding_window=None), 2) == [None, None]
+    assert layer_windows(types.SimpleNamespace(sliding_window=6, use_sliding_window=False), 2) == [None, None]
     cfg = types.SimpleNamespace(sliding_window=None, layer_types=["sliding_attention"])
     with pytest.raises(ValueError, match="layer 0 is a sliding_attention layer but config.sliding_window=None"):
-        fkt._layer_windows(cfg, 1)
+        layer_windows(cfg, 1)
     model = make_model("mistral")
     with pytest.raises(ValueError, match="more than the model's sliding_window=6; use window <= 5"):
         FlexKVCache(model, SinkWindow(4, 8), sliding_retention=SinkWindow(4, 6))
