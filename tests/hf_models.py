@@ -77,6 +77,15 @@ def _configs():
                                          hidden_size_per_layer_input=8, initializer_range=0.1)),
             t.Gemma4ForCausalLM, torch.float64,
         ),
+        # Layers 2 and 3 attend the keys and values of layers 0 and 1 (kv_sharing_modes "reuse").
+        "gemma3n": (
+            t.Gemma3nTextConfig(**_common(num_hidden_layers=4, sliding_window=SW, num_kv_shared_layers=2,
+                                          layer_types=["sliding_attention", "full_attention"] * 2,
+                                          vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+                                          laurel_rank=4, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4,
+                                          initializer_range=0.1)),
+            t.Gemma3nForCausalLM, torch.float64,
+        ),
         "gpt_oss": (
             t.GptOssConfig(**_common(sliding_window=SW, num_local_experts=4, num_experts_per_tok=2,
                                      intermediate_size=32, max_position_embeddings=131072, initializer_range=0.3)),
@@ -143,6 +152,28 @@ def _configs():
                                       linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4)),
             t.KimiLinearForCausalLM, torch.float64,
         ),
+    }
+
+
+def _refused_configs():
+    """Families flexkv refuses at construction, each for its own reason."""
+    t = transformers
+    return {
+        "llama4": (t.Llama4TextConfig(**_common(attention_chunk_size=8, num_local_experts=2, num_experts_per_tok=1,
+                                               intermediate_size_mlp=64, no_rope_layers=[1, 1])),
+                   t.Llama4ForCausalLM, "layer 0 is of type 'chunked_attention': it attends within fixed chunks"),
+        "deepseek_v32": (t.DeepseekV32Config(**_mla(q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2,
+                                                    moe_intermediate_size=16, first_k_dense_replace=1, n_group=1,
+                                                    topk_group=1, index_n_heads=2, index_head_dim=8, index_topk=4)),
+                         t.DeepseekV32ForCausalLM, "layer 0 is of type 'indexed_attention': a learned indexer picks"),
+        "zamba2": (t.Zamba2Config(**_common(head_dim=DROP, layers_block_type=["mamba", "hybrid"], mamba_d_state=8,
+                                            mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1, n_mamba_heads=4,
+                                            attention_head_dim=8, num_mem_blocks=1, chunk_size=8)),
+                   t.Zamba2ForCausalLM, r"layers \[1\] share one attention module \(Zamba2Attention, layer_idx=-1\) "
+                                        r"that is handed the layer index as an argument"),
+        "mamba2": (t.Mamba2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
+                                  state_size=8, expand=2, n_groups=1, chunk_size=8, pad_token_id=0),
+                   t.Mamba2ForCausalLM, r"has no attention layer \(layer types \['linear_attention'\]\)"),
     }
 
 

@@ -17,6 +17,7 @@ import types
 import pytest
 import torch
 
+import hf_models  # noqa: E402
 from hf_models import (  # noqa: E402  (skips this module without the transformers extra)
     CHUNK, LENGTHS, NEW, SINK, SW, VOCAB, WINDOW, held_bytes, layer_masks, left_pad, logit_tolerance, make_model,
     prompts, reference_greedy, RecordBytes,
@@ -41,7 +42,7 @@ def own_cache(model):
 
 FAMILIES = (
     # attention only
-    "mistral", "gemma2", "gemma3", "gemma4", "gpt_oss", "qwen3", "smollm3",
+    "mistral", "gemma2", "gemma3", "gemma3n", "gemma4", "gpt_oss", "qwen3", "smollm3",
     # multi-head latent attention (keys wider than values)
     "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3",
     # attention and recurrent layers
@@ -121,7 +122,7 @@ def test_each_layer_group_keeps_its_own_window(generated):
             recurrent.extend(group["layers"])
             assert all(types_[i] == group["name"] for i in group["layers"])
             continue
-        for layer in group["layers"]:
+        for layer in group["layers"] + group["shared_by"]:
             assert group["name"] == HYBRID_TYPES.get(types_[layer], types_[layer])
             seen.append(layer)
         if group["name"] == "sliding_attention":
@@ -136,6 +137,8 @@ def test_each_layer_group_keeps_its_own_window(generated):
     attention = [i for i, t in enumerate(types_) if t not in ("linear_attention", "conv")]
     assert sorted(seen) == attention
     assert sorted(recurrent) == [i for i, t in enumerate(types_) if t in ("linear_attention", "conv", "hybrid")]
+    if g.family == "gemma3n":  # layers 2 and 3 attend layers 0 and 1's slots and hold none of their own
+        assert [(r["layers"], r["shared_by"]) for r in report] == [((1,), (3,)), ((0,), (2,))]
     assert g.cache.stream_bytes == sum(r["slot_bytes"] for r in report)
     assert g.cache.memory_bytes == sum(r["memory_bytes"] for r in report)
     assert all(f"{r['name']} layers {list(r['layers'])}:" in repr(g.cache) for r in report)
@@ -338,6 +341,16 @@ def test_bad_arguments_are_named():
         model.model.forward(input_ids=ids[:2], cache=FlexKVCache(model, SinkWindow(2, 8), block_size=16))
     with pytest.raises(ValueError, match=r"positions='cache' needs the model's rotary embedding"):
         FlexKVCache(make_model("gpt2"), SinkWindow(2, 4), positions="cache")
+
+
+@pytest.mark.parametrize("family", sorted(hf_models._refused_configs()))
+def test_families_flexkv_cannot_serve_are_refused_at_construction_with_the_reason(family):
+    cfg, cls, reason = hf_models._refused_configs()[family]
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with pytest.raises(ValueError, match=reason):
+        FlexKVCache(model, SinkWindow(SINK, WINDOW))
+    assert getattr(model, "_flexkv_state", None) is None and not model._forward_pre_hooks  # untouched
 
 
 def test_model_layer_types_are_read_or_refused():

@@ -40,7 +40,7 @@ def _attention_modules(model) -> dict:
     found = {}
     for mod in model.modules():
         layer = getattr(mod, "layer_idx", None)
-        if not isinstance(layer, int):
+        if not isinstance(layer, int) or isinstance(layer, bool):
             continue
         try:
             names = inspect.unwrap(type(mod).forward).__code__.co_names
@@ -63,6 +63,15 @@ def check_model(model, attention_layers=None) -> None:
         return
     routed = _attention_modules(model)
     missing = [i for i in attention_layers if i not in routed]
+    shared = {i: m for i, m in routed.items() if i not in attention_layers and (i < 0 or i > max(attention_layers))}
+    if missing and shared:
+        # Zamba2: one attention block serves several layers and is told the layer in each call.
+        idx, mod = next(iter(shared.items()))
+        raise ValueError(
+            f"{type(model).__name__}'s layers {missing} share one attention module ({type(mod).__name__}, "
+            f"layer_idx={idx}) that is handed the layer index as an argument of each call, so flexkv's attention "
+            f"function cannot tell whose keys and values a call holds"
+        )
     if missing and not getattr(type(model), "_supports_attention_backend", False):
         raise ValueError(
             f"{type(model).__name__}'s attention layers {missing} do not call transformers' attention interface "

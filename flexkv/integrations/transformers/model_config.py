@@ -166,11 +166,16 @@ def read_layers(model) -> tuple:
     """`(text config, [LayerSpec per layer])` for a decoder-only LM; refuses what flexkv cannot serve."""
     cfg = text_config(model.config)
     layers = getattr(cfg, "num_hidden_layers", None)
-    heads = getattr(cfg, "num_attention_heads", None)
-    for name, val in (("num_hidden_layers", layers), ("num_attention_heads", heads)):
-        if not _positive_int(val):
-            raise ValueError(f"model config has no usable {name} (got {val!r}); FlexKVCache needs a decoder-only LM config")
+    if not _positive_int(layers):
+        raise ValueError(
+            f"model config has no usable num_hidden_layers (got {layers!r}); FlexKVCache needs a decoder-only LM config"
+        )
     types = _layer_types(cfg, layers)
+    heads = getattr(cfg, "num_attention_heads", None)
+    if any(t not in RECURRENT_TYPES for t in types) and not _positive_int(heads):
+        raise ValueError(
+            f"model config has no usable num_attention_heads (got {heads!r}); FlexKVCache needs a decoder-only LM config"
+        )
     windows = layer_windows(cfg, layers)
     sources = _kv_sources(cfg, types, layers)
     specs = []
