@@ -144,29 +144,6 @@ def test_each_layer_group_keeps_its_own_window(generated):
     assert all(f"{r['name']} layers {list(r['layers'])}:" in repr(g.cache) for r in report)
 
 
-def test_recurrent_state_per_stream_is_the_models_own(generated):
-    """What flexkv keeps per stream in a recurrent layer is exactly what the model's own cache keeps
-    for one stream: the same states, shapes and dtypes."""
-    g = generated
-    rows = [r for r in g.cache.memory_report() if r["kind"] == "recurrent"]
-    if not rows:
-        pytest.skip(f"{g.family} has no recurrent layers")
-    one = own_cache(g.model)
-    with torch.no_grad():
-        g.model(input_ids=g.prompts[0][None], cache=one, use_cache=True)
-    for row in rows:
-        for layer in row["layers"]:
-            if hasattr(one, "linear_cache"):  # MiniMax
-                want = {("recurrent", 0): (tuple(one.linear_cache[layer].shape[1:]), one.linear_cache[layer].dtype)}
-            else:
-                entry = one.layers[layer]
-                want = {(kind, i): (tuple(t.shape[1:]), t.dtype)
-                        for kind, store in (("conv", entry.conv_states), ("recurrent", entry.recurrent_states))
-                        for i, t in store.items() if t is not None}
-            got = {(kind, i): (shape, dtype) for kind, i, shape, dtype in row["states"]}
-            assert got == want, f"{g.family} layer {layer}"
-
-
 def test_cache_memory_is_flat_while_dynamic_cache_grows(generated):
     g = generated
     # One stream on its own (the longest prompt), for the per-stream figure.

@@ -9,6 +9,8 @@ without a cache over each stream's whole history (`hf_models.reference_greedy`).
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -17,11 +19,15 @@ from hf_models import (  # noqa: E402  (skips this module without the transforme
     CHUNK, SINK, WINDOW, FailOnce, left_pad, logit_tolerance, make_model, prompts, reference_greedy,
 )
 from single_thread import one_thread  # noqa: E402,F401
+from transformers import DynamicCache  # noqa: E402
 
 from flexkv import SinkWindow  # noqa: E402
 from flexkv.integrations.transformers import FlexKVCache  # noqa: E402
 
 KW = dict(max_streams=4, prefill_chunk=CHUNK, block_size=16)
+
+
+RECURRENT = ("qwen3_next", "granitemoehybrid", "bamba", "jamba", "falcon_h1", "lfm2", "minimax", "kimi_linear")
 
 
 def states(cache) -> dict:
@@ -31,6 +37,36 @@ def states(cache) -> dict:
 
 def same_states(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("family", RECURRENT)
+def test_each_stream_keeps_the_models_own_recurrent_state(family):
+    """What a slot keeps in a recurrent layer is what the model's own cache keeps for one stream: the
+    same states, shapes and dtypes, in buffers of max_streams rows that memory_report() counts."""
+    model = make_model(family)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
+    own_class = getattr(sys.modules[type(model).__module__], "MiniMaxCache", None)
+    one = own_class() if own_class is not None else DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=prompts((5,))[0][None], cache=one, use_cache=True)
+    rows = [r for r in cache.memory_report() if r["kind"] == "recurrent"]
+    assert rows and sorted(i for r in rows for i in r["layers"]) == sorted(cache._recurrent.layers)
+    for row in rows:
+        for layer in row["layers"]:
+            if own_class is not None:  # MiniMax keeps one matrix per lightning layer
+                t = one.linear_cache[layer]
+                want = {("recurrent", 0): (tuple(t.shape[1:]), t.dtype)}
+            else:
+                entry = one.layers[layer]
+                want = {(kind, i): (tuple(t.shape[1:]), t.dtype)
+                        for kind, store in (("conv", entry.conv_states), ("recurrent", entry.recurrent_states))
+                        for i, t in store.items() if t is not None}
+            assert {(kind, i): (shape, dtype) for kind, i, shape, dtype in row["states"]} == want, f"layer {layer}"
+        one_stream = sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+                         for _, _, shape, dtype in row["states"]) * len(row["layers"])
+        assert row["slot_bytes"] == one_stream and row["memory_bytes"] == one_stream * KW["max_streams"]
+    if own_class is not None:
+        assert isinstance(cache, own_class)  # MiniMax's forward takes no other cache class
 
 
 # The last layer of each model attends; the first keeps a recurrent state (Falcon-H1: both, in every layer).

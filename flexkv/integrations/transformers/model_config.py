@@ -174,7 +174,8 @@ def read_layers(model) -> tuple:
     heads = getattr(cfg, "num_attention_heads", None)
     if any(t not in RECURRENT_TYPES for t in types) and not _positive_int(heads):
         raise ValueError(
-            f"model config has no usable num_attention_heads (got {heads!r}); FlexKVCache needs a decoder-only LM config"
+            f"model config has no usable num_attention_heads (got {heads!r}); "
+            f"FlexKVCache needs a decoder-only LM config"
         )
     windows = layer_windows(cfg, layers)
     sources = _kv_sources(cfg, types, layers)
