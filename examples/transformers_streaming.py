@@ -83,19 +83,19 @@ def run_flexkv(model, args):
           f"(sink {args.sink} + window {args.window} tokens each)")
     with torch.no_grad():
         t0 = time.perf_counter()
-        logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits[:, -1]
+        logits = model(input_ids=ids, attention_mask=mask, cache=cache).logits[:, -1]
         print(f"prefill ({max(lengths)} columns, eager): {time.perf_counter() - t0:.2f} s")
         if not args.eager:
             model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
         tok = logits.argmax(-1, keepdim=True)
         t0 = time.perf_counter()
-        model(input_ids=tok, past_key_values=cache)  # compiles on the first call
+        model(input_ids=tok, cache=cache)  # compiles on the first call
         print(f"first decode step (compile): {time.perf_counter() - t0:.1f} s")
         done, steps = 1, []
         t_start = time.perf_counter()
         while done < args.tokens:
             t = time.perf_counter()
-            tok = model(input_ids=tok, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+            tok = model(input_ids=tok, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
             steps.append(time.perf_counter() - t)
             done += 1
             if done % args.report == 0 or done == args.tokens:
@@ -112,13 +112,13 @@ def run_dynamic(model, args):
     ids, mask, lengths = prompts(args)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        out = model(input_ids=ids, attention_mask=mask, cache=cache)
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
         mask = torch.cat([mask, torch.ones(args.batch, 1, dtype=torch.long)], dim=1)
         steps = []
         for i in range(1, args.tokens):
             t = time.perf_counter()
-            out = model(input_ids=tok, attention_mask=mask, past_key_values=cache)
+            out = model(input_ids=tok, attention_mask=mask, cache=cache)
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
             mask = torch.cat([mask, torch.ones(args.batch, 1, dtype=torch.long)], dim=1)
             steps.append(time.perf_counter() - t)

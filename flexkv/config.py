@@ -84,6 +84,11 @@ class BoundedKVConfig:
     `source_len -> SinkWindow` that is resolved once here for every length in
     `[min_source_len, max_source_len]`. Construction validates every field and
     raises `ValueError` naming the offending value and the allowed range.
+
+    `head_dim` is the width of a key (and of each query head); `v_head_dim`
+    the width of a value, None (the default) meaning the same. They differ in
+    multi-head latent attention (DeepSeek-V2/V3: keys carry a rotary part
+    that values do not). `value_head_dim` is the resolved value width.
     """
 
     num_layers: int
@@ -99,12 +104,15 @@ class BoundedKVConfig:
     query_window: Optional[int] = None
     max_step_tokens: int = 1
     max_sources: int = 1
+    v_head_dim: Optional[int] = None
     _policies: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
         _int("num_layers", self.num_layers, 1)
         _int("num_heads", self.num_heads, 1)
         _int("head_dim", self.head_dim, 1)
+        if self.v_head_dim is not None:
+            _int("v_head_dim", self.v_head_dim, 1, " (or None for the same width as head_dim)")
         _int("rows_per_request", self.rows_per_request, 1)
         _int("max_source_len", self.max_source_len, 0)
         _int("max_slots", self.max_slots, 1)
@@ -172,6 +180,11 @@ class BoundedKVConfig:
                 f"max_source_len={self.max_source_len}], got {source_len!r}"
             )
         return self._policies[source_len - self.min_source_len]
+
+    @property
+    def value_head_dim(self) -> int:
+        """The width of a value: `v_head_dim`, or `head_dim` when that is None."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     @property
     def sink_capacity(self) -> int:

@@ -54,12 +54,21 @@ class LayerGroup:
         query_window: the group's per-query window (see `BoundedKVConfig`),
             or None for a per-step window.
         name: a label for reports (`"sliding_attention"`, ...).
+        num_heads, head_dim, v_head_dim: the group's KV heads, key width and
+            value width where they differ from the shared config's (Gemma 4's
+            full layers have wider heads than its sliding ones); None keeps
+            the config's. A group that sets `head_dim` but not `v_head_dim`
+            has values as wide as its keys, unless the config sets
+            `v_head_dim`.
     """
 
     layers: Tuple[int, ...]
     retention: Retention
     query_window: Optional[int] = None
     name: str = ""
+    num_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
 
     def __post_init__(self):
         try:
@@ -82,6 +91,16 @@ class LayerGroup:
             raise ValueError(f"LayerGroup.query_window must be an int >= 0 or None, got {self.query_window!r}")
         if not isinstance(self.name, str):
             raise ValueError(f"LayerGroup.name must be a str, got {self.name!r}")
+        for field_name in ("num_heads", "head_dim", "v_head_dim"):
+            value = getattr(self, field_name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(
+                    f"LayerGroup.{field_name} must be an int >= 1, or None for the config's, got {value!r}"
+                )
+
+    def shape_overrides(self) -> dict:
+        """The config fields this group sets for itself (`num_heads`, `head_dim`, `v_head_dim`)."""
+        return {k: getattr(self, k) for k in ("num_heads", "head_dim", "v_head_dim") if getattr(self, k) is not None}
 
 
 def per_layer_groups(retention: Sequence[Retention], query_window=None) -> Tuple[LayerGroup, ...]:
@@ -151,8 +170,8 @@ def build_cache(config: BoundedKVConfig, groups=None, device="cpu", *, block_siz
 def layer_group_configs(config: BoundedKVConfig, groups: Optional[Sequence[LayerGroup]] = None):
     """Check `groups` against `config`; returns `(groups, configs, route)`.
 
-    `configs[g]` is group `g`'s own `BoundedKVConfig` (its layers, retention
-    and query window; everything else shared), `route[layer]` the
+    `configs[g]` is group `g`'s own `BoundedKVConfig` (its layers, retention,
+    query window and any head sizes it sets; everything else shared), `route[layer]` the
     `(group, index inside the group)` of each model layer. `groups=None` is
     one group of every layer with `config`'s own retention. This is the one
     place a grouped cache's per-group configs come from: `GroupedKVManager`
@@ -186,7 +205,8 @@ def layer_group_configs(config: BoundedKVConfig, groups: Optional[Sequence[Layer
     for gi, g in enumerate(groups):
         try:
             configs.append(
-                config.replace(num_layers=len(g.layers), retention=g.retention, query_window=g.query_window)
+                config.replace(num_layers=len(g.layers), retention=g.retention, query_window=g.query_window,
+                               **g.shape_overrides())
             )
         except ValueError as exc:
             raise ValueError(f"group {gi} (layers {list(g.layers)}): {exc}") from None
@@ -356,8 +376,8 @@ class GroupedKVManager(nn.Module):
         return sum(m.slot_bytes for m in self._mgrs)
 
     def memory_report(self) -> tuple:
-        """One dict per group: its name, layers, retention, query window, cells per slot row,
-        bytes per slot (over its layers, keys and values) and bytes held."""
+        """One dict per group: its name, layers, retention, query window, KV heads, key and value
+        widths, cells per slot row, bytes per slot (over its layers, keys and values) and bytes held."""
         out = []
         for g, m in zip(self.groups, self._mgrs):
             out.append(
@@ -366,6 +386,9 @@ class GroupedKVManager(nn.Module):
                     layers=g.layers,
                     retention=g.retention,
                     query_window=g.query_window,
+                    num_heads=m.config.num_heads,
+                    head_dim=m.config.head_dim,
+                    v_head_dim=m.config.value_head_dim,
                     slot_cells=m.layout.slot_row_len,
                     slot_bytes=m.slot_bytes,
                     memory_bytes=m.memory_bytes,
@@ -430,6 +453,13 @@ class GroupedKVManager(nn.Module):
     def _per_group(self, what: str, keys: torch.Tensor, values: torch.Tensor):
         """Check all-layer source tensors; yield each group's manager with its layers' keys and values."""
         c = self.config
+        shapes = {(m.config.num_heads, m.config.head_dim, m.config.value_head_dim) for m in self._mgrs}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"{what}: the groups hold heads of different sizes {sorted(shapes)} (kv heads, head_dim, "
+                f"value_head_dim), so one all-layer tensor cannot carry a source; register it with each "
+                f"group's manager (managers[g].{what}) instead"
+            )
         for name, t in (("keys", keys), ("values", values)):
             if not isinstance(t, torch.Tensor) or t.dim() != 5 or t.shape[0] != c.num_layers:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__

@@ -76,9 +76,10 @@ class BoundedKVManager(nn.Module):
         self.device = torch.device(device)
         self.layout = Layout.for_config(config, block_size, self.device.type)
         shape = (1, config.num_heads, self.layout.total_len, config.head_dim)
+        v_shape = shape[:3] + (config.value_head_dim,)
         for i in range(config.num_layers):
             self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=config.dtype, device=self.device))
-            self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=config.dtype, device=self.device))
+            self.register_buffer(f"v_cache_{i}", torch.zeros(v_shape, dtype=config.dtype, device=self.device))
         self.register_buffer("_zero_index", torch.zeros(1, 1, dtype=torch.long, device=self.device), persistent=False)
         self.register_buffer(
             "_head_index", torch.arange(config.num_heads, device=self.device).view(-1, 1), persistent=False
@@ -178,7 +179,7 @@ class BoundedKVManager(nn.Module):
         return layer_idx
 
     def _layer_kv(self, layer_idx):
-        """Layer `layer_idx`'s key and value buffers, `[1, num_heads, S, head_dim]`.
+        """Layer `layer_idx`'s key and value buffers, `[1, num_heads, S, head_dim]` and `[.., value_head_dim]`.
 
         Every layer keeps tensors of its own (`k_cache_{i}`, `v_cache_{i}`):
         inductor's CPU FlexAttention kernel reads a key or value view from its
@@ -210,22 +211,23 @@ class BoundedKVManager(nn.Module):
         """Bytes one slot holds over all layers, rows, keys and values: the memory of one request."""
         c = self.config
         itemsize = torch.empty((), dtype=c.dtype).element_size()
-        return 2 * c.num_layers * c.num_heads * c.head_dim * itemsize * self.layout.slot_cells()
+        return c.num_layers * c.num_heads * (c.head_dim + c.value_head_dim) * itemsize * self.layout.slot_cells()
 
     # ---------------------------------------------------------------- sources
 
     def _check_source(self, what: str, keys, values) -> int:
         """Validate a source's keys and values; returns its length."""
         c = self.config
-        for name, t in (("keys", keys), ("values", values)):
+        for name, t, dim, width in (("keys", keys, "head_dim", c.head_dim),
+                                    ("values", values, "value_head_dim", c.value_head_dim)):
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
             if t.dim() != 5:
                 raise ValueError(
-                    f"{what}: {name} must be [num_layers, rows_per_request, num_heads, L, head_dim] "
-                    f"= [{c.num_layers}, {c.rows_per_request}, {c.num_heads}, L, {c.head_dim}], got {tuple(t.shape)}"
+                    f"{what}: {name} must be [num_layers, rows_per_request, num_heads, L, {dim}] "
+                    f"= [{c.num_layers}, {c.rows_per_request}, {c.num_heads}, L, {width}], got {tuple(t.shape)}"
                 )
-            want = (c.num_layers, c.rows_per_request, c.num_heads, t.shape[3], c.head_dim)
+            want = (c.num_layers, c.rows_per_request, c.num_heads, t.shape[3], width)
             if tuple(t.shape) != want:
                 raise ValueError(f"{what}: {name} shape expected {want}, got {tuple(t.shape)}")
             if t.shape[3] > c.max_source_len:
@@ -236,7 +238,7 @@ class BoundedKVManager(nn.Module):
                 raise ValueError(f"{what}: {name} dtype expected {c.dtype}, got {t.dtype}")
             if t.device != self.device:
                 raise ValueError(f"{what}: {name} device expected {self.device}, got {t.device}")
-        if keys.shape != values.shape:
+        if keys.shape[:4] != values.shape[:4]:
             raise ValueError(f"{what}: keys {tuple(keys.shape)} and values {tuple(values.shape)} differ")
         return keys.shape[3]
 
@@ -263,8 +265,9 @@ class BoundedKVManager(nn.Module):
     def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Register a read-only prefix shared by requests; returns its index.
 
-        `keys`, `values`: `[num_layers, rows_per_request, num_heads, L, head_dim]`
-        with `L <= max_source_len`, in the cache's dtype and on its device.
+        `keys`: `[num_layers, rows_per_request, num_heads, L, head_dim]`, `values`
+        the same with `value_head_dim`, `L <= max_source_len`, in the cache's
+        dtype and on its device.
         """
         length = self._check_source("add_source", keys, values)
         with self._lock:
@@ -595,11 +598,12 @@ class BoundedKVManager(nn.Module):
                 raise ValueError(f"attend: {name} device expected {self.device}, got {t.device}")
         if q.shape[2] > c.max_step_tokens:
             raise ValueError(f"attend: T={q.shape[2]} exceeds max_step_tokens={c.max_step_tokens}")
-        want_kv = (N, c.num_heads, T, c.head_dim)
-        for name, t in (("k", k), ("v", v)):
+        for name, t, width in (("k", k, c.head_dim), ("v", v, c.value_head_dim)):
+            want_kv = (N, c.num_heads, T, width)
             if tuple(t.shape) != want_kv:
+                dim = "head_dim" if name == "k" else "value_head_dim"
                 raise ValueError(
-                    f"attend: {name} shape expected {want_kv} (rows, num_heads, plan T, head_dim), got {tuple(t.shape)}"
+                    f"attend: {name} shape expected {want_kv} (rows, num_heads, plan T, {dim}), got {tuple(t.shape)}"
                     + (f"; the plan was made for T={T}: set BoundedKVStep(tokens=...)" if t.shape[2] != T else "")
                 )
         Hq = q.shape[1]
@@ -655,9 +659,10 @@ class BoundedKVManager(nn.Module):
     ) -> torch.Tensor:
         """Write the step's tokens into layer `layer_idx` and attend over what each row may read.
 
-        `q`: `[N, Hq, T, D]` (`Hq` a multiple of `num_heads`), `k`, `v`:
-        `[N, num_heads, T, D]` with `N = len(step.segments) * rows_per_request`.
-        Returns `[N, Hq, T, D]`. `score_mod(score, b, h, q_pos, kv_pos)` gets
+        `q`: `[N, Hq, T, D]` (`Hq` a multiple of `num_heads`), `k`:
+        `[N, num_heads, T, D]`, `v`: `[N, num_heads, T, Dv]` (`D = head_dim`,
+        `Dv = value_head_dim`) with `N = len(step.segments) * rows_per_request`.
+        Returns `[N, Hq, T, Dv]`. `score_mod(score, b, h, q_pos, kv_pos)` gets
         stream positions (`positions="stream"`) or in-cache positions
         (`positions="cache"`). One attention call (`flex_attention`, or on the
         rows path `flexkv.row_attention`; see `attention_path`); traceable by
@@ -677,7 +682,8 @@ class BoundedKVManager(nn.Module):
         cells = plan.write_index.view(1, N * T).long()
         index = (self._zero_index, self._head_index, cells)
         kc.index_put_(index, k.transpose(0, 1).reshape(H, N * T, D))
-        vc.index_put_(index, v.transpose(0, 1).reshape(H, N * T, D))
+        Dv = v.shape[3]
+        vc.index_put_(index, v.transpose(0, 1).reshape(H, N * T, Dv))
 
         Hq = q.shape[1]
         group = Hq // H
@@ -720,7 +726,7 @@ class BoundedKVManager(nn.Module):
             if sinks is not None:
                 out, lse = out[0], out[1].lse
         if sinks is None:
-            return out.view(N, Hq, T, D)
+            return out.view(N, Hq, T, Dv)
         # Packed (or from the rows path), query head h * g + i sits at rows i * T .. i * T + T - 1 of
         # KV head h: the same [N, Hq, T] view serves the output and its log-sum-exp.
-        return apply_learned_sinks(out.view(N, Hq, T, D), lse.reshape(N, Hq, T), sinks)
+        return apply_learned_sinks(out.view(N, Hq, T, Dv), lse.reshape(N, Hq, T), sinks)

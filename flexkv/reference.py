@@ -51,8 +51,9 @@ def cache_positions(attended: List[int], query: int) -> tuple:
 class ReferenceCache:
     """Mirror of `BoundedKVManager`'s step API that keeps whole streams in float64.
 
-    `attend` returns float64 `[N, Hq, T, D]`; `commit` appends each request's
-    written tokens (from the last `attend` of every layer) in stream order.
+    `attend` returns float64 `[N, Hq, T, Dv]` (`Dv`: the config's
+    `value_head_dim`); `commit` appends each request's written tokens (from
+    the last `attend` of every layer) in stream order.
     """
 
     def __init__(self, config: BoundedKVConfig):
@@ -74,11 +75,13 @@ class ReferenceCache:
         self.private[rid] = (keys.double().cpu(), values.double().cpu())
 
     def stream(self, rid) -> List[tuple]:
-        """Request `rid`'s written entries per layer: `(K, V)`, each `[R, H, written, D]` (created empty)."""
+        """Request `rid`'s written entries per layer: `(K, V)`, `[R, H, written, head_dim]` and
+        `[R, H, written, value_head_dim]` (created empty)."""
         c = self.config
         if rid not in self.streams:
-            empty = torch.zeros(c.rows_per_request, c.num_heads, 0, c.head_dim, dtype=torch.float64)
-            self.streams[rid] = [(empty, empty) for _ in range(c.num_layers)]
+            keys = torch.zeros(c.rows_per_request, c.num_heads, 0, c.head_dim, dtype=torch.float64)
+            values = torch.zeros(c.rows_per_request, c.num_heads, 0, c.value_head_dim, dtype=torch.float64)
+            self.streams[rid] = [(keys, values) for _ in range(c.num_layers)]
         return self.streams[rid]
 
     def attend(
@@ -99,7 +102,7 @@ class ReferenceCache:
         N, Hq, T, D = q.shape
         group = Hq // c.num_heads
         scale = D ** -0.5 if scale is None else scale
-        out = torch.zeros(N, Hq, T, D, dtype=torch.float64)
+        out = torch.zeros(N, Hq, T, v.shape[3], dtype=torch.float64)
         for si, seg in enumerate(step.segments):
             rid = seg.request_id
             if rid is None:
@@ -168,8 +171,8 @@ class ReferenceCache:
     def load_stream(self, rid, keys: List[torch.Tensor], values: List[torch.Tensor]) -> None:
         """Give request `rid` an already-written stream, replacing what it had.
 
-        `keys[layer]`, `values[layer]`: `[rows_per_request, num_heads, written, head_dim]`,
-        the request's written tokens in stream order. A long run can then be
+        `keys[layer]`: `[rows_per_request, num_heads, written, head_dim]`, `values[layer]` the
+        same with `value_head_dim`: the request's written tokens in stream order. A long run can then be
         checked at a chosen step without replaying every step before it
         through `attend` (which would cost a whole-stream attention per step).
         """
@@ -181,10 +184,12 @@ class ReferenceCache:
         layers = []
         for layer, (k, v) in enumerate(zip(keys, values)):
             want = (c.rows_per_request, c.num_heads, k.shape[2] if k.dim() == 4 else -1, c.head_dim)
-            if k.dim() != 4 or tuple(k.shape) != want or tuple(v.shape) != want:
+            want_v = want[:3] + (c.value_head_dim,)
+            if k.dim() != 4 or tuple(k.shape) != want or tuple(v.shape) != want_v:
                 raise ValueError(
                     f"load_stream: layer {layer} keys/values must be [rows_per_request={c.rows_per_request}, "
-                    f"num_heads={c.num_heads}, written, head_dim={c.head_dim}], got {tuple(k.shape)} and {tuple(v.shape)}"
+                    f"num_heads={c.num_heads}, written, head_dim={c.head_dim} / value_head_dim={c.value_head_dim}], "
+                    f"got {tuple(k.shape)} and {tuple(v.shape)}"
                 )
             layers.append((k.double().cpu(), v.double().cpu()))
         self.streams[rid] = layers

@@ -112,6 +112,7 @@ def attend_rows(
 ):
     """Attention of `q` (`[N, H, Q, D]`, already scaled; `Q` may hold a folded GQA group) over the
     cells each row may read, with the mask and score modifications of the FlexAttention path.
+    Returns `[N, H, Q, Dv]`, `Dv` the value width of `v_cache`.
 
     `width`: cells per gathered row (`gather_width(config)`); needed unless the step reads in
     place. Queries that read nothing (padding rows) return zeros, as in FlexAttention. With
@@ -119,6 +120,7 @@ def attend_rows(
     (`[N, H, Q]`, float32; -inf where it reads nothing), as FlexAttention's log-sum-exp.
     """
     N, H, Q, D = q.shape
+    Dv = v_cache.shape[-1]  # values may be narrower or wider than keys
     dev = q.device
     if reads_in_place(layout, N):
         Lr = layout.slot_row_len
@@ -131,7 +133,7 @@ def attend_rows(
             (where,), torch.arange(N, device=dev))[:n_slot]
         q_slots = q.new_zeros(n_slot + 1, H, Q, D).index_put((where,), q)[:n_slot]
         keys = k_cache[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, D).transpose(0, 1)
-        values = v_cache[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, D).transpose(0, 1)
+        values = v_cache[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, Dv).transpose(0, 1)
         cells = base + torch.arange(n_slot, device=dev).view(-1, 1) * Lr + torch.arange(Lr, device=dev)
         out, reads, lse = _dense(q_slots, keys, values, rows, cells, mask_mod, score_mod, want_lse=return_lse)
         back = where.clamp(max=n_slot - 1)
@@ -143,7 +145,7 @@ def attend_rows(
         cells, used = _interval_cells(plan, width, dev)
         flat = cells.view(-1)
         keys = k_cache[0].index_select(1, flat).view(H, N, width, D).transpose(0, 1)
-        values = v_cache[0].index_select(1, flat).view(H, N, width, D).transpose(0, 1)
+        values = v_cache[0].index_select(1, flat).view(H, N, width, Dv).transpose(0, 1)
         out, reads, lse = _dense(q, keys, values, torch.arange(N, device=dev), cells, mask_mod, score_mod, used,
                                  want_lse=return_lse)
     out = torch.where(reads.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=dev))

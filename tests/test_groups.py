@@ -23,6 +23,7 @@ from flexkv import (
     SlotsExhausted,
     StreamPosition,
 )
+from flexkv.groups import layer_group_configs
 from flexkv.reference import ReferenceCache
 from flexkv.sinks import apply_learned_sinks
 from single_thread import one_thread  # noqa: F401
@@ -48,11 +49,13 @@ def step(segs, written, tokens=None):
                          {r: StreamPosition(0, written[r]) for r, _ in segs if r is not None}, tokens=tokens)
 
 
-def test_each_layer_attends_as_its_groups_reference():
+def attend_against_references(groups):
+    """Drive a grouped cache and one `ReferenceCache` per group (built from that group's own config)
+    through prefill chunks and decode steps; every layer's output must match its group's reference."""
     cfg = base_config()
-    m = GroupedKVManager(cfg, GROUPS, block_size=8)
-    refs = [ReferenceCache(cfg.replace(num_layers=1, retention=g.retention, query_window=g.query_window))
-            for g in GROUPS]
+    m = GroupedKVManager(cfg, groups, block_size=8)
+    _, configs, _ = layer_group_configs(cfg, groups)
+    refs = [ReferenceCache(c.replace(num_layers=1)) for c in configs]
     g = torch.Generator().manual_seed(0)
     written = {"a": 0, "b": 0}
     # Prefill chunks, then decode steps far past both windows; "b" joins late and a padding row rides along.
@@ -64,11 +67,13 @@ def test_each_layer_attends_as_its_groups_reference():
         assert isinstance(plan, GroupedPlan) and len(plan) == 2
         N, T = len(segs), st.step_tokens
         for layer in range(cfg.num_layers):
-            q = torch.randn(N, HQ, T, D, generator=g, dtype=torch.float64)
-            k = torch.randn(N, H, T, D, generator=g, dtype=torch.float64)
-            v = torch.randn(N, H, T, D, generator=g, dtype=torch.float64)
-            got = m.attend(layer, q, k, v, plan)
             gi, li = m.group_of(layer)
+            c = configs[gi]
+            q = torch.randn(N, HQ, T, c.head_dim, generator=g, dtype=torch.float64)
+            k = torch.randn(N, c.num_heads, T, c.head_dim, generator=g, dtype=torch.float64)
+            v = torch.randn(N, c.num_heads, T, c.value_head_dim, generator=g, dtype=torch.float64)
+            got = m.attend(layer, q, k, v, plan)
+            assert got.shape == (N, HQ, T, c.value_head_dim)
             ref = refs[gi]
             # The reference keeps one layer per cache: feed it this layer's stream under a per-layer id.
             rst = BoundedKVStep(tuple(Segment(None if r is None else (r, layer), s) for r, s in segs),
@@ -84,6 +89,34 @@ def test_each_layer_attends_as_its_groups_reference():
                 written[r] += s
     assert m.written("a") == written["a"] and m.written("b") == written["b"]
     assert m.group_of(2) == (0, 1) and m.group_of(3) == (1, 1)
+    return m
+
+
+def test_each_layer_attends_as_its_groups_reference():
+    attend_against_references(GROUPS)
+
+
+def test_groups_with_their_own_head_sizes():
+    """Sliding layers with 2 KV heads of 8, full layers with 1 KV head whose keys are 16 wide and
+    values 12 (per-layer head sizes as in Gemma 4, key and value widths as in latent attention)."""
+    wide = LayerGroup((1, 3), SinkWindow(2, 6), query_window=6, name="full", num_heads=1, head_dim=16, v_head_dim=12)
+    m = attend_against_references((GROUPS[0], wide))
+    report = m.memory_report()
+    assert [(r["num_heads"], r["head_dim"], r["v_head_dim"]) for r in report] == [(H, D, D), (1, 16, 12)]
+    cell = 8  # float64
+    assert report[0]["slot_bytes"] == 2 * 7 * H * (D + D) * cell
+    assert report[1]["slot_bytes"] == 2 * 12 * 1 * (16 + 12) * cell
+    assert m.managers[1].k_cache_0.shape[-1] == 16 and m.managers[1].v_cache_0.shape[-1] == 12
+    # A group that widens its keys and says nothing of values has values as wide as its keys.
+    _, configs, _ = layer_group_configs(base_config(), (GROUPS[0], LayerGroup((1, 3), SinkWindow(2, 6), head_dim=16)))
+    assert configs[1].value_head_dim == 16 and configs[0].value_head_dim == D
+    # One all-layer source tensor cannot hold heads of different sizes.
+    mixed = GroupedKVManager(base_config(max_source_len=3, max_sources=1), (GROUPS[0], wide), block_size=8)
+    keys = torch.zeros(4, 1, H, 3, D, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"add_source: the groups hold heads of different sizes"):
+        mixed.add_source(keys, keys)
+    with pytest.raises(ValueError, match=r"LayerGroup.v_head_dim must be an int >= 1"):
+        LayerGroup((0,), SinkWindow(1, 2), v_head_dim=0)
 
 
 def test_memory_follows_each_groups_window():

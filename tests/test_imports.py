@@ -121,7 +121,11 @@ LAYERS = (
     ("model side and the dense reference", {"compiling", "reference", "uncached", "wrap"}),
     ("running streams", {"session", "workload", "stream_model", "traffic", "show", "runner"}),
     ("entry points and integrations", {"", "__main__", "cli", "engine", "distributed", "integrations",
-                                       "integrations.transformers"}),
+                                       "integrations.transformers", "integrations.transformers.registration",
+                                       "integrations.transformers.model_config", "integrations.transformers.plan",
+                                       "integrations.transformers.shim", "integrations.transformers.recurrent",
+                                       "integrations.transformers.cache_positions",
+                                       "integrations.transformers.hooks", "integrations.transformers.cache"}),
 )
 
 

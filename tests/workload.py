@@ -25,7 +25,7 @@ class Workload:
     """Streams random steps through `manager` and `ReferenceCache`, recording the worst error.
 
     `attend(manager, plan, qs, ks, vs)` runs one model step over all layers
-    (lists of per-layer `[N, H, T, D]` tensors) and returns the per-layer
+    (lists of per-layer `[N, H, T, D]` tensors, values `[N, H, T, Dv]`) and returns the per-layer
     outputs; the default calls `manager.attend` eagerly. `fixed_tokens`
     keeps T constant (a fixed batch shape for compiled steps).
     """
@@ -75,7 +75,7 @@ class Workload:
     def add_source(self, length: int) -> int:
         c = self.cfg
         shape = (c.num_layers, c.rows_per_request, c.num_heads, length, c.head_dim)
-        k, v = self.randn(*shape), self.randn(*shape)
+        k, v = self.randn(*shape), self.randn(*shape[:4], c.value_head_dim)
         idx = self.manager.add_source(k, v)
         self.ref.add_source(idx, k, v)
         self.sources[idx] = length
@@ -137,7 +137,7 @@ class Workload:
         plan = self.manager.plan(step)
         qs = [self.randn(N, self.q_heads, T, c.head_dim) for _ in range(c.num_layers)]
         ks = [self.randn(N, c.num_heads, T, c.head_dim) for _ in range(c.num_layers)]
-        vs = [self.randn(N, c.num_heads, T, c.head_dim) for _ in range(c.num_layers)]
+        vs = [self.randn(N, c.num_heads, T, c.value_head_dim) for _ in range(c.num_layers)]
         if self.attend_fn is None:
             outs = [
                 self.manager.attend(l, qs[l], ks[l], vs[l], plan, score_mod=self.score_mod, positions=self.positions)

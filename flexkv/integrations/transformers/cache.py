@@ -1,0 +1,582 @@
+"""`FlexKVCache`: a bounded cache for a transformers causal LM, one stream per batch row."""
+
+from __future__ import annotations
+
+import sys
+from typing import Hashable, List, Optional, Sequence
+
+import torch
+from transformers.cache_utils import Cache
+from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
+
+from ...config import BoundedKVConfig, SinkWindow
+from ...groups import GroupedKVManager
+from ...step import BoundedKVStep, Segment, StreamPosition
+from .cache_positions import CachePositions
+from .hooks import check_model, enable, switch
+from .model_config import RECURRENT_TYPES, absolute_positions, layer_groups, read_layers, softcap_of
+from .plan import FlexKVForward, Pending
+from .recurrent import RecurrentStates, probe_states
+from .shim import AttentionLayerView, CacheShim, HybridLayerView, RecurrentLayerView
+
+__all__ = ["FlexKVCache", "POSITION_MODES"]
+
+POSITION_MODES = ("stream", "cache")
+
+# Models whose forward takes no cache but an instance of their own class (MiniMax raises for any
+# other); a FlexKVCache for them is also an instance of that class, with every method its own.
+_OWN_CACHE_CLASSES = ("MiniMaxCache",)
+
+# Recurrent mixers whose multi-token forward starts from a zero state whatever the cache holds
+# (Jamba's Mamba scan takes no initial state): a stream can continue through them one token at a time.
+_RESTART_ON_MULTI_TOKEN = {
+    "JambaMambaMixer": "Jamba's Mamba layers start a multi-token forward from an empty state",
+}
+
+
+def _check_retention(name: str, value) -> None:
+    if not isinstance(value, SinkWindow):
+        raise ValueError(f"{name} must be a flexkv.SinkWindow(sink, window), got {value!r}")
+    if value.window_includes_step:
+        raise ValueError(
+            f"{name} {value} has window_includes_step=True; a language model's tokens attend "
+            f"themselves on top of the window: use SinkWindow(sink, window) (window_includes_step=False)"
+        )
+
+
+def _own_cache_class(model):
+    module = sys.modules.get(type(model).__module__)
+    for name in _OWN_CACHE_CLASSES:
+        cls = getattr(module, name, None)
+        if isinstance(cls, type) and issubclass(cls, Cache):
+            return cls
+    return None
+
+
+_WITH_OWN_CLASS: dict = {}
+
+
+class FlexKVCache(CacheShim):
+    """A bounded cache for a transformers causal LM, one stream per batch row.
+
+    Args:
+        model: a `PreTrainedModel` whose attention layers go through
+            transformers' attention interface. Its layers, layer types,
+            sliding window, KV heads, head sizes, recurrent states, dtype and
+            device size the cache; hooks are installed on it (see `enable`).
+        retention: `SinkWindow(sink, window)` for the model's full-attention
+            layers: each stream keeps its first `sink` and its last `window`
+            tokens there, and each token attends those plus itself.
+        sliding_retention: what the model's sliding-window layers keep.
+            None (default): exactly the model's window (`SinkWindow(0,
+            sliding_window - 1)`). A `SinkWindow` replaces it (e.g. to add
+            sinks); its window may not exceed the model's.
+        max_streams: streams the cache holds at once (slots); memory is
+            allocated for all of them up front.
+        positions: `"stream"` or `"cache"` (see the package docstring).
+        prefill_chunk: the most tokens per row one flexkv step carries; a
+            longer prompt is attended in chunks, each layer in turn. Every slot
+            holds this many cells beyond what its layers keep.
+        block_size: FlexAttention's KV block size (None: flexkv picks one for the config and device).
+        device, dtype: default to the model's.
+
+    Layers that keep a recurrent state instead of (or beside) keys and values
+    keep it per stream in buffers sized once here; building the cache for
+    such a model runs the model once on one token to read their shapes.
+    `memory_bytes` is the memory the cache holds, fixed at construction;
+    `memory_report()` says what each group of layers keeps and holds.
+    """
+
+    def __new__(cls, model=None, *args, **kwargs):
+        own = _own_cache_class(model) if model is not None else None
+        if own is not None and not issubclass(cls, own):
+            sub = _WITH_OWN_CLASS.get((cls, own))
+            if sub is None:
+                sub = type(f"{cls.__name__}For{own.__name__}", (cls, own), {"__module__": cls.__module__})
+                _WITH_OWN_CLASS[(cls, own)] = sub
+            cls = sub
+        return object.__new__(cls)
+
+    def __init__(
+        self,
+        model,
+        retention: SinkWindow,
+        *,
+        sliding_retention: Optional[SinkWindow] = None,
+        max_streams: int = 8,
+        positions: str = "stream",
+        prefill_chunk: int = 64,
+        block_size: Optional[int] = None,
+        device=None,
+        dtype: Optional[torch.dtype] = None,
+    ):
+        _check_retention("retention", retention)
+        if sliding_retention is not None:
+            _check_retention("sliding_retention", sliding_retention)
+        if positions not in POSITION_MODES:
+            raise ValueError(f"positions must be one of {POSITION_MODES}, got {positions!r}")
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+        check_model(model)
+        cfg, specs = read_layers(model)
+        attention = [s.index for s in specs if s.attends]
+        if not attention:
+            raise ValueError(
+                f"{type(model).__name__} has no attention layer (layer types {sorted({s.layer_type for s in specs})}): "
+                f"its own cache already keeps a fixed-size state per stream, and a sink + window has nothing to bound"
+            )
+        check_model(model, attention)
+        groups, kv_layer = layer_groups(specs, retention, sliding_retention)
+        if dtype is None:
+            dtype = model.dtype
+        if device is None:
+            device = model.device
+        recurrent = [s.index for s in specs if s.recurrent]
+        states = None
+        if recurrent:
+            shapes = probe_states(model)
+            missing = [i for i in recurrent if not any(key[0] == i for key in shapes)]
+            extra = sorted({key[0] for key in shapes if key[0] not in recurrent})
+            if missing or extra:
+                raise ValueError(
+                    f"{type(model).__name__}'s config names layers {recurrent} recurrent, but on a one-token forward "
+                    f"with its own cache layers {sorted({key[0] for key in shapes})} kept a recurrent state; flexkv "
+                    f"cannot tell which state belongs to which layer"
+                )
+            states = RecurrentStates(shapes, max_streams, device)
+        self.retention = retention
+        self.sliding_retention = sliding_retention
+        self.positions = positions
+        self.model_config = cfg
+        #: one `LayerSpec` per model layer (what it attends, what state it keeps)
+        self.layer_specs = tuple(specs)
+        #: the model's own sliding window of each layer (None: full attention, or no attention)
+        self.layer_windows = tuple(s.window for s in specs)
+        #: model layer -> the KV layer it attends (None: a recurrent-only layer)
+        self.kv_layer = tuple(kv_layer)
+        self._kv_owner = tuple(s.index for s in specs if s.attends and s.kv_source == s.index)
+        self._softcap = softcap_of(cfg)
+        self._absolute = absolute_positions(model, cfg)
+        self._restarts = sorted({
+            why for mod in model.modules() if isinstance(getattr(mod, "layer_idx", None), int)
+            for name, why in _RESTART_ON_MULTI_TOKEN.items() if type(mod).__name__ == name
+        })
+        first = groups[0]
+        self.manager = GroupedKVManager(
+            BoundedKVConfig(
+                num_layers=len(self._kv_owner),
+                num_heads=first.num_heads,
+                head_dim=first.head_dim,
+                v_head_dim=first.v_head_dim,
+                rows_per_request=1,
+                max_source_len=0,
+                max_sources=0,
+                retention=retention,
+                max_slots=max_streams,
+                dtype=dtype,
+                query_window=retention.window,
+                max_step_tokens=prefill_chunk,
+            ),
+            groups,
+            device=device,
+            block_size=block_size,
+        )
+        self._recurrent = states
+        self._rotary = CachePositions(self.manager, model, self._kv_owner) if positions == "cache" else None
+        views = []
+        for s in specs:
+            if s.attends and s.recurrent:
+                views.append(HybridLayerView(self, s.index))
+            elif s.recurrent:
+                views.append(RecurrentLayerView(self, s.index))
+            else:
+                views.append(AttentionLayerView(self, s.index))
+        Cache.__init__(self, layers=views)
+        self._selection: Optional[tuple] = None
+        self._columns = 0
+        self._pending: Optional[Pending] = None
+        # Every check passed: only now touch the model.
+        enable(model)
+        self._model_state = model._flexkv_state
+
+    # ---------------------------------------------------------------- views
+
+    @property
+    def device(self) -> torch.device:
+        return self.manager.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.manager.config.dtype
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of device memory the cache holds: every slot's keys and values in every attention
+        layer, every slot's recurrent states, and un-rotated sink copies (`positions="cache"`)."""
+        extra = 0 if self._rotary is None else self._rotary.memory_bytes
+        states = 0 if self._recurrent is None else self._recurrent.memory_bytes
+        return self.manager.memory_bytes + extra + states
+
+    @property
+    def stream_bytes(self) -> int:
+        """Bytes one stream's slot holds over every layer (keys, values, recurrent states, un-rotated sinks)."""
+        extra = 0 if self._rotary is None else self._rotary.slot_bytes
+        states = 0 if self._recurrent is None else self._recurrent.slot_bytes
+        return self.manager.slot_bytes + extra + states
+
+    def memory_report(self) -> tuple:
+        """One dict per group of layers, attention groups first.
+
+        Attention groups: `kind="attention"`, `name` (the model's layer type),
+        `layers` (the model layers whose keys and values the group holds),
+        `shared_by` (layers that attend those keys and values without holding
+        their own), `retention` (what a stream keeps there), `query_window`,
+        `num_heads`, `head_dim`, `v_head_dim`, `slot_cells` (cells per slot
+        and layer, including `prefill_chunk` cells of headroom), `slot_bytes`
+        (one stream, over the group's layers) and `memory_bytes` (the
+        group's tensors). Recurrent groups: `kind="recurrent"`, `name`,
+        `layers`, `states` (`(kind, index, shape, dtype)` one stream keeps
+        per layer), `slot_bytes`, `memory_bytes`.
+        """
+        out = []
+        owners = self._kv_owner
+        for row in self.manager.memory_report():
+            kv = set(row["layers"])
+            row = dict(row, kind="attention", layers=tuple(owners[k] for k in row["layers"]))
+            row["shared_by"] = tuple(
+                s.index for s in self.layer_specs
+                if s.attends and s.kv_source != s.index and self.kv_layer[s.index] in kv
+            )
+            out.append(row)
+        if self._recurrent is not None:
+            types = [s.layer_type for s in self.layer_specs]
+            out.extend(dict(row, kind="recurrent") for row in self._recurrent.report(types))
+        return tuple(out)
+
+    @property
+    def streams(self) -> tuple:
+        """Ids of the streams the cache holds, oldest first."""
+        return self.manager.requests
+
+    @property
+    def selection(self) -> Optional[tuple]:
+        """The stream id of each batch row of the next forward (None before the first one)."""
+        return self._selection
+
+    def stream_length(self, stream_id: Hashable) -> int:
+        """Tokens a stream has written so far (0 for an id the cache does not hold)."""
+        return self.manager.written(stream_id) if stream_id in self.manager.requests else 0
+
+    # ------------------------------------------------------------ lifecycle
+
+    def select(self, stream_ids: Sequence[Hashable]) -> "FlexKVCache":
+        """Name the stream of each batch row for the following forwards; returns the cache.
+
+        A new id starts an empty stream; a known one continues. Resets
+        `get_seq_length()` to 0, so `generate()` takes the next input as new
+        tokens only.
+        """
+        ids = tuple(stream_ids)
+        if not ids:
+            raise ValueError("select() needs at least one stream id")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"select(): stream ids must be distinct, got {list(ids)}")
+        if any(i is None for i in ids):
+            raise ValueError("select(): None is not a valid stream id")
+        self._recover()
+        self._no_pending("select()")
+        self._selection = ids
+        self._columns = 0
+        return self
+
+    def drop(self, stream_id: Hashable) -> None:
+        """Forget a stream and free its slot."""
+        self._recover()
+        self._no_pending("drop()")
+        self.manager.remove_request(stream_id)
+
+    def reset(self) -> None:
+        """Forget every stream and the selection (transformers' `Cache.reset`)."""
+        if self._pending is not None:
+            self.rollback()
+        for sid in self.manager.requests:
+            self.drop(sid)
+        self._selection = None
+        self._columns = 0
+
+    def _recover(self) -> None:
+        """Roll back a forward the model's hooks planned and never ended (interrupted)."""
+        state = self._model_state
+        if state is not None and state.running is not None and state.running.cache is self:
+            state.recover()
+
+    def _no_pending(self, what: str) -> None:
+        if self._pending is not None:
+            raise ValueError(
+                f"{what} while a planned forward is pending: call cache.commit() after a forward you planned "
+                f"with cache.prepare(), or cache.rollback() if it failed"
+            )
+
+    def _unsupported(self, what: str):
+        raise ValueError(
+            f"FlexKVCache does not support {what}: each batch row is one stream with a fixed slot; "
+            f"use greedy or sampled decoding with one sequence per stream"
+        )
+
+    def _planned(self, what: str) -> FlexKVForward:
+        if self._pending is None:
+            raise RuntimeError(
+                f"FlexKVCache was handed to a forward it did not plan ({what}): call the model itself (its flexkv "
+                f"hooks plan each forward), or pass **cache.prepare(input_ids, attention_mask) to a bare forward "
+                f"and call cache.commit() after it"
+            )
+        return self._pending.forward
+
+    # ------------------------------------------------------------- planning
+
+    def _check_layer(self, layer_idx: int, sliding_window, softcap) -> None:
+        """Host check, per layer and forward: what the model asks for is what the cache serves."""
+        if not self.layer_specs[layer_idx].attends:
+            raise ValueError(
+                f"layer {layer_idx} runs attention, but the cache read the model's config as "
+                f"{self.layer_specs[layer_idx].layer_type!r} (no attention) for it; config.layer_types does "
+                f"not describe this model"
+            )
+        want = self.layer_windows[layer_idx]
+        if sliding_window is not None and sliding_window != want:
+            raise ValueError(
+                f"layer {layer_idx} passes sliding_window={sliding_window} to its attention, but the cache read the "
+                f"model's config as {'full attention' if want is None else f'sliding_window={want}'} for it; "
+                f"config.layer_types / sliding_window do not describe this model"
+            )
+        if softcap is not None and self._softcap != float(softcap):
+            raise ValueError(
+                f"layer {layer_idx} passes softcap={softcap}, but config.attn_logit_softcapping is {self._softcap}"
+            )
+
+    def _rows(self, batch: int) -> tuple:
+        rows = self._selection if self._selection is not None else tuple(range(batch))
+        if len(rows) != batch:
+            raise ValueError(
+                f"the forward has {batch} batch rows but the cache's selection names {len(rows)} "
+                f"streams {list(rows)}; call cache.select([...]) with one stream id per row"
+            )
+        return rows
+
+    def _check_recurrent(self, rows, written, real, T: int) -> None:
+        """Refuse a forward the recurrent layers cannot compute exactly (before anything changes)."""
+        layers = [s.index for s in self.layer_specs if s.recurrent]
+        if real is not None:
+            for sid, w, r in zip(rows, written, real):
+                if len(r) == T:
+                    continue
+                leading = r == list(range(T - len(r), T))
+                if w == 0 and leading:
+                    continue
+                where = "continues a stream that holds {} tokens".format(w) if w else "comes after its tokens"
+                raise ValueError(
+                    f"stream {sid!r}: this forward has {T - len(r)} padding column(s) for it and its padding {where}; "
+                    f"the recurrent layers {layers} advance their state on every column, so padding is exact only "
+                    f"before the first token of a new stream (left padding of new streams). Feed a continuing "
+                    f"stream without padding: one stream per call (cache.select([{sid!r}])), or streams whose new "
+                    f"tokens have the same length"
+                )
+        if self._restarts and T > 1:
+            going = [sid for sid, w in zip(rows, written) if w]
+            if going:
+                raise ValueError(
+                    f"streams {going} continue with {T} tokens in one forward, but {self._restarts[0]} (layers "
+                    f"{layers}): continue a stream one token per forward (its prompt may be any length)"
+                )
+
+    def prepare(self, input_ids=None, attention_mask=None, *, inputs_embeds=None) -> dict:
+        """Plan the next forward on the host; returns the keywords to pass to it.
+
+        `input_ids [B, T]` (or `inputs_embeds [B, T, E]`) give the shape;
+        `attention_mask` is the usual 2-D padding mask whose last `T` columns
+        belong to this forward (zeros: padding). The returned dict holds
+        `position_ids` (the stream positions) and `flexkv_step` (the plan).
+        Until `commit()` (the forward returned) or `rollback()` (it failed)
+        the forward is pending: the model runs flexkv attention, and the
+        streams have not advanced. The model's hooks do all of this for
+        you; call it yourself only for a bare `model.forward`.
+        """
+        self._recover()
+        self._no_pending("prepare()")
+        ref = input_ids if input_ids is not None else inputs_embeds
+        if not isinstance(ref, torch.Tensor) or ref.dim() < 2:
+            raise ValueError(
+                "prepare() needs input_ids [batch, tokens] or inputs_embeds [batch, tokens, hidden], "
+                f"got {None if ref is None else tuple(ref.shape)}"
+            )
+        B, T = int(ref.shape[0]), int(ref.shape[1])
+        if T < 1:
+            raise ValueError("a forward through FlexKVCache needs at least one token per row")
+        rows = self._rows(B)
+        real = None
+        if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+                raise ValueError(
+                    "FlexKVCache takes a 2-D padding attention_mask [batch, columns] (ones: tokens, zeros: padding); "
+                    f"got {type(attention_mask).__name__} of shape "
+                    f"{tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else None}. "
+                    "flexkv builds the attention pattern itself"
+                )
+            if attention_mask.shape[0] != B or attention_mask.shape[1] < T:
+                raise ValueError(
+                    f"attention_mask shape {tuple(attention_mask.shape)} does not cover the forward's "
+                    f"{B} rows x {T} tokens"
+                )
+            # The one device read of the integration: which of this forward's columns are padding.
+            flags = attention_mask[:, -T:].to("cpu").bool().tolist()
+            if not all(all(r) for r in flags):
+                real = [[t for t, f in enumerate(r) if f] for r in flags]
+        lengths = [T] * B if real is None else [len(r) for r in real]
+        written = [self.stream_length(sid) for sid in rows]
+        if self._absolute is not None:
+            limit, name = self._absolute
+            for sid, w, L in zip(rows, written, lengths):
+                if w + L > limit:
+                    raise ValueError(
+                        f"stream {sid!r} would reach length {w + L} (holds {w}, this forward adds {L}), but the model's "
+                        f"learned absolute positions ({name}) stop at max_position_embeddings={limit}; start a new "
+                        f"stream (cache.drop({sid!r}) and select it again), or use a model with rotary positions"
+                    )
+        if self._recurrent is not None:
+            self._check_recurrent(rows, written, real, T)
+
+        C = self.manager.config.max_step_tokens
+        longest = max(lengths)
+        steps = []
+        start = 0
+        while start < longest or not steps:
+            tokens = max(1, min(C, longest - start))
+            if self._rotary is not None:
+                tokens = self._rotary.chunk_limit(tokens, [w + min(start, L) for w, L in zip(written, lengths)])
+            spans = [max(0, min(tokens, L - start)) for L in lengths]
+            steps.append(
+                BoundedKVStep(
+                    segments=tuple(Segment(sid, s) for sid, s in zip(rows, spans)),
+                    positions={sid: StreamPosition(0, w + min(start, L)) for sid, w, L in zip(rows, written, lengths)},
+                    tokens=tokens,
+                )
+            )
+            start += tokens
+        if self._rotary is not None:
+            for step in steps:
+                self._rotary.check_step(step)
+
+        m = self.manager
+        known = set(m.requests)
+        # Admits the new streams (atomically over every group); the later chunks continue the same
+        # streams, planned at the positions they will have. Nothing is committed before the forward returns.
+        m.admit(steps[0])
+        new = [sid for sid in rows if sid not in known]
+        try:
+            plans = [m.plan(step) for step in steps]
+            gather = scatter = None
+            if real is not None:
+                g, s = [], []
+                for r in real:
+                    g.append(r + [r[-1] if r else 0] * (longest - len(r)))
+                    rank = {col: i for i, col in enumerate(r)}
+                    s.append([rank.get(col, longest) for col in range(T)])
+                gather = self._to_device(g)
+                scatter = self._to_device(s)
+            pos = []
+            for b in range(B):
+                w = written[b]
+                if real is None:
+                    pos.append(list(range(w, w + T)))
+                else:
+                    rank = {col: i for i, col in enumerate(real[b])}
+                    pos.append([w + rank.get(col, 0) for col in range(T)])
+            position_ids = self._to_device(pos)
+            state_slots = None
+            if self._recurrent is not None:
+                slot_of = m.layer_manager(0)[0].slot_of
+                state_slots = self._to_device([slot_of(sid) for sid in rows])
+                if new:
+                    self._recurrent.clear(self._to_device([slot_of(sid) for sid in new]))
+        except BaseException:
+            for sid in new:
+                m.remove_request(sid)
+            raise
+        fwd = FlexKVForward(self, steps, plans, gather, scatter, position_ids, state_slots,
+                            continues=any(written))
+        self._pending = Pending(fwd, new, self._columns, self._selection)
+        self._selection = rows
+        self._columns += T
+        switch(self._model_state, on=True)
+        return {"position_ids": position_ids, "flexkv_step": fwd}
+
+    def model_masks(self, attention_mask, forward: FlexKVForward):
+        """The `attention_mask` a planned forward passes to the model.
+
+        None for a model without recurrent layers (flexkv masks attention
+        itself). A model with recurrent layers gets a dict by layer type, as
+        its own forward builds one: None for attention layers, and for
+        recurrent layers the forward's 2-D padding columns (None without
+        padding), which their mixers zero before they update their state.
+        """
+        if self._recurrent is None:
+            return None
+        pad = None
+        if forward.gather is not None and attention_mask is not None:
+            pad = attention_mask[:, -forward.position_ids.shape[1]:].contiguous()
+        masks = {name: None for name in LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING}
+        masks.update({s.layer_type: None for s in self.layer_specs})
+        masks.update({name: pad for name in RECURRENT_TYPES})
+        return masks
+
+    def commit(self) -> None:
+        """Record the pending forward's tokens (and recurrent states) in their streams (it returned);
+        the model's hooks call this."""
+        p = self._pending
+        if p is None:
+            raise ValueError("commit(): no planned forward is pending (cache.prepare() plans one)")
+        for step in p.forward.steps:
+            self.manager.commit(step)
+        if self._recurrent is not None:
+            self._recurrent.commit(p.forward)
+        self._pending = None
+        switch(self._model_state, on=False)
+
+    def rollback(self) -> None:
+        """Forget the pending forward (it failed): every stream, its recurrent state, the selection and
+        `get_seq_length()` return to where they were before `prepare()`; the model's hooks call this."""
+        p = self._pending
+        if p is None:
+            raise ValueError("rollback(): no planned forward is pending (cache.prepare() plans one)")
+        for sid in p.new_streams:
+            if sid in self.manager.requests:
+                self.manager.remove_request(sid)
+        p.forward.staged = {}
+        self._columns = p.columns
+        self._selection = p.selection
+        self._pending = None
+        switch(self._model_state, on=False)
+
+    def _to_device(self, rows: List[list]) -> torch.Tensor:
+        t = torch.tensor(rows, dtype=torch.long)
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def __repr__(self):
+        c = self.manager.config
+        parts = []
+        for r in self.memory_report():
+            if r["kind"] == "attention":
+                parts.append(
+                    f"{r['name']} layers {list(r['layers'])}: {r['retention']}, {r['num_heads']} KV heads of "
+                    f"{r['head_dim']}/{r['v_head_dim']}, {r['slot_cells']} cells per stream and layer"
+                )
+            else:
+                states = ", ".join(f"{k} {list(shape)}" for k, _, shape, _ in r["states"])
+                parts.append(f"{r['name']} layers {list(r['layers'])}: {states} per stream and layer")
+        return (
+            f"FlexKVCache(positions={self.positions!r}, max_streams={c.max_slots}, layers={len(self.layer_specs)}, "
+            f"dtype={c.dtype}, groups=[{'; '.join(parts)}], stream_bytes={self.stream_bytes}, "
+            f"memory_bytes={self.memory_bytes})"
+        )

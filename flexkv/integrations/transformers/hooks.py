@@ -1,0 +1,279 @@
+"""What `enable(model)` installs: forward hooks that plan and commit, and a guard around `generate()`.
+
+A forward that carries a flexkv cache (`cache=` or `past_key_values=`) is
+planned by the pre-hook (`cache.prepare`), runs with the model's attention
+switched to `"flexkv"`, and is committed by the forward hook when it
+returns, or rolled back when it raises. torch runs a forward hook on the
+way out of an `Exception` only, so a `KeyboardInterrupt` (or any other
+`BaseException`) in a layer skips it: the forward stays pending and the
+model stays switched. The next forward through the model's hooks, with the
+cache or without, rolls such a forward back before it runs, and `generate()`
+does so at once on its way out. The guard around `generate()` also refuses
+decoding modes a bounded cache cannot serve (beam search and the others
+that reorder, copy or crop a cache) before anything happens.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+
+import torch
+
+from .plan import FlexKVForward
+from .registration import ATTN_IMPLEMENTATION, register
+from .shim import CacheShim
+
+__all__ = ["enable", "disable", "switch", "ModelState", "check_model", "SUPPORTED_MODES"]
+
+#: The `generate()` decoding modes a FlexKVCache serves: one sequence per stream, never reordered.
+SUPPORTED_MODES = ("greedy_search", "sample")
+
+
+def _text_config(config):
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _attention_modules(model) -> dict:
+    """`{layer_idx: module}` of the modules whose forward calls transformers' attention interface."""
+    found = {}
+    for mod in model.modules():
+        layer = getattr(mod, "layer_idx", None)
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            continue
+        try:
+            names = inspect.unwrap(type(mod).forward).__code__.co_names
+        except AttributeError:  # pragma: no cover - a forward that is not a plain function
+            continue
+        if "ALL_ATTENTION_FUNCTIONS" in names:
+            found.setdefault(layer, mod)
+    return found
+
+
+def check_model(model, attention_layers=None) -> None:
+    """Refuse a model whose attention flexkv cannot take over (before anything about it is touched).
+
+    `attention_layers`: the layers that must run their attention through
+    transformers' attention interface (None: check only the model's kind).
+    """
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; FlexKVCache supports decoder-only LMs")
+    if attention_layers is None:
+        return
+    routed = _attention_modules(model)
+    missing = [i for i in attention_layers if i not in routed]
+    shared = {i: m for i, m in routed.items() if i not in attention_layers and (i < 0 or i > max(attention_layers))}
+    if missing and shared:
+        # Zamba2: one attention block serves several layers and is told the layer in each call.
+        idx, mod = next(iter(shared.items()))
+        raise ValueError(
+            f"{type(model).__name__}'s layers {missing} share one attention module ({type(mod).__name__}, "
+            f"layer_idx={idx}) that is handed the layer index as an argument of each call, so flexkv's attention "
+            f"function cannot tell whose keys and values a call holds"
+        )
+    if missing and not getattr(type(model), "_supports_attention_backend", False):
+        raise ValueError(
+            f"{type(model).__name__}'s attention layers {missing} do not call transformers' attention interface "
+            f"(ALL_ATTENTION_FUNCTIONS), so flexkv cannot take their attention over"
+        )
+
+
+def _find_cache(args, kwargs):
+    # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name still works).
+    cache = kwargs.get("cache")
+    if not isinstance(cache, CacheShim):
+        cache = kwargs.get("past_key_values")
+    if not isinstance(cache, CacheShim):
+        if any(isinstance(a, CacheShim) for a in args):
+            raise ValueError("pass a FlexKVCache by keyword (cache=... or past_key_values=...), not positionally")
+        return None
+    return cache
+
+
+class ModelState:
+    """What `enable` installed on a model: hooks, the configs a planned forward switches to flexkv,
+    and the forward its hooks planned that has not ended yet."""
+
+    def __init__(self, configs):
+        self.handles: list = []
+        self.configs = configs
+        self.depth = 0
+        self.saved: list = []
+        #: the forward the hooks planned and have not committed or rolled back (None: none)
+        self.running = None
+        #: the instance attribute `generate` had before `enable` wrapped it (None: the class's own)
+        self.generate = None
+
+    def recover(self) -> bool:
+        """Roll back a forward the hooks planned whose end never ran (interrupted by a `BaseException`).
+
+        Returns whether there was one. Safe to call at any time outside a running forward.
+        """
+        fwd, self.running = self.running, None
+        if fwd is None:
+            return False
+        cache = fwd.cache
+        if cache._pending is not None and cache._pending.forward is fwd:
+            cache.rollback()
+        return True
+
+
+def _pre_forward(state: ModelState, module, args, kwargs):
+    """Forward pre-hook: plan a forward that carries a FlexKVCache and hand the plan down as keywords."""
+    if kwargs.get("flexkv_step") is not None:
+        return None  # inside a forward planned further up (the LM head's forward calls the base model's)
+    # Not inside a planned forward: a forward these hooks planned and that is still pending was
+    # interrupted (KeyboardInterrupt skips forward hooks); undo it before this forward runs.
+    state.recover()
+    cache = _find_cache(args, kwargs)
+    if cache is None:
+        return None
+    input_ids = kwargs.get("input_ids")
+    if input_ids is None and args:
+        input_ids = args[0]
+    if len(args) > 1:
+        raise ValueError("with a FlexKVCache, pass the forward's inputs by keyword (input_ids=..., attention_mask=...)")
+    mask = kwargs.get("attention_mask")
+    extra = cache.prepare(input_ids, mask, inputs_embeds=kwargs.get("inputs_embeds"))
+    fwd = extra["flexkv_step"]
+    fwd.owner = module
+    state.running = fwd
+    kwargs = dict(kwargs)
+    kwargs.update(extra)
+    # Consumed: flexkv masks attention itself. Models with recurrent layers get the padding
+    # mask of this forward's columns for those layers only (see FlexKVCache.model_masks).
+    kwargs["attention_mask"] = cache.model_masks(mask, fwd)
+    return args, kwargs
+
+
+def _post_forward(state: ModelState, module, args, kwargs, result):
+    """Forward hook (run on success and on `Exception`): commit the forward this module planned, or roll it back."""
+    fwd = kwargs.get("flexkv_step") if isinstance(kwargs, dict) else None
+    if not isinstance(fwd, FlexKVForward) or fwd.owner is not module:
+        return None
+    if state.running is fwd:
+        state.running = None
+    cache = fwd.cache
+    if cache._pending is None or cache._pending.forward is not fwd:
+        return None
+    if result is None:
+        cache.rollback()
+    else:
+        cache.commit()
+    return None
+
+
+def _attention_configs(model) -> list:
+    """The config objects the model's attention layers and mask builders read `_attn_implementation` from."""
+    found = {}
+    for cfg in (model.config, _text_config(model.config)):
+        found.setdefault(id(cfg), cfg)
+    for mod in model.modules():
+        cfg = getattr(mod, "config", None)
+        if isinstance(getattr(mod, "layer_idx", None), int) and hasattr(cfg, "_attn_implementation_internal"):
+            found.setdefault(id(cfg), cfg)
+    return list(found.values())
+
+
+def switch(state: ModelState, on: bool) -> None:
+    """Run the model's attention through flexkv (nesting counted), or restore what it was."""
+    if on:
+        if state.depth == 0:
+            state.saved = [cfg._attn_implementation_internal for cfg in state.configs]
+            for cfg in state.configs:
+                cfg._attn_implementation_internal = ATTN_IMPLEMENTATION
+        state.depth += 1
+    else:
+        state.depth = max(0, state.depth - 1)
+        if state.depth == 0:
+            for cfg, value in zip(state.configs, state.saved):
+                cfg._attn_implementation_internal = value
+            state.saved = []
+
+
+# The `generate()` arguments that decide its decoding mode (`GenerationConfig.get_generation_mode`).
+_MODE_FIELDS = ("num_beams", "num_beam_groups", "do_sample", "penalty_alpha", "top_k", "constraints",
+                "force_words_ids", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "dola_layers")
+
+
+def _generation_mode(model, args, kwargs) -> str:
+    """The decoding mode `generate(*args, **kwargs)` will run, as transformers decides it."""
+    config = kwargs.get("generation_config")
+    if config is None and len(args) > 1:
+        config = args[1]
+    config = copy.deepcopy(config if config is not None else model.generation_config)
+    for name in _MODE_FIELDS:
+        if name in kwargs:
+            setattr(config, name, kwargs[name])
+    mode = config.get_generation_mode(kwargs.get("assistant_model"))
+    return getattr(mode, "value", mode)
+
+
+def _guarded_generate(state: ModelState, model, generate, *args, **kwargs):
+    """`model.generate` under flexkv: refuse unsupported modes first; leave the cache usable however it ends."""
+    cache = kwargs.get("cache")
+    if not isinstance(cache, CacheShim):
+        cache = kwargs.get("past_key_values")
+    if not isinstance(cache, CacheShim):
+        return generate(*args, **kwargs)
+    state.recover()
+    mode = _generation_mode(model, args, kwargs)
+    if mode not in SUPPORTED_MODES:
+        cache._unsupported(f"generate() in {mode.replace('_', ' ')} mode")
+    try:
+        return generate(*args, **kwargs)
+    except BaseException:
+        state.recover()  # an interrupted forward (e.g. Ctrl-C) is undone now, not at the next forward
+        raise
+
+
+def enable(model) -> None:
+    """Install flexkv's forward hooks on `model` and its guard around `model.generate` (idempotent).
+
+    Registers the `"flexkv"` attention function and installs the hooks that
+    plan a forward given a `FlexKVCache`, switch the model's attention to
+    flexkv for that forward, and commit (or, if it raised, roll back) its
+    tokens afterwards. Forwards and `generate()` calls without a
+    `FlexKVCache` are untouched.
+    """
+    check_model(model)
+    register()
+    if getattr(model, "_flexkv_state", None) is not None:
+        return
+    state = ModelState(_attention_configs(model))
+    mods = [model]
+    base = getattr(model, "base_model", None)
+    if isinstance(base, torch.nn.Module) and base is not model:
+        mods.append(base)
+    for mod in mods:
+        state.handles.append(mod.register_forward_pre_hook(functools.partial(_pre_forward, state), with_kwargs=True))
+        state.handles.append(mod.register_forward_hook(functools.partial(_post_forward, state), with_kwargs=True,
+                                                       always_call=True))
+    generate = getattr(model, "generate", None)
+    if callable(generate):
+        state.generate = model.__dict__.get("generate")
+        guarded = functools.partial(_guarded_generate, state, model, generate)
+        functools.update_wrapper(guarded, generate)
+        model.generate = guarded
+    model._flexkv_state = state
+
+
+def disable(model) -> None:
+    """Undo `enable`: remove the hooks and the `generate` guard (a FlexKVCache built for the model no
+    longer plans its forwards)."""
+    state = getattr(model, "_flexkv_state", None)
+    if state is None:
+        return
+    state.recover()
+    for h in state.handles:
+        h.remove()
+    if "generate" in model.__dict__:
+        if state.generate is None:
+            del model.generate
+        else:
+            model.generate = state.generate
+    if state.depth:
+        state.depth = 1
+        switch(state, on=False)
+    model._flexkv_state = None

@@ -1,0 +1,121 @@
+"""One planned forward pass through a `FlexKVCache`: `FlexKVForward`, and what a failed one restores.
+
+`FlexKVCache.prepare` plans a forward on the host: the flexkv steps of its
+chunks, their plans, how the forward's columns map to stream tokens, the
+stream positions, and (for models with recurrent layers) which slot each
+row's state lives in. The model's layers read all of it from the forward's
+`flexkv_step` keyword; nothing in a stream changes until the forward returns
+and the cache commits it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["FlexKVForward", "Pending"]
+
+_SOFTCAP_MODS: dict = {}
+
+
+def softcap_mod(cap: float):
+    """`score_mod` capping a scaled score at `cap` as Gemma 2 does: `cap * tanh(score / cap)`."""
+    cap = float(cap)
+    mod = _SOFTCAP_MODS.get(cap)
+    if mod is None:
+
+        def mod(score, b, h, q_pos, kv_pos):
+            return torch.tanh(score / cap) * cap
+
+        _SOFTCAP_MODS[cap] = mod
+    return mod
+
+
+def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`x[b, :, index[b, t], :]` for `x [B, H, T, D]`, `index [B, T']` -> `[B, H, T', D]`."""
+    B, H, _, D = x.shape
+    return x.gather(2, index[:, None, :, None].expand(B, H, index.shape[1], D))
+
+
+class FlexKVForward:
+    """One planned forward pass: the plan of each chunk and how columns map to stream tokens.
+
+    Made by `FlexKVCache.prepare` on the host and handed to every layer
+    through the forward's `flexkv_step` keyword. Its tensors are on the
+    cache's device; `attend` reads nothing but tensors, so a compiled forward
+    sees a new `FlexKVForward` every step without recompiling.
+    """
+
+    def __init__(self, cache, steps, plans, gather, scatter, position_ids, state_slots=None, continues=False):
+        self.cache = cache
+        self.manager = cache.manager
+        #: the flexkv steps of the forward's chunks, committed when the forward returns
+        self.steps = tuple(steps)
+        #: one `GroupedPlan` per chunk
+        self.plans = tuple(plans)
+        #: `[B, T']` column of each stream token (None: every column is a token)
+        self.gather = gather
+        #: `[B, T]` index into the `T' + 1` outputs for each column (`T'`: zeros)
+        self.scatter = scatter
+        #: `[B, T]` the stream position of each column
+        self.position_ids = position_ids
+        #: "cache" positions: re-rotates the step's q/k and rewrites the sink cells per layer
+        self.rotary = cache._rotary
+        #: model layer -> the KV layer it attends in the manager
+        self.kv_layer = cache.kv_layer
+        #: `[B]` the state slot of each row (models with recurrent layers; else None)
+        self.state_slots = state_slots
+        #: whether any row's stream has written tokens before this forward (its state is read)
+        self.continues = continues
+        #: the recurrent states this forward produced, committed to their slots when it returns
+        self.staged: dict = {}
+        #: the model module whose hooks planned the forward (None: planned by hand)
+        self.owner = None
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale=None,
+        *,
+        softcap: Optional[float] = None,
+        sinks: Optional[torch.Tensor] = None,
+        sliding_window: Optional[int] = None,
+    ) -> torch.Tensor:
+        """Attend model layer `layer_idx` for the whole forward: `q [B, Hq, T, D]`, `k [B, Hkv, T, D]`,
+        `v [B, Hkv, T, Dv]` in, `[B, Hq, T, Dv]` out."""
+        self.cache._check_layer(layer_idx, sliding_window, softcap)
+        kv = self.kv_layer[layer_idx]
+        score_mod = None if softcap is None else softcap_mod(softcap)
+        if self.gather is not None:
+            q, k, v = take(q, self.gather), take(k, self.gather), take(v, self.gather)
+        outs = []
+        start = 0
+        single = len(self.plans) == 1 and self.plans[0].tokens == q.shape[2]
+        for plan in self.plans:
+            if single:
+                qc, kc, vc = q, k, v
+            else:
+                stop = start + plan.tokens
+                qc, kc, vc = q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop]
+                start = stop
+            if self.rotary is not None:
+                qc, kc = self.rotary(kv, qc, kc, plan)
+            outs.append(self.manager.attend(kv, qc, kc, vc, plan, scale=scale, score_mod=score_mod, sinks=sinks))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        if self.scatter is not None:
+            out = take(torch.cat([out, out.new_zeros(out.shape[0], out.shape[1], 1, out.shape[3])], dim=2), self.scatter)
+        return out
+
+
+class Pending:
+    """A planned forward not yet committed, and what to restore if it fails."""
+
+    def __init__(self, forward: FlexKVForward, new_streams, columns: int, selection):
+        self.forward = forward
+        self.new_streams = tuple(new_streams)
+        self.columns = columns
+        self.selection = selection

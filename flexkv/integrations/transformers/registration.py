@@ -1,0 +1,95 @@
+"""The supported transformers releases, and the `"flexkv"` attention function registered with them.
+
+Importing this module checks the installed transformers release first
+(`import_transformers`): any release outside `SUPPORTED_TRANSFORMERS` fails
+with one message that says what to install, before anything else of
+transformers is imported.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+
+__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_TRANSFORMERS", "flexkv_attention_forward", "import_transformers",
+           "register"]
+
+#: The transformers releases this integration is tested with: `>= lo, < hi`.
+SUPPORTED_TRANSFORMERS = ("5.23", "5.25")
+#: The name the attention function is registered under.
+ATTN_IMPLEMENTATION = "flexkv"
+
+
+def _version_tuple(text: str) -> tuple:
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:2])
+
+
+def import_transformers():
+    """Import transformers, or fail with one message naming the supported range."""
+    lo, hi = SUPPORTED_TRANSFORMERS
+    hint = (
+        f"flexkv.integrations.transformers needs transformers>={lo},<{hi}; "
+        f"install it with: pip install 'flexkv[transformers]'"
+    )
+    try:
+        import transformers
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(f"{hint} (transformers is not installed)") from exc
+    found = transformers.__version__
+    if not _version_tuple(lo) <= _version_tuple(found) < _version_tuple(hi):
+        raise ImportError(f"{hint} (found transformers {found})")
+    return transformers
+
+
+import_transformers()
+
+from transformers import AttentionInterface  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+
+
+def flexkv_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    flexkv_step=None,
+    **kwargs,
+):
+    """The `"flexkv"` attention function (transformers' `AttentionInterface` signature).
+
+    `query [B, Hq, T, D]`, `key [B, Hkv, T, D]`, `value [B, Hkv, T, Dv]` (the
+    step's own tokens, already rotated). Returns `([B, T, Hq, Dv], None)`.
+    The model passes `softcap` (Gemma 2), `s_aux` (gpt-oss's learned sinks)
+    and its layer's `sliding_window`; all three are honoured. It runs only
+    inside a forward planned by a `FlexKVCache` (`flexkv_step`, a
+    `FlexKVForward`), which switches the model to it for that forward.
+    """
+    if flexkv_step is None:
+        raise ValueError(
+            f"the {ATTN_IMPLEMENTATION!r} attention ran in a forward no FlexKVCache planned "
+            f"({type(module).__name__}, layer {getattr(module, 'layer_idx', None)}): a FlexKVCache switches the model "
+            f"to it for the forwards it plans and back afterwards; do not set attn_implementation="
+            f"{ATTN_IMPLEMENTATION!r} yourself, and after cache.prepare() call cache.commit() or cache.rollback()"
+        )
+    if module.training and dropout > 0:
+        raise ValueError(
+            f"flexkv attention is for inference: got dropout={dropout} in training mode; call model.eval()"
+        )
+    out = flexkv_step.attend(
+        module.layer_idx, query, key, value, scaling,
+        softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"), sliding_window=kwargs.get("sliding_window"),
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register `flexkv_attention_forward` (and a mask function for it) with transformers."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, flexkv_attention_forward)
+    # The mask transformers builds inside a planned forward is not read (flexkv masks itself);
+    # SDPA's mask function builds a valid one for any model.
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)

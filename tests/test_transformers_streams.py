@@ -1,0 +1,385 @@
+"""FlexKVCache's lifecycle inside transformers: streams across calls, failed and interrupted forwards,
+refused decoding modes, positions, and the compiled decode step.
+
+Every test checks against an uncached reference (`hf_models.reference_greedy`)
+or a fresh cache running the same calls without the disturbance.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from hf_models import (  # noqa: E402  (skips this module without the transformers extra)
+    CHUNK, SINK, WINDOW, FailOnce, layer_masks, left_pad, make_model, prompts, reference_greedy,
+)
+from single_thread import one_thread  # noqa: E402,F401
+
+from flexkv import SinkWindow  # noqa: E402
+from flexkv.integrations.transformers import FlexKVCache  # noqa: E402
+
+KW = dict(max_streams=4, prefill_chunk=CHUNK, block_size=16)
+GREEDY = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+
+def _rotate(x, positions, inv_freq):
+    """Rotate `x [..., D]` at float64 angles `positions [...] * inv_freq` (half-split layout)."""
+    freqs = positions.double()[..., None] * inv_freq.double()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    half = x.shape[-1] // 2
+    return x * emb.cos() + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * emb.sin()
+
+
+def streaming_llm_attention(inv_freq, rotate_all: bool, sink=SINK, window=WINDOW):
+    """StreamingLLM by its definition, over a whole uncached history of one row.
+
+    In a rotary layer: undo the model's rotation (its own float32 angles at
+    positions 0..L-1), then for each query `p` rotate every attended key and
+    the query at its rank in the attended set (its in-cache position) and
+    softmax over that set. A layer that uses no rotary (`module.use_rope`
+    false) attends the same set unrotated, unless `rotate_all`.
+    """
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        _, Hq, L, D = query.shape
+        group = Hq // key.shape[1]
+        pos = torch.arange(L)
+        p, j = pos[:, None], pos[None, :]
+        attended = (j <= p) & ((j < sink) | (j >= p - window))
+        q = query[0]
+        k = key[0].repeat_interleave(group, 0)
+        v = value[0].repeat_interleave(group, 0)
+        if getattr(module, "use_rope", True) or rotate_all:
+            if getattr(module, "use_rope", True):
+                freqs = pos.float()[:, None] * inv_freq.float()
+                emb = torch.cat((freqs, freqs), dim=-1)
+                cos, sin = emb.cos().to(query.dtype), emb.sin().to(query.dtype)
+                half = D // 2
+                unrot = lambda x: x * cos - torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin  # noqa: E731
+                q, k = unrot(q), unrot(k)
+            evicted = (p - window - sink).clamp_min(0)  # entries between the sinks and the window
+            rank = torch.where(j < sink, j, j - evicted)  # in-cache position of key j for query p
+            keys = _rotate(k[:, None, :, :], rank[None], inv_freq)  # [Hq, L(query), L(key), D]
+            queries = _rotate(q, (pos - evicted[:, 0])[None], inv_freq)  # [Hq, L, D]
+            scores = torch.einsum("hpd,hpjd->hpj", queries, keys) * scaling
+        else:
+            scores = torch.einsum("hpd,hjd->hpj", q, k) * scaling
+        scores = scores.masked_fill(~attended, float("-inf"))
+        out = torch.einsum("hpj,hjd->hpd", torch.softmax(scores, -1), v)
+        return out.transpose(0, 1)[None].contiguous(), None
+
+    return attention
+
+
+def test_cache_positions_leave_layers_without_rotary_alone():
+    """SmolLM3 with `no_rope_layers=[1, 0]`: layer 1 has no rotary, so in-cache positions change nothing there."""
+    from transformers import AttentionInterface
+
+    model = make_model("smollm3", seed=12)
+    assert [layer.self_attn.use_rope for layer in model.model.layers] == [1, 0]
+    ps = prompts((5, 22), seed=13)
+    ids, mask = left_pad(ps)
+    n = 3 * WINDOW
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), positions="cache", max_streams=2, prefill_chunk=CHUNK,
+                        block_size=16)
+    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=n, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    logits = torch.stack(out.logits, dim=1)
+    inv_freq = model.model.rotary_emb.inv_freq
+    refs = {}
+    for rotate_all in (False, True):
+        AttentionInterface.register("streaming_llm_reference", streaming_llm_attention(inv_freq, rotate_all))
+        model.set_attn_implementation("streaming_llm_reference")
+        try:
+            refs[rotate_all] = [reference_greedy(model, p, n) for p in ps]  # the 4-D masks are not read
+        finally:
+            model.set_attn_implementation("sdpa")
+    for b, (want_tokens, want_logits) in enumerate(refs[False]):
+        assert out.sequences[b, ids.shape[1]:].tolist() == want_tokens.tolist(), f"row {b}"
+        torch.testing.assert_close(logits[b].double(), want_logits, rtol=0, atol=1e-5)
+    # Re-rotating the layer without rotary would be another model.
+    assert max((logits[b].double() - r[1]).abs().max().item() for b, r in enumerate(refs[True])) > 1e-2
+
+
+
+def test_failed_forward_leaves_every_stream_where_it_was():
+    model = make_model("qwen3", seed=5)
+    impl = model.config._attn_implementation
+    ids, mask = left_pad(prompts((6, 11), seed=6))
+    kw = dict(max_streams=3, prefill_chunk=CHUNK, block_size=16)
+    gen = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
+               return_dict_in_generate=True)
+    want = model.generate(ids, cache=FlexKVCache(model, SinkWindow(SINK, WINDOW), **kw), **gen)
+
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), **kw)
+    fail = FailOnce(call=1)  # layer 1, during the prefill (after layer 0 attended and wrote)
+    handle = model.model.layers[1].self_attn.register_forward_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="injected failure"):
+            model.generate(ids, cache=cache, **gen)
+        assert cache.streams == () and cache.get_seq_length() == 0 and cache.selection is None
+        assert model.config._attn_implementation == impl
+        got = model.generate(ids, cache=cache, **gen)  # the same call again
+        assert got.sequences.tolist() == want.sequences.tolist()
+        assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+
+        # Continuing streams: a decode step fails; only that step is undone.
+        lengths = {sid: cache.stream_length(sid) for sid in (0, 1)}
+        fail.seen, fail.call = 0, 3
+        more = torch.cat([got.sequences, torch.tensor([[5], [7]])], dim=1)
+        more_mask = torch.cat([mask, torch.ones(2, more.shape[1] - mask.shape[1], dtype=torch.long)], dim=1)
+        columns = cache.get_seq_length()
+        with pytest.raises(RuntimeError, match="injected failure"):
+            model.generate(more, attention_mask=more_mask, cache=cache, max_new_tokens=5, do_sample=False)
+        # The two forwards that returned (the new columns, then one token) are kept.
+        assert cache.stream_length(0) == lengths[0] + (more.shape[1] - columns) + 1
+        assert cache.stream_length(1) == lengths[1] + (more.shape[1] - columns) + 1
+        assert cache.get_seq_length() == more.shape[1] + 1
+    finally:
+        handle.remove()
+
+
+def test_absolute_positions_past_the_limit_are_refused():
+    model = make_model("gpt2", seed=2)  # n_positions = 16
+    ids = prompts((10,), seed=3)[0][None]
+    cache = FlexKVCache(model, SinkWindow(2, 4), max_streams=1, block_size=16)
+    out = model.generate(ids, cache=cache, max_new_tokens=7, do_sample=False)  # feeds 16 tokens
+    assert cache.stream_length(0) == 16
+    with pytest.raises(ValueError, match=r"stream 0 would reach length 17 \(holds 16, this forward adds 1\).*"
+                                         r"\(wpe\) stop at max_position_embeddings=16"):
+        model.generate(out, cache=cache, max_new_tokens=3, do_sample=False)
+    assert cache.stream_length(0) == 16 and cache.get_seq_length() == 16
+
+
+# ------------------------------------------------------------ streams across calls
+
+
+def test_streams_continue_across_generate_calls():
+    model = make_model("llama", seed=3)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=4, prefill_chunk=CHUNK, block_size=16)
+    n = 8
+    history = {}
+    # Call 1: three streams.
+    first = dict(zip("abc", prompts((4, 11, 7), seed=5)))
+    ids, mask = left_pad(list(first.values()))
+    out = model.generate(ids, attention_mask=mask, cache=cache.select(list(first)),
+                         max_new_tokens=n, do_sample=False)
+    for i, sid in enumerate(first):
+        history[sid] = torch.cat([first[sid], out[i, ids.shape[1]:]])
+    assert cache.stream_length("b") == len(history["b"]) - 1
+    # Call 2: continue c and a (in another order, with the last generated token fed back) and start d.
+    msgs = dict(zip("cad", prompts((6, 2, 9), seed=6)))
+    new = {sid: (torch.cat([history[sid][-1:], msgs[sid]]) if sid in history else msgs[sid]) for sid in msgs}
+    ids, mask = left_pad(list(new.values()))
+    cache.select(list(new))
+    assert cache.get_seq_length() == 0
+    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=n, do_sample=False)
+    for i, sid in enumerate(new):
+        before = history[sid] if sid in history else torch.zeros(0, dtype=torch.long)
+        want, _ = reference_greedy(model, torch.cat([before, msgs[sid]]), n)
+        assert out[i, ids.shape[1]:].tolist() == want.tolist(), f"stream {sid}"
+        history[sid] = torch.cat([before, msgs[sid], want])
+    assert cache.stream_length("b") == len(first["b"]) + n - 1  # untouched by call 2
+    assert set(cache.streams) == set("abcd")
+    # Call 3, the usual transformers way: hand generate() its own output plus new tokens.
+    more = prompts((3, 3, 3), seed=7)
+    ids3 = torch.cat([out, torch.stack(more)], dim=1)
+    mask3 = torch.cat([mask, torch.ones(3, n + 3, dtype=torch.long)], dim=1)
+    out3 = model.generate(ids3, attention_mask=mask3, cache=cache, max_new_tokens=n, do_sample=False)
+    for i, sid in enumerate(new):
+        want, _ = reference_greedy(model, torch.cat([history[sid], more[i]]), n)
+        assert out3[i, ids3.shape[1]:].tolist() == want.tolist(), f"stream {sid}, call 3"
+
+
+def test_a_forward_planned_by_hand_commits_when_told():
+    model = make_model("llama", seed=4)
+    ids = prompts((5,), seed=2)[0][None]
+    hooked = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=1, block_size=16)
+    bare = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=1, block_size=16)
+    with torch.no_grad():
+        want = model(input_ids=ids, cache=hooked).logits
+        kw = bare.prepare(ids)
+        assert bare.stream_length(0) == 0  # pending: nothing committed yet
+        with pytest.raises(ValueError, match="while a planned forward is pending"):
+            bare.prepare(ids)
+        got = model.forward(input_ids=ids, cache=bare, **kw).logits
+        bare.commit()
+    assert torch.equal(got, want)
+    assert bare.stream_length(0) == hooked.stream_length(0) == 5
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="no planned forward is pending"):
+        bare.commit()
+
+
+
+# ------------------------------------------------------------------ compile
+
+
+def test_compiled_hybrid_decode_does_not_recompile_per_token():
+    """Gemma 3 (a sliding and a full layer, two groups of different slot sizes), float32, compiled decode."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = make_model("gemma3", dtype=torch.float32, seed=4)
+    kwargs = dict(max_streams=4, prefill_chunk=CHUNK, block_size=16)
+    eager = FlexKVCache(model, SinkWindow(SINK, WINDOW), **kwargs)
+    compiled = FlexKVCache(model, SinkWindow(SINK, WINDOW), **kwargs)
+    ids, _ = left_pad(prompts((6, 6, 6), seed=8))
+    steps = 2 * WINDOW  # past both the sliding window and sink + window
+    with torch.no_grad():
+        want = [model(input_ids=ids, cache=eager).logits[:, -1]]
+        for _ in range(steps):
+            want.append(model(input_ids=want[-1].argmax(-1, keepdim=True), cache=eager).logits[:, -1])
+        got = [model(input_ids=ids, cache=compiled).logits[:, -1]]
+        forward = model.forward
+        model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
+        graphs = []
+        try:
+            for _ in range(steps):
+                got.append(model(input_ids=got[-1].argmax(-1, keepdim=True), cache=compiled).logits[:, -1])
+                graphs.append(counters["stats"]["unique_graphs"])
+        finally:
+            model.forward = forward
+    print(f"\ngraphs compiled after each decode step: {graphs}")
+    assert graphs[0] >= 1 and len(set(graphs)) == 1
+    for a, b in zip(want, got):
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
+
+
+
+
+# ------------------------------------------------------ interrupted forwards
+
+
+def test_ctrl_c_in_a_layer_during_generate_leaves_the_cache_usable():
+    """A KeyboardInterrupt in layer 1 during the prefill: torch skips the forward hooks, but
+    generate() undoes the forward on its way out; no manual call is needed."""
+    model = make_model("qwen3", seed=5)
+    impl = model.config._attn_implementation
+    ids, mask = left_pad(prompts((6, 11), seed=6))
+    gen = dict(attention_mask=mask, max_new_tokens=6, **GREEDY)
+    want = model.generate(ids, cache=FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW), **gen)
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask).logits
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
+    handle = model.model.layers[1].self_attn.register_forward_hook(FailOnce(1, KeyboardInterrupt()))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model.generate(ids, cache=cache, **gen)
+    finally:
+        handle.remove()
+    assert cache.streams == () and cache.selection is None and cache.get_seq_length() == 0
+    assert model.config._attn_implementation == impl
+    with torch.no_grad():  # a forward without the cache is the model's own again
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits.nan_to_num(), plain.nan_to_num())
+    got = model.generate(ids, cache=cache, **gen)  # the same call again
+    assert got.sequences.tolist() == want.sequences.tolist()
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+
+
+def test_ctrl_c_in_a_hand_written_decode_loop_is_undone_by_the_next_forward():
+    """A KeyboardInterrupt in a decode step of a loop of bare model calls (no generate() to unwind):
+    the next forward of the model, with the cache or without it, undoes the interrupted step first."""
+    model = make_model("qwen3", seed=7)
+    ids, _ = left_pad(prompts((5, 5), seed=8))
+    steps = 6
+
+    def decode(cache, fail_at=None):
+        out = []
+        with torch.no_grad():
+            tok = model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
+            for i in range(steps):
+                if i == fail_at:
+                    handle = model.model.layers[1].self_attn.register_forward_hook(FailOnce(1, KeyboardInterrupt()))
+                    try:
+                        with pytest.raises(KeyboardInterrupt):
+                            model(input_ids=tok, cache=cache)
+                    finally:
+                        handle.remove()
+                    lengths = [cache.stream_length(s) for s in (0, 1)]
+                    # The interrupted forward is still pending (nothing ran its end) ...
+                    assert cache._pending is not None and model.config._attn_implementation == "flexkv"
+                    # ... until the next forward: here one without the cache, which runs the model's own attention.
+                    model(input_ids=ids)
+                    assert cache._pending is None and model.config._attn_implementation == "sdpa"
+                    assert [cache.stream_length(s) for s in (0, 1)] == lengths
+                logits = model(input_ids=tok, cache=cache).logits[:, -1]
+                out.append(logits)
+                tok = logits.argmax(-1, keepdim=True)
+        return out
+
+    want = decode(FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW))
+    got = decode(FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW), fail_at=3)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# ---------------------------------------------------------- decoding modes
+
+
+@pytest.mark.parametrize("mode", [
+    dict(num_beams=2),
+    dict(num_beams=2, do_sample=True),
+    dict(num_beams=4, num_beam_groups=2, diversity_penalty=0.5),
+    dict(penalty_alpha=0.6, top_k=4),
+    dict(prompt_lookup_num_tokens=2),
+], ids=["beam", "beam-sample", "group-beam", "contrastive", "prompt-lookup"])
+def test_decoding_modes_that_reorder_or_crop_are_refused_before_the_prefill(mode):
+    model = make_model("llama", seed=2)
+    ids, mask = left_pad(prompts((4, 7), seed=3))
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
+    cache.select(["a", "b"])
+    with pytest.raises(ValueError, match=r"FlexKVCache does not support generate\(\) in [a-z ]+ mode"):
+        model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=3, **mode)
+    # Nothing changed: no stream prefilled, the selection as it was.
+    assert cache.streams == () and cache.selection == ("a", "b") and cache.get_seq_length() == 0
+    assert model.config._attn_implementation == "sdpa"
+    got = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=4, do_sample=False)
+    for b, p in enumerate(prompts((4, 7), seed=3)):
+        want, _ = reference_greedy(model, p, 4)
+        assert got[b, ids.shape[1]:].tolist() == want.tolist()
+
+
+def test_num_return_sequences_samples_each_prompt_as_that_many_streams():
+    """`num_return_sequences=2` with sampling: transformers repeats each prompt, so prompt `b` becomes
+    streams `2b` and `2b + 1`, each prefilled on its own slot and each sampled on its own; every
+    returned logit is the model's over that stream's own history."""
+    model = make_model("llama", seed=4)
+    ps = prompts((5, 9), seed=5)
+    ids, mask = left_pad(ps)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
+    torch.manual_seed(0)
+    n = 2 * WINDOW
+    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=n, do_sample=True, top_k=0,
+                         num_return_sequences=2, output_logits=True, return_dict_in_generate=True)
+    assert out.sequences.shape[0] == 4 and cache.streams == (0, 1, 2, 3)
+    logits = torch.stack(out.logits, dim=1)
+    for row in range(4):
+        prompt = ps[row // 2]
+        new = out.sequences[row, ids.shape[1]:]
+        assert cache.stream_length(row) == len(prompt) + n - 1
+        with torch.no_grad():  # the reference, teacher-forced along the sampled tokens
+            for t in range(n):
+                seq = torch.cat([prompt, new[:t]])
+                L = len(seq)
+                want = model(input_ids=seq[None], attention_mask=layer_masks(model, L),
+                             position_ids=torch.arange(L)[None], use_cache=False).logits[0, -1]
+                torch.testing.assert_close(logits[row, t].double(), want.double(), rtol=0, atol=1e-5)
+    assert not torch.equal(out.sequences[0], out.sequences[1])  # two samples of one prompt, apart
+
+
+def test_the_older_past_key_values_keyword_still_plans_the_forward():
+    """transformers 5.24 deprecates `past_key_values=` for `cache=` (a FutureWarning); until it is
+    removed, a FlexKVCache passed the old way serves the same forwards."""
+    model = make_model("llama", seed=6)
+    ids, mask = left_pad(prompts((3, 8), seed=7))
+    new = model.generate(ids, attention_mask=mask, cache=FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW),
+                         max_new_tokens=2 * WINDOW, do_sample=False)
+    old_cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
+        old = model.generate(ids, attention_mask=mask, past_key_values=old_cache, max_new_tokens=2 * WINDOW,
+                             do_sample=False)
+    assert torch.equal(old, new) and old_cache.stream_length(1) == 8 + 2 * WINDOW - 1
