@@ -237,3 +237,27 @@ def test_engine_spec_with_groups_builds_a_grouped_cache():
     retuned = spec.apply_yaml_overrides(max_slots=5)
     assert retuned.groups == GROUPS and BoundedKVResource().build(
         retuned, EngineResourceInfo("cpu", torch.float32)).free_slots == 5
+
+
+def test_groups_with_their_own_head_sizes_attend_as_the_grouped_twin():
+    """Per-group KV heads, key and value widths (a Gemma 4 / latent-attention shape) through both caches."""
+    cfg = config(query_window=None, num_heads=2, head_dim=8)
+    groups = (LayerGroup((0, 2), SinkWindow(0, 3), name="local"),
+              LayerGroup((1,), SinkWindow(2, 4), name="global", num_heads=1, head_dim=16, v_head_dim=4))
+    contexts = [StepContext(GroupedKVManager(cfg, groups, block_size=8)), StepContext(UncachedHistory(cfg, groups))]
+    g = torch.Generator().manual_seed(5)
+    shapes = {0: (2, 8, 8), 1: (1, 16, 4), 2: (2, 8, 8)}  # layer -> (KV heads, key width, value width)
+    written = 0
+    for s in range(10):
+        step = BoundedKVStep((Segment("a", 2), Segment(None, 0)), {"a": StreamPosition(0, written)})
+        qkv = {layer: (torch.randn(2, 4, 2, dk, generator=g), torch.randn(2, h, 2, dk, generator=g),
+                       torch.randn(2, h, 2, dv, generator=g)) for layer, (h, dk, dv) in shapes.items()}
+        outs = []
+        for ctx in contexts:
+            ctx.bind(ctx.begin(step))
+            outs.append([ctx(layer, *qkv[layer]) for layer in range(LAYERS)])
+            ctx.commit()
+        for layer, (got, want) in enumerate(zip(*outs)):
+            assert got.shape == (2, 4, 2, shapes[layer][2])
+            torch.testing.assert_close(got[:1], want[:1], rtol=0, atol=1e-5)
+        written += 2
