@@ -689,7 +689,7 @@ class BoundedKVManager(nn.Module):
         # group's queries in one pass over its keys instead of one pass per query head.
         packed = group > 1 and (self.pack_gqa or rows_path)
         g = group if packed else 1
-        mask_mod = make_mask_mod(plan, lay.ring_len, T, c.query_window, packed=packed)
+        mask_mod = make_mask_mod(plan, lay.ring_len, T, c.query_window, packed=packed, causal_step=c.causal_step)
         sm = None
         if score_mod is not None:
             sm = make_score_mod(

@@ -297,8 +297,9 @@ class StreamSession:
         token_sizes: the token counts `T` a step is padded to; default
             `(1, max_step_tokens)`. With a per-step window (`query_window`
             None in some layer) every query attends the step's whole `T`, so
-            each feed must hold exactly `T` tokens; with per-query windows
-            feeds may be shorter (queries never see later tokens).
+            each feed must hold exactly `T` tokens; with per-query windows or
+            causal per-step windows (`causal_step`) in every layer feeds may
+            be shorter (queries never see later tokens).
         when_full: ``"queue"`` or ``"refuse"``: what `start` (or a step with a
             new request) does when every lane is held (module docstring).
         compile: run `fn` under `torch.compile(fullgraph=True,
@@ -361,8 +362,9 @@ class StreamSession:
         self.initial_state = initial_state
         self._new_state = None if initial_state is None else _state_factory(initial_state)
         # Whether padding a row's tokens would be attended: a per-step window in some layer
-        # attends every token of the step.
-        self._fill_tokens = any(cache.layer_config(i).query_window is None for i in range(c.num_layers))
+        # attends every token of the step (a causal one never reads a token after the query).
+        self._fill_tokens = any(cache.layer_config(i).query_window is None and not cache.layer_config(i).causal_step
+                                for i in range(c.num_layers))
         self._id = next(_session_ids)
         self._requests: Dict[Hashable, _Request] = {}
         self._free_lanes: List[int] = list(range(c.max_slots))
