@@ -86,7 +86,7 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Named
 
 import torch
 
-from .compiling import fresh_function
+from .compiling import fresh_function, watch_recompiles
 from .config import BoundedKVConfig
 from .groups import build_cache
 from .manager import SlotsExhausted
@@ -99,6 +99,16 @@ __all__ = ["StreamSession", "Chunk", "StepResult", "WHEN_FULL"]
 WHEN_FULL = ("queue", "refuse")
 
 _session_ids = itertools.count()
+
+#: What a recompile after warm-up means and what to do, after the guard that failed.
+_RECOMPILE_ADVICE = (
+    "The session compiles the model step once per (B, T) at warm-up; a later compile means the graph depends "
+    "on a Python value that changed between steps, such as an int or flag kept on a module (a position offset "
+    "or step counter of a model left in its own streaming or caching mode), a global, or the length of a "
+    "Python list. Keep such values out of the step: switch the model's own cache and streaming state off "
+    "(flexkv keeps the stream), take positions from the cache (attn.stream_positions()), and pass anything "
+    "else that changes per step as a tensor input or buffer. TORCH_LOGS=recompiles logs every recompile."
+)
 
 
 class Chunk(NamedTuple):
@@ -370,6 +380,7 @@ class StreamSession:
         self._free_lanes: List[int] = list(range(c.max_slots))
         self._queue: deque = deque()  # _Waiting, first come first served
         self._runners: Dict[Any, Callable] = {}
+        self._step_codes: Dict[Any, Any] = {}  # fn -> code object of its compiled step (for recompile reports)
         self._warm: set = set()  # (fn, B, T) compiled
         self._guard = threading.Lock()
         self._running: Optional[Tuple[str, int]] = None  # (operation, thread id) while one runs
@@ -588,10 +599,18 @@ class StreamSession:
         if self.compile:
             # A code object of its own: compiled graphs are cached per code object, and another
             # session's (or another fn's) entries must not be walked or evicted by this one.
-            session_step = torch.compile(fresh_function(session_step, f"s{self._id}_{len(self._runners)}"),
-                                         fullgraph=True, dynamic=False)
+            fresh = fresh_function(session_step, f"s{self._id}_{len(self._runners)}")
+            self._step_codes[fn] = fresh.__code__
+            session_step = torch.compile(fresh, fullgraph=True, dynamic=False)
         self._runners[fn] = session_step
         return session_step
+
+    def _watch_recompiles(self, fn, B: int, T: int):
+        """Around a warmed-up compiled step: say which guard failed if it compiles again."""
+        if not self.compile:
+            return contextlib.nullcontext()
+        return watch_recompiles(self._step_codes[fn], f"StreamSession.step: the compiled model step (B={B}, T={T})",
+                                _RECOMPILE_ADVICE, stacklevel=6)  # the caller of step()
 
     def _parse(self, request_id, feed):
         """(leaves, spec, n, span) of one feed, checked."""
@@ -782,7 +801,7 @@ class StreamSession:
         plan_s = time.perf_counter() - t0
         inputs = _unflatten(spec, self._pad({lanes[r]: parsed[r][0] for r in running}, template, B, T))
         run = self._runner(fn)
-        with torch.no_grad():
+        with torch.no_grad(), self._watch_recompiles(fn, B, T):
             if self.initial_state is None:
                 outputs = run(plan, inputs)
             else:
