@@ -118,7 +118,8 @@ class BoundedKVManager(nn.Module):
         #: reading every cell in place), `"rows"` (each row's source and slot rows gathered, then
         #: dense attention; `flexkv.row_attention`) or `"auto"`: rows for chunked steps (T > 1) on
         #: the CPU, where the gather is cheap next to the chunk's attention and FlexAttention's CPU
-        #: kernel is slow for short query blocks, and FlexAttention everywhere else.
+        #: kernel is slow for short query blocks, and for eager decode on the CPU (FlexAttention
+        #: without torch.compile scores every cell of the layer tensor); FlexAttention everywhere else.
         self.attention_path = "auto"
         cuda = self.device.type == "cuda"
         # Read once, on the host: what the CUDA kernels are tuned and split by.
@@ -592,7 +593,8 @@ class BoundedKVManager(nn.Module):
     def _rows_path(self, tokens: int) -> bool:
         """Whether a step of `tokens` tokens attends through `flexkv.row_attention` (see `attention_path`)."""
         if self.attention_path == "auto":
-            return self.device.type == "cpu" and tokens > 1
+            # Eager decode too: FlexAttention run without torch.compile scores every cell of the layer.
+            return self.device.type == "cpu" and (tokens > 1 or not torch.compiler.is_compiling())
         return self.attention_path == "rows"
 
     def _check_attend(self, layer_idx, q, k, v, plan) -> None:
