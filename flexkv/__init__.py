@@ -25,6 +25,7 @@ from .groups import GroupedKVManager, GroupedPlan, LayerGroup
 from .layout import Layout  # noqa: F401  (importable for inspection; not part of the public API)
 from .manager import BoundedKVManager, SlotsExhausted, SourcesExhausted
 from .planner import BoundedPlan
+from .port import SwappedAttention, swap_attention
 from .session import Chunk, StepResult, StreamSession
 from .step import BoundedKVStep, ResourceStep, Segment, StreamPosition
 
@@ -37,6 +38,9 @@ __all__ = [
     "StreamSession",
     "Chunk",
     "StepResult",
+    # putting flexkv under an existing model's attention
+    "swap_attention",
+    "SwappedAttention",
     # the cache and its configuration
     "BoundedKVConfig",
     "SinkWindow",

@@ -8,12 +8,15 @@ for it live here so the rest of the package reads the same on every release.
 
 from __future__ import annotations
 
+import contextlib
 import types
-from typing import Callable, Tuple
+import warnings
+from typing import Callable, Iterator, List, Tuple
 
 import torch
 
-__all__ = ["TORCH_VERSION", "SUPPORTED_TORCH", "warn_if_untested", "fresh_function", "graphs_compiled"]
+__all__ = ["TORCH_VERSION", "SUPPORTED_TORCH", "warn_if_untested", "fresh_function", "graphs_compiled",
+           "recompile_reasons", "watch_recompiles", "RecompileWarning", "RecompileError"]
 
 
 def _version(text: str) -> Tuple[int, int]:
@@ -59,3 +62,62 @@ def graphs_compiled() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+class RecompileWarning(UserWarning):
+    """A compiled step that was warmed up compiled again: the message says which guard failed."""
+
+
+class RecompileError(RuntimeError):
+    """A compiled step recompiled until torch.compile gave up: the message says which guard failed."""
+
+
+def recompile_reasons(code: types.CodeType) -> List[str]:
+    """Why dynamo recompiled the function whose code object is `code`, oldest first.
+
+    Dynamo records a guard-failure reason for every cached graph it checked
+    before compiling anew (`torch._dynamo.utils.guard_failures`, the record
+    `TORCH_LOGS=recompiles` prints from); at recompile `k` the graph compiled
+    last comes first. Empty where this torch keeps no such record.
+    """
+    try:
+        from torch._dynamo.utils import guard_failures
+    except ImportError:  # pragma: no cover - every supported release has it
+        return []
+    return list(guard_failures.get(code, ()))
+
+
+def _limit_hit_type():
+    exc = getattr(torch._dynamo, "exc", None)
+    return getattr(exc, "FailOnRecompileLimitHit", None) if exc is not None else None
+
+
+@contextlib.contextmanager
+def watch_recompiles(code: types.CodeType, where: str, advice: str, stacklevel: int = 3) -> Iterator[None]:
+    """Run a call of a warmed-up compiled function (code object `code`) and explain any recompile.
+
+    A recompile during the call gives a `RecompileWarning` naming the guard
+    that failed (`where` says what was compiled, `advice` what to do); when
+    dynamo gives up (`FailOnRecompileLimitHit`, as a `fullgraph=True` function
+    does at `torch._dynamo.config.recompile_limit`), a `RecompileError` with
+    the same explanation replaces dynamo's bare one. `stacklevel` points the
+    warning at the caller's frame, counted from this generator's.
+    """
+    before = len(recompile_reasons(code))
+    limit_hit = _limit_hit_type()
+
+    def explain(head: str) -> str:
+        new = recompile_reasons(code)[before:]
+        reason = new[0] if new else "dynamo recorded no reason (TORCH_LOGS=recompiles prints them)"
+        return f"{where} {head}. The guard that failed against the graph compiled last:\n    {reason}\n{advice}"
+
+    try:
+        yield
+    except Exception as exc:
+        if limit_hit is not None and isinstance(exc, limit_hit):
+            raise RecompileError(explain(
+                f"recompiled after warm-up until torch.compile gave up "
+                f"(torch._dynamo.config.recompile_limit={torch._dynamo.config.recompile_limit})")) from exc
+        raise
+    if len(recompile_reasons(code)) > before:
+        warnings.warn(explain("recompiled after warm-up"), RecompileWarning, stacklevel=stacklevel)

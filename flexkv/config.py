@@ -36,9 +36,15 @@ class _SinkWindowFields(NamedTuple):
 class SinkWindow(_SinkWindowFields):
     """Keep the stream's first `sink` entries and its last `window` entries.
 
+    `window` counts the entries *before* the step's own tokens: a decode
+    query attends `sink` sinks, the `window` entries before it, and itself.
     `window_includes_step=True` counts the step's written tokens against the
     window: a step writing `span` tokens reads only the last `window - span`
     retained entries (none when that is <= 0).
+
+    A model whose `context=C` means "C keys, the query included" (a ring
+    of C entries) is `SinkWindow.keys(C, sink)`, not `SinkWindow(sink, C)`,
+    which would give every query one key more (docs/models.md, "Conventions").
 
     A named tuple (`sink, window, includes = policy`, `policy[1]`,
     `policy._replace(window=...)`) whose construction checks its values:
@@ -56,6 +62,27 @@ class SinkWindow(_SinkWindowFields):
                 f"SinkWindow.window_includes_step must be a bool, got {window_includes_step!r}"
             )
         return super().__new__(cls, sink, window, window_includes_step)
+
+    @classmethod
+    def keys(cls, context: int, sink: int = 0) -> "SinkWindow":
+        """The retention of a model whose `context` counts keys *with* the query (a ring of
+        `context` entries), plus `sink` attention sinks.
+
+        `SinkWindow(sink, context, window_includes_step=True)`: a step writing
+        `span` tokens reads the last `context - span` entries before it, so
+        the step's last written token attends exactly `context` keys, itself
+        included. For decode (`T = 1`) that is `window = context - 1` entries
+        before the query. For chunks of `T` written tokens, give the layer
+        `causal_step=True` as well (`BoundedKVConfig`, `LayerGroup`): each
+        query then attends the last `context` entries before the chunk's end
+        up to itself, as a ring cache of `context` entries does.
+        """
+        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+            raise ValueError(
+                f"SinkWindow.keys: context must be an int >= 1 (keys a query attends, itself included), "
+                f"got {context!r}"
+            )
+        return cls(sink, context, True)
 
     @classmethod
     def _make(cls, iterable) -> "SinkWindow":
@@ -89,6 +116,10 @@ class BoundedKVConfig:
     the width of a value, None (the default) meaning the same. They differ in
     multi-head latent attention (DeepSeek-V2/V3: keys carry a rotary part
     that values do not). `value_head_dim` is the resolved value width.
+    `causal_step=True` makes a per-step window causal inside the step: every
+    query attends the step's shared window (sinks and the entries from
+    `window_start`) and the step's own tokens up to itself, none after it
+    (contract section 2). It needs stream order and a per-step window.
     """
 
     num_layers: int
@@ -105,6 +136,7 @@ class BoundedKVConfig:
     max_step_tokens: int = 1
     max_sources: int = 1
     v_head_dim: Optional[int] = None
+    causal_step: bool = False
     _policies: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -131,9 +163,20 @@ class BoundedKVConfig:
             )
         if self.dtype is not None and self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES} or None, got {self.dtype!r}")
-        for name in ("reverse_step_order",):
+        for name in ("reverse_step_order", "causal_step"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.causal_step and self.reverse_step_order:
+            raise ValueError(
+                "causal_step=True needs stream order (a query sees the step's tokens before it), but "
+                "reverse_step_order=True writes the step last-first; use one or the other"
+            )
+        if self.causal_step and self.query_window is not None:
+            raise ValueError(
+                f"causal_step=True is a per-step window causal inside the step, but query_window="
+                f"{self.query_window} asks for a per-query window (causal already); give query_window=None "
+                f"with causal_step=True, or query_window alone"
+            )
 
         policies = []
         for length in range(self.min_source_len, self.max_source_len + 1):

@@ -60,6 +60,8 @@ class LayerGroup:
             the config's. A group that sets `head_dim` but not `v_head_dim`
             has values as wide as its keys, unless the config sets
             `v_head_dim`.
+        causal_step: the group's per-step window is causal inside the step
+            (see `BoundedKVConfig.causal_step`).
     """
 
     layers: Tuple[int, ...]
@@ -69,6 +71,7 @@ class LayerGroup:
     num_heads: Optional[int] = None
     head_dim: Optional[int] = None
     v_head_dim: Optional[int] = None
+    causal_step: bool = False
 
     def __post_init__(self):
         try:
@@ -97,19 +100,23 @@ class LayerGroup:
                 raise ValueError(
                     f"LayerGroup.{field_name} must be an int >= 1, or None for the config's, got {value!r}"
                 )
+        if not isinstance(self.causal_step, bool):
+            raise ValueError(f"LayerGroup.causal_step must be a bool, got {self.causal_step!r}")
 
     def shape_overrides(self) -> dict:
         """The config fields this group sets for itself (`num_heads`, `head_dim`, `v_head_dim`)."""
         return {k: getattr(self, k) for k in ("num_heads", "head_dim", "v_head_dim") if getattr(self, k) is not None}
 
 
-def per_layer_groups(retention: Sequence[Retention], query_window=None) -> Tuple[LayerGroup, ...]:
-    """`LayerGroup`s from one retention per layer: layers whose retention and query window are
-    equal share a group (in order of their first layer).
+def per_layer_groups(retention: Sequence[Retention], query_window=None,
+                     causal_step: bool = False) -> Tuple[LayerGroup, ...]:
+    """`LayerGroup`s from one retention per layer: layers whose retention, query window and
+    `causal_step` are equal share a group (in order of their first layer).
 
     `retention[i]` is layer `i`'s `SinkWindow` (or callable `source_len -> SinkWindow`;
     callables are grouped by identity). `query_window`: one value (int or None) for every
-    layer, or one per layer. A local/global model::
+    layer, or one per layer; `causal_step` likewise (a bool, or one per layer). A local/global
+    model::
 
         per_layer_groups([SinkWindow(0, 127), SinkWindow(4, 1020)] * 6)
     """
@@ -128,19 +135,28 @@ def per_layer_groups(retention: Sequence[Retention], query_window=None) -> Tuple
             )
     else:
         windows = [query_window] * len(policies)
+    if isinstance(causal_step, (list, tuple)):
+        causal = list(causal_step)
+        if len(causal) != len(policies):
+            raise ValueError(
+                f"causal_step names {len(causal)} layers but retention names {len(policies)}; give one per layer "
+                f"or a single bool"
+            )
+    else:
+        causal = [causal_step] * len(policies)
     found: dict = {}
-    for layer, (pol, qw) in enumerate(zip(policies, windows)):
+    for layer, (pol, qw, cs) in enumerate(zip(policies, windows, causal)):
         if not isinstance(pol, SinkWindow) and not callable(pol):
             raise ValueError(f"retention[{layer}] must be a SinkWindow or a callable source_len -> SinkWindow, got {pol!r}")
-        key = (pol if isinstance(pol, SinkWindow) else id(pol), qw)
-        found.setdefault(key, (pol, qw, []))[2].append(layer)
-    return tuple(LayerGroup(tuple(layers), pol, qw) for pol, qw, layers in found.values())
+        key = (pol if isinstance(pol, SinkWindow) else id(pol), qw, cs)
+        found.setdefault(key, (pol, qw, cs, []))[3].append(layer)
+    return tuple(LayerGroup(tuple(layers), pol, qw, causal_step=cs) for pol, qw, cs, layers in found.values())
 
 
 def as_layer_groups(config: BoundedKVConfig, groups) -> Tuple[LayerGroup, ...]:
     """The `LayerGroup`s a user means by `groups`: `LayerGroup`s as given, or one retention per
     layer (`SinkWindow`s or callables, `config.num_layers` of them; see `per_layer_groups`),
-    each layer with `config.query_window`."""
+    each layer with `config.query_window` and `config.causal_step`."""
     try:
         items = tuple(groups)
     except TypeError:
@@ -154,7 +170,7 @@ def as_layer_groups(config: BoundedKVConfig, groups) -> Tuple[LayerGroup, ...]:
                 f"groups gives {len(items)} per-layer retentions but config.num_layers={config.num_layers}; "
                 f"give one SinkWindow per layer, or LayerGroups"
             )
-        return per_layer_groups(items, config.query_window)
+        return per_layer_groups(items, config.query_window, config.causal_step)
     raise ValueError(
         f"groups must be LayerGroups, or one SinkWindow per layer (not a mix), got {list(items)!r}")
 
@@ -181,7 +197,8 @@ def layer_group_configs(config: BoundedKVConfig, groups: Optional[Sequence[Layer
         raise ValueError(f"config must be a BoundedKVConfig, got {type(config).__name__}")
     L = config.num_layers
     if groups is None:
-        groups = (LayerGroup(tuple(range(L)), config.retention, config.query_window),)
+        groups = (LayerGroup(tuple(range(L)), config.retention, config.query_window,
+                             causal_step=config.causal_step),)
     groups = tuple(groups)
     if not groups:
         raise ValueError("groups is empty; give at least one LayerGroup (or None for one group of every layer)")
@@ -206,7 +223,7 @@ def layer_group_configs(config: BoundedKVConfig, groups: Optional[Sequence[Layer
         try:
             configs.append(
                 config.replace(num_layers=len(g.layers), retention=g.retention, query_window=g.query_window,
-                               **g.shape_overrides())
+                               causal_step=g.causal_step, **g.shape_overrides())
             )
         except ValueError as exc:
             raise ValueError(f"group {gi} (layers {list(g.layers)}): {exc}") from None
@@ -389,6 +406,7 @@ class GroupedKVManager(nn.Module):
                     num_heads=m.config.num_heads,
                     head_dim=m.config.head_dim,
                     v_head_dim=m.config.value_head_dim,
+                    causal_step=g.causal_step,
                     slot_cells=m.layout.slot_row_len,
                     slot_bytes=m.slot_bytes,
                     memory_bytes=m.memory_bytes,

@@ -50,6 +50,20 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _apart_from_kernel(out: torch.Tensor) -> torch.Tensor:
+    """`out` itself, read through a gather along its first dimension.
+
+    Inductor fuses an elementwise consumer of a template's output into the
+    template's kernel only when the consumer reads the output at the index it
+    writes; the CPU FlexAttention template then fails ("Unsupported for
+    `epilogue_nodes` in CppFlexAttentionTemplate"). An indirect read is not
+    that index, so the consumer (`o * 2`, a gate, the caller's own ops) runs
+    as a kernel of its own, fused with this gather: one extra read of the
+    output, no extra kernel when something elementwise follows.
+    """
+    return out.index_select(0, torch.arange(out.shape[0], device=out.device))
+
+
 class BoundedKVManager(nn.Module):
     """A bounded sink + window KV cache for `config.max_slots` requests (docs/contract.md section 5).
 
@@ -92,6 +106,11 @@ class BoundedKVManager(nn.Module):
         self._current_plan: Optional[BoundedPlan] = None
         #: Fold GQA groups into the query axis (on by default on the CPU; see `attend`).
         self.pack_gqa = self.device.type == "cpu"
+        #: Keep a compiled step's elementwise ops on the attention output (`o * 2`, a gate, a mean
+        #: over CFG rows) out of the FlexAttention kernel: inductor's CPU FlexAttention template
+        #: cannot take fused epilogues (torch 2.11-2.15), so the output is read through an identity
+        #: gather that inductor does not fuse into it (see `_apart_from_kernel`). On by default on the CPU.
+        self.epilogue_barrier = self.device.type == "cpu"
         #: Plan blocks every query reads whole as full blocks, skipping the mask there. On by
         #: default on CUDA (and on "meta", which plans as CUDA does); torch 2.13's compiled CPU
         #: kernel ran slower with them.
@@ -100,7 +119,8 @@ class BoundedKVManager(nn.Module):
         #: reading every cell in place), `"rows"` (each row's source and slot rows gathered, then
         #: dense attention; `flexkv.row_attention`) or `"auto"`: rows for chunked steps (T > 1) on
         #: the CPU, where the gather is cheap next to the chunk's attention and FlexAttention's CPU
-        #: kernel is slow for short query blocks, and FlexAttention everywhere else.
+        #: kernel is slow for short query blocks, and for eager decode on the CPU (FlexAttention
+        #: without torch.compile scores every cell of the layer tensor); FlexAttention everywhere else.
         self.attention_path = "auto"
         cuda = self.device.type == "cuda"
         # Read once, on the host: what the CUDA kernels are tuned and split by.
@@ -576,7 +596,8 @@ class BoundedKVManager(nn.Module):
     def _rows_path(self, tokens: int) -> bool:
         """Whether a step of `tokens` tokens attends through `flexkv.row_attention` (see `attention_path`)."""
         if self.attention_path == "auto":
-            return self.device.type == "cpu" and tokens > 1
+            # Eager decode too: FlexAttention run without torch.compile scores every cell of the layer.
+            return self.device.type == "cpu" and (tokens > 1 or not torch.compiler.is_compiling())
         return self.attention_path == "rows"
 
     def _check_attend(self, layer_idx, q, k, v, plan) -> None:
@@ -695,7 +716,7 @@ class BoundedKVManager(nn.Module):
         # group's queries in one pass over its keys instead of one pass per query head.
         packed = group > 1 and (self.pack_gqa or rows_path)
         g = group if packed else 1
-        mask_mod = make_mask_mod(plan, lay.ring_len, T, c.query_window, packed=packed)
+        mask_mod = make_mask_mod(plan, lay.ring_len, T, c.query_window, packed=packed, causal_step=c.causal_step)
         sm = None
         if score_mod is not None:
             sm = make_score_mod(
@@ -725,6 +746,8 @@ class BoundedKVManager(nn.Module):
                                      enable_gqa=Hq != H, kernel_options=options, return_aux=aux)
             if sinks is not None:
                 out, lse = out[0], out[1].lse
+            if self.epilogue_barrier and torch.compiler.is_compiling():
+                out = _apart_from_kernel(out)
         if sinks is None:
             return out.view(N, Hq, T, Dv)
         # Packed (or from the rows path), query head h * g + i sits at rows i * T .. i * T + T - 1 of

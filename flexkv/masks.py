@@ -53,11 +53,13 @@ def stream_index(plan, ring_len: int, tokens: int, b, kv_idx):
     return in_src | in_sink | in_ring, j
 
 
-def make_mask_mod(plan, ring_len: int, tokens: int, query_window: Optional[int], packed: bool = False):
+def make_mask_mod(plan, ring_len: int, tokens: int, query_window: Optional[int], packed: bool = False,
+                  causal_step: bool = False):
     """The retention mask of contract section 2 for `plan` (per-step or per-query window).
 
     `packed`: the query axis holds `group * tokens` queries (a GQA group folded into
-    it, group-major), so the step's token is `q_idx % tokens`.
+    it, group-major), so the step's token is `q_idx % tokens`. `causal_step`: a
+    per-step window that is causal inside the step (no query reads a later own token).
     """
 
     if query_window is None:
@@ -65,12 +67,23 @@ def make_mask_mod(plan, ring_len: int, tokens: int, query_window: Optional[int],
         # MASK_INTERVALS of them for a per-step window), a few comparisons per score.
         bounds = [(getattr(plan, f"cell_lo{k}"), getattr(plan, f"cell_hi{k}")) for k in range(MASK_INTERVALS)]
 
-        def mask_mod(b, h, q_idx, kv_idx):
+        def in_intervals(b, kv_idx):
             lo, hi = bounds[0]
             ok = (kv_idx >= lo[b]) & (kv_idx < hi[b])
             for lo, hi in bounds[1:]:
                 ok = ok | ((kv_idx >= lo[b]) & (kv_idx < hi[b]))
             return ok
+
+        if not causal_step:
+            def mask_mod(b, h, q_idx, kv_idx):
+                return in_intervals(b, kv_idx)
+        else:
+            def mask_mod(b, h, q_idx, kv_idx):
+                # The intervals hold the shared window and every own token; a query drops the own
+                # tokens after it (only those have stream indices past its own).
+                _, j = stream_index(plan, ring_len, tokens, b, kv_idx)
+                p = plan.n[b] + (q_idx % tokens if packed else q_idx)
+                return in_intervals(b, kv_idx) & (j <= p)
 
     else:
 

@@ -14,7 +14,8 @@ one row can reach (`Layout.row_blocks`), however many slots the pool has.
 Stages, per row of the step:
 
 1. stream ranges: the stream indices some query of the row attends
-   (`reach`), and for full blocks those every query attends (`common`);
+   (`reach`), and for full blocks those every query attends (`common`; a
+   causal per-step window shares its window and the step's first token);
 2. cells: each stream range becomes at most four physical cell intervals
    (source, sink region, ring before and after it wraps), merged;
 3. blocks: the KV blocks those intervals touch, split into full ones (every
@@ -241,6 +242,7 @@ def build_plan(
     ring = layout.ring_len
     block = layout.block_size
     qw = config.query_window
+    causal = config.causal_step
     reverse = config.reverse_step_order
     width = layout.row_blocks
     full_width = width if full_blocks else 1
@@ -278,7 +280,8 @@ def build_plan(
         # Stage 1: stream ranges attended by some query (reach) and by every query (common).
         if qw is None:
             reach = ((0, min(s, n)), (min(lo, n), n + T))
-            common = reach
+            # Causal inside the step: query t reads own tokens up to t, so only the first is common.
+            common = ((0, min(s, n)), (min(lo, n), n + 1)) if causal else reach
         else:
             reach = ((0, min(s, n + T)), (max(0, n - qw), n + T))
             common = ((0, min(s, n + 1)), (max(0, n + T - 1 - qw), n + 1))

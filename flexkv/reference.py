@@ -33,6 +33,8 @@ def attended_indices(config: BoundedKVConfig, source_len: int, written: int, spa
     if qw is None:
         w = pol.window - span if pol.window_includes_step else pol.window
         keep = [j for j in range(n) if j < s or (w > 0 and j >= n - w)]
+        if config.causal_step:  # the shared window, then the step's own tokens up to the query
+            return [keep + list(range(n, n + t + 1)) for t in range(tokens)]
         row = keep + list(range(n, n + tokens))
         return [row for _ in range(tokens)]
     out = []

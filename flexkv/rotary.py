@@ -36,6 +36,11 @@ the window in ``"cache"`` mode is not served. It also needs the sink entries
 to be written by the request (in its slot): a source's cells are shared by
 every request that reads it and cannot carry a per-request rotation.
 
+Two pair layouts (`Rotary(..., layout=...)`): ``"half"`` rotates dimension
+`i` with `i + head_dim / 2` (Llama, the transformers library); ``"interleaved"``
+rotates dimensions `2i` and `2i + 1` (GPT-J, GPT-NeoX's rotary on
+interleaved pairs, many speech models). Both serve both position modes.
+
 Shapes: `x` is `[N, heads, T, head_dim]` (the attention layout);
 positions are `[N, T]` integer stream indices (or anything that broadcasts
 to it).
@@ -54,7 +59,9 @@ from .step import BoundedKVStep
 __all__ = [
     "ROPE_POSITIONS",
     "Rotary",
+    "ROPE_LAYOUTS",
     "rotate_half",
+    "rotate_pairs",
     "apply_rotary",
     "stream_positions",
     "SinkRotation",
@@ -63,6 +70,8 @@ __all__ = [
 ]
 
 ROPE_POSITIONS = ("stream", "cache")
+#: Which dimensions a rotation pairs: `i` with `i + D/2` ("half"), or `2i` with `2i + 1` ("interleaved").
+ROPE_LAYOUTS = ("half", "interleaved")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -71,16 +80,25 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` (`[..., D]`) by angles whose cosines and sines are `cos`, `sin` (broadcast to `x`)."""
-    return x * cos + rotate_half(x) * sin
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """`(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)` over the last dimension (the interleaved layout)."""
+    pairs = x.unflatten(-1, (-1, 2))
+    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str = "half") -> torch.Tensor:
+    """Rotate `x` (`[..., D]`) by angles whose cosines and sines are `cos`, `sin` (broadcast to `x`,
+    laid out as `Rotary.cos_sin` gives them for `layout`)."""
+    return x * cos + (rotate_pairs(x) if layout == "interleaved" else rotate_half(x)) * sin
 
 
 class Rotary(nn.Module):
     """Rotary embedding of a head dimension `head_dim` with frequency base `base`.
 
-    Uses the half-split layout (pairs `(i, i + D/2)`, as Llama and the
-    transformers library do). Angles are computed in `angle_dtype` (float64
+    `layout="half"` (default) pairs dimensions `(i, i + D/2)`, as Llama and
+    the transformers library do; `layout="interleaved"` pairs `(2i, 2i + 1)`,
+    as GPT-J does: the same frequencies `base ** (-2i / D)` either way, only
+    which dimensions turn together differs. Angles are computed in `angle_dtype` (float64
     by default) from integer positions and only then rounded to the input's
     dtype: stream indices grow without bound, and a float32 angle `p * f`
     loses about `p * 6e-8` radians, which at long streams is larger than the
@@ -89,7 +107,8 @@ class Rotary(nn.Module):
     rounding, or on a device without float64.
     """
 
-    def __init__(self, head_dim: int, base: float = 10000.0, *, angle_dtype: torch.dtype = torch.float64):
+    def __init__(self, head_dim: int, base: float = 10000.0, *, angle_dtype: torch.dtype = torch.float64,
+                 layout: str = "half"):
         super().__init__()
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
             raise ValueError(f"Rotary: head_dim must be an even int >= 2, got {head_dim!r}")
@@ -97,16 +116,26 @@ class Rotary(nn.Module):
             raise ValueError(f"Rotary: base must be a number > 1, got {base!r}")
         if angle_dtype not in (torch.float32, torch.float64):
             raise ValueError(f"Rotary: angle_dtype must be torch.float32 or torch.float64, got {angle_dtype!r}")
+        if layout not in ROPE_LAYOUTS:
+            raise ValueError(
+                f"Rotary: layout must be one of {ROPE_LAYOUTS} (dimension i with i + head_dim/2, or 2i with 2i + 1), "
+                f"got {layout!r}"
+            )
         self.head_dim = head_dim
+        self.layout = layout
         self.base = float(base)
         self.angle_dtype = angle_dtype
         inv_freq = 1.0 / (self.base ** (torch.arange(0, head_dim, 2, dtype=angle_dtype) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Cosines and sines for integer `positions` (any shape `P`): two `[*P, head_dim]` tensors in `dtype`."""
+        """Cosines and sines for integer `positions` (any shape `P`): two `[*P, head_dim]` tensors in `dtype`
+        (each frequency twice: repeated for ``"half"``, side by side for ``"interleaved"``)."""
         freqs = positions.to(self.angle_dtype).unsqueeze(-1) * self.inv_freq.to(positions.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        if self.layout == "interleaved":
+            emb = torch.repeat_interleave(freqs, 2, dim=-1)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -114,12 +143,12 @@ class Rotary(nn.Module):
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"Rotary.rotate: x has head_dim {x.shape[-1]}, this Rotary was built for {self.head_dim}")
         cos, sin = self.cos_sin(positions, x.dtype)
-        return apply_rotary(x, cos.unsqueeze(-3), sin.unsqueeze(-3))
+        return apply_rotary(x, cos.unsqueeze(-3), sin.unsqueeze(-3), self.layout)
 
     forward = rotate
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, base={self.base}, angle_dtype={self.angle_dtype}"
+        return f"head_dim={self.head_dim}, base={self.base}, angle_dtype={self.angle_dtype}, layout={self.layout!r}"
 
 
 def stream_positions(plan, tokens: int, reverse: bool = False) -> torch.Tensor:

@@ -86,7 +86,7 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Named
 
 import torch
 
-from .compiling import fresh_function
+from .compiling import fresh_function, watch_recompiles
 from .config import BoundedKVConfig
 from .groups import build_cache
 from .manager import SlotsExhausted
@@ -99,6 +99,16 @@ __all__ = ["StreamSession", "Chunk", "StepResult", "WHEN_FULL"]
 WHEN_FULL = ("queue", "refuse")
 
 _session_ids = itertools.count()
+
+#: What a recompile after warm-up means and what to do, after the guard that failed.
+_RECOMPILE_ADVICE = (
+    "The session compiles the model step once per (B, T) at warm-up; a later compile means the graph depends "
+    "on a Python value that changed between steps, such as an int or flag kept on a module (a position offset "
+    "or step counter of a model left in its own streaming or caching mode), a global, or the length of a "
+    "Python list. Keep such values out of the step: switch the model's own cache and streaming state off "
+    "(flexkv keeps the stream), take positions from the cache (attn.stream_positions()), and pass anything "
+    "else that changes per step as a tensor input or buffer. TORCH_LOGS=recompiles logs every recompile."
+)
 
 
 class Chunk(NamedTuple):
@@ -297,8 +307,9 @@ class StreamSession:
         token_sizes: the token counts `T` a step is padded to; default
             `(1, max_step_tokens)`. With a per-step window (`query_window`
             None in some layer) every query attends the step's whole `T`, so
-            each feed must hold exactly `T` tokens; with per-query windows
-            feeds may be shorter (queries never see later tokens).
+            each feed must hold exactly `T` tokens; with per-query windows or
+            causal per-step windows (`causal_step`) in every layer feeds may
+            be shorter (queries never see later tokens).
         when_full: ``"queue"`` or ``"refuse"``: what `start` (or a step with a
             new request) does when every lane is held (module docstring).
         compile: run `fn` under `torch.compile(fullgraph=True,
@@ -361,13 +372,15 @@ class StreamSession:
         self.initial_state = initial_state
         self._new_state = None if initial_state is None else _state_factory(initial_state)
         # Whether padding a row's tokens would be attended: a per-step window in some layer
-        # attends every token of the step.
-        self._fill_tokens = any(cache.layer_config(i).query_window is None for i in range(c.num_layers))
+        # attends every token of the step (a causal one never reads a token after the query).
+        self._fill_tokens = any(cache.layer_config(i).query_window is None and not cache.layer_config(i).causal_step
+                                for i in range(c.num_layers))
         self._id = next(_session_ids)
         self._requests: Dict[Hashable, _Request] = {}
         self._free_lanes: List[int] = list(range(c.max_slots))
         self._queue: deque = deque()  # _Waiting, first come first served
         self._runners: Dict[Any, Callable] = {}
+        self._step_codes: Dict[Any, Any] = {}  # fn -> code object of its compiled step (for recompile reports)
         self._warm: set = set()  # (fn, B, T) compiled
         self._guard = threading.Lock()
         self._running: Optional[Tuple[str, int]] = None  # (operation, thread id) while one runs
@@ -593,10 +606,18 @@ class StreamSession:
         if self.compile:
             # A code object of its own: compiled graphs are cached per code object, and another
             # session's (or another fn's) entries must not be walked or evicted by this one.
-            session_step = torch.compile(fresh_function(session_step, f"s{self._id}_{len(self._runners)}"),
-                                         fullgraph=True, dynamic=False)
+            fresh = fresh_function(session_step, f"s{self._id}_{len(self._runners)}")
+            self._step_codes[fn] = fresh.__code__
+            session_step = torch.compile(fresh, fullgraph=True, dynamic=False)
         self._runners[fn] = session_step
         return session_step
+
+    def _watch_recompiles(self, fn, B: int, T: int):
+        """Around a warmed-up compiled step: say which guard failed if it compiles again."""
+        if not self.compile:
+            return contextlib.nullcontext()
+        return watch_recompiles(self._step_codes[fn], f"StreamSession.step: the compiled model step (B={B}, T={T})",
+                                _RECOMPILE_ADVICE, stacklevel=6)  # the caller of step()
 
     def _parse(self, request_id, feed):
         """(leaves, spec, n, span) of one feed, checked."""
@@ -787,7 +808,7 @@ class StreamSession:
         plan_s = time.perf_counter() - t0
         inputs = _unflatten(spec, self._pad({lanes[r]: parsed[r][0] for r in running}, template, B, T))
         run = self._runner(fn)
-        with torch.no_grad():
+        with torch.no_grad(), self._watch_recompiles(fn, B, T):
             if self.initial_state is None:
                 outputs = run(plan, inputs)
             else:

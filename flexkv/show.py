@@ -219,7 +219,8 @@ def render_text(pic: StepPicture, title: Optional[str] = None) -> str:
     lines = []
     if title:
         lines.append(title)
-    window = (f"per-query window {c.query_window}" if c.query_window is not None else "per-step window")
+    window = (f"per-query window {c.query_window}" if c.query_window is not None else
+              "per-step window, causal inside the step" if c.causal_step else "per-step window")
     lines.append(
         f"retention: sink {pol.sink}, window {pol.window}"
         + (" (includes the step)" if pol.window_includes_step else "")

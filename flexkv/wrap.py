@@ -187,6 +187,11 @@ class CacheAttention(nn.Module):
             self.layer_idx, q, k, v, plan, scale=self.scale, score_mod=self.score_mod, positions=self.positions, **kw
         )
 
+    def stream_positions(self, tokens: Optional[int] = None) -> torch.Tensor:
+        """Stream index of each own token of the bound step, `[N, T]` (`StepContext.stream_positions`):
+        what a model that applies its own position encoding rotates `q` and `k` at."""
+        return self.context.stream_positions(tokens)
+
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, positions={self.positions!r}, rope_positions={self.rope_positions!r}"
 

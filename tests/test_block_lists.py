@@ -29,6 +29,13 @@ CONFIGS = {
     "window-includes-step": dict(rows_per_request=1, max_source_len=0, max_sources=0,
                                  retention=SinkWindow(2, 14, window_includes_step=True), max_step_tokens=2,
                                  max_slots=4),
+    # A per-step window causal inside the step (a ring of C = 12 keys): queries share the window,
+    # not the step's later tokens; a source longer than the sinks.
+    "causal-step": dict(rows_per_request=1, max_source_len=4, max_sources=1, retention=SinkWindow.keys(12, sink=2),
+                        causal_step=True, max_step_tokens=4, max_slots=3),
+    # The same with no source and no sink: slot rows of two whole blocks, so whole blocks hold own tokens.
+    "causal-step-aligned": dict(rows_per_request=1, max_source_len=0, max_sources=0, retention=SinkWindow.keys(12),
+                                causal_step=True, max_step_tokens=4, max_slots=3),
     # Per-query windows: every query reads a different set.
     "per-query": dict(rows_per_request=1, max_source_len=5, max_sources=1, retention=SinkWindow(2, 11),
                       query_window=9, max_step_tokens=3, max_slots=2),
@@ -91,21 +98,44 @@ def test_planner_blocks_match_create_block_mask(name, full_blocks, data):
     m.admit(BoundedKVStep(segs, {"r": StreamPosition(L, 0, source)}, tokens=T))
     plan = m.plan(BoundedKVStep(segs, {"r": StreamPosition(L, written, source)}, tokens=T))
 
-    R = cfg.rows_per_request
-    for i in range(R):  # padding rows read nothing
+    _check_rows(m, plan, 1, L, written, span, T, full_blocks)
+
+
+def _check_rows(m, plan, first_segment, L, written, span, T, full_blocks):
+    """Segments before `first_segment` are padding; the one at it is the request (`L`, `written`)."""
+    R = m.config.rows_per_request
+    for i in range(first_segment * R):  # padding rows read nothing
         assert plan.blocks(i) == [] and plan.blocks(i, full=True) == [] and plan.cell_intervals(i) == []
-    for i in range(R, 2 * R):
+    for i in range(first_segment * R, (first_segment + 1) * R):
         dense = _readable(m, plan, i, L, written, span, T)
         bm = create_block_mask(lambda b, h, q, kv: dense[q, kv], 1, 1, T, m.layout.total_len,
                                device="cpu", BLOCK_SIZE=(T, BLOCK))
         touched = bm.to_dense()[0, 0, 0].nonzero().flatten().tolist()
         full = _blocks_of(bm, True) if full_blocks else []
-        assert sorted(plan.blocks(i, full=True)) == full
-        assert sorted(plan.blocks(i)) == sorted(set(touched) - set(full))
+        assert sorted(plan.blocks(i, full=True)) == full, (written, span, T)
+        assert sorted(plan.blocks(i)) == sorted(set(touched) - set(full)), (written, span, T)
         # The row's cell intervals are exactly the cells some query reads.
         cells = dense.any(dim=0).nonzero().flatten().tolist()
         covered = [c for lo, hi in plan.cell_intervals(i) for c in range(lo, hi)]
         assert covered == cells
+
+
+def test_causal_step_full_blocks_hold_only_cells_every_query_reads():
+    """Every position of a ring of two whole blocks: a block is full only when every query of the
+    step reads all of it, so a block holding own tokens after the step's first is never full."""
+    m = _manager("causal-step-aligned", True)
+    seen_full_with_own = 0
+    for T in (1, 2, 4):
+        for span in sorted({0, T // 2, T}):
+            for written in range(0, 3 * m.layout.ring_len):
+                segs = (Segment("r", span),)
+                m.admit(BoundedKVStep(segs, {"r": StreamPosition(0, 0)}, tokens=T))
+                plan = m.plan(BoundedKVStep(segs, {"r": StreamPosition(0, written)}, tokens=T))
+                _check_rows(m, plan, 0, 0, written, span, T, True)
+                own = set(plan.write_cells(0))
+                seen_full_with_own += any(c // BLOCK in plan.blocks(0, full=True) for c in own)
+                m.remove_request("r")
+    assert seen_full_with_own  # the first own token does sit in full blocks
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -37,6 +37,9 @@ def make(**kw):
         (dict(query_window=17), r"query_window=17 needs window >= 17 for every source length, but source_len=0"),
         (dict(query_window=4, retention=SinkWindow(0, 8, True)), r"cannot be combined with window_includes_step"),
         (dict(query_window=-1), r"query_window must be >= 0, got -1"),
+        (dict(causal_step=True, reverse_step_order=True), r"causal_step=True needs stream order"),
+        (dict(causal_step=True, query_window=8), r"causal_step=True is a per-step window .* query_window=8"),
+        (dict(causal_step=1), r"causal_step must be a bool, got 1"),
     ],
 )
 def test_invalid_configs_name_the_value(kw, match):
@@ -52,6 +55,38 @@ def test_invalid_configs_name_the_value(kw, match):
 def test_invalid_policies(kw, match):
     with pytest.raises(ValueError, match=match):
         SinkWindow(**kw)
+
+
+@pytest.mark.parametrize("context", [0, -2, 3.0, True])
+def test_keys_refuses_a_context_that_is_not_a_positive_int(context):
+    with pytest.raises(ValueError, match=r"SinkWindow.keys: context must be an int >= 1"):
+        SinkWindow.keys(context)
+
+
+def test_keys_counts_the_query_among_the_context():
+    """`SinkWindow.keys(C)`: a decode query attends C keys, itself included; the literal
+    `SinkWindow(0, C)` would attend C + 1 (the definition in `flexkv.reference`)."""
+    from flexkv.reference import attended_indices
+
+    C = 5
+    for written in range(0, 12):
+        for policy, want in ((SinkWindow.keys(C), C), (SinkWindow(0, C), C + 1), (SinkWindow(0, C - 1), C)):
+            sets = attended_indices(make(retention=policy), 0, written, 1, 1)
+            assert len(sets[0]) == min(want, written + 1)
+    assert SinkWindow.keys(C, sink=2) == SinkWindow(2, C, window_includes_step=True)
+
+
+def test_keys_with_causal_step_is_a_ring_of_context_entries():
+    """Chunks of T written tokens under `SinkWindow.keys(C)` and `causal_step=True`: query t attends
+    the last C entries before the chunk's end that are not after it (a ring cache of C entries)."""
+    from flexkv.reference import attended_indices
+
+    C, T = 6, 3
+    cfg = make(retention=SinkWindow.keys(C), causal_step=True, max_step_tokens=T)
+    for written in range(0, 15):
+        end = written + T  # one past the chunk's last stream index
+        for t, got in enumerate(attended_indices(cfg, 0, written, T, T)):
+            assert got == [j for j in range(max(0, end - C), written + t + 1)]
 
 
 def test_callable_policy_checked_for_every_length():

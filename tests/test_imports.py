@@ -118,7 +118,7 @@ LAYERS = (
     ("types and config", {"config", "step"}),
     ("the cache", {"layout", "masks", "sinks", "kernel_options", "planner", "row_attention", "rotary", "manager",
                    "groups", "protocol"}),
-    ("model side and the dense reference", {"compiling", "reference", "uncached", "wrap"}),
+    ("model side and the dense reference", {"compiling", "reference", "uncached", "wrap", "port"}),
     ("running streams", {"session", "workload", "stream_model", "traffic", "show", "runner"}),
     ("entry points and integrations", {"", "__main__", "cli", "engine", "distributed", "integrations",
                                        "integrations.transformers", "integrations.transformers.registration",

@@ -17,6 +17,7 @@ def configs(draw):
     query_window = draw(st.one_of(st.none(), st.integers(0, 4)))
     reverse = False if query_window is not None else draw(st.booleans())
     includes = False if query_window is not None else draw(st.booleans())
+    causal = False if query_window is not None or reverse else draw(st.booleans())
     floor = query_window or 0
     sink = draw(st.integers(0, 5))
     window = draw(st.integers(floor, 7))
@@ -42,6 +43,7 @@ def configs(draw):
         min_source_len=min_source_len,
         reverse_step_order=reverse,
         query_window=query_window,
+        causal_step=causal,
         max_step_tokens=draw(st.integers(1, 4)),
         max_sources=draw(st.integers(1, 2)),
     )

@@ -84,16 +84,46 @@ def _cache_config(query_window=None, max_step_tokens=1):
                            max_step_tokens=max_step_tokens)
 
 
-def _run_against_streamingllm(cfg, steps, step_fn, seed):
+class GPTJRotary:
+    """GPT-J's rotary embedding, literally: dimensions (2i, 2i + 1) are one complex number, turned by
+    `position * base ** (-2i / D)` radians (float64)."""
+
+    def __init__(self, head_dim, base):
+        self.freqs = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+
+    def rotate(self, x, positions):
+        """`x [..., T, D]` at `positions` (broadcast against `[..., T]`)."""
+        z = torch.view_as_complex(x.double().unflatten(-1, (-1, 2)).contiguous())
+        angles = positions.double().unsqueeze(-1) * self.freqs
+        turn = torch.polar(torch.ones_like(angles), angles)
+        return torch.view_as_real(z * turn).flatten(-2)
+
+
+def test_interleaved_layout_is_gptj_rope():
+    torch.manual_seed(4)
+    x = torch.randn(2, 3, 5, D, dtype=torch.float64)
+    p = torch.tensor([[0, 1, 7, 300, 12345], [4, 4, 9, 0, 2]])
+    got = Rotary(D, base=500.0, layout="interleaved").rotate(x, p.view(2, 5))
+    torch.testing.assert_close(got, GPTJRotary(D, 500.0).rotate(x, p.view(2, 1, 5)), rtol=0, atol=1e-12)
+    # The half-split layout turns other pairs: same norms, different vectors.
+    half = Rotary(D, base=500.0).rotate(x, p)
+    assert (half - got).abs().max() > 1e-2
+    torch.testing.assert_close(half.norm(dim=-1), got.norm(dim=-1))
+    with pytest.raises(ValueError, match=r"layout must be one of \('half', 'interleaved'\)"):
+        Rotary(D, layout="gptj")
+
+
+def _run_against_streamingllm(cfg, steps, step_fn, seed, layout="half"):
     """Decode `steps` steps for a churning batch; compare every live row with StreamingLLM.
 
-    Returns the largest deviation and the length `r2` (the longest stream) reached.
+    Returns the largest deviation and the length `r2` (the longest stream) reached. With
+    `layout="interleaved"` the reference rotates with `GPTJRotary`, written apart from flexkv's.
     """
     torch.manual_seed(seed)
     m = BoundedKVManager(cfg, block_size=16)
-    rot = Rotary(D, base=100.0)
+    rot = Rotary(D, base=100.0, layout=layout)
     layers = [SinkRotation(m, i, rot, "cache") for i in range(LAYERS)]
-    ref = StreamingLLM(rot, SINK, WINDOW, D ** -0.5)
+    ref = StreamingLLM(GPTJRotary(D, 100.0) if layout == "interleaved" else rot, SINK, WINDOW, D ** -0.5)
     live = ["r0", "r1", None]
     written = {}
     worst = 0.0
@@ -142,9 +172,11 @@ def _eager_step(m, layers, plan, qs, ks, vs):
     return outs
 
 
-@pytest.mark.parametrize("query_window,steps", [(None, 30), (WINDOW, 26)])
-def test_cache_positions_match_streamingllm_eager(query_window, steps):
-    worst, longest = _run_against_streamingllm(_cache_config(query_window), steps, _eager_step, seed=1)
+@pytest.mark.parametrize("query_window,steps,layout", [(None, 30, "half"), (WINDOW, 26, "half"),
+                                                       (None, 30, "interleaved")])
+def test_cache_positions_match_streamingllm_eager(query_window, steps, layout):
+    worst, longest = _run_against_streamingllm(_cache_config(query_window), steps, _eager_step, seed=1,
+                                               layout=layout)
     assert longest >= SINK + WINDOW + 8  # past the window, so sinks have been re-rotated several times
     assert worst < 2e-5, worst
 
@@ -166,12 +198,15 @@ def test_cache_positions_match_streamingllm_compiled_without_recompiles(compiled
     assert counters["stats"]["unique_graphs"] - before == 1
 
 
-def test_stream_mode_is_rotation_at_stream_index():
-    """In "stream" mode the cache attends keys rotated at their stream index (checked on the dense reference)."""
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_stream_mode_is_rotation_at_stream_index(layout):
+    """In "stream" mode the cache attends keys rotated at their stream index (checked on the dense
+    reference; the interleaved layout rotated by `GPTJRotary`)."""
     torch.manual_seed(3)
     cfg = _cache_config(max_step_tokens=3)
     m = BoundedKVManager(cfg, block_size=16)
-    rot = Rotary(D)
+    rot = Rotary(D, layout=layout)
+    literal = GPTJRotary(D, 10000.0) if layout == "interleaved" else rot
     layer = SinkRotation(m, 0, rot, "stream")
     assert layer.memory_bytes == 0
     ref = ReferenceCache(cfg)
@@ -184,7 +219,7 @@ def test_stream_mode_is_rotation_at_stream_index():
         qr, kr = layer(q, k, plan)
         out = m.attend(0, qr, kr, v, plan)
         p = torch.arange(written, written + 3)
-        exp = ref.attend(0, rot.rotate(q.double(), p), rot.rotate(k.double(), p), v, step)
+        exp = ref.attend(0, literal.rotate(q.double(), p), literal.rotate(k.double(), p), v, step)
         assert (out.double() - exp).abs().max() < 2e-5
         m.commit(step); ref.commit(step)
         written += 3
