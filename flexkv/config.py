@@ -116,6 +116,7 @@ class BoundedKVConfig:
     the width of a value, None (the default) meaning the same. They differ in
     multi-head latent attention (DeepSeek-V2/V3: keys carry a rotary part
     that values do not). `value_head_dim` is the resolved value width.
+
     `causal_step=True` makes a per-step window causal inside the step: every
     query attends the step's shared window (sinks and the entries from
     `window_start`) and the step's own tokens up to itself, none after it
