@@ -48,7 +48,6 @@ class Segment:
 
     request_id: Optional[Hashable]
     span: int
-    label: str = "main"
 
 
 @dataclass(frozen=True)

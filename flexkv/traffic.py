@@ -114,12 +114,3 @@ class Traffic:
                     self.lanes[i] = None
         self.step_no += 1
         self._fill()
-
-    def padding_steps(self) -> List[Tuple[str, BoundedKVStep]]:
-        """One all-padding step of each kind: compiling these warms every batch shape up."""
-        w = self.w
-        pad = tuple(Segment(None, 0) for _ in range(w.requests))
-        out = [("main", BoundedKVStep(pad, {}, tokens=w.step_tokens))]
-        if w.final_tokens is not None:
-            out.append(("final", BoundedKVStep(pad, {}, tokens=w.final_tokens)))
-        return out

@@ -25,7 +25,6 @@ from flexkv import (
 )
 from flexkv.groups import layer_group_configs
 from flexkv.reference import ReferenceCache
-from flexkv.sinks import apply_learned_sinks
 from single_thread import one_thread  # noqa: F401
 
 H, HQ, D = 2, 4, 8
@@ -125,15 +124,27 @@ def test_memory_follows_each_groups_window():
     report = m.memory_report()
     assert [r["name"] for r in report] == ["sliding", "full"]
     assert [r["slot_cells"] for r in report] == [0 + 3 + 4, 2 + 6 + 4]  # sink + window + step headroom
-    per_layer_cell = 2 * H * D * 8  # keys and values, float64
-    assert [r["slot_bytes"] for r in report] == [2 * 7 * per_layer_cell, 2 * 12 * per_layer_cell]
-    assert m.slot_bytes == sum(r["slot_bytes"] for r in report)
-    assert m.memory_bytes == sum(r["memory_bytes"] for r in report)
+    cell = 2 * H * D * 8  # one cell of one layer, keys and values, float64: 256 bytes
+    # One stream: 2 sliding layers x 7 cells + 2 full layers x 12 cells.
+    assert m.slot_bytes == (2 * 7 + 2 * 12) * cell == 9728
+    # Every tensor: 3 slots of 7 cells + 4 scratch = 25 -> 32 (whole blocks of 8) per sliding layer;
+    # 3 x 12 + 4 = 40 per full layer.
+    assert m.memory_bytes == (2 * 32 + 2 * 40) * cell == 36864
     one = BoundedKVManager(cfg.replace(query_window=6), block_size=8)  # every layer keeping sink 2 + window 6
-    assert m.slot_bytes < one.slot_bytes
+    assert one.slot_bytes == 4 * 12 * cell > m.slot_bytes
+
+
+def test_repr_says_what_each_group_keeps():
+    m = GroupedKVManager(base_config(), GROUPS, block_size=8)
     assert "sliding: layers [0, 2] keep SinkWindow(sink=0, window=3" in repr(m)
-    # No groups: one group of every layer, the config's own retention.
-    assert GroupedKVManager(cfg, block_size=8).slot_bytes == BoundedKVManager(cfg, block_size=8).slot_bytes
+    assert "full: layers [1, 3] keep SinkWindow(sink=2, window=6" in repr(m)
+
+
+def test_attend_needs_a_grouped_plan():
+    m = GroupedKVManager(base_config(), GROUPS, block_size=8)
+    x = torch.zeros(1, H, 1, D, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"attend needs this cache's GroupedPlan"):
+        m.attend(0, x, x, x, plan=None)
 
 
 def test_admit_is_atomic_across_groups():
@@ -183,21 +194,3 @@ def test_sources_are_split_by_layer():
         assert kc[0, 0, 0, 0].item() == g.layers[1]  # the group's second layer holds that model layer's source
     m.remove_source(0)
     assert m.sources == {} and all(mm.sources == {} for mm in m.managers)
-
-
-def test_learned_sinks_rescale_by_the_extra_softmax_term():
-    g = torch.Generator().manual_seed(3)
-    N, T, K = 2, 3, 5
-    scores = torch.randn(N, HQ, T, K, generator=g, dtype=torch.float64) * 3
-    values = torch.randn(N, HQ, K, D, generator=g, dtype=torch.float64)
-    sinks = torch.randn(HQ, generator=g, dtype=torch.float32)
-    out = torch.softmax(scores, -1) @ values
-    lse = torch.logsumexp(scores, -1)
-    got = apply_learned_sinks(out, lse, sinks)
-    extra = sinks.double().view(1, HQ, 1, 1).expand(N, HQ, T, 1)
-    want = torch.softmax(torch.cat([scores, extra], -1), -1)[..., :K] @ values
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-14)
-    # A query that attends nothing keeps its zeros, even with a -inf sink.
-    dead = apply_learned_sinks(torch.zeros(1, HQ, 1, D), torch.full((1, HQ, 1), float("-inf")),
-                               torch.full((HQ,), float("-inf")))
-    assert torch.equal(dead, torch.zeros_like(dead))

@@ -76,20 +76,16 @@ def find_cycle(graph: dict):
 
 def test_the_finder_sees_a_cycle_through_a_function_level_import(tmp_path):
     """The checker itself: a deferred import closing a cycle is found."""
-    src = {"a": "from .b import x\n", "b": "def f():\n    from .a import y\n"}
-    graph = {}
+    src = {"a_probe": "from .b_probe import x\n", "b_probe": "def f():\n    from .a_probe import y\n"}
     for mod, text in src.items():
-        path = tmp_path / f"{mod}.py"
-        path.write_text(text)
-        MODULES[f"flexkv.{mod}_probe"] = path
+        (tmp_path / f"{mod}.py").write_text(text)
+        MODULES[f"flexkv.{mod}"] = tmp_path / f"{mod}.py"
     try:
-        for mod in src:
-            text = src[mod].replace(".b ", ".b_probe ").replace(".a ", ".a_probe ")
-            (tmp_path / f"{mod}.py").write_text(text)
-            graph[f"flexkv.{mod}_probe"] = imports_of(f"flexkv.{mod}_probe", tmp_path / f"{mod}.py")
+        graph = {f"flexkv.{mod}": imports_of(f"flexkv.{mod}", tmp_path / f"{mod}.py") for mod in src}
     finally:
         for mod in src:
-            MODULES.pop(f"flexkv.{mod}_probe")
+            MODULES.pop(f"flexkv.{mod}")
+    assert graph == {"flexkv.a_probe": {"flexkv.b_probe"}, "flexkv.b_probe": {"flexkv.a_probe"}}
     assert find_cycle(graph) == ["flexkv.a_probe", "flexkv.b_probe", "flexkv.a_probe"]
 
 

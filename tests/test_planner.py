@@ -11,9 +11,7 @@ most 4 entries, 2 slots, SinkWindow(3, 4), max_step_tokens 2):
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.layout import Layout
 from flexkv.masks import make_mask_mod
-from flexkv.planner import build_plan
 
 
 def cfg(**kw):
@@ -169,18 +167,22 @@ def test_planning_on_meta_device_never_touches_device_data():
 
 
 def test_meta_plans_with_the_cuda_defaults():
-    """A meta cache with nothing set takes CUDA's block size and full blocks, so its plan is the
-    plan a CUDA cache would make (built here from the layout and planner with CUDA's rules)."""
+    """A meta cache with nothing set plans as CUDA does: blocks of 128 and full blocks listed.
+
+    Slot rows are 4 sink cells + a ring of 301 (slot 0 at cells 0-304, slot 1 at 305-609). "a"
+    (n = 900, window from 600) reads its whole slot row 0-304: blocks 0 and 1 whole, block 2 in
+    part. "b" (n = 41) reads sink cells 305-308 and ring cells 313-350 (stream 4..41): block 2 only.
+    """
     config = cfg(max_source_len=0, max_sources=0, retention=SinkWindow(4, 300), max_step_tokens=1, max_slots=3)
     m = BoundedKVManager(config, "meta")
-    cuda_layout = Layout.for_config(config, None, "cuda")
-    assert m.layout == cuda_layout and cuda_layout.block_size == 128
+    assert m.layout.block_size == 128 and m.full_blocks
     step = start(m, [Segment("a", 1), Segment("b", 1)], {"a": StreamPosition(0, 900), "b": StreamPosition(0, 41)})
     plan = m.plan(step)
-    slots = {"a": m.slot_of("a"), "b": m.slot_of("b")}
-    want = build_plan(config, cuda_layout, step, slots.__getitem__, "cpu", full_blocks=True)
-    assert plan == want and plan.has_full_blocks
-    assert plan.blocks(0, full=True)  # a row reading 304 cells holds whole blocks of 128
+    assert plan.has_full_blocks
+    assert (plan.blocks(0, full=True), plan.blocks(0)) == ([0, 1], [2])
+    assert (plan.blocks(1, full=True), plan.blocks(1)) == ([], [2])
+    assert plan.cell_intervals(0) == [(0, 305)] and plan.cell_intervals(1) == [(305, 309), (313, 351)]
+    assert plan.write_cells(0) == [4 + 900 % 301] and plan.write_cells(1) == [309 + 41]
 
 
 def test_blocks_every_query_reads_whole_skip_the_mask():

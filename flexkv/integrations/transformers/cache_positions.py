@@ -20,7 +20,7 @@ __all__ = ["CachePositions"]
 _LINEAR_ROPE = ("default", "linear", "llama3", "yarn")
 
 
-def _layer_uses_rope(model, cfg, layer_idx: int) -> bool:
+def _layer_uses_rope(cfg, layer_idx: int) -> bool:
     flags = getattr(cfg, "no_rope_layers", None)  # SmolLM3: 1 = rotary, 0 = none
     if flags is not None and layer_idx < len(flags):
         return bool(flags[layer_idx])
@@ -58,7 +58,7 @@ class CachePositions:
             i = kv_owner[kv]
             m, local = manager.layer_manager(kv)
             g, _ = manager.group_of(kv)
-            if manager.managers[g].config.sink_capacity == 0 or not _layer_uses_rope(model, cfg, i):
+            if manager.managers[g].config.sink_capacity == 0 or not _layer_uses_rope(cfg, i):
                 self.layers.append(None)
                 self.inv_freq.append(None)
                 continue
@@ -97,7 +97,7 @@ class CachePositions:
         # The groups whose queries must share one eviction count within a step.
         self.groups = sorted({manager.group_of(i)[0] for i, r in enumerate(self.layers) if r is not None})
         self.manager = manager
-        if not self.groups and not any(_layer_uses_rope(model, cfg, i) for i in kv_owner):
+        if not self.groups and not any(_layer_uses_rope(cfg, i) for i in kv_owner):
             raise ValueError(f"positions='cache' re-rotates rotary layers; {type(model).__name__} has none")
         if self.groups and emb is None:
             raise ValueError(
