@@ -9,6 +9,7 @@ A step goes `admit -> plan -> attend (per layer) -> commit`.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Hashable, Optional
 
@@ -22,7 +23,7 @@ from .layout import Layout
 from .masks import POSITION_MODES, make_mask_mod, make_score_mod
 from .kernel_options import flex_kernel_options
 from .planner import BoundedPlan, build_plan
-from .row_attention import attend_rows, gather_width
+from .row_attention import attend_rows, gather_width, row_geometry
 from .sinks import apply_learned_sinks, check_sinks
 from .step import BoundedKVStep, Segment, StreamPosition
 
@@ -95,11 +96,17 @@ class BoundedKVManager(nn.Module):
         #: kernel ran slower with them.
         self.full_blocks = self.device.type in ("cuda", "meta")
         #: How `attend` computes attention: `"flex"` (one FlexAttention call over the layer tensor,
-        #: reading every cell in place), `"rows"` (each row's source and slot rows gathered, then
-        #: dense attention; `flexkv.row_attention`) or `"auto"`: rows for chunked steps (T > 1) on
-        #: the CPU, where the gather is cheap next to the chunk's attention and FlexAttention's CPU
-        #: kernel is slow for short query blocks, and FlexAttention everywhere else.
+        #: reading every cell in place), `"rows"` (each row's cells read in place or gathered, then
+        #: dense attention; `flexkv.row_attention`) or `"auto"` (`path_for`): eagerly (no
+        #: `torch.compile`) always rows, since uncompiled FlexAttention forms every score of the
+        #: whole layer tensor; compiled, rows for chunked steps (T > 1) on the CPU, where the
+        #: gather is cheap next to the chunk's attention and FlexAttention's CPU kernel is slow for
+        #: short query blocks, and FlexAttention everywhere else.
         self.attention_path = "auto"
+        # Eagerly, the rows path's per-plan work (cells, mask bias) is done once per plan and
+        # reused by every layer: the last plan seen (weakly) and its geometries by shape.
+        self._geometry_plan = None
+        self._geometries: dict = {}
         cuda = self.device.type == "cuda"
         # Read once, on the host: what the CUDA kernels are tuned and split by.
         self._capability = torch.cuda.get_device_capability(self.device) if cuda else None
@@ -511,11 +518,28 @@ class BoundedKVManager(nn.Module):
             return rows * self.config.num_heads > self._sm_count
         return True
 
-    def _rows_path(self, tokens: int) -> bool:
-        """Whether a step of `tokens` tokens attends through `flexkv.row_attention` (see `attention_path`)."""
+    def path_for(self, tokens: int, compiled: bool = True) -> str:
+        """The attention path (`"rows"` or `"flex"`) a step of `tokens` tokens takes, compiled or
+        eagerly (see `attention_path`)."""
         if self.attention_path == "auto":
-            return self.device.type == "cpu" and tokens > 1
-        return self.attention_path == "rows"
+            rows = not compiled or (self.device.type == "cpu" and tokens > 1)
+        else:
+            rows = self.attention_path == "rows"
+        return "rows" if rows else "flex"
+
+    def _rows_path(self, tokens: int) -> bool:
+        """Whether this call (compiled or not, as it is being run) attends through the rows path."""
+        return self.path_for(tokens, torch.compiler.is_compiling()) == "rows"
+
+    def _eager_geometry(self, plan: BoundedPlan, key: tuple, build: Callable):
+        """The rows path's geometry of `plan` under `key`, built once per plan (eager calls only)."""
+        if self._geometry_plan is None or self._geometry_plan() is not plan:
+            self._geometry_plan = weakref.ref(plan)
+            self._geometries = {}
+        geo = self._geometries.get(key)
+        if geo is None:
+            geo = self._geometries[key] = build()
+        return geo
 
     def _check_attend(self, layer_idx, q, k, v, plan) -> None:
         c = self.config
@@ -630,7 +654,10 @@ class BoundedKVManager(nn.Module):
         # group's queries in one pass over its keys instead of one pass per query head.
         packed = group > 1 and (self.pack_gqa or rows_path)
         g = group if packed else 1
-        mask_mod = make_mask_mod(plan, lay.ring_len, T, c.query_window, packed=packed)
+        compiling = torch.compiler.is_compiling()
+        mask_mod = None
+        if compiling or not rows_path:
+            mask_mod = make_mask_mod(plan, lay.ring_len, T, c.query_window, packed=packed)
         sm = None
         if score_mod is not None:
             sm = make_score_mod(
@@ -642,8 +669,19 @@ class BoundedKVManager(nn.Module):
         scale = D ** -0.5 if scale is None else scale
         lse = None
         if rows_path:
-            out = attend_rows(q.reshape(N, H, g * T, D) * scale, kc, vc, lay, plan, mask_mod, sm,
-                              width=gather_width(c), return_lse=sinks is not None)
+            qr = q.reshape(N, H, g * T, D) * scale
+            width = gather_width(c)
+            geometry = None
+            if not compiling:
+                # Eagerly, every layer of the step shares the plan's geometry (cells, mask bias):
+                # built at the first layer, from the same mask_mod. Everything the mask depends on
+                # besides the plan and the cache's config is in the key.
+                geometry = self._eager_geometry(
+                    plan, (g * T, T, packed, q.dtype),
+                    lambda: row_geometry(lay, plan, make_mask_mod(plan, lay.ring_len, T, c.query_window, packed=packed),
+                                         g * T, q.dtype, width))
+            out = attend_rows(qr, kc, vc, lay, plan, mask_mod, sm, width=width, return_lse=sinks is not None,
+                              geometry=geometry)
             if sinks is not None:
                 out, lse = out
         else:

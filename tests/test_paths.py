@@ -1,0 +1,103 @@
+"""Which attention path `attend` takes by default, and what the eager rows path shares between layers.
+
+Correctness of every path against the dense reference is `tests/test_properties.py`'s (eager,
+every path) and `tests/test_compiled.py`'s (compiled); here: the choice itself, that eager calls
+never run FlexAttention by default, and that the per-plan work is done once per plan.
+"""
+
+import pytest
+import torch
+
+import flexkv.manager as manager_module
+import flexkv.row_attention as row_attention
+from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.reference import ReferenceCache
+from single_thread import one_thread  # noqa: F401
+
+
+def _config(**kw):
+    base = dict(num_layers=3, num_heads=2, head_dim=8, rows_per_request=1, max_source_len=0, max_sources=0,
+                retention=SinkWindow(2, 9), max_slots=3, max_step_tokens=4)
+    base.update(kw)
+    return BoundedKVConfig(**base)
+
+
+@pytest.mark.parametrize("device, tokens, compiled, path", [
+    ("cpu", 1, False, "rows"), ("cpu", 4, False, "rows"), ("cpu", 1, True, "flex"), ("cpu", 4, True, "rows"),
+    ("meta", 1, False, "rows"), ("meta", 1, True, "flex"), ("meta", 4, True, "flex"),
+])
+def test_default_path_follows_device_step_and_compilation(device, tokens, compiled, path):
+    m = BoundedKVManager(_config(), device)
+    assert m.path_for(tokens, compiled=compiled) == path
+
+
+@pytest.mark.parametrize("forced", ["flex", "rows"])
+def test_a_forced_path_is_taken_compiled_or_not(forced):
+    m = BoundedKVManager(_config(), "cpu")
+    m.attention_path = forced
+    assert {m.path_for(t, compiled=c) for t in (1, 4) for c in (False, True)} == {forced}
+
+
+def _stream(m, ref, steps, tokens, monkeypatch, counts):
+    """Steps of two requests (one padding segment), every layer attended eagerly; returns the worst error."""
+    c = m.config
+    g = torch.Generator().manual_seed(0)
+    worst, written = 0.0, 0
+    for _ in range(steps):
+        step = BoundedKVStep((Segment("a", tokens), Segment(None, 0), Segment("b", tokens)),
+                             {"a": StreamPosition(0, written), "b": StreamPosition(0, written)}, tokens=tokens)
+        m.admit(step)
+        plan = m.plan(step)
+        before = counts["geometry"]
+        for layer in range(c.num_layers):
+            q = torch.randn(3, 4, tokens, c.head_dim, generator=g)
+            k, v = (torch.randn(3, 2, tokens, c.head_dim, generator=g) for _ in range(2))
+            out = m.attend(layer, q, k, v, plan)
+            want = ref.attend(layer, q, k, v, step)
+            worst = max(worst, (out.double() - want).abs().max().item())
+        # One geometry per plan, whatever the number of layers.
+        assert counts["geometry"] - before == 1
+        m.commit(step)
+        ref.commit(step)
+        written += tokens
+    return worst
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_eager_default_never_runs_flex_attention_and_shares_the_plan_geometry(tokens, monkeypatch):
+    """Eagerly, FlexAttention would form every score of the whole layer tensor; by default `attend`
+    takes the rows path instead, builds the plan's geometry at the first layer and reuses it."""
+    counts = {"geometry": 0}
+
+    def no_flex(*a, **k):
+        raise AssertionError("eager attend called flex_attention")
+
+    built = row_attention.row_geometry
+
+    def counting(*a, **k):
+        counts["geometry"] += 1
+        return built(*a, **k)
+
+    monkeypatch.setattr(manager_module, "flex_attention", no_flex)
+    monkeypatch.setattr(manager_module, "row_geometry", counting)
+    cfg = _config()
+    m = BoundedKVManager(cfg, "cpu")
+    worst = _stream(m, ReferenceCache(cfg), 8, tokens, monkeypatch, counts)
+    assert worst < 1e-5
+
+
+def test_eager_geometry_is_rebuilt_for_a_new_plan_of_the_same_step():
+    """The shared geometry belongs to one plan object: a second plan (even an equal one) gets its own."""
+    cfg = _config(num_layers=1)
+    m = BoundedKVManager(cfg, "cpu")
+    step = BoundedKVStep((Segment("a", 1),), {"a": StreamPosition(0, 0)})
+    m.admit(step)
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    first = m.plan(step)
+    m.attend(0, q, k, v, first)
+    geometry = next(iter(m._geometries.values()))
+    second = m.plan(step)
+    m.attend(0, q, k, v, second)
+    assert next(iter(m._geometries.values())) is not geometry
+    m.attend(0, q, k, v, second)
+    assert len(m._geometries) == 1
