@@ -22,7 +22,8 @@ from .config import BoundedKVConfig
 from .layout import Layout
 from .masks import POSITION_MODES, make_mask_mod, make_score_mod
 from .kernel_options import flex_kernel_options
-from .planner import BoundedPlan, build_plan
+from .kernel_sharing import layer_region, shares_flex_kernel
+from .planner import BoundedPlan, build_plan, table_views
 from .row_attention import attend_rows, gather_width, row_geometry
 from .sinks import apply_learned_sinks, check_sinks
 from .step import BoundedKVStep, Segment, StreamPosition
@@ -103,6 +104,9 @@ class BoundedKVManager(nn.Module):
         #: gather is cheap next to the chunk's attention and FlexAttention's CPU kernel is slow for
         #: short query blocks, and FlexAttention everywhere else.
         self.attention_path = "auto"
+        #: Compiled FlexAttention calls of every layer share one kernel (`flexkv.kernel_sharing`):
+        #: on by default on the CPU with the torch releases it is tested on.
+        self.share_flex_kernel = shares_flex_kernel(self.device.type)
         # Eagerly, the rows path's per-plan work (cells, mask bias) is done once per plan and
         # reused by every layer: the last plan seen (weakly) and its geometries by shape.
         self._geometry_plan = None
@@ -574,14 +578,22 @@ class BoundedKVManager(nn.Module):
                 f"got {tuple(q.shape)}"
             )
 
-    def _block_mask(self, plan: BoundedPlan, q_len: int, mask_mod: Callable) -> BlockMask:
-        """The plan's block lists as FlexAttention's block mask for a query of `q_len` rows."""
+    def _block_mask(self, plan: BoundedPlan, q_len: int, mask_mod: Callable, own_buffers: bool = False) -> BlockMask:
+        """The plan's block lists as FlexAttention's block mask for a query of `q_len` rows.
+
+        `own_buffers`: the lists are views of one tensor inside the graph (`_PlanView`); each is
+        then made a buffer of its own (`clamp_min(0)` leaves counts and block indices as they are;
+        a clone would be removed as a no-op), since inductor's CPU template names kernel arguments
+        by their storage and would merge them.
+        """
         lay = self.layout
         N = plan.rows
         # Every query block of a row visits the same KV blocks: the plan lists them once per row.
         nq = lay.q_blocks(q_len)
         kv_num, kv_idx, full_num, full_idx = (
             plan.kv_num_blocks, plan.kv_indices, plan.full_kv_num_blocks, plan.full_kv_indices)
+        if own_buffers:
+            kv_num, kv_idx, full_num, full_idx = (x.clamp_min(0) for x in (kv_num, kv_idx, full_num, full_idx))
         if self.device.type == "cpu" and kv_idx.shape[3] < lay.num_blocks:
             # The CPU kernel wants block lists as wide as the layer tensor (it reads only the first
             # kv_num_blocks of each); the plan stays compact and is widened here, on the device side.
@@ -685,11 +697,17 @@ class BoundedKVManager(nn.Module):
             if sinks is not None:
                 out, lse = out
         else:
-            block_mask = self._block_mask(plan, T * g, mask_mod)
             options = flex_kernel_options(
                 self.device.type, g * T, H, H if packed else Hq, D, q.dtype, lay.block_size, plan.has_full_blocks,
                 q_block_size=lay.q_block_size, capability=self._capability)
             aux = None if sinks is None else AuxRequest(lse=True)
+            if compiling and self.share_flex_kernel and sm is None and sinks is None:
+                # One region per layer call, the same for every layer: its kernel compiles once.
+                qf = (q.reshape(N, H, g * T, D) if packed else q) * scale
+                out = _flex_layer(qf, kc, vc, plan.table, self, plan.rows, T, plan.width, plan.full_width,
+                                  plan.has_full_blocks, packed, options)
+                return out.view(N, Hq, T, D)
+            block_mask = self._block_mask(plan, T * g, mask_mod)
             if packed:
                 out = flex_attention(q.reshape(N, H, g * T, D) * scale, kc, vc, score_mod=sm, block_mask=block_mask,
                                      scale=1.0, kernel_options=options, return_aux=aux)
@@ -703,3 +721,28 @@ class BoundedKVManager(nn.Module):
         # Packed (or from the rows path), query head h * g + i sits at rows i * T .. i * T + T - 1 of
         # KV head h: the same [N, Hq, T] view serves the output and its log-sum-exp.
         return apply_learned_sinks(out.view(N, Hq, T, D), lse.reshape(N, Hq, T), sinks)
+
+
+class _PlanView:
+    """A plan's tensors as views of its table, inside a compiled region (see `_flex_layer`)."""
+
+    def __init__(self, table, rows, tokens, width, full_width, has_full_blocks):
+        for name, view in table_views(table, rows, tokens, width, full_width).items():
+            setattr(self, name, view)
+        self.rows, self.tokens, self.has_full_blocks = rows, tokens, has_full_blocks
+
+
+@layer_region
+def _flex_layer(q, k_cache, v_cache, table, manager, rows, tokens, width, full_width, has_full_blocks, packed,
+                options):
+    """One layer's FlexAttention call from the plan's table alone: a region every layer shares.
+
+    The plan enters as its one table (its named tensors are views of it, and a region takes no
+    inputs that alias each other); everything else is static.
+    """
+    plan = _PlanView(table, rows, tokens, width, full_width, has_full_blocks)
+    group = q.shape[2] // tokens
+    mask_mod = make_mask_mod(plan, manager.layout.ring_len, tokens, manager.config.query_window, packed=packed)
+    block_mask = manager._block_mask(plan, tokens * group, mask_mod, own_buffers=True)
+    return flex_attention(q, k_cache, v_cache, block_mask=block_mask, scale=1.0, kernel_options=options,
+                          enable_gqa=q.shape[1] != k_cache.shape[1])

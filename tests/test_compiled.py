@@ -5,11 +5,13 @@ positions, spans, slots and requests but not the batch shape, and
 `error_on_recompile` turns any recompile into a failure.
 """
 
+import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
+from flexkv.kernel_sharing import SHARED_KERNEL_TORCH
 from workload import Workload, score_bias
 
 TOL = 1e-4
@@ -113,3 +115,45 @@ def test_gqa_decode_at_a_real_window_size():
     work = compiled_workload(cfg, q_heads=32, tokens=1, seed=1, block_size=128, churn=0.0, full_blocks=False,
                              segments=4)
     run_without_recompiles(work, 4)
+
+
+def _inspecting_backend(seen):
+    """Inductor, after recording which regions the graph calls (identifier of every call)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm, example_inputs):
+        seen.append([n.args[1] for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph])
+        return compile_fx(gm, example_inputs)
+
+    return backend
+
+
+@pytest.mark.parametrize("tokens, pack_gqa, full_blocks", [(1, True, False), (2, False, True)])
+def test_layers_of_one_graph_share_one_flex_attention_region(tokens, pack_gqa, full_blocks):
+    """A model step compiled as one graph: every layer's FlexAttention call is the same region (one
+    kernel compiled for all layers), and the outputs still match the reference with no recompiles."""
+    cfg = BoundedKVConfig(
+        num_layers=3, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=0, max_sources=0,
+        retention=SinkWindow(2, 12), max_slots=3, max_step_tokens=tokens,
+    )
+    manager = BoundedKVManager(cfg, "cpu", block_size=8)
+    manager.attention_path = "flex"
+    manager.pack_gqa = pack_gqa
+    manager.full_blocks = full_blocks
+    if not manager.share_flex_kernel:
+        pytest.skip(f"layers share a FlexAttention region from torch {SHARED_KERNEL_TORCH} on; this is {torch.__version__}")
+    seen = []
+
+    def model_step(qs, ks, vs, plan):
+        return [manager.attend(l, qs[l], ks[l], vs[l], plan) for l in range(cfg.num_layers)]
+
+    compiled = torch.compile(model_step, fullgraph=True, backend=_inspecting_backend(seen))
+    work = Workload(cfg, q_heads=4, segments=3, seed=2, manager=manager, fixed_tokens=tokens, churn=0.2,
+                    attend=lambda m, plan, qs, ks, vs: compiled(qs, ks, vs, plan))
+    torch._dynamo.reset()
+    work.step()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(24):
+            work.step()
+    assert work.worst < TOL, work.worst
+    assert len(seen) == 1 and len(seen[0]) == cfg.num_layers and len(set(seen[0])) == 1, seen

@@ -101,3 +101,30 @@ def test_eager_geometry_is_rebuilt_for_a_new_plan_of_the_same_step():
     assert next(iter(m._geometries.values())) is not geometry
     m.attend(0, q, k, v, second)
     assert len(m._geometries) == 1
+
+
+@pytest.mark.parametrize("path", ["auto", "flex"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_learned_sinks_match_the_reference_definition(path, tokens):
+    """Sinks join each query head's softmax as one extra score with no value (the reference's
+    definition), on the eager default path and on eager FlexAttention with its log-sum-exp."""
+    cfg = _config(num_layers=1)
+    m = BoundedKVManager(cfg, "cpu")
+    m.attention_path = path
+    ref = ReferenceCache(cfg)
+    g = torch.Generator().manual_seed(4)
+    sinks = torch.randn(4, generator=g) * 2
+    written = 0
+    for _ in range(6):
+        step = BoundedKVStep((Segment("a", tokens), Segment(None, 0)), {"a": StreamPosition(0, written)}, tokens=tokens)
+        m.admit(step)
+        plan = m.plan(step)
+        q = torch.randn(2, 4, tokens, 8, generator=g) * 2
+        k, v = (torch.randn(2, 2, tokens, 8, generator=g) for _ in range(2))
+        got = m.attend(0, q, k, v, plan, sinks=sinks)
+        want = ref.attend(0, q, k, v, step, sinks=sinks)
+        assert (got.double() - want).abs().max().item() < 1e-5
+        assert (ref.attend(0, q, k, v, step) - want).abs().max().item() > 1e-2  # the sinks matter
+        m.commit(step)
+        ref.commit(step)
+        written += tokens
