@@ -108,7 +108,8 @@ class BoundedKVManager(nn.Module):
         #: on by default on the CPU with the torch releases it is tested on.
         self.share_flex_kernel = shares_flex_kernel(self.device.type)
         # Eagerly, the rows path's per-plan work (cells, mask bias) is done once per plan and
-        # reused by every layer: the last plan seen (weakly) and its geometries by shape.
+        # reused by every layer: the last plan seen (weakly) and its geometries by shape, dropped
+        # at commit.
         self._geometry_plan = None
         self._geometries: dict = {}
         cuda = self.device.type == "cuda"
@@ -473,7 +474,12 @@ class BoundedKVManager(nn.Module):
         return plan
 
     def commit(self, step: BoundedKVStep) -> None:
-        """Record each request's written tokens: `written = position.written + span` (idempotent)."""
+        """Record each request's written tokens: `written = position.written + span` (idempotent).
+
+        Also drops the rows path's eager per-plan geometry (its mask bias is as large as the step's
+        queries times the cells a row reads): the step is over.
+        """
+        self._geometry_plan, self._geometries = None, {}
         with self._lock:
             self._check_step(step)
             for seg in step.segments:

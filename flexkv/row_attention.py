@@ -9,7 +9,7 @@ runs dense attention over them, in one of two ways:
   slot rows): every cell a row reads lies in its slot row (sink region plus
   ring; the step's own tokens were just written into the ring), so the
   layer tensor's slot pool, viewed as `[slot rows, H, slot_row_len, D]`, is
-  already a dense batch. The step's queries are scattered into slot order
+  already a dense batch. The step's queries are gathered into slot order
   instead, the keys and values never move, and slot rows the step does not
   use attend nothing and are dropped;
 - **gathered** (otherwise): the cells of each row's intervals are copied, in
@@ -197,7 +197,9 @@ def attend_rows(
         Lr = layout.slot_row_len
         n_slot = layout.max_slots * layout.rows_per_request
         base = layout.slots_base
-        q_slots = q.new_zeros(n_slot + 1, H, Q, D).index_put((geo.to_batch,), q)[:n_slot]
+        # Each slot row takes its plan row's queries (rows the step leaves out take row 0's, and
+        # read nothing): one gather, no zero fill.
+        q_slots = q.index_select(0, geo.batch_rows)
         keys = k_cache[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, D).transpose(0, 1)
         values = v_cache[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, Dv).transpose(0, 1)
         out, lse = _dense(q_slots, keys, values, geo, score_mod, return_lse)

@@ -128,3 +128,15 @@ def test_learned_sinks_match_the_reference_definition(path, tokens):
         m.commit(step)
         ref.commit(step)
         written += tokens
+
+
+def test_commit_drops_the_eager_geometry():
+    """The geometry (its bias is queries x cells floats) lives for one step: commit frees it."""
+    m = BoundedKVManager(_config(num_layers=1), "cpu")
+    step = BoundedKVStep((Segment("a", 3),), {"a": StreamPosition(0, 0)}, tokens=3)
+    m.admit(step)
+    plan = m.plan(step)
+    m.attend(0, torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), plan)
+    assert m._geometries
+    m.commit(step)
+    assert not m._geometries and m._geometry_plan is None
