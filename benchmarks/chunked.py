@@ -19,9 +19,11 @@ Each shape runs, in one `benchmarks.timing.interleaved` loop (rounds of every va
 - `flexkv`: host admit + plan, then one compiled `attend` per layer, then commit, with every
   setting left to flexkv (block size, attention path);
 - `flexkv/flex` (with `--flex`): the same with `attention_path="flex"`;
-- `laid-out` (chunks): SDPA over each row's retained entries and the step's tokens already
-  contiguous, with the retention mask: no write and no copy, the limit of any layout;
-- `floor` (decode): one read (a sum) of the bytes the step must read;
+- `laid-out`: SDPA over each row's retained entries and the step's tokens already contiguous,
+  with the retention mask: no write and no copy, the limit of any layout with this kernel (the
+  limit the table divides chunked steps by);
+- `floor` (decode): one read (a sum) of the bytes the step must read (the limit the table
+  divides decode by);
 - `dense`: a per-request contiguous cache: `torch.cat` of the step, one batched SDPA, slice
   back to sink + window;
 - `gather` (decode, with `--gather`): per row, concatenate the retained ranges of a ring, SDPA.
@@ -61,6 +63,13 @@ SHAPES = {
 }
 
 
+def _path(manager, tokens: int) -> str:
+    """The path a compiled step of `tokens` tokens takes (earlier versions had only `_rows_path`)."""
+    if hasattr(manager, "path_for"):
+        return manager.path_for(tokens, compiled=True)
+    return "rows" if manager._rows_path(tokens) else "flex"
+
+
 def _cycler(impl, inputs):
     state = {"i": 0}
 
@@ -84,7 +93,7 @@ def run_shape(name: str, rounds: int, flex: bool = False, gather: bool = False) 
         expect = [o.clone() for o in fk.step(first)]
     fns = {"flexkv": _cycler(fk, st.inputs)}
     info = dict(block=st.manager.layout.block_size, compile_s=compile_s,
-                path=st.manager.path_for(st.T))
+                path=_path(st.manager, st.T))
     errs = {}
     others = []
     if flex:
@@ -97,12 +106,11 @@ def run_shape(name: str, rounds: int, flex: bool = False, gather: bool = False) 
         others.append(st2)
     if decode:
         fns["floor"] = _cycler(Floor(st), st.inputs)
-    else:
-        laid = LaidOut(st, first)
-        with torch.no_grad():
-            errs["laid-out"] = check(expect, laid.step(first), "laid-out")
-        # The laid-out keys hold the first round's own tokens: time it on that round only.
-        fns["laid-out"] = _cycler(laid, [first])
+    laid = LaidOut(st, first)
+    with torch.no_grad():
+        errs["laid-out"] = check(expect, laid.step(first), "laid-out")
+    # The laid-out keys hold the first round's own tokens: time it on that round only.
+    fns["laid-out"] = _cycler(laid, [first])
     dense = CatSlice(st)
     with torch.no_grad():
         errs["dense"] = check(expect, dense.step(first), "dense")

@@ -157,3 +157,28 @@ def test_layers_of_one_graph_share_one_flex_attention_region(tokens, pack_gqa, f
             work.step()
     assert work.worst < TOL, work.worst
     assert len(seen) == 1 and len(seen[0]) == cfg.num_layers and len(set(seen[0])) == 1, seen
+
+
+def test_gqa_decode_with_one_block_per_slot_row():
+    """The CPU default for a decode cache of 16 slots of 129 cells: blocks of one slot row each, so a
+    row's block list holds one block. Compiled over two layers against the reference."""
+    cfg = BoundedKVConfig(
+        num_layers=2, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=0, max_sources=0,
+        retention=SinkWindow(4, 124), max_slots=16, max_step_tokens=1,
+    )
+    manager = BoundedKVManager(cfg, "cpu")
+    assert manager.layout.block_size == manager.layout.slot_row_len == 129
+
+    def model_step(qs, ks, vs, plan):
+        return [manager.attend(l, qs[l], ks[l], vs[l], plan) for l in range(cfg.num_layers)]
+
+    compiled = torch.compile(model_step, fullgraph=True)
+    work = Workload(cfg, q_heads=4, segments=12, seed=6, manager=manager, fixed_tokens=1, churn=0.02,
+                    attend=lambda m, plan, qs, ks, vs: compiled(qs, ks, vs, plan))
+    torch._dynamo.reset()
+    work.step()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(300):
+            work.step()
+    assert max(s[2] for s in work.state.values()) > 129  # rings wrapped
+    assert work.worst < TOL, work.worst

@@ -1,8 +1,9 @@
-"""Which attention path `attend` takes by default, and what the eager rows path shares between layers.
+"""What flexkv chooses when the user sets only the shape and retention: the attention path `attend`
+takes, the KV block size, and what the eager rows path shares between layers.
 
 Correctness of every path against the dense reference is `tests/test_properties.py`'s (eager,
-every path) and `tests/test_compiled.py`'s (compiled); here: the choice itself, that eager calls
-never run FlexAttention by default, and that the per-plan work is done once per plan.
+every path) and `tests/test_compiled.py`'s (compiled); here: the choices themselves, that eager
+calls never run FlexAttention by default, and that the per-plan work is done once per plan.
 """
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import flexkv.manager as manager_module
 import flexkv.row_attention as row_attention
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.layout import Layout, default_block_size
 from flexkv.reference import ReferenceCache
 from single_thread import one_thread  # noqa: F401
 
@@ -140,3 +142,27 @@ def test_commit_drops_the_eager_geometry():
     assert m._geometries
     m.commit(step)
     assert not m._geometries and m._geometry_plan is None
+
+
+def _decode_config(slots, sink=4, window=1020, **kw):
+    return BoundedKVConfig(num_layers=1, num_heads=8, head_dim=64, rows_per_request=1, max_source_len=0,
+                           max_sources=0, retention=SinkWindow(sink, window), max_slots=slots, **kw)
+
+
+def test_cpu_block_is_one_slot_row_when_its_padding_is_small():
+    """A 1025-cell slot row becomes one block once a block of padding is at most 1/16 of the pool."""
+    assert default_block_size(_decode_config(16), "cpu") == 1025
+    assert default_block_size(_decode_config(32), "cpu") == 1025
+    lay = Layout.for_config(_decode_config(32), None, "cpu")
+    assert lay.slot_row(5, 0) % lay.block_size == 0 and lay.row_blocks == 1
+    # 8 slots: a block of padding would add 1/8 of the pool; powers of two instead.
+    assert default_block_size(_decode_config(8), "cpu") == 128
+    # Short rows, or rows beside sources, keep the powers of two.
+    assert default_block_size(_decode_config(32, window=60), "cpu") == 16
+    src = BoundedKVConfig(num_layers=1, num_heads=8, head_dim=64, rows_per_request=1, max_source_len=64,
+                          max_sources=1, retention=SinkWindow(4, 1020), max_slots=32)
+    assert default_block_size(src, "cpu") == 128
+
+
+def test_cuda_block_stays_128():
+    assert default_block_size(_decode_config(32), "cuda") == default_block_size(_decode_config(32), "meta") == 128
