@@ -4,9 +4,11 @@
 
 Written to fit one run in a 10-minute window: output is line-buffered, the
 JSON file (`--json`) is rewritten after every correctness row and every
-section, so a run cut short still leaves what it measured, and the time
-budget for optional variants counts from the first timing, not from the
-start (the correctness compiles come first and take what they take).
+section, so a run cut short still leaves what it measured; the correctness
+checks run in two passes, every workload in bf16 (or its only dtype) before
+the timing and the fp32 rows after it; the time budget for optional variants
+(`--budget`) counts from the first timing, not from the start; and after
+`--deadline` seconds (500 on CUDA) nothing new starts.
 
 1. Random workloads (requests joining, leaving and resetting, padding
    segments, varying spans) run through a compiled model step that calls
@@ -418,24 +420,43 @@ def _first_line(e: BaseException) -> str:
     return (keep[0] if keep else repr(e))[:300]
 
 
+def correctness_rows(cuda: bool, first: bool) -> list:
+    """The (workload, dtype) checks of one pass: the first pass holds each workload's first-listed
+    dtype that is not fp32 (bf16, what a GPU serves) or its only one; the second, the rest."""
+    out = []
+    for name, cfg, kw, steps, dtypes in workload_specs(cuda):
+        lead = next((d for d in dtypes if d != torch.float32), dtypes[0])
+        for dtype in dtypes:
+            if (dtype == lead) == first:
+                out.append((name, cfg, kw, steps, dtype))
+    return out
+
+
 def correctness(device: torch.device, report: dict, save: Callable[[], None],
-                recorder: Optional[CompiledOptions] = None) -> None:
-    """Every workload of `workload_specs`, each dtype; the report is saved after every row. (The
-    kernel options `attend` passes are `flex_kernel_options` already: no second run with them.)"""
+                recorder: Optional[CompiledOptions] = None, first: Optional[bool] = None,
+                deadline: Optional[float] = None) -> None:
+    """The workloads of `workload_specs` (`first`: one pass of `correctness_rows`; None: both), the
+    report saved after every row; past `deadline` (a `time.monotonic()` value) the rest are skipped.
+    (The kernel options `attend` passes are `flex_kernel_options` already: no second run with them.)"""
     cuda = device.type == "cuda"
     rows = report.setdefault("correctness", [])
-    for name, cfg, kw, steps, dtypes in workload_specs(cuda):
-        for dtype in dtypes:
-            try:
-                res = run_workload(name, cfg, kw, steps, device, dtype)
-                if recorder is not None:
-                    recorder.report_new(report)
-            except Exception as e:
-                res = dict(name=name, dtype=str(dtype), ok=False, error=f"{type(e).__name__}: {_first_line(e)}")
-                traceback.print_exc()
-            rows.append(res)
-            _print_correctness_row(res)
-            save()
+    todo = correctness_rows(cuda, True) + correctness_rows(cuda, False) if first is None else \
+        correctness_rows(cuda, first)
+    for name, cfg, kw, steps, dtype in todo:
+        if deadline is not None and time.monotonic() > deadline:
+            report.setdefault("skipped", []).append(f"correctness {name} {dtype}: past the deadline")
+            print(f"  (skipped, past the deadline) {name} {str(dtype).replace('torch.', '')}")
+            continue
+        try:
+            res = run_workload(name, cfg, kw, steps, device, dtype)
+            if recorder is not None:
+                recorder.report_new(report)
+        except Exception as e:
+            res = dict(name=name, dtype=str(dtype), ok=False, error=f"{type(e).__name__}: {_first_line(e)}")
+            traceback.print_exc()
+        rows.append(res)
+        _print_correctness_row(res)
+        save()
 
 
 # --------------------------------------------------------------------- timing
@@ -547,8 +568,9 @@ def _row(name, ms, nbytes=None, copy_gbs=None, **extra):
 
 
 def timing(device: torch.device, report: dict, budget_s: float, save: Callable[[], None],
-           recorder: Optional[CompiledOptions] = None) -> None:
-    """Decode timing at the bench shape, then variants until `budget_s` seconds after its start."""
+           recorder: Optional[CompiledOptions] = None, hard_deadline: Optional[float] = None) -> None:
+    """Decode timing at the bench shape, then variants until `budget_s` seconds after its start (and
+    not past `hard_deadline`, a `time.monotonic()` value)."""
     deadline = time.monotonic() + budget_s  # counted from the first timing, not from the script's start
     cuda = device.type == "cuda"
     s = bench_shape(cuda)
@@ -655,7 +677,8 @@ def timing(device: torch.device, report: dict, budget_s: float, save: Callable[[
     save()
 
     if cuda:
-        variants(d, report, deadline, copy_gbs, save, recorder)
+        variants(d, report, min(deadline, hard_deadline) if hard_deadline is not None else deadline,
+                 copy_gbs, save, recorder)
 
 
 def variant_runs(d: "Decode") -> tuple:
@@ -840,6 +863,9 @@ def main(argv=None) -> int:
                     help="seconds from the first timing after which optional variants are skipped "
                          "(default 240 on CUDA, 0 on CPU)")
     ap.add_argument("--skip-timing", action="store_true", help="correctness and recompiles only")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from the start after which no further check or timing starts "
+                         "(default 500 on CUDA, none on the CPU)")
     args = ap.parse_args(argv)
 
     start = time.monotonic()
@@ -851,28 +877,34 @@ def main(argv=None) -> int:
     report: dict = dict(info=_device_info(device))
     print(f"device: {report['info']}")
     budget = args.budget if args.budget is not None else (240.0 if cuda else 0.0)
+    if args.deadline is None and cuda:
+        args.deadline = 500.0
 
     def save():
         report["failed"] = _failures(report)
         report["wall_s"] = time.monotonic() - start
         save_report(args.json, report)
 
+    deadline = None if args.deadline is None else start + args.deadline
     recorder = CompiledOptions()
     with recorder.recording():
         print("correctness against the dense reference (compiled; norm-relative error; recompiles counted after "
-              "the first step):")
+              "the first step); first pass, each workload in bf16 (or its only dtype):")
         try:
-            correctness(device, report, save, recorder)
+            correctness(device, report, save, recorder, first=True, deadline=deadline)
         except Exception as e:
             _section_error(report, "correctness", e)
             report.setdefault("correctness", []).append(dict(name="correctness section", ok=False))
         save()
-        if not args.skip_timing:
+        if not args.skip_timing and deadline is not None and time.monotonic() > deadline:
+            report.setdefault("skipped", []).append("timing: past the deadline")
+            print("  (timing skipped, past the deadline)")
+        elif not args.skip_timing:
             print(f"decode timing ({'CUDA events' if cuda else 'torch.utils.benchmark.Timer'}; "
                   f"GB/s = retained K+V bytes read / time; copy GB/s = bytes read + written / time; "
                   f"variants get {budget:.0f} s from here):")
             try:
-                timing(device, report, budget, save, recorder)
+                timing(device, report, budget, save, recorder, hard_deadline=deadline)
             except Exception as e:
                 _section_error(report, "timing", e)
             save()
@@ -881,6 +913,11 @@ def main(argv=None) -> int:
                     plan_at_bench_shape(report)
                 except Exception as e:
                     _section_error(report, "plan at the CUDA shape", e)
+        print("correctness, second pass (the other dtypes):")
+        try:
+            correctness(device, report, save, recorder, first=False, deadline=deadline)
+        except Exception as e:
+            _section_error(report, "correctness (second pass)", e)
     save()
     failed = report["failed"]
     print(f"done in {report['wall_s']:.0f} s; correctness failures: {failed or 'none'}")

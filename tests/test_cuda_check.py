@@ -97,3 +97,23 @@ def test_report_is_written_whole(tmp_path):
     save_report(str(path), {"correctness": [{"name": "a", "ok": True}, {"name": "b", "ok": False}]})
     assert [r["name"] for r in json.loads(path.read_text())["correctness"]] == ["a", "b"]
     assert not (tmp_path / "report.json.tmp").exists()
+
+
+def test_checks_run_in_two_passes_bf16_first():
+    from benchmarks.cuda_check import correctness_rows
+
+    first = [(n, d) for n, _, _, _, d in correctness_rows(True, True)]
+    second = [(n, d) for n, _, _, _, d in correctness_rows(True, False)]
+    every = [(n, d) for n, _, _, _, ds in workload_specs(True) for d in ds]
+    assert sorted(first + second, key=str) == sorted(every, key=str)
+    assert all(d == torch.bfloat16 for n, d in first if n != "per-query-window+score_mod+gqa4")
+    assert all(d == torch.float32 for _, d in second)
+
+
+def test_nothing_starts_past_the_deadline():
+    from benchmarks.cuda_check import correctness
+
+    report, saves = {}, []
+    correctness(torch.device("cpu"), report, lambda: saves.append(1), first=True, deadline=0.0)
+    assert report["correctness"] == [] and saves == []
+    assert report["skipped"] and all("past the deadline" in s for s in report["skipped"])
