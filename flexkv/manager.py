@@ -541,6 +541,10 @@ class BoundedKVManager(nn.Module):
         """Whether this call (compiled or not, as it is being run) attends through the rows path."""
         return self.path_for(tokens, torch.compiler.is_compiling()) == "rows"
 
+    def _mask_mod(self, plan, tokens: int, packed: bool) -> Callable:
+        """The step's retention `mask_mod` (`flexkv.masks`); the one place every path builds it."""
+        return make_mask_mod(plan, self.layout.ring_len, tokens, self.config.query_window, packed=packed)
+
     def _eager_geometry(self, plan: BoundedPlan, key: tuple, build: Callable):
         """The rows path's geometry of `plan` under `key`, built once per plan (eager calls only)."""
         if self._geometry_plan is None or self._geometry_plan() is not plan:
@@ -675,7 +679,7 @@ class BoundedKVManager(nn.Module):
         compiling = torch.compiler.is_compiling()
         mask_mod = None
         if compiling or not rows_path:
-            mask_mod = make_mask_mod(plan, lay.ring_len, T, c.query_window, packed=packed)
+            mask_mod = self._mask_mod(plan, T, packed)
         sm = None
         if score_mod is not None:
             sm = make_score_mod(
@@ -696,8 +700,7 @@ class BoundedKVManager(nn.Module):
                 # besides the plan and the cache's config is in the key.
                 geometry = self._eager_geometry(
                     plan, (g * T, T, packed, q.dtype),
-                    lambda: row_geometry(lay, plan, make_mask_mod(plan, lay.ring_len, T, c.query_window, packed=packed),
-                                         g * T, q.dtype, width))
+                    lambda: row_geometry(lay, plan, self._mask_mod(plan, T, packed), g * T, q.dtype, width))
             out = attend_rows(qr, kc, vc, lay, plan, mask_mod, sm, width=width, return_lse=sinks is not None,
                               geometry=geometry)
             if sinks is not None:
@@ -712,7 +715,7 @@ class BoundedKVManager(nn.Module):
                 qf = (q.reshape(N, H, g * T, D) if packed else q) * scale
                 out = _flex_layer(qf, kc, vc, plan.table, self, plan.rows, T, plan.width, plan.full_width,
                                   plan.has_full_blocks, packed, options)
-                return out.view(N, Hq, T, D)
+                return out.view(N, Hq, T, out.shape[-1])
             block_mask = self._block_mask(plan, T * g, mask_mod)
             if packed:
                 out = flex_attention(q.reshape(N, H, g * T, D) * scale, kc, vc, score_mod=sm, block_mask=block_mask,
@@ -748,7 +751,6 @@ def _flex_layer(q, k_cache, v_cache, table, manager, rows, tokens, width, full_w
     """
     plan = _PlanView(table, rows, tokens, width, full_width, has_full_blocks)
     group = q.shape[2] // tokens
-    mask_mod = make_mask_mod(plan, manager.layout.ring_len, tokens, manager.config.query_window, packed=packed)
-    block_mask = manager._block_mask(plan, tokens * group, mask_mod, own_buffers=True)
+    block_mask = manager._block_mask(plan, tokens * group, manager._mask_mod(plan, tokens, packed), own_buffers=True)
     return flex_attention(q, k_cache, v_cache, block_mask=block_mask, scale=1.0, kernel_options=options,
                           enable_gqa=q.shape[1] != k_cache.shape[1])
