@@ -2,33 +2,49 @@
 
     python -m benchmarks.cuda_check [--json PATH] [--cpu] [--budget SECONDS]
 
+Written to fit one run in a 10-minute window: output is line-buffered, the
+JSON file (`--json`) is rewritten after every correctness row and every
+section, so a run cut short still leaves what it measured; the correctness
+checks run in two passes, every workload in bf16 (or its only dtype) before
+the timing and the fp32 rows after it; the time budget for optional variants
+(`--budget`) counts from the first timing, not from the start; and after
+`--deadline` seconds (500 on CUDA) nothing new starts.
+
 1. Random workloads (requests joining, leaving and resetting, padding
    segments, varying spans) run through a compiled model step that calls
    `BoundedKVManager.attend` for every layer, and every output is compared
-   with the dense float64 reference (`flexkv.reference.ReferenceCache`), in
-   fp32 and bf16: GQA, chunked steps, sources, CFG rows (`rows_per_request=2`),
-   reverse step order, per-query windows with a score_mod, and a step whose
-   GQA group packs more than 128 query rows (T=33, 4-way GQA), which torch's
-   decode kernel cannot tile by default. A workload that fails as shipped is
-   run again with `flex_kernel_options` injected, to tell whether those
-   options fix it.
+   with the dense float64 reference (`flexkv.reference.ReferenceCache`) by a
+   norm-relative error, `||out - ref|| / ||ref||` per step, in fp32 and bf16:
+   GQA, chunked steps, sources, CFG rows (`rows_per_request=2`), reverse step
+   order, per-query windows with a score_mod, a step whose GQA group packs
+   more than 128 query rows (T=33, 4-way GQA), which torch's decode kernel
+   cannot tile by default, a workload planned with full blocks forced on
+   (blocks every query reads whole skip the mask; the check fails if no plan
+   listed one), and learned sinks at T=1 (the decode kernel) and T=33 with
+   4-way GQA (the main kernel), whose log-sum-exp each kernel forms its own
+   way. A workload that fails as shipped is run again with
+   `flex_kernel_options` injected, to tell whether those options fix it.
 2. Recompiles after the first (compiling) step are counted with
    `torch._dynamo.utils.counters["stats"]["unique_graphs"]`; 0 is expected.
 3. Decode at 64 requests x window 4096 (sink 4) x 32 query / 8 KV heads x
    head_dim 128 in bf16: the compiled `attend` of one layer and of every
    layer, SDPA (`enable_gqa`) over the same retained entries laid out
-   contiguously (its output is compared with flexkv's), and a device copy of
-   the bytes the step must read (the retained keys and values of every row).
-   GPU times come from CUDA events, warm-up excluded. `GB/s` is bytes read
-   over time; the copy's is bytes moved (read + write) over time, and
-   `% copy` is the one over the other. Then, as time allows, the same layer
-   with other kernel options, without full blocks, and at a small batch.
+   contiguously (its output is compared with flexkv's, norm-relative), and a
+   device copy of the bytes the step must read (the retained keys and values
+   of every row). GPU times come from CUDA events, warm-up excluded. `GB/s`
+   is bytes read over time; the copy's is bytes moved (read + write) over
+   time, and `% copy` is the one over the other. Then, while the budget
+   lasts, the same layer under other settings, most informative first: no
+   full-block tensors, a small batch as shipped and without full-block
+   tensors, torch's own kernel options, the main kernel forced (a variant
+   whose options equal the shipped ones is not run).
 4. Host planning (`manager.plan`) and a whole step (admit, plan, every
    layer, commit) are timed with `torch.utils.benchmark.Timer`.
 
-Without a CUDA device (or with `--cpu`) the same checks run at tiny shapes
-on the CPU. Each section reports its own errors and the run goes on; the exit
-code is 1 when any correctness check failed.
+The kernel options each compiled `flex_attention` call received are printed
+once per distinct call. Without a CUDA device (or with `--cpu`) the same
+checks run at tiny shapes on the CPU. Each section reports its own errors and
+the run goes on; the exit code is 1 when any correctness check failed.
 """
 
 from __future__ import annotations
@@ -36,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import statistics
 import sys
@@ -57,7 +74,17 @@ from flexkv.reference import ReferenceCache
 from flexkv.show import entry_cell
 from flexkv.workload import fresh_function
 
-TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+#: Norm-relative tolerances, `||out - ref|| / ||ref||`: an absolute bound on bf16 outputs of a few
+#: thousand keys (values of order 1e-2) would not see a missing block.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """`||out - ref|| / ||ref||` in float64 (0 when both are zero)."""
+    out, ref = out.double().cpu(), ref.double().cpu()
+    den = float(ref.norm())
+    num = float((out - ref).norm())
+    return num / den if den else num
 
 
 def score_bias(score, b, h, q_pos, kv_pos):
@@ -125,6 +152,61 @@ def kernel_options_as(options: Optional[Callable], drop_full_blocks: bool = Fals
         manager_module.flex_attention = original
 
 
+class CompiledOptions:
+    """Records the kernel options of every FlexAttention call inductor lowers (as the lowering leaves
+    them, torch's own defaults filled in); `report_new` prints each distinct one once.
+
+    It wraps inductor's lowering rather than `flex_attention`: code dynamo traces may not keep a
+    record (a list it appends to becomes a side effect replayed, and guarded, on every call).
+    Graphs served from the FX graph cache are not lowered again, so they show nothing.
+    """
+
+    def __init__(self):
+        self.calls: list = []
+        self.printed: set = set()
+
+    @contextlib.contextmanager
+    def recording(self):
+        try:
+            from torch._inductor import lowering
+            op = torch.ops.higher_order.flex_attention
+            original = lowering.lowerings[op]
+        except (ImportError, AttributeError, KeyError):
+            yield
+            return
+        calls = self.calls
+
+        def sizes(node):
+            try:
+                return [int(x) for x in node.get_size()]
+            except Exception:
+                return "?"
+
+        def flex_attention_lowering(query, key, value, subgraph, block_mask, scale, kernel_options, *rest, **kw):
+            out = original(query, key, value, subgraph, block_mask, scale, kernel_options, *rest, **kw)
+            try:
+                calls.append((sizes(query), sizes(key), str(query.get_dtype()).replace("torch.", ""),
+                              dict(kernel_options)))
+            except Exception:
+                pass
+            return out
+
+        lowering.lowerings[op] = flex_attention_lowering
+        try:
+            yield
+        finally:
+            lowering.lowerings[op] = original
+
+    def report_new(self, report: dict) -> None:
+        for q, k, dtype, options in self.calls:
+            line = f"q {q} k {k} {dtype}: {dict(sorted(options.items()))}"
+            if line in self.printed:
+                continue
+            self.printed.add(line)
+            report.setdefault("kernel_options_compiled", []).append(line)
+            print(f"  compiled FlexAttention: {line}")
+
+
 # ------------------------------------------------------------------ workloads
 
 
@@ -133,13 +215,20 @@ class Stream:
 
     def __init__(self, name: str, cfg: BoundedKVConfig, device, *, q_heads: int, tokens: int, segments: int,
                  block_size: int, seed: int, churn: float = 0.2, score_mod=None, positions: str = "stream",
-                 compiled: bool = True):
+                 compiled: bool = True, sinks: bool = False, full_blocks: bool = False):
         self.name, self.cfg, self.device = name, cfg, torch.device(device)
         self.q_heads, self.T, self.churn = q_heads, tokens, churn
         self.score_mod, self.positions = score_mod, positions
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.manager = m = BoundedKVManager(cfg, self.device, block_size=block_size)
+        self.full_blocks_seen = 0
+        if full_blocks:
+            # Every step planned with full blocks, whatever the batch (CUDA's default turns them off
+            # for small decode batches): the kernels' full-block branch is what this checks.
+            m.full_blocks = True
+            m._full_blocks_for = lambda rows, tokens: True
+        self.sinks = (torch.randn(q_heads, generator=self.gen) * 2).to(self.device) if sinks else None
         self.ref = ReferenceCache(cfg)
         self.slots: list = [None] * segments
         self.state: dict = {}
@@ -156,8 +245,10 @@ class Stream:
 
         layers = cfg.num_layers
 
+        learned = self.sinks
+
         def model_step(plan, qs, ks, vs):
-            return [m.attend(l, qs[l], ks[l], vs[l], plan, score_mod=score_mod, positions=positions)
+            return [m.attend(l, qs[l], ks[l], vs[l], plan, score_mod=score_mod, positions=positions, sinks=learned)
                     for l in range(layers)]
 
         self.model_step = model_step
@@ -195,8 +286,8 @@ class Stream:
                 self.slots[i] = self._new_request()
                 added += 1
 
-    def step(self) -> float:
-        """One step; returns the largest |flexkv - reference| over its outputs."""
+    def step(self) -> tuple:
+        """One step; returns the largest norm-relative and absolute error over its layers' outputs."""
         self._churn()
         c, T = self.cfg, self.T
         segs, pos = [], {}
@@ -211,21 +302,24 @@ class Stream:
         N = len(segs) * c.rows_per_request
         self.manager.admit(step)
         plan = self.manager.plan(step)
+        self.full_blocks_seen += sum(len(plan.blocks(i, full=True)) for i in range(plan.rows))
         qs = [self.randn(N, self.q_heads, T, c.head_dim) for _ in range(c.num_layers)]
         ks = [self.randn(N, c.num_heads, T, c.head_dim) for _ in range(c.num_layers)]
         vs = [self.randn(N, c.num_heads, T, c.head_dim) for _ in range(c.num_layers)]
         with torch.no_grad():
             outs = self.model_step(plan, qs, ks, vs)
-        err = 0.0
+        rel = err = 0.0
         for l in range(c.num_layers):
-            exp = self.ref.attend(l, qs[l], ks[l], vs[l], step, score_mod=self.score_mod, positions=self.positions)
+            exp = self.ref.attend(l, qs[l], ks[l], vs[l], step, score_mod=self.score_mod, positions=self.positions,
+                                  sinks=self.sinks)
+            rel = max(rel, rel_err(outs[l], exp))
             err = max(err, (outs[l].double().cpu() - exp).abs().max().item())
         self.manager.commit(step)
         self.ref.commit(step)
         for seg in step.segments:
             if seg.request_id is not None:
                 self.state[seg.request_id][2] += seg.span
-        return err
+        return rel, err
 
 
 def _retention_with_sources(sink: int, window: int):
@@ -257,6 +351,24 @@ def workload_specs(cuda: bool) -> list:
          BoundedKVConfig(num_layers=1, num_heads=2, head_dim=D, rows_per_request=1, max_source_len=0,
                          retention=SinkWindow(4, 3 * win), max_step_tokens=33, max_slots=4),
          dict(q_heads=8, tokens=33, segments=3, block_size=blk[2]), max(steps // 2, 6), both),
+        # Sources several blocks long, read whole from the first step: planned as full blocks.
+        ("full-blocks-forced-decode-gqa4",
+         BoundedKVConfig(num_layers=1, num_heads=2, head_dim=D, rows_per_request=1, max_source_len=4 * win,
+                         min_source_len=2 * win, retention=SinkWindow(4, 8 * win), max_step_tokens=1, max_slots=4,
+                         max_sources=1),
+         dict(q_heads=8, tokens=1, segments=3, block_size=blk[1], full_blocks=True, churn=0.05), steps, both),
+        ("full-blocks-forced-chunk-src",
+         BoundedKVConfig(num_layers=1, num_heads=2, head_dim=D, rows_per_request=1, max_source_len=4 * win,
+                         retention=SinkWindow(2, 6 * win), max_step_tokens=4, max_slots=4, max_sources=1),
+         dict(q_heads=4, tokens=4, segments=3, block_size=blk[1], full_blocks=True, churn=0.05), steps, both),
+        ("sinks-decode-gqa4",
+         BoundedKVConfig(num_layers=1, num_heads=2, head_dim=D, rows_per_request=1, max_source_len=0,
+                         retention=SinkWindow(4, 3 * win), max_step_tokens=1, max_slots=4),
+         dict(q_heads=8, tokens=1, segments=3, block_size=blk[2], sinks=True), steps, both),
+        ("sinks-T33-gqa4-main-kernel",
+         BoundedKVConfig(num_layers=1, num_heads=2, head_dim=D, rows_per_request=1, max_source_len=0,
+                         retention=SinkWindow(4, 3 * win), max_step_tokens=33, max_slots=4),
+         dict(q_heads=8, tokens=33, segments=3, block_size=blk[2], sinks=True), max(steps // 2, 6), both),
     ]
 
 
@@ -273,20 +385,33 @@ def run_workload(name, cfg, kw, steps, device, dtype, seed=0, options: Optional[
                    compiled=compiled, **kw)
         t0 = time.perf_counter()
         try:
-            worst = s.step()
+            rel, worst = s.step()
+            if device_type(device) == "cuda":
+                torch.cuda.synchronize()
             res["compile_s"] = time.perf_counter() - t0
             graphs = _unique_graphs()
             t0 = time.perf_counter()
             for _ in range(steps - 1):
-                worst = max(worst, s.step())
+                r, w = s.step()
+                rel, worst = max(rel, r), max(worst, w)
             res["step_ms"] = (time.perf_counter() - t0) / max(steps - 1, 1) * 1e3
             res["recompiles"] = _unique_graphs() - graphs
-            res["max_err"] = worst
-            res["ok"] = worst <= TOL[dtype] and res["recompiles"] == 0
+            res["rel_err"] = rel
+            res["max_abs_err"] = worst
+            res["ok"] = rel <= TOL[dtype] and res["recompiles"] == 0
+            if kw.get("full_blocks"):
+                res["full_blocks_planned"] = s.full_blocks_seen
+                if not s.full_blocks_seen:
+                    res["ok"] = False
+                    res["error"] = "no plan listed a full block: the workload does not check the full-block path"
         except Exception as e:  # a compile or kernel failure is a result, not a crash of the check
             res.setdefault("compile_s", time.perf_counter() - t0)
             res["error"] = f"{type(e).__name__}: {_first_line(e)}"
     return res
+
+
+def device_type(device) -> str:
+    return torch.device(device).type
 
 
 def _first_line(e: BaseException) -> str:
@@ -295,22 +420,43 @@ def _first_line(e: BaseException) -> str:
     return (keep[0] if keep else repr(e))[:300]
 
 
-def correctness(device: torch.device, report: dict) -> None:
+def correctness_rows(cuda: bool, first: bool) -> list:
+    """The (workload, dtype) checks of one pass: the first pass holds each workload's first-listed
+    dtype that is not fp32 (bf16, what a GPU serves) or its only one; the second, the rest."""
+    out = []
+    for name, cfg, kw, steps, dtypes in workload_specs(cuda):
+        lead = next((d for d in dtypes if d != torch.float32), dtypes[0])
+        for dtype in dtypes:
+            if (dtype == lead) == first:
+                out.append((name, cfg, kw, steps, dtype))
+    return out
+
+
+def correctness(device: torch.device, report: dict, save: Callable[[], None],
+                recorder: Optional[CompiledOptions] = None, first: Optional[bool] = None,
+                deadline: Optional[float] = None) -> None:
+    """The workloads of `workload_specs` (`first`: one pass of `correctness_rows`; None: both), the
+    report saved after every row; past `deadline` (a `time.monotonic()` value) the rest are skipped.
+    (The kernel options `attend` passes are `flex_kernel_options` already: no second run with them.)"""
     cuda = device.type == "cuda"
     rows = report.setdefault("correctness", [])
-    for name, cfg, kw, steps, dtypes in workload_specs(cuda):
-        for dtype in dtypes:
-            try:
-                res = run_workload(name, cfg, kw, steps, device, dtype)
-                if not res["ok"] and "error" in res and cuda:
-                    rows.append(res)
-                    _print_correctness_row(res)
-                    res = run_workload(name, cfg, kw, steps, device, dtype, options=flexkv_options(_capability(device)))
-            except Exception as e:
-                res = dict(name=name, dtype=str(dtype), ok=False, error=f"{type(e).__name__}: {_first_line(e)}")
-                traceback.print_exc()
-            rows.append(res)
-            _print_correctness_row(res)
+    todo = correctness_rows(cuda, True) + correctness_rows(cuda, False) if first is None else \
+        correctness_rows(cuda, first)
+    for name, cfg, kw, steps, dtype in todo:
+        if deadline is not None and time.monotonic() > deadline:
+            report.setdefault("skipped", []).append(f"correctness {name} {dtype}: past the deadline")
+            print(f"  (skipped, past the deadline) {name} {str(dtype).replace('torch.', '')}")
+            continue
+        try:
+            res = run_workload(name, cfg, kw, steps, device, dtype)
+            if recorder is not None:
+                recorder.report_new(report)
+        except Exception as e:
+            res = dict(name=name, dtype=str(dtype), ok=False, error=f"{type(e).__name__}: {_first_line(e)}")
+            traceback.print_exc()
+        rows.append(res)
+        _print_correctness_row(res)
+        save()
 
 
 # --------------------------------------------------------------------- timing
@@ -421,10 +567,15 @@ def _row(name, ms, nbytes=None, copy_gbs=None, **extra):
     return r
 
 
-def timing(device: torch.device, report: dict, deadline: float) -> None:
+def timing(device: torch.device, report: dict, budget_s: float, save: Callable[[], None],
+           recorder: Optional[CompiledOptions] = None, hard_deadline: Optional[float] = None) -> None:
+    """Decode timing at the bench shape, then variants until `budget_s` seconds after its start (and
+    not past `hard_deadline`, a `time.monotonic()` value)."""
+    deadline = time.monotonic() + budget_s  # counted from the first timing, not from the script's start
     cuda = device.type == "cuda"
     s = bench_shape(cuda)
     t = report.setdefault("timing", {})
+    t["budget_s"] = budget_s
     t["shape"] = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v) for k, v in s.items()}
     rows = t.setdefault("rows", [])
     torch._dynamo.reset()
@@ -448,6 +599,7 @@ def timing(device: torch.device, report: dict, deadline: float) -> None:
         del src, dst
     except Exception as e:
         _section_error(report, "timing/copy", e)
+    save()
 
     step = d.step()
     plan = d.m.plan(step)
@@ -463,9 +615,12 @@ def timing(device: torch.device, report: dict, deadline: float) -> None:
             torch.cuda.synchronize(device)
         t["compile_s"] = time.perf_counter() - t0
         print(f"  (compile of one layer's attend: {t['compile_s']:.1f} s)")
+        if recorder is not None:
+            recorder.report_new(report)
         rows.append(_row("flexkv attend, 1 layer", gpu_ms(lambda: f1(plan, q, k, v), device), nbytes, copy_gbs))
     except Exception as e:
         _section_error(report, "timing/flexkv 1 layer", e)
+    save()
 
     # SDPA over the same retained entries (plus the step's own token) laid out contiguously.
     try:
@@ -474,16 +629,18 @@ def timing(device: torch.device, report: dict, deadline: float) -> None:
         with torch.no_grad():
             ref = F.scaled_dot_product_attention(q, Kc, Vc, enable_gqa=True)
         if out is not None:
-            err = (out.double() - ref.double()).abs().max().item()
+            rel = rel_err(out, ref)
             tol = TOL[s["dtype"]]
-            t["flexkv_vs_sdpa"] = dict(max_err=err, tol=tol, ok=err <= tol)
-            print(f"  flexkv vs SDPA at this shape: max |diff| {err:.3g} (tol {tol:g}) "
-                  f"{'ok' if err <= tol else 'FAIL'}")
+            t["flexkv_vs_sdpa"] = dict(rel_err=rel, tol=tol, ok=rel <= tol,
+                                       max_abs_err=(out.double() - ref.double()).abs().max().item())
+            print(f"  flexkv vs SDPA at this shape: ||diff|| / ||SDPA|| {rel:.3g} (tol {tol:g}) "
+                  f"{'ok' if rel <= tol else 'FAIL'}")
         rows.append(_row("SDPA enable_gqa, contiguous", gpu_ms(
             lambda: F.scaled_dot_product_attention(q, Kc, Vc, enable_gqa=True), device), nbytes, copy_gbs))
         del Kc, Vc
     except Exception as e:
         _section_error(report, "timing/sdpa", e)
+    save()
 
     # Every layer, then the host side: plan alone and whole steps.
     try:
@@ -517,17 +674,44 @@ def timing(device: torch.device, report: dict, deadline: float) -> None:
               f"plan {100 * t['plan_fraction_of_step']:.1f}% of it")
     except Exception as e:
         _section_error(report, "timing/layers+host", e)
+    save()
 
     if cuda:
-        variants(d, report, deadline, nbytes, copy_gbs)
+        variants(d, report, min(deadline, hard_deadline) if hard_deadline is not None else deadline,
+                 copy_gbs, save, recorder)
 
 
-def variants(d: Decode, report: dict, deadline: float, nbytes: int, copy_gbs) -> None:
-    """The same layer under other kernel options, without full blocks, and at a small batch (time allowing)."""
+def variant_runs(d: "Decode") -> tuple:
+    """The variants, most informative first, and the names of those left out because their kernel
+    options equal what `attend` ships at this shape. Each run: (name, kernel options (a function of
+    query, key, block mask; None keeps the shipped ones), full blocks planned (None: as shipped),
+    drop the full-block tensors, requests (None: all))."""
+    m, s = d.m, d.s
+    group = s["q_heads"] // s["kv_heads"]
+    packed = group > 1 and m.pack_gqa
+    plan = m.plan(d.step())
+    shipped = flex_kernel_options(
+        d.device.type, group if packed else 1, s["kv_heads"], s["kv_heads"] if packed else s["q_heads"],
+        s["head_dim"], s["dtype"], m.layout.block_size, plan.has_full_blocks,
+        q_block_size=m.layout.q_block_size, capability=_capability(d.device))
+    small = s["small_batch"]
+    runs = [
+        ("no full-block tensors", None, False, True, None),
+        (f"small batch {small}, as shipped", None, None, False, small),
+        (f"small batch {small}, no full-block tensors", None, False, True, small),
+        ("kernel_options=None (torch defaults)", lambda q_, k_, bm: None, None, False, None),
+        ("main kernel (FORCE_USE_FLEX_ATTENTION)", lambda q_, k_, bm: {"FORCE_USE_FLEX_ATTENTION": True},
+         None, False, None),
+    ]
+    keep = [r for r in runs if r[1] is None or r[1](None, None, None) != shipped]
+    return keep, [r[0] for r in runs if r not in keep]
+
+
+def variants(d: Decode, report: dict, deadline: float, copy_gbs, save: Callable[[], None],
+             recorder: Optional[CompiledOptions] = None) -> None:
+    """The same layer under other settings, in priority order, while the budget lasts."""
     rows = report["timing"]["rows"]
-    cap = _capability(d.device)
     q, k, v = d.q, d.k[0], d.v[0]
-    small = d.s["small_batch"]
     tol = TOL[d.s["dtype"]]
     expect = None
     try:  # every variant attends at the same positions: one SDPA reference over all rows serves them all
@@ -536,17 +720,13 @@ def variants(d: Decode, report: dict, deadline: float, nbytes: int, copy_gbs) ->
             expect = F.scaled_dot_product_attention(q, torch.cat([Kc, k], dim=2), torch.cat([Vc, v], dim=2),
                                                     enable_gqa=True)
         del Kc, Vc
+        runs, repeats = variant_runs(d)
+        for name in repeats:
+            report.setdefault("skipped", []).append(f"variant {name}: the shipped kernel options")
+            print(f"  (not run: its options are the shipped ones) {name}")
     except Exception as e:
-        _section_error(report, "timing/variants reference", e)
-    runs = [  # name, kernel options, full blocks planned, full-block tensors dropped, requests
-        ("flex_kernel_options", flexkv_options(cap), None, False, None),
-        ("main kernel (FORCE_USE_FLEX_ATTENTION)", lambda q_, k_, bm: {"FORCE_USE_FLEX_ATTENTION": True},
-         None, False, None),
-        (f"small batch {small}, as shipped", None, None, False, small),
-        (f"small batch {small}, no full-block tensors", None, False, True, small),
-        ("no full-block tensors", None, False, True, None),
-        ("kernel_options=None (torch defaults)", lambda q_, k_, bm: None, None, False, None),
-    ]
+        _section_error(report, "timing/variants setup", e)
+        return
     for i, (name, options, full, drop, requests) in enumerate(runs):
         if time.monotonic() > deadline:
             report.setdefault("skipped", []).append(f"variant {name}: out of time budget")
@@ -568,19 +748,22 @@ def variants(d: Decode, report: dict, deadline: float, nbytes: int, copy_gbs) ->
                 with torch.no_grad():
                     out = f(plan, qq, kk, vv)
                 ms = gpu_ms(lambda: f(plan, qq, kk, vv), d.device)
+            if recorder is not None:
+                recorder.report_new(report)
             extra = {}
             if expect is not None:
-                err = (out.double() - expect[:n].double()).abs().max().item()
-                extra = dict(max_err_vs_sdpa=err, ok=err <= tol)
-                if err > tol:
-                    report.setdefault("variant_failures", []).append(f"{name}: max |diff| {err:.3g} > {tol:g}")
-                    print(f"  variant {name} disagrees with SDPA by {err:.3g} (> {tol:g})")
+                rel = rel_err(out, expect[:n])
+                extra = dict(rel_err_vs_sdpa=rel, ok=rel <= tol)
+                if rel > tol:
+                    report.setdefault("variant_failures", []).append(f"{name}: rel err {rel:.3g} > {tol:g}")
+                    print(f"  variant {name} disagrees with SDPA: ||diff|| / ||SDPA|| {rel:.3g} (> {tol:g})")
             rows.append(_row(name, ms, d.read_bytes(n), copy_gbs, **extra))
         except Exception as e:
             _section_error(report, f"timing/variant {name}", e)
         finally:
             if before is not None:
                 d.m.full_blocks = before
+            save()
 
 
 # ------------------------------------------------------------- plan at scale (CPU)
@@ -608,12 +791,14 @@ def plan_at_bench_shape(report: dict) -> None:
 
 def _print_correctness_row(r: dict) -> None:
     status = "ok" if r.get("ok") else "FAIL"
-    err = f"{r['max_err']:.2e}" if "max_err" in r else "-"
+    rel = f"{r['rel_err']:.2e}" if "rel_err" in r else "-"
+    err = f"{r['max_abs_err']:.1e}" if "max_abs_err" in r else "-"
+    full = f"  full blocks {r['full_blocks_planned']}" if "full_blocks_planned" in r else ""
     tail = f"  {r['error']}" if "error" in r else ""
     print(f"  {r['name']:<34} {r.get('dtype', ''):<9} {r.get('kernel_options', ''):<20} "
-          f"steps {r.get('steps', '-'):>3}  max err {err:>9} (tol {r.get('tol', 0):g})  "
+          f"steps {r.get('steps', '-'):>3}  rel err {rel:>9} (tol {r.get('tol', 0):g}, max abs {err})  "
           f"recompiles {r.get('recompiles', '-')}  compile {r.get('compile_s', float('nan')):.1f}s  "
-          f"step {r.get('step_ms', float('nan')):.1f}ms  {status}{tail}")
+          f"step {r.get('step_ms', float('nan')):.1f}ms{full}  {status}{tail}")
 
 
 def _print_timing_row(r: dict) -> None:
@@ -646,44 +831,17 @@ def _device_info(device: torch.device) -> dict:
     return info
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write the figures to this file")
-    ap.add_argument("--cpu", action="store_true", help="run the CPU version even when CUDA is available")
-    ap.add_argument("--budget", type=float, default=None,
-                    help="seconds after which optional timing variants are skipped (default 240 on CUDA, 0 on CPU)")
-    ap.add_argument("--skip-timing", action="store_true", help="correctness and recompiles only")
-    args = ap.parse_args(argv)
+def save_report(path: Optional[str], report: dict) -> None:
+    """Write `report` to `path` (if any) through a temporary file, so a cut-off run leaves a whole file."""
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(report, fh, indent=2, default=str)
+    os.replace(tmp, path)
 
-    start = time.monotonic()
-    cuda = torch.cuda.is_available() and not args.cpu
-    device = torch.device("cuda" if cuda else "cpu")
-    if not cuda:
-        print("no CUDA device found: ran the CPU version" if not args.cpu else "--cpu: ran the CPU version")
-    torch.set_float32_matmul_precision("highest")  # fp32 checks compare against float64 at 1e-4
-    report: dict = dict(info=_device_info(device))
-    print(f"device: {report['info']}")
-    deadline = start + (args.budget if args.budget is not None else (240.0 if cuda else 0.0))
 
-    print("correctness against the dense reference (compiled; recompiles counted after the first step):")
-    try:
-        correctness(device, report)
-    except Exception as e:
-        _section_error(report, "correctness", e)
-        report.setdefault("correctness", []).append(dict(name="correctness section", ok=False))
-    if not args.skip_timing:
-        print(f"decode timing ({'CUDA events' if cuda else 'torch.utils.benchmark.Timer'}; "
-              f"GB/s = retained K+V bytes read / time; copy GB/s = bytes read + written / time):")
-        try:
-            timing(device, report, deadline)
-        except Exception as e:
-            _section_error(report, "timing", e)
-        if not cuda:
-            try:
-                plan_at_bench_shape(report)
-            except Exception as e:
-                _section_error(report, "plan at the CUDA shape", e)
-
+def _failures(report: dict) -> list:
     # As shipped is what counts: a failure fixed only by injected kernel options is still a failure.
     shipped = [r for r in report.get("correctness", []) if r.get("kernel_options") != "flex_kernel_options"]
     failed = [r["name"] + " " + str(r.get("dtype", "")) for r in shipped if not r.get("ok")]
@@ -691,12 +849,78 @@ def main(argv=None) -> int:
     if scale is not None and not scale["ok"]:
         failed.append("flexkv vs SDPA at the bench shape")
     failed += [f"variant {v}" for v in report.get("variant_failures", [])]
-    report["failed"] = failed
-    report["wall_s"] = time.monotonic() - start
+    return failed
+
+
+def main(argv=None) -> int:
+    for stream in (sys.stdout, sys.stderr):  # a run cut off by a timeout still shows what it printed
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the figures to this file (rewritten after every section)")
+    ap.add_argument("--cpu", action="store_true", help="run the CPU version even when CUDA is available")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds from the first timing after which optional variants are skipped "
+                         "(default 240 on CUDA, 0 on CPU)")
+    ap.add_argument("--skip-timing", action="store_true", help="correctness and recompiles only")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from the start after which no further check or timing starts "
+                         "(default 500 on CUDA, none on the CPU)")
+    args = ap.parse_args(argv)
+
+    start = time.monotonic()
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda:
+        print("no CUDA device found: ran the CPU version" if not args.cpu else "--cpu: ran the CPU version")
+    torch.set_float32_matmul_precision("highest")  # fp32 checks compare against float64
+    report: dict = dict(info=_device_info(device))
+    print(f"device: {report['info']}")
+    budget = args.budget if args.budget is not None else (240.0 if cuda else 0.0)
+    if args.deadline is None and cuda:
+        args.deadline = 500.0
+
+    def save():
+        report["failed"] = _failures(report)
+        report["wall_s"] = time.monotonic() - start
+        save_report(args.json, report)
+
+    deadline = None if args.deadline is None else start + args.deadline
+    recorder = CompiledOptions()
+    with recorder.recording():
+        print("correctness against the dense reference (compiled; norm-relative error; recompiles counted after "
+              "the first step); first pass, each workload in bf16 (or its only dtype):")
+        try:
+            correctness(device, report, save, recorder, first=True, deadline=deadline)
+        except Exception as e:
+            _section_error(report, "correctness", e)
+            report.setdefault("correctness", []).append(dict(name="correctness section", ok=False))
+        save()
+        if not args.skip_timing and deadline is not None and time.monotonic() > deadline:
+            report.setdefault("skipped", []).append("timing: past the deadline")
+            print("  (timing skipped, past the deadline)")
+        elif not args.skip_timing:
+            print(f"decode timing ({'CUDA events' if cuda else 'torch.utils.benchmark.Timer'}; "
+                  f"GB/s = retained K+V bytes read / time; copy GB/s = bytes read + written / time; "
+                  f"variants get {budget:.0f} s from here):")
+            try:
+                timing(device, report, budget, save, recorder, hard_deadline=deadline)
+            except Exception as e:
+                _section_error(report, "timing", e)
+            save()
+            if not cuda:
+                try:
+                    plan_at_bench_shape(report)
+                except Exception as e:
+                    _section_error(report, "plan at the CUDA shape", e)
+        print("correctness, second pass (the other dtypes):")
+        try:
+            correctness(device, report, save, recorder, first=False, deadline=deadline)
+        except Exception as e:
+            _section_error(report, "correctness (second pass)", e)
+    save()
+    failed = report["failed"]
     print(f"done in {report['wall_s']:.0f} s; correctness failures: {failed or 'none'}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=2, default=str)
     return 1 if failed else 0
 
 

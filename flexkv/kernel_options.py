@@ -42,6 +42,11 @@ at a later pytorch revision that names the decode error):
    (1 for fp32 with `head_dim > 128`, as torch's own table has it) and
    `num_warps` 2/4/8 for tiles of up to 32/64/128 rows on any CUDA GPU.
 
+5. **Head size.** The CUDA lowering raises "NYI: embedding dimension of the
+   query, key, and value must be at least 16" for a smaller head (the same
+   `tl.dot` limit; present from torch 2.8 through 2.13): such a head is
+   refused when the cache is built, not at its first compiled step.
+
 Not decided here, and why:
 
 - `SPLIT_KV` (decode): torch picks `max(sm_count // (batch * kv_heads) * 2, 1)`
@@ -66,10 +71,14 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["flex_kernel_options", "uses_decode_kernel", "decode_block_m", "decode_split_kv", "MIN_CUDA_KV_BLOCK"]
+__all__ = ["flex_kernel_options", "uses_decode_kernel", "decode_block_m", "decode_split_kv", "MIN_CUDA_KV_BLOCK",
+           "MIN_CUDA_HEAD_DIM"]
 
 #: Smallest KV block size the CUDA kernels compile for (a `tl.dot` tile is at least 16 wide).
 MIN_CUDA_KV_BLOCK = 16
+#: Smallest head size inductor's CUDA FlexAttention lowering accepts (the same `tl.dot` limit; it
+#: raises NotImplementedError below it, in every release from 2.8 through 2.13 at least).
+MIN_CUDA_HEAD_DIM = 16
 #: Query length from which inductor always uses the main kernel.
 _DECODE_MAX_Q_LEN = 128
 #: Architectures whose torch decode table intends `num_stages=3`.
@@ -147,6 +156,14 @@ def flex_kernel_options(
         )
     if device_type != "cuda":
         return None
+    if head_dim < MIN_CUDA_HEAD_DIM:
+        raise ValueError(
+            f"head_dim={head_dim} cannot run on CUDA: FlexAttention's CUDA lowering refuses embedding sizes "
+            f"below {MIN_CUDA_HEAD_DIM} (tl.dot needs tiles of at least 16; torch 2.8 to 2.13 raise \"NYI: "
+            f"embedding dimension ... must be at least 16\" when the step compiles); use head_dim >= "
+            f"{MIN_CUDA_HEAD_DIM} (zero-pad q, k and v to 16 and drop the padded output columns) or keep the cache "
+            f"on the CPU"
+        )
     if q_block_size % 128:
         raise ValueError(
             f"flex_kernel_options: q_block_size={q_block_size} must be a multiple of 128 on CUDA "

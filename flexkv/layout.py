@@ -29,7 +29,7 @@ from typing import Optional
 
 from .config import BoundedKVConfig
 
-__all__ = ["Layout", "DEFAULT_BLOCK_SIZE", "default_block_size"]
+__all__ = ["Layout", "DEFAULT_BLOCK_SIZE", "ALIGNED_BLOCK_PADDING", "default_block_size"]
 
 DEFAULT_BLOCK_SIZE = 128
 
@@ -38,19 +38,36 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+#: Most of the slot pool (1/16) that one whole-slot-row block of padding may add on the CPU.
+ALIGNED_BLOCK_PADDING = 1 / 16
+
+
 def default_block_size(config: BoundedKVConfig, device_type: str) -> int:
     """The KV block size flexkv picks when none is given.
 
     CUDA (and `"meta"`, which plans as CUDA does): 128, the block
     FlexAttention's CUDA kernels are tuned for (smaller blocks shrink their
-    tiles). Elsewhere, a power of two near an eighth of
-    the cells a row keeps (`max_retained + max_step_tokens`), between 16 and
-    128: a row's reads start and end inside a few partly used blocks (sinks,
-    window, ring wrap), so the blocks should be small next to what a row
-    keeps, but each visited block has a fixed cost, so not tiny.
+    tiles). On the CPU, without sources, when slot rows are at least 128
+    cells: one block per slot row (`sink_capacity + window_capacity +
+    max_step_tokens` cells), so every slot row is exactly one block and a
+    decode row visits one block, none of it outside the row (the CPU kernel
+    pays per visited block, and a 1025-cell row in blocks of 128 visits
+    1152 cells in 9 blocks; one block per row decodes 20-30% faster, see
+    docs/benchmarks.md) - as long as the padding this adds to the layer
+    tensor (a block for the `max_step_tokens` scratch cells) stays within
+    `ALIGNED_BLOCK_PADDING` of the slot pool. Otherwise, a power of two near
+    an eighth of the cells a row keeps (`max_retained + max_step_tokens`),
+    between 16 and 128: a row's reads start and end inside a few partly used
+    blocks (sinks, window, ring wrap), so the blocks should be small next to
+    what a row keeps, but each visited block has a fixed cost, so not tiny.
     """
     if device_type in ("cuda", "meta"):
         return DEFAULT_BLOCK_SIZE
+    row = config.sink_capacity + config.window_capacity + config.max_step_tokens
+    pool = config.max_slots * config.rows_per_request * row
+    has_sources = bool(config.max_source_len and config.max_sources)
+    if not has_sources and row >= DEFAULT_BLOCK_SIZE and row - config.max_step_tokens <= ALIGNED_BLOCK_PADDING * pool:
+        return row
     cells = (config.max_retained + config.max_step_tokens) // 8
     block = 16
     while block * 2 <= min(cells, DEFAULT_BLOCK_SIZE):

@@ -9,6 +9,7 @@ A step goes `admit -> plan -> attend (per layer) -> commit`.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Hashable, Optional
 
@@ -21,9 +22,10 @@ from .config import BoundedKVConfig
 from .layout import Layout
 from .masks import POSITION_MODES, make_mask_mod, make_score_mod
 from .kernel_options import flex_kernel_options
-from .planner import BoundedPlan, build_plan
+from .kernel_sharing import layer_region, shares_flex_kernel
+from .planner import BoundedPlan, build_plan, table_views
 from .rotary import SinkRotation, stream_positions
-from .row_attention import attend_rows, gather_width
+from .row_attention import attend_rows, gather_width, row_geometry
 from .sinks import apply_learned_sinks, check_sinks
 from .step import BoundedKVStep, Segment, StreamPosition
 
@@ -116,12 +118,21 @@ class BoundedKVManager(nn.Module):
         #: kernel ran slower with them.
         self.full_blocks = self.device.type in ("cuda", "meta")
         #: How `attend` computes attention: `"flex"` (one FlexAttention call over the layer tensor,
-        #: reading every cell in place), `"rows"` (each row's source and slot rows gathered, then
-        #: dense attention; `flexkv.row_attention`) or `"auto"`: rows for chunked steps (T > 1) on
-        #: the CPU, where the gather is cheap next to the chunk's attention and FlexAttention's CPU
-        #: kernel is slow for short query blocks, and for eager decode on the CPU (FlexAttention
-        #: without torch.compile scores every cell of the layer tensor); FlexAttention everywhere else.
+        #: reading every cell in place), `"rows"` (each row's cells read in place or gathered, then
+        #: dense attention; `flexkv.row_attention`) or `"auto"` (`path_for`): eagerly (no
+        #: `torch.compile`) always rows, since uncompiled FlexAttention forms every score of the
+        #: whole layer tensor; compiled, rows for chunked steps (T > 1) on the CPU, where the
+        #: gather is cheap next to the chunk's attention and FlexAttention's CPU kernel is slow for
+        #: short query blocks, and FlexAttention everywhere else.
         self.attention_path = "auto"
+        #: Compiled FlexAttention calls of every layer share one kernel (`flexkv.kernel_sharing`):
+        #: on by default on the CPU with the torch releases it is tested on.
+        self.share_flex_kernel = shares_flex_kernel(self.device.type)
+        # Eagerly, the rows path's per-plan work (cells, mask bias) is done once per plan and
+        # reused by every layer: the last plan seen (weakly) and its geometries by shape, dropped
+        # at commit.
+        self._geometry_plan = None
+        self._geometries: dict = {}
         cuda = self.device.type == "cuda"
         # Read once, on the host: what the CUDA kernels are tuned and split by.
         self._capability = torch.cuda.get_device_capability(self.device) if cuda else None
@@ -544,7 +555,12 @@ class BoundedKVManager(nn.Module):
         return plan
 
     def commit(self, step: BoundedKVStep) -> None:
-        """Record each request's written tokens: `written = position.written + span` (idempotent)."""
+        """Record each request's written tokens: `written = position.written + span` (idempotent).
+
+        Also drops the rows path's eager per-plan geometry (its mask bias is as large as the step's
+        queries times the cells a row reads): the step is over.
+        """
+        self._geometry_plan, self._geometries = None, {}
         with self._lock:
             self._check_step(step)
             for seg in step.segments:
@@ -593,12 +609,33 @@ class BoundedKVManager(nn.Module):
             return rows * self.config.num_heads > self._sm_count
         return True
 
-    def _rows_path(self, tokens: int) -> bool:
-        """Whether a step of `tokens` tokens attends through `flexkv.row_attention` (see `attention_path`)."""
+    def path_for(self, tokens: int, compiled: bool = True) -> str:
+        """The attention path (`"rows"` or `"flex"`) a step of `tokens` tokens takes, compiled or
+        eagerly (see `attention_path`)."""
         if self.attention_path == "auto":
-            # Eager decode too: FlexAttention run without torch.compile scores every cell of the layer.
-            return self.device.type == "cpu" and (tokens > 1 or not torch.compiler.is_compiling())
-        return self.attention_path == "rows"
+            rows = not compiled or (self.device.type == "cpu" and tokens > 1)
+        else:
+            rows = self.attention_path == "rows"
+        return "rows" if rows else "flex"
+
+    def _rows_path(self, tokens: int) -> bool:
+        """Whether this call (compiled or not, as it is being run) attends through the rows path."""
+        return self.path_for(tokens, torch.compiler.is_compiling()) == "rows"
+
+    def _mask_mod(self, plan, tokens: int, packed: bool) -> Callable:
+        """The step's retention `mask_mod` (`flexkv.masks`); the one place every path builds it."""
+        return make_mask_mod(plan, self.layout.ring_len, tokens, self.config.query_window, packed=packed,
+                             causal_step=self.config.causal_step)
+
+    def _eager_geometry(self, plan: BoundedPlan, key: tuple, build: Callable):
+        """The rows path's geometry of `plan` under `key`, built once per plan (eager calls only)."""
+        if self._geometry_plan is None or self._geometry_plan() is not plan:
+            self._geometry_plan = weakref.ref(plan)
+            self._geometries = {}
+        geo = self._geometries.get(key)
+        if geo is None:
+            geo = self._geometries[key] = build()
+        return geo
 
     def _check_attend(self, layer_idx, q, k, v, plan) -> None:
         c = self.config
@@ -634,14 +671,22 @@ class BoundedKVManager(nn.Module):
                 f"got {tuple(q.shape)}"
             )
 
-    def _block_mask(self, plan: BoundedPlan, q_len: int, mask_mod: Callable) -> BlockMask:
-        """The plan's block lists as FlexAttention's block mask for a query of `q_len` rows."""
+    def _block_mask(self, plan: BoundedPlan, q_len: int, mask_mod: Callable, own_buffers: bool = False) -> BlockMask:
+        """The plan's block lists as FlexAttention's block mask for a query of `q_len` rows.
+
+        `own_buffers`: the lists are views of one tensor inside the graph (`_PlanView`); each is
+        then made a buffer of its own (`clamp_min(0)` leaves counts and block indices as they are;
+        a clone would be removed as a no-op), since inductor's CPU template names kernel arguments
+        by their storage and would merge them.
+        """
         lay = self.layout
         N = plan.rows
         # Every query block of a row visits the same KV blocks: the plan lists them once per row.
         nq = lay.q_blocks(q_len)
         kv_num, kv_idx, full_num, full_idx = (
             plan.kv_num_blocks, plan.kv_indices, plan.full_kv_num_blocks, plan.full_kv_indices)
+        if own_buffers:
+            kv_num, kv_idx, full_num, full_idx = (x.clamp_min(0) for x in (kv_num, kv_idx, full_num, full_idx))
         if self.device.type == "cpu" and kv_idx.shape[3] < lay.num_blocks:
             # The CPU kernel wants block lists as wide as the layer tensor (it reads only the first
             # kv_num_blocks of each); the plan stays compact and is widened here, on the device side.
@@ -716,7 +761,10 @@ class BoundedKVManager(nn.Module):
         # group's queries in one pass over its keys instead of one pass per query head.
         packed = group > 1 and (self.pack_gqa or rows_path)
         g = group if packed else 1
-        mask_mod = make_mask_mod(plan, lay.ring_len, T, c.query_window, packed=packed, causal_step=c.causal_step)
+        compiling = torch.compiler.is_compiling()
+        mask_mod = None
+        if compiling or not rows_path:
+            mask_mod = self._mask_mod(plan, T, packed)
         sm = None
         if score_mod is not None:
             sm = make_score_mod(
@@ -728,28 +776,68 @@ class BoundedKVManager(nn.Module):
         scale = D ** -0.5 if scale is None else scale
         lse = None
         if rows_path:
-            out = attend_rows(q.reshape(N, H, g * T, D) * scale, kc, vc, lay, plan, mask_mod, sm,
-                              width=gather_width(c), return_lse=sinks is not None)
+            qr = q.reshape(N, H, g * T, D) * scale
+            width = gather_width(c)
+            geometry = None
+            if not compiling:
+                # Eagerly, every layer of the step shares the plan's geometry (cells, mask bias):
+                # built at the first layer, from the same mask_mod. Everything the mask depends on
+                # besides the plan and the cache's config is in the key.
+                geometry = self._eager_geometry(
+                    plan, (g * T, T, packed, q.dtype),
+                    lambda: row_geometry(lay, plan, self._mask_mod(plan, T, packed), g * T, q.dtype, width))
+            out = attend_rows(qr, kc, vc, lay, plan, mask_mod, sm, width=width, return_lse=sinks is not None,
+                              geometry=geometry)
             if sinks is not None:
                 out, lse = out
         else:
-            block_mask = self._block_mask(plan, T * g, mask_mod)
             options = flex_kernel_options(
                 self.device.type, g * T, H, H if packed else Hq, D, q.dtype, lay.block_size, plan.has_full_blocks,
                 q_block_size=lay.q_block_size, capability=self._capability)
             aux = None if sinks is None else AuxRequest(lse=True)
-            if packed:
-                out = flex_attention(q.reshape(N, H, g * T, D) * scale, kc, vc, score_mod=sm, block_mask=block_mask,
-                                     scale=1.0, kernel_options=options, return_aux=aux)
+            if compiling and self.share_flex_kernel and sm is None and sinks is None:
+                # One region per layer call, the same for every layer: its kernel compiles once.
+                qf = (q.reshape(N, H, g * T, D) if packed else q) * scale
+                out = _flex_layer(qf, kc, vc, plan.table, self, plan.rows, T, plan.width, plan.full_width,
+                                  plan.has_full_blocks, packed, options)
             else:
-                out = flex_attention(q * scale, kc, vc, score_mod=sm, block_mask=block_mask, scale=1.0,
-                                     enable_gqa=Hq != H, kernel_options=options, return_aux=aux)
-            if sinks is not None:
-                out, lse = out[0], out[1].lse
-            if self.epilogue_barrier and torch.compiler.is_compiling():
+                block_mask = self._block_mask(plan, T * g, mask_mod)
+                if packed:
+                    out = flex_attention(q.reshape(N, H, g * T, D) * scale, kc, vc, score_mod=sm,
+                                         block_mask=block_mask, scale=1.0, kernel_options=options, return_aux=aux)
+                else:
+                    out = flex_attention(q * scale, kc, vc, score_mod=sm, block_mask=block_mask, scale=1.0,
+                                         enable_gqa=Hq != H, kernel_options=options, return_aux=aux)
+                if sinks is not None:
+                    out, lse = out[0], out[1].lse
+            if self.epilogue_barrier and compiling:
                 out = _apart_from_kernel(out)
         if sinks is None:
             return out.view(N, Hq, T, Dv)
         # Packed (or from the rows path), query head h * g + i sits at rows i * T .. i * T + T - 1 of
         # KV head h: the same [N, Hq, T] view serves the output and its log-sum-exp.
         return apply_learned_sinks(out.view(N, Hq, T, Dv), lse.reshape(N, Hq, T), sinks)
+
+
+class _PlanView:
+    """A plan's tensors as views of its table, inside a compiled region (see `_flex_layer`)."""
+
+    def __init__(self, table, rows, tokens, width, full_width, has_full_blocks):
+        for name, view in table_views(table, rows, tokens, width, full_width).items():
+            setattr(self, name, view)
+        self.rows, self.tokens, self.has_full_blocks = rows, tokens, has_full_blocks
+
+
+@layer_region
+def _flex_layer(q, k_cache, v_cache, table, manager, rows, tokens, width, full_width, has_full_blocks, packed,
+                options):
+    """One layer's FlexAttention call from the plan's table alone: a region every layer shares.
+
+    The plan enters as its one table (its named tensors are views of it, and a region takes no
+    inputs that alias each other); everything else is static.
+    """
+    plan = _PlanView(table, rows, tokens, width, full_width, has_full_blocks)
+    group = q.shape[2] // tokens
+    block_mask = manager._block_mask(plan, tokens * group, manager._mask_mod(plan, tokens, packed), own_buffers=True)
+    return flex_attention(q, k_cache, v_cache, block_mask=block_mask, scale=1.0, kernel_options=options,
+                          enable_gqa=q.shape[1] != k_cache.shape[1])

@@ -68,7 +68,7 @@ from .layout import Layout
 from .masks import MASK_INTERVALS
 from .step import BoundedKVStep
 
-__all__ = ["BoundedPlan", "ROW_FIELDS", "INTERVALS", "build_plan"]
+__all__ = ["BoundedPlan", "ROW_FIELDS", "INTERVALS", "build_plan", "table_views"]
 
 #: Cell intervals per row: sinks and window each reach the source, the sink region and the ring,
 #: and the ring splits where it wraps; merged, no row needs more than this.
@@ -106,21 +106,8 @@ class BoundedPlan:
         elif self.device.type != "cpu":
             buf = buf.to(self.device)
         self.table = buf
-        o = 0
-        for name in ROW_FIELDS:
-            setattr(self, name, buf[o:o + rows])
-            o += rows
-        self.kv_num_blocks = buf[o:o + rows].view(rows, 1, 1)
-        o += rows
-        self.kv_indices = buf[o:o + rows * width].view(rows, 1, 1, width)
-        o += rows * width
-        self.full_kv_num_blocks = buf[o:o + rows].view(rows, 1, 1)
-        o += rows
-        self.full_kv_indices = buf[o:o + rows * full_width].view(rows, 1, 1, full_width)
-        o += rows * full_width
-        self.write_index = buf[o:o + rows * tokens]
-        o += rows * tokens
-        assert o == len(table), (o, len(table))
+        for name, view in table_views(buf, rows, tokens, width, full_width).items():
+            setattr(self, name, view)
 
     @property
     def host(self) -> bytes:
@@ -170,6 +157,32 @@ class BoundedPlan:
 
     def __repr__(self):
         return f"BoundedPlan(rows={self.rows}, tokens={self.tokens}, width={self.width}, device={self.device})"
+
+
+def table_views(buf: torch.Tensor, rows: int, tokens: int, width: int, full_width: int) -> dict:
+    """The named views of a packed plan table `buf` (`BoundedPlan`'s attributes), by name.
+
+    Used by `BoundedPlan` on the table it copies to the device, and inside a compiled graph that
+    takes the table as its one plan input.
+    """
+    views = {}
+    o = 0
+    for name in ROW_FIELDS:
+        views[name] = buf[o:o + rows]
+        o += rows
+    views["kv_num_blocks"] = buf[o:o + rows].view(rows, 1, 1)
+    o += rows
+    views["kv_indices"] = buf[o:o + rows * width].view(rows, 1, 1, width)
+    o += rows * width
+    views["full_kv_num_blocks"] = buf[o:o + rows].view(rows, 1, 1)
+    o += rows
+    views["full_kv_indices"] = buf[o:o + rows * full_width].view(rows, 1, 1, full_width)
+    o += rows * full_width
+    views["write_index"] = buf[o:o + rows * tokens]
+    o += rows * tokens
+    if o != buf.shape[0]:
+        raise AssertionError(f"plan table holds {buf.shape[0]} ints, its views {o}")
+    return views
 
 
 def _cells(a: int, b: int, L: int, ring_start: int, src: int, base: int, ring_base: int, ring: int, out: list) -> None:

@@ -97,7 +97,10 @@ class ReferenceCache:
         scale: Optional[float] = None,
         score_mod: Optional[Callable] = None,
         positions: str = "stream",
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        """`sinks`: learned sink logits `[Hq]` (see `flexkv.sinks`): each query head's softmax also
+        normalises over one extra score `sinks[h]` that carries no value."""
         c = self.config
         R = c.rows_per_request
         q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
@@ -143,7 +146,11 @@ class ReferenceCache:
                             kpos, qpos = torch.tensor(ranks), torch.tensor(qrank)
                         heads = torch.arange(Hq).view(Hq, 1)
                         scores = score_mod(scores, torch.tensor(b), heads, qpos, kpos.view(1, -1)).double()
-                    out[b, :, t] = torch.einsum("hk,hkd->hd", torch.softmax(scores, dim=-1), vv)
+                    if sinks is None:
+                        probs = torch.softmax(scores, dim=-1)
+                    else:
+                        probs = torch.softmax(torch.cat([scores, sinks.double().cpu().view(Hq, 1)], dim=1), dim=-1)[:, :-1]
+                    out[b, :, t] = torch.einsum("hk,hkd->hd", probs, vv)
         return out
 
     def commit(self, step: BoundedKVStep) -> None:

@@ -1,4 +1,4 @@
-"""Attention over each row's own cells with dense kernels: the CPU path for chunked steps.
+"""Attention over each row's own cells with dense kernels: the rows path.
 
 A row of a step reads at most `max_retained + max_step_tokens` cells, and
 the plan already names them: at most a few cell intervals per row
@@ -9,7 +9,7 @@ runs dense attention over them, in one of two ways:
   slot rows): every cell a row reads lies in its slot row (sink region plus
   ring; the step's own tokens were just written into the ring), so the
   layer tensor's slot pool, viewed as `[slot rows, H, slot_row_len, D]`, is
-  already a dense batch. The step's queries are scattered into slot order
+  already a dense batch. The step's queries are gathered into slot order
   instead, the keys and values never move, and slot rows the step does not
   use attend nothing and are dropped;
 - **gathered** (otherwise): the cells of each row's intervals are copied, in
@@ -19,20 +19,26 @@ runs dense attention over them, in one of two ways:
 In both, the same `mask_mod` and `score_mod` that FlexAttention would run
 decide, on the real cell indices, which cells a query reads and how it
 scores them, so the result is exactly FlexAttention's over the whole layer
-tensor. Without a `score_mod` the batch runs through
-`scaled_dot_product_attention`'s fused CPU kernel; with one, the scores are
+tensor. The mask is formed once per call as an additive bias (0 where a
+query reads a cell, -inf elsewhere) in the query's dtype, which is what
+SDPA adds to the scores; inductor writes a float bias several times faster
+than a bool mask on the CPU. Without a `score_mod` the batch runs through
+`scaled_dot_product_attention`'s fused kernel; with one, the scores are
 formed, modified and normalised explicitly (in float32, or float64 for
 float64 inputs).
 
+What depends on the plan alone (which cells each batch row holds, the bias,
+which queries read anything) is `RowGeometry`, built by `row_geometry`: a
+caller attending several layers of one plan eagerly builds it once and
+passes it to every layer (`BoundedKVManager.attend` does).
+
 Shapes depend only on the config and the step's `N` and `T`, so a compiled
-step does not recompile as streams move. Single-token decode stays on
-FlexAttention, which reads the blocks a row needs in place with no copy
-(see `BoundedKVManager.attend`).
+step does not recompile as streams move.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +46,7 @@ import torch.nn.functional as F
 from .layout import Layout
 from .planner import INTERVALS
 
-__all__ = ["attend_rows", "reads_in_place", "gather_width"]
+__all__ = ["attend_rows", "reads_in_place", "gather_width", "row_geometry", "RowGeometry"]
 
 _NEG_INF = float("-inf")
 
@@ -56,34 +62,30 @@ def gather_width(config) -> int:
     return config.max_retained + config.max_step_tokens
 
 
-def _dense(q, keys, values, b, cells, mask_mod, score_mod, extra=None, want_lse=False):
-    """Attention of q `[B, H, Q, D]` over keys/values `[B, H, W, D]` whose cells are `cells` `[B, W]`,
-    for plan rows `b` `[B]`; `extra` (`[B, W]` bool or None) further limits the readable positions.
-    Returns the output, whether each query reads any cell (`[B, 1, Q or 1]`) and, with `want_lse`,
-    each query's natural-log sum of exp of its scores (`[B, H, Q]`, at least float32, -inf where it
-    reads nothing; else None)."""
-    B, H, Q, _ = q.shape
-    dev = q.device
-    bb = b.view(B, 1, 1, 1)
-    q_idx = torch.arange(Q, device=dev).view(1, 1, Q, 1)
-    kv_idx = cells.view(B, 1, 1, -1)
-    allowed = mask_mod(bb, torch.zeros((), dtype=torch.long, device=dev), q_idx, kv_idx)
-    if extra is not None:
-        allowed = allowed & extra.view(B, 1, 1, -1)
-    reads = allowed.any(dim=-1)
-    if score_mod is None and not want_lse:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=1.0), reads, None
-    work = torch.promote_types(q.dtype, torch.float32)
-    scores = torch.matmul(q.to(work), keys.to(work).transpose(-1, -2))
-    if score_mod is not None:
-        scores = score_mod(scores, bb, torch.arange(H, device=dev).view(1, H, 1, 1), q_idx, kv_idx)
-    scores = scores.masked_fill(~allowed, _NEG_INF)
-    top = torch.where(reads.unsqueeze(-1), scores.amax(dim=-1, keepdim=True), 0.0)
-    probs = torch.exp(scores - top)
-    total = probs.sum(dim=-1, keepdim=True)
-    out = torch.matmul(probs, values.to(work)) / total.clamp_min(1e-30)
-    lse = (torch.log(total) + top).squeeze(-1) if want_lse else None
-    return out.to(q.dtype), reads, lse
+class RowGeometry(NamedTuple):
+    """What the rows path derives from a plan alone, for queries of length `q_len`.
+
+    `B` batch rows (the slot rows in place, the plan's rows gathered), each
+    holding `W` key positions.
+    """
+
+    in_place: bool
+    q_len: int
+    #: `[B]`: the plan row each batch row attends for (in place: slot rows the step leaves out get
+    #: row 0, whose cells they never hold, so they read nothing).
+    batch_rows: torch.Tensor
+    #: `[B, W]`: the layer-tensor cell each key position holds.
+    cells: torch.Tensor
+    #: `[B, 1, Q, W]`: 0 where the query reads the cell, -inf elsewhere (the query's dtype).
+    bias: torch.Tensor
+    #: `[B, 1, Q]`: whether the query reads any cell.
+    reads: torch.Tensor
+    #: `[N, 1, Q]`: the same for the plan's rows (padding rows read nothing).
+    row_reads: torch.Tensor
+    #: In place: `[N]`, the batch row of each plan row (padding rows: the extra row `B`).
+    to_batch: Optional[torch.Tensor]
+    #: In place: `[N]`, the batch row each plan row's output is read back from.
+    back: Optional[torch.Tensor]
 
 
 def _interval_cells(plan, width: int, device) -> tuple:
@@ -99,6 +101,72 @@ def _interval_cells(plan, width: int, device) -> tuple:
     return torch.where(used, cells, 0), used
 
 
+def row_geometry(layout: Layout, plan, mask_mod: Callable, q_len: int, dtype: torch.dtype,
+                 width: Optional[int] = None) -> RowGeometry:
+    """The rows path's view of `plan` for queries of length `q_len` (a folded GQA group counts).
+
+    `mask_mod` is the FlexAttention mask of the step (`flexkv.masks.make_mask_mod`), `dtype` the
+    queries' dtype (the bias is formed in it), `width` the cells per gathered row
+    (`gather_width(config)`; needed unless the step reads in place).
+    """
+    N = plan.rows
+    dev = plan.write_index.device
+    zero = torch.zeros((), dtype=torch.long, device=dev)
+    q_idx = torch.arange(q_len, device=dev).view(1, 1, q_len, 1)
+    if reads_in_place(layout, N):
+        Lr = layout.slot_row_len
+        n_slot = layout.max_slots * layout.rows_per_request
+        live = plan.sink_base >= 0
+        # Queries go to their slot rows; padding rows go to one extra row that is dropped.
+        to_batch = torch.where(live, plan.slot_row.long(), n_slot)
+        batch_rows = torch.zeros(n_slot + 1, dtype=torch.long, device=dev).index_put(
+            (to_batch,), torch.arange(N, device=dev))[:n_slot]
+        cells = layout.slots_base + torch.arange(n_slot, device=dev).view(-1, 1) * Lr + torch.arange(Lr, device=dev)
+        allowed = mask_mod(batch_rows.view(-1, 1, 1, 1), zero, q_idx, cells.view(n_slot, 1, 1, Lr))
+        in_place = True
+    else:
+        if width is None:
+            raise ValueError("row_geometry: width (gather_width(config)) is needed when the step gathers")
+        cells, used = _interval_cells(plan, width, dev)
+        batch_rows = torch.arange(N, device=dev)
+        allowed = mask_mod(batch_rows.view(-1, 1, 1, 1), zero, q_idx, cells.view(N, 1, 1, width))
+        allowed = allowed & used.view(N, 1, 1, width)
+        in_place = False
+    bias = torch.where(allowed, torch.zeros((), dtype=dtype, device=dev),
+                       torch.full((), _NEG_INF, dtype=dtype, device=dev))
+    reads = bias.amax(dim=-1) == 0
+    if in_place:
+        back = to_batch.clamp(max=n_slot - 1)
+        row_reads = reads.index_select(0, back) & live.view(N, 1, 1)
+    else:
+        to_batch = back = None
+        row_reads = reads
+    return RowGeometry(in_place, q_len, batch_rows, cells, bias, reads, row_reads, to_batch, back)
+
+
+def _dense(q, keys, values, geo: RowGeometry, score_mod, want_lse):
+    """Attention of q `[B, H, Q, D]` over keys `[B, H, W, D]` and values `[B, H, W, Dv]` with the
+    geometry's bias. Returns the output and, with `want_lse`, each query's natural-log sum of exp
+    of its scores (`[B, H, Q]`, at least float32; else None)."""
+    if score_mod is None and not want_lse:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=geo.bias, scale=1.0), None
+    B, H, Q, _ = q.shape
+    dev = q.device
+    work = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.to(work), keys.to(work).transpose(-1, -2))
+    if score_mod is not None:
+        q_idx = torch.arange(Q, device=dev).view(1, 1, Q, 1)
+        heads = torch.arange(H, device=dev).view(1, H, 1, 1)
+        scores = score_mod(scores, geo.batch_rows.view(B, 1, 1, 1), heads, q_idx, geo.cells.view(B, 1, 1, -1))
+    scores = scores + geo.bias.to(work)
+    top = torch.where(geo.reads.unsqueeze(-1), scores.amax(dim=-1, keepdim=True), 0.0)
+    probs = torch.exp(scores - top)
+    total = probs.sum(dim=-1, keepdim=True)
+    out = torch.matmul(probs, values.to(work)) / total.clamp_min(1e-30)
+    lse = (torch.log(total) + top).squeeze(-1) if want_lse else None
+    return out.to(q.dtype), lse
+
+
 def attend_rows(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -109,45 +177,42 @@ def attend_rows(
     score_mod: Optional[Callable] = None,
     width: Optional[int] = None,
     return_lse: bool = False,
+    geometry: Optional[RowGeometry] = None,
 ):
     """Attention of `q` (`[N, H, Q, D]`, already scaled; `Q` may hold a folded GQA group) over the
     cells each row may read, with the mask and score modifications of the FlexAttention path.
     Returns `[N, H, Q, Dv]`, `Dv` the value width of `v_cache`.
 
     `width`: cells per gathered row (`gather_width(config)`); needed unless the step reads in
-    place. Queries that read nothing (padding rows) return zeros, as in FlexAttention. With
-    `return_lse`, returns `(out, lse)`: each query's natural-log sum of exp of its scores
-    (`[N, H, Q]`, float32; -inf where it reads nothing), as FlexAttention's log-sum-exp.
+    place. `geometry`: `row_geometry(layout, plan, mask_mod, Q, q.dtype, width)` built once for
+    several calls on the same plan (else built here). Queries that read nothing (padding rows)
+    return zeros, as in FlexAttention. Returns `[N, H, Q, Dv]` (`Dv` the values' head size); with
+    `return_lse`, `(out, lse)`: each query's natural-log sum of exp of its scores (`[N, H, Q]`,
+    float32; -inf where it reads nothing), as FlexAttention's log-sum-exp.
     """
     N, H, Q, D = q.shape
     Dv = v_cache.shape[-1]  # values may be narrower or wider than keys
     dev = q.device
-    if reads_in_place(layout, N):
+    geo = geometry if geometry is not None else row_geometry(layout, plan, mask_mod, Q, q.dtype, width)
+    if geo.in_place:
         Lr = layout.slot_row_len
         n_slot = layout.max_slots * layout.rows_per_request
         base = layout.slots_base
-        live = plan.sink_base >= 0
-        # Queries go to their slot rows; padding rows go to one extra row that is dropped.
-        where = torch.where(live, plan.slot_row.long(), n_slot)
-        rows = torch.zeros(n_slot + 1, dtype=torch.long, device=dev).index_put(
-            (where,), torch.arange(N, device=dev))[:n_slot]
-        q_slots = q.new_zeros(n_slot + 1, H, Q, D).index_put((where,), q)[:n_slot]
+        # Each slot row takes its plan row's queries (rows the step leaves out take row 0's, and
+        # read nothing): one gather, no zero fill.
+        q_slots = q.index_select(0, geo.batch_rows)
         keys = k_cache[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, D).transpose(0, 1)
         values = v_cache[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, Dv).transpose(0, 1)
-        cells = base + torch.arange(n_slot, device=dev).view(-1, 1) * Lr + torch.arange(Lr, device=dev)
-        out, reads, lse = _dense(q_slots, keys, values, rows, cells, mask_mod, score_mod, want_lse=return_lse)
-        back = where.clamp(max=n_slot - 1)
-        out, reads = out.index_select(0, back), reads.index_select(0, back) & live.view(N, 1, 1)
-        lse = lse.index_select(0, back) if lse is not None else None
+        out, lse = _dense(q_slots, keys, values, geo, score_mod, return_lse)
+        out = out.index_select(0, geo.back)
+        lse = lse.index_select(0, geo.back) if lse is not None else None
     else:
-        if width is None:
-            raise ValueError("attend_rows: width (gather_width(config)) is needed when the step gathers")
-        cells, used = _interval_cells(plan, width, dev)
-        flat = cells.view(-1)
-        keys = k_cache[0].index_select(1, flat).view(H, N, width, D).transpose(0, 1)
-        values = v_cache[0].index_select(1, flat).view(H, N, width, Dv).transpose(0, 1)
-        out, reads, lse = _dense(q, keys, values, torch.arange(N, device=dev), cells, mask_mod, score_mod, used,
-                                 want_lse=return_lse)
+        W = geo.cells.shape[1]
+        flat = geo.cells.view(-1)
+        keys = k_cache[0].index_select(1, flat).view(H, N, W, D).transpose(0, 1)
+        values = v_cache[0].index_select(1, flat).view(H, N, W, Dv).transpose(0, 1)
+        out, lse = _dense(q, keys, values, geo, score_mod, return_lse)
+    reads = geo.row_reads
     out = torch.where(reads.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=dev))
     if return_lse:
         return out, torch.where(reads, lse, _NEG_INF)

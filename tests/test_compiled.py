@@ -5,11 +5,13 @@ positions, spans, slots and requests but not the batch shape, and
 `error_on_recompile` turns any recompile into a failure.
 """
 
+import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
+from flexkv.kernel_sharing import SHARED_KERNEL_TORCH
 from workload import Workload, score_bias
 
 TOL = 1e-4
@@ -126,3 +128,70 @@ def test_values_of_another_width_than_keys():
         work = compiled_workload(cfg, q_heads=4, tokens=tokens, seed=3 + tokens, score_mod=score_bias, segments=2,
                                  full_blocks=False)
         run_without_recompiles(work, 12)
+
+
+def _inspecting_backend(seen):
+    """Inductor, after recording which regions the graph calls (identifier of every call)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm, example_inputs):
+        seen.append([n.args[1] for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph])
+        return compile_fx(gm, example_inputs)
+
+    return backend
+
+
+@pytest.mark.parametrize("tokens, pack_gqa, full_blocks", [(1, True, False), (2, False, True)])
+def test_layers_of_one_graph_share_one_flex_attention_region(tokens, pack_gqa, full_blocks):
+    """A model step compiled as one graph: every layer's FlexAttention call is the same region (one
+    kernel compiled for all layers), and the outputs still match the reference with no recompiles."""
+    cfg = BoundedKVConfig(
+        num_layers=3, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=0, max_sources=0,
+        retention=SinkWindow(2, 12), max_slots=3, max_step_tokens=tokens,
+    )
+    manager = BoundedKVManager(cfg, "cpu", block_size=8)
+    manager.attention_path = "flex"
+    manager.pack_gqa = pack_gqa
+    manager.full_blocks = full_blocks
+    if not manager.share_flex_kernel:
+        pytest.skip(f"layers share a FlexAttention region from torch {SHARED_KERNEL_TORCH} on; this is {torch.__version__}")
+    seen = []
+
+    def model_step(qs, ks, vs, plan):
+        return [manager.attend(l, qs[l], ks[l], vs[l], plan) for l in range(cfg.num_layers)]
+
+    compiled = torch.compile(model_step, fullgraph=True, backend=_inspecting_backend(seen))
+    work = Workload(cfg, q_heads=4, segments=3, seed=2, manager=manager, fixed_tokens=tokens, churn=0.2,
+                    attend=lambda m, plan, qs, ks, vs: compiled(qs, ks, vs, plan))
+    torch._dynamo.reset()
+    work.step()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(24):
+            work.step()
+    assert work.worst < TOL, work.worst
+    assert len(seen) == 1 and len(seen[0]) == cfg.num_layers and len(set(seen[0])) == 1, seen
+
+
+def test_gqa_decode_with_one_block_per_slot_row():
+    """The CPU default for a decode cache of 16 slots of 129 cells: blocks of one slot row each, so a
+    row's block list holds one block. Compiled over two layers against the reference."""
+    cfg = BoundedKVConfig(
+        num_layers=2, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=0, max_sources=0,
+        retention=SinkWindow(4, 124), max_slots=16, max_step_tokens=1,
+    )
+    manager = BoundedKVManager(cfg, "cpu")
+    assert manager.layout.block_size == manager.layout.slot_row_len == 129
+
+    def model_step(qs, ks, vs, plan):
+        return [manager.attend(l, qs[l], ks[l], vs[l], plan) for l in range(cfg.num_layers)]
+
+    compiled = torch.compile(model_step, fullgraph=True)
+    work = Workload(cfg, q_heads=4, segments=12, seed=6, manager=manager, fixed_tokens=1, churn=0.02,
+                    attend=lambda m, plan, qs, ks, vs: compiled(qs, ks, vs, plan))
+    torch._dynamo.reset()
+    work.step()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(300):
+            work.step()
+    assert max(s[2] for s in work.state.values()) > 129  # rings wrapped
+    assert work.worst < TOL, work.worst

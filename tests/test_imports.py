@@ -112,8 +112,8 @@ def test_public_names_are_exported_and_internals_are_not():
 #: The package in layers, bottom up; a module imports only from its own layer or below.
 LAYERS = (
     ("types and config", {"config", "step"}),
-    ("the cache", {"layout", "masks", "sinks", "kernel_options", "planner", "row_attention", "rotary", "manager",
-                   "groups", "protocol"}),
+    ("the cache", {"layout", "masks", "sinks", "kernel_options", "kernel_sharing", "planner", "row_attention",
+                   "rotary", "manager", "groups", "protocol"}),
     ("model side and the dense reference", {"compiling", "reference", "uncached", "wrap", "port"}),
     ("running streams", {"session", "workload", "stream_model", "traffic", "show", "runner"}),
     ("entry points and integrations", {"", "__main__", "cli", "engine", "distributed", "integrations",

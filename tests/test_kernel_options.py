@@ -103,3 +103,11 @@ def test_bad_input_is_refused():
         opts(1, q_block_size=64)
     with pytest.raises(ValueError, match="device_type must be a str"):
         flex_kernel_options(torch.device("cuda"), 1, 8, 32, 128, BF16, 128)
+
+
+def test_head_dim_below_16_is_refused_on_cuda_only():
+    with pytest.raises(ValueError, match=r"head_dim=8 cannot run on CUDA.*at least 16.*use head_dim >= 16"):
+        opts(1, head_dim=8)
+    assert opts(1, head_dim=16) is None
+    assert opts(1, head_dim=8, device="cpu") is None
+    assert opts(1, head_dim=4, device="meta") is None

@@ -1,0 +1,224 @@
+"""Compile time, cold and warm, each case in a fresh process.
+
+Every case runs in a child process of its own. **Cold**: the inductor cache
+(`TORCHINDUCTOR_CACHE_DIR`) points at a new, empty temporary directory, so
+nothing compiled before is reused; **warm**: a second child on the same
+directory. For each run the table gives the seconds the compile took (the
+first call, or the session's warm-up) and the CPU seconds of the whole child
+(its compiler processes included), which moves less than wall time when
+other jobs share the machine.
+
+Cases:
+
+- `model-flexkv`: a 4-layer decode step of `flexkv.stream_model.StreamModel`
+  (8 streams, 16 query / 8 KV heads x 64, 4 sinks + window 252) on a
+  `StreamSession` (the whole model step compiled as one graph);
+- `model-ring`: the same model over a ring cache + SDPA per layer, compiled
+  as one graph: what the model costs to compile without flexkv;
+- `session-2-buckets`: the flexkv model on a session with two token sizes
+  (decode T 1 and chunks of T 16), both compiled at warm-up;
+- `flexkv-run`: `flexkv run` (the built-in workload, 20 steps), its reported
+  compile time;
+- `example-quickstart`, `example-chat`, `example-conformer`, `example-tts`:
+  the examples' warm-ups (`StreamSession.warmup`), with short runs.
+
+    python -m benchmarks.cold_compile                      # every case, cold then warm
+    python -m benchmarks.cold_compile --cases model-flexkv,model-ring
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CASES = ("model-flexkv", "model-ring", "session-2-buckets", "flexkv-run", "example-quickstart", "example-chat",
+         "example-conformer", "example-tts")
+
+
+# ------------------------------------------------------------------ child side
+
+
+def _decode_workload():
+    from flexkv.workload import Workload
+
+    return Workload(name="decode", layers=4, kv_heads=8, q_heads=16, head_dim=64, sink=4, window=252, span=1,
+                    requests=8, stream_len=(100, 1000))
+
+
+def _model_fn(model, layers):
+    def fn(attn, x):
+        for l in range(layers):
+            x = model.layer(l, x, attn)[0]
+        return x
+
+    return fn
+
+
+def _child_model(flexkv: bool, token_sizes=(1,)) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    from flexkv import BoundedKVManager, StreamSession
+    from flexkv.stream_model import StreamModel
+
+    w = _decode_workload()
+    if max(token_sizes) > 1:
+        w = w.replace(tokens=max(token_sizes), span=max(token_sizes))
+    model = StreamModel(w)
+    x = torch.randn(w.requests, 1, w.d_model)
+    if flexkv:
+        session = StreamSession(BoundedKVManager(w.config(), "cpu"), token_sizes=token_sizes)
+        return session.warmup(_model_fn(model, w.layers), x[0])
+    C = w.sink + w.window + 1
+    K = [torch.zeros(w.requests, w.kv_heads, C, w.head_dim) for _ in range(w.layers)]
+    V = [torch.zeros_like(k) for k in K]
+
+    def step(x, cells):
+        def attend(l, q, k, v):
+            K[l][torch.arange(w.requests), :, cells] = k[:, :, 0]
+            V[l][torch.arange(w.requests), :, cells] = v[:, :, 0]
+            return F.scaled_dot_product_attention(q, K[l], V[l], enable_gqa=True)
+
+        return _model_fn(model, w.layers)(attend, x)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        compiled(x, torch.arange(w.requests) % C)
+    return time.perf_counter() - t0
+
+
+def _child_flexkv_run() -> float:
+    out = Path(tempfile.mkdtemp()) / "run.json"
+    subprocess.run([sys.executable, "-m", "flexkv", "run", "--steps", "20", "--quiet", "--json", str(out)],
+                   check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())["compile_s"]
+
+
+_EXAMPLE_ARGS = {
+    "quickstart": None,
+    "chat": ["--new-tokens", "40", "--no-check"],
+    "conformer": ["--chunks", "12", "--no-check"],
+    "tts": ["--chunks", "12", "--no-check"],
+}
+_EXAMPLE_FILES = {"quickstart": "quickstart.py", "chat": "streaming_chat.py", "conformer": "streaming_conformer.py",
+                  "tts": "streaming_tts.py"}
+
+
+def _child_example(name: str) -> float:
+    import contextlib
+    import io
+
+    import flexkv
+    from flexkv import StreamSession
+
+    spent = []
+    warm_up = StreamSession._warm_up
+
+    def timed(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return warm_up(self, *a, **k)
+        finally:
+            spent.append(time.perf_counter() - t0)
+
+    StreamSession._warm_up = timed
+    path = Path(flexkv.__file__).resolve().parents[1] / "examples" / _EXAMPLE_FILES[name]
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and dynamo look the module up by name
+    sys.path.insert(0, str(path.parent))
+    spec.loader.exec_module(module)
+    with contextlib.redirect_stdout(io.StringIO()):
+        if _EXAMPLE_ARGS[name] is None:
+            module.main(steps=12, check_from=10)
+        else:
+            module.main(_EXAMPLE_ARGS[name])
+    return sum(spent)
+
+
+def child(case: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    if case == "model-flexkv":
+        s = _child_model(True)
+    elif case == "model-ring":
+        s = _child_model(False)
+    elif case == "session-2-buckets":
+        s = _child_model(True, token_sizes=(1, 16))
+    elif case == "flexkv-run":
+        s = _child_flexkv_run()
+    elif case.startswith("example-"):
+        s = _child_example(case[len("example-"):])
+    else:
+        raise SystemExit(f"unknown case {case!r}; one of {', '.join(CASES)}")
+    print(json.dumps({"compile_s": s}))
+
+
+# ----------------------------------------------------------------- parent side
+
+
+def run_case(case: str, cache_dir: str) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "benchmarks.cold_compile", "--child", case], env=env,
+                       capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if p.returncode:
+        raise RuntimeError(f"{case} failed:\n{p.stderr[-3000:]}")
+    compile_s = json.loads(p.stdout.strip().splitlines()[-1])["compile_s"]
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return dict(compile_s=compile_s, cpu_s=cpu, process_s=wall)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ",".join(CASES))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--json", help="write the figures to this file")
+    args = ap.parse_args(argv)
+    if args.child:
+        child(args.child)
+        return
+    rows = {}
+    for case in args.cases.split(","):
+        with tempfile.TemporaryDirectory(prefix="inductor-cold-") as d:
+            cold = run_case(case, d)
+            warm = run_case(case, d)
+        rows[case] = dict(cold=cold, warm=warm)
+        print(f"  {case}: cold {cold['compile_s']:.1f} s ({cold['cpu_s']:.0f} CPU s), "
+              f"warm {warm['compile_s']:.1f} s ({warm['cpu_s']:.0f} CPU s)", flush=True)
+    import torch
+
+    print(f"torch {torch.__version__}, one torch thread per child, {os.cpu_count()} CPUs")
+    head = ("case", "cold compile s", "cold CPU s", "warm compile s", "warm CPU s")
+    body = [(c, f"{r['cold']['compile_s']:.1f}", f"{r['cold']['cpu_s']:.0f}", f"{r['warm']['compile_s']:.1f}",
+             f"{r['warm']['cpu_s']:.0f}") for c, r in rows.items()]
+    if "model-flexkv" in rows and "model-ring" in rows:
+        f, g = rows["model-flexkv"]["cold"], rows["model-ring"]["cold"]
+        print(f"cold compile, flexkv model over the ring model: {f['compile_s'] / g['compile_s']:.2f}x "
+              f"(CPU seconds {f['cpu_s'] / g['cpu_s']:.2f}x)")
+    if args.markdown:
+        print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+        print("\n".join("| " + " | ".join(r) + " |" for r in body))
+    else:
+        widths = [max(len(x) for x in col) for col in zip(head, *body)]
+        print("\n".join("  ".join(x.rjust(wd) for x, wd in zip(r, widths)) for r in (head, *body)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

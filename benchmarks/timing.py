@@ -1,0 +1,48 @@
+"""Side-by-side timing for the benchmarks: variants interleaved in one process, medians of rounds.
+
+On a machine other jobs share, a variant timed alone for a few seconds and
+then another after it can see a different machine. `interleaved` instead
+runs every variant once per round, in a rotating order, for several rounds,
+and keeps each variant's median (and best) time per call, so the ratios
+between variants compare runs under the same load.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict
+
+__all__ = ["interleaved", "ratio"]
+
+
+def interleaved(fns: Dict[str, Callable[[], object]], rounds: int = 7, min_round_s: float = 0.2) -> Dict[str, dict]:
+    """Time each `fns[name]()` per call: `{name: {"median_ms", "best_ms", "calls"}}`.
+
+    Each variant is called once to warm up, then `rounds` rounds follow; in a
+    round every variant runs `k` calls back to back (`k` sized from the
+    warm-up so a round of one variant takes about `min_round_s`), the order
+    of the variants rotating from round to round.
+    """
+    calls = {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
+        fn()
+        once = time.perf_counter() - t0
+        calls[name] = max(1, min(1000, int(min_round_s / max(once, 1e-6))))
+    per_call: Dict[str, list] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn, k = fns[name], calls[name]
+            t0 = time.perf_counter()
+            for _ in range(k):
+                fn()
+            per_call[name].append((time.perf_counter() - t0) / k)
+    return {name: dict(median_ms=statistics.median(ts) * 1e3, best_ms=min(ts) * 1e3, calls=calls[name])
+            for name, ts in per_call.items()}
+
+
+def ratio(a: dict, b: dict) -> float:
+    """`a`'s median over `b`'s (how many times slower `a` is)."""
+    return a["median_ms"] / b["median_ms"]

@@ -1,0 +1,168 @@
+"""What flexkv chooses when the user sets only the shape and retention: the attention path `attend`
+takes, the KV block size, and what the eager rows path shares between layers.
+
+Correctness of every path against the dense reference is `tests/test_properties.py`'s (eager,
+every path) and `tests/test_compiled.py`'s (compiled); here: the choices themselves, that eager
+calls never run FlexAttention by default, and that the per-plan work is done once per plan.
+"""
+
+import pytest
+import torch
+
+import flexkv.manager as manager_module
+import flexkv.row_attention as row_attention
+from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.layout import Layout, default_block_size
+from flexkv.reference import ReferenceCache
+from single_thread import one_thread  # noqa: F401
+
+
+def _config(**kw):
+    base = dict(num_layers=3, num_heads=2, head_dim=8, rows_per_request=1, max_source_len=0, max_sources=0,
+                retention=SinkWindow(2, 9), max_slots=3, max_step_tokens=4)
+    base.update(kw)
+    return BoundedKVConfig(**base)
+
+
+@pytest.mark.parametrize("device, tokens, compiled, path", [
+    ("cpu", 1, False, "rows"), ("cpu", 4, False, "rows"), ("cpu", 1, True, "flex"), ("cpu", 4, True, "rows"),
+    ("meta", 1, False, "rows"), ("meta", 1, True, "flex"), ("meta", 4, True, "flex"),
+])
+def test_default_path_follows_device_step_and_compilation(device, tokens, compiled, path):
+    m = BoundedKVManager(_config(), device)
+    assert m.path_for(tokens, compiled=compiled) == path
+
+
+@pytest.mark.parametrize("forced", ["flex", "rows"])
+def test_a_forced_path_is_taken_compiled_or_not(forced):
+    m = BoundedKVManager(_config(), "cpu")
+    m.attention_path = forced
+    assert {m.path_for(t, compiled=c) for t in (1, 4) for c in (False, True)} == {forced}
+
+
+def _stream(m, ref, steps, tokens, monkeypatch, counts):
+    """Steps of two requests (one padding segment), every layer attended eagerly; returns the worst error."""
+    c = m.config
+    g = torch.Generator().manual_seed(0)
+    worst, written = 0.0, 0
+    for _ in range(steps):
+        step = BoundedKVStep((Segment("a", tokens), Segment(None, 0), Segment("b", tokens)),
+                             {"a": StreamPosition(0, written), "b": StreamPosition(0, written)}, tokens=tokens)
+        m.admit(step)
+        plan = m.plan(step)
+        before = counts["geometry"]
+        for layer in range(c.num_layers):
+            q = torch.randn(3, 4, tokens, c.head_dim, generator=g)
+            k, v = (torch.randn(3, 2, tokens, c.head_dim, generator=g) for _ in range(2))
+            out = m.attend(layer, q, k, v, plan)
+            want = ref.attend(layer, q, k, v, step)
+            worst = max(worst, (out.double() - want).abs().max().item())
+        # One geometry per plan, whatever the number of layers.
+        assert counts["geometry"] - before == 1
+        m.commit(step)
+        ref.commit(step)
+        written += tokens
+    return worst
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_eager_default_never_runs_flex_attention_and_shares_the_plan_geometry(tokens, monkeypatch):
+    """Eagerly, FlexAttention would form every score of the whole layer tensor; by default `attend`
+    takes the rows path instead, builds the plan's geometry at the first layer and reuses it."""
+    counts = {"geometry": 0}
+
+    def no_flex(*a, **k):
+        raise AssertionError("eager attend called flex_attention")
+
+    built = row_attention.row_geometry
+
+    def counting(*a, **k):
+        counts["geometry"] += 1
+        return built(*a, **k)
+
+    monkeypatch.setattr(manager_module, "flex_attention", no_flex)
+    monkeypatch.setattr(manager_module, "row_geometry", counting)
+    cfg = _config()
+    m = BoundedKVManager(cfg, "cpu")
+    worst = _stream(m, ReferenceCache(cfg), 8, tokens, monkeypatch, counts)
+    assert worst < 1e-5
+
+
+def test_eager_geometry_is_rebuilt_for_a_new_plan_of_the_same_step():
+    """The shared geometry belongs to one plan object: a second plan (even an equal one) gets its own."""
+    cfg = _config(num_layers=1)
+    m = BoundedKVManager(cfg, "cpu")
+    step = BoundedKVStep((Segment("a", 1),), {"a": StreamPosition(0, 0)})
+    m.admit(step)
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    first = m.plan(step)
+    m.attend(0, q, k, v, first)
+    geometry = next(iter(m._geometries.values()))
+    second = m.plan(step)
+    m.attend(0, q, k, v, second)
+    assert next(iter(m._geometries.values())) is not geometry
+    m.attend(0, q, k, v, second)
+    assert len(m._geometries) == 1
+
+
+@pytest.mark.parametrize("path", ["auto", "flex"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_learned_sinks_match_the_reference_definition(path, tokens):
+    """Sinks join each query head's softmax as one extra score with no value (the reference's
+    definition), on the eager default path and on eager FlexAttention with its log-sum-exp."""
+    cfg = _config(num_layers=1)
+    m = BoundedKVManager(cfg, "cpu")
+    m.attention_path = path
+    ref = ReferenceCache(cfg)
+    g = torch.Generator().manual_seed(4)
+    sinks = torch.randn(4, generator=g) * 2
+    written = 0
+    for _ in range(6):
+        step = BoundedKVStep((Segment("a", tokens), Segment(None, 0)), {"a": StreamPosition(0, written)}, tokens=tokens)
+        m.admit(step)
+        plan = m.plan(step)
+        q = torch.randn(2, 4, tokens, 8, generator=g) * 2
+        k, v = (torch.randn(2, 2, tokens, 8, generator=g) for _ in range(2))
+        got = m.attend(0, q, k, v, plan, sinks=sinks)
+        want = ref.attend(0, q, k, v, step, sinks=sinks)
+        assert (got.double() - want).abs().max().item() < 1e-5
+        assert (ref.attend(0, q, k, v, step) - want).abs().max().item() > 1e-2  # the sinks matter
+        m.commit(step)
+        ref.commit(step)
+        written += tokens
+
+
+def test_commit_drops_the_eager_geometry():
+    """The geometry (its bias is queries x cells floats) lives for one step: commit frees it."""
+    m = BoundedKVManager(_config(num_layers=1), "cpu")
+    step = BoundedKVStep((Segment("a", 3),), {"a": StreamPosition(0, 0)}, tokens=3)
+    m.admit(step)
+    plan = m.plan(step)
+    m.attend(0, torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), plan)
+    assert m._geometries
+    m.commit(step)
+    assert not m._geometries and m._geometry_plan is None
+
+
+def _decode_config(slots, sink=4, window=1020, **kw):
+    return BoundedKVConfig(num_layers=1, num_heads=8, head_dim=64, rows_per_request=1, max_source_len=0,
+                           max_sources=0, retention=SinkWindow(sink, window), max_slots=slots, **kw)
+
+
+def test_cpu_block_is_one_slot_row_when_its_padding_is_small():
+    """A 1025-cell slot row becomes one block once a block of padding is at most 1/16 of the pool."""
+    assert default_block_size(_decode_config(16), "cpu") == 1025
+    assert default_block_size(_decode_config(32), "cpu") == 1025
+    lay = Layout.for_config(_decode_config(32), None, "cpu")
+    assert lay.slot_row(5, 0) % lay.block_size == 0 and lay.row_blocks == 1
+    # 8 slots: a block of padding would add 1/8 of the pool; powers of two instead.
+    assert default_block_size(_decode_config(8), "cpu") == 128
+    # Short rows, or rows beside sources, keep the powers of two.
+    assert default_block_size(_decode_config(32, window=60), "cpu") == 16
+    src = BoundedKVConfig(num_layers=1, num_heads=8, head_dim=64, rows_per_request=1, max_source_len=64,
+                          max_sources=1, retention=SinkWindow(4, 1020), max_slots=32)
+    assert default_block_size(src, "cpu") == 128
+
+
+def test_cuda_block_stays_128():
+    assert default_block_size(_decode_config(32), "cuda") == default_block_size(_decode_config(32), "meta") == 128
