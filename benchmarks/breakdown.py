@@ -7,10 +7,10 @@ and with SDPA over the same entries already laid out (`benchmarks.impls.LaidOut`
 
 - `write`: the step's keys and values into the layer tensors (two `index_put_`);
 - `geometry`: the plan's cells, the mask as an additive bias, which queries read anything
-  (`flexkv.row_attention.row_geometry`);
+  (`flexkv.cache.row_attention.row_geometry`);
 - `kernel`: SDPA on the rows path's own inputs (the slot pool in place, or the gathered block),
   with the bias;
-- `rows path`: `flexkv.row_attention.attend_rows` with the geometry given: for gathered rows the
+- `rows path`: `flexkv.cache.row_attention.attend_rows` with the geometry given: for gathered rows the
   gather and the kernel, in place the query gather, the kernel and the read-back;
 - `attend`: all of it, as shipped.
 
@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from benchmarks.chunked import SHAPES
 from benchmarks.impls import LaidOut, Steady
 from benchmarks.timing import interleaved
-from flexkv.masks import make_mask_mod
-from flexkv.row_attention import attend_rows, gather_width, row_geometry
+from flexkv.cache.masks import make_mask_mod
+from flexkv.cache.row_attention import attend_rows, gather_width, row_geometry
 
 
 def run(name: str, rounds: int) -> dict:

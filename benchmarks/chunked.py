@@ -44,7 +44,7 @@ import torch
 
 from benchmarks.impls import CatSlice, FlexKV, Floor, Gather, LaidOut, Steady, check
 from benchmarks.timing import interleaved
-from flexkv.workload import Workload
+from flexkv.cli.workload import Workload
 
 SHAPES = {
     "encoder": Workload(name="encoder", layers=4, kv_heads=8, head_dim=64, window=70, span=14, tokens=14,

@@ -10,7 +10,7 @@ other jobs share the machine.
 
 Cases:
 
-- `model-flexkv`: a 4-layer decode step of `flexkv.stream_model.StreamModel`
+- `model-flexkv`: a 4-layer decode step of `flexkv.cli.stream_model.StreamModel`
   (8 streams, 16 query / 8 KV heads x 64, 4 sinks + window 252) on a
   `StreamSession` (the whole model step compiled as one graph);
 - `model-ring`: the same model over a ring cache + SDPA per layer, compiled
@@ -47,7 +47,7 @@ CASES = ("model-flexkv", "model-ring", "session-2-buckets", "flexkv-run", "examp
 
 
 def _decode_workload():
-    from flexkv.workload import Workload
+    from flexkv.cli.workload import Workload
 
     return Workload(name="decode", layers=4, kv_heads=8, q_heads=16, head_dim=64, sink=4, window=252, span=1,
                     requests=8, stream_len=(100, 1000))
@@ -67,7 +67,7 @@ def _child_model(flexkv: bool, token_sizes=(1,)) -> float:
     import torch.nn.functional as F
 
     from flexkv import BoundedKVManager, StreamSession
-    from flexkv.stream_model import StreamModel
+    from flexkv.cli.stream_model import StreamModel
 
     w = _decode_workload()
     if max(token_sizes) > 1:

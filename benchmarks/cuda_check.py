@@ -13,7 +13,7 @@ the timing and the fp32 rows after it; the time budget for optional variants
 1. Random workloads (requests joining, leaving and resetting, padding
    segments, varying spans) run through a compiled model step that calls
    `BoundedKVManager.attend` for every layer, and every output is compared
-   with the dense float64 reference (`flexkv.reference.ReferenceCache`) by a
+   with the dense float64 reference (`flexkv.model.reference.ReferenceCache`) by a
    norm-relative error, `||out - ref|| / ||ref||` per step, in fp32 and bf16:
    GQA, chunked steps, sources, CFG rows (`rows_per_request=2`), reverse step
    order, per-query windows with a score_mod, a step whose GQA group packs
@@ -67,12 +67,12 @@ from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.benchmark import Timer
 
-import flexkv.manager as manager_module
+import flexkv.cache.manager as manager_module
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.kernel_options import decode_split_kv, flex_kernel_options
-from flexkv.reference import ReferenceCache
-from flexkv.show import entry_cell
-from flexkv.workload import fresh_function
+from flexkv.cache.kernel_options import decode_split_kv, flex_kernel_options
+from flexkv.model.reference import ReferenceCache
+from flexkv.cli.show import entry_cell
+from flexkv.cli.workload import fresh_function
 
 #: Norm-relative tolerances, `||out - ref|| / ||ref||`: an absolute bound on bf16 outputs of a few
 #: thousand keys (values of order 1e-2) would not see a missing block.
@@ -128,7 +128,7 @@ def kernel_options_as(options: Optional[Callable], drop_full_blocks: bool = Fals
     must also run inside it.
     """
     if not hasattr(manager_module, "flex_attention"):
-        raise RuntimeError("flexkv.manager no longer calls flex_attention by that name; cannot set kernel options")
+        raise RuntimeError("flexkv.cache.manager no longer calls flex_attention by that name; cannot set kernel options")
     original = manager_module.flex_attention
 
     def flex_attention(query, key, value, *args, **kwargs):

@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from flexkv import BoundedKVManager, BoundedKVStep, Segment, StreamPosition
-from flexkv.reference import attended_indices
-from flexkv.show import entry_cell
-from flexkv.stream_model import StreamModel
-from flexkv.workload import Workload, fresh_function
+from flexkv.model.reference import attended_indices
+from flexkv.cli.show import entry_cell
+from flexkv.cli.stream_model import StreamModel
+from flexkv.cli.workload import Workload, fresh_function
 
 __all__ = ["Steady", "FlexKV", "Gather", "CatSlice", "LaidOut", "Unbounded", "Floor", "IMPLS", "check"]
 

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.rotary import Rotary, SinkRotation
+from flexkv.cache.rotary import Rotary, SinkRotation
 
 
 def _time_round_robin(fns: dict, steps: int, warmup: int, rounds: int = 5) -> dict:

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from benchmarks.impls import IMPLS, FlexKV, Floor, Steady, check
-from flexkv.workload import load_workload
+from flexkv.cli.workload import load_workload
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WORKLOADS = [w for w in os.environ.get("FLEXKV_BENCH_WORKLOADS", "streaming-llm,tts-dit,conformer,per-query").split(",")

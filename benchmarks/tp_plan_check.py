@@ -20,7 +20,7 @@ import time
 import torch.distributed as dist
 
 from flexkv import BoundedKVConfig, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.distributed import ShardedKVManager, plan_digest
+from flexkv.serving.distributed import ShardedKVManager, plan_digest
 
 
 def timed(fn, iters: int) -> float:

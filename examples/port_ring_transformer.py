@@ -8,7 +8,7 @@ port output by output:
 
 - against the model's own streaming (its ring caches), for chunks of
   `--chunk` frames and then single frames, eager and compiled;
-- against the uncached twin (`flexkv.uncached.UncachedHistory`: every key
+- against the uncached twin (`flexkv.model.uncached.UncachedHistory`: every key
   kept, attention over the whole history with the retention mask, float64);
 - the literal mapping of the model's `context` (`SinkWindow(0, context)`,
   non-causal chunks) is run too, to show what it gets wrong.
@@ -44,8 +44,8 @@ from typing import Dict, List
 import torch
 
 from flexkv import BoundedKVConfig, SinkWindow, StreamSession, swap_attention
-from flexkv.rotary import Rotary
-from flexkv.uncached import UncachedHistory
+from flexkv.cache.rotary import Rotary
+from flexkv.model.uncached import UncachedHistory
 
 try:
     from examples.ring_transformer import StreamingAttention, StreamingTransformer, TransformerArgs, apply_rope

@@ -18,12 +18,12 @@ bounded flexkv cache:
 
 `rope_positions="stream"` rotates every key once, at its stream index;
 `"cache"` uses StreamingLLM's in-cache positions (served by
-`flexkv.rotary.SinkRotation`: only the sink keys are re-rotated, O(sink) per
+`flexkv.cache.rotary.SinkRotation`: only the sink keys are re-rotated, O(sink) per
 step). In ``"cache"`` mode the prompt goes in one token per step, as
 StreamingLLM feeds it: a chunk past the window would need a different
 rotation of the sinks for each of its queries.
 
-The same model class runs without a bounded cache (`flexkv.uncached`:
+The same model class runs without a bounded cache (`flexkv.model.uncached`:
 every key kept, attention recomputed over the whole history with the
 retention mask); `python examples/streaming_chat.py` streams both and
 prints tokens/s, the cache's memory and the largest logit deviation.
@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow, StreamSession
-from flexkv.rotary import Rotary
-from flexkv.uncached import UncachedHistory
-from flexkv.wrap import StepContext, attention
+from flexkv.cache.rotary import Rotary
+from flexkv.model.uncached import UncachedHistory
+from flexkv.model.wrap import StepContext, attention
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ Two variants (`ConformerConfig.causal`):
   the `window` frames before it and itself, nothing later, however the
   stream is cut into chunks.
 
-The same model runs without a bounded cache (`flexkv.uncached`) for
+The same model runs without a bounded cache (`flexkv.model.uncached`) for
 checking; `python examples/streaming_conformer.py` streams both and prints
 frames per second, the cache's memory and the largest deviation.
 """
@@ -46,8 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flexkv import BoundedKVConfig, BoundedKVManager, Chunk, SinkWindow, StreamSession
-from flexkv.uncached import UncachedHistory
-from flexkv.wrap import StepContext, attention
+from flexkv.model.uncached import UncachedHistory
+from flexkv.model.wrap import StepContext, attention
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ the last to be evicted. A request's final chunk is fed as
 `Chunk(inputs, span=0)`: its frames are attended as look-ahead and never
 written, since nothing will read them.
 
-The same model runs without a bounded cache (`flexkv.uncached`) for
+The same model runs without a bounded cache (`flexkv.model.uncached`) for
 checking; `python examples/streaming_tts.py` streams both and prints frames
 per second, the cache's memory and the largest deviation.
 """
@@ -45,8 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flexkv import BoundedKVConfig, BoundedKVManager, Chunk, SinkWindow, StreamSession
-from flexkv.uncached import UncachedHistory
-from flexkv.wrap import attention
+from flexkv.model.uncached import UncachedHistory
+from flexkv.model.wrap import attention
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from flexkv import (
     SinkWindow,
     StreamPosition,
 )
-from flexkv.distributed import HeadShard
+from flexkv.serving.distributed import HeadShard
 
 LAYERS, KV_HEADS, QUERY_HEADS, HEAD_DIM, VOCAB = 4, 4, 8, 32, 1000
 HIDDEN = QUERY_HEADS * HEAD_DIM

@@ -37,7 +37,7 @@ What it does per `step(feeds, fn)`:
   structure of one feed, each tensor `[B, T, ...]`); `attn(layer, q, k, v,
   **kw)` is the cache's attention for the step (`BoundedKVManager.attend`
   with the step's plan). `attn` is the session's `StepContext`, so modules
-  built with `flexkv.wrap.attention(session.context, layer)` work too.
+  built with `flexkv.model.wrap.attention(session.context, layer)` work too.
 - The result maps each request of the step to its share of `fn`'s output:
   every output tensor `[B, T, ...]` cut to the request's lane and tokens.
 
@@ -56,9 +56,9 @@ nothing.
 
 Every retention the core has runs here: give `groups=` (LayerGroups, or
 one `SinkWindow` per layer) for a model whose layers keep different parts
-of the stream, or pass any flexkv cache (`flexkv.protocol.StreamCache`: a
+of the stream, or pass any flexkv cache (`flexkv.cache.protocol.StreamCache`: a
 `BoundedKVManager`, a `GroupedKVManager`, or the uncached twin
-`flexkv.uncached.UncachedHistory` for checking). The session uses the cache
+`flexkv.model.uncached.UncachedHistory` for checking). The session uses the cache
 only through that protocol, and adds no semantics of its own.
 
 Every operation is atomic: it happens, or it raises and nothing changed
@@ -88,11 +88,11 @@ import torch
 
 from .compiling import fresh_function, watch_recompiles
 from .config import BoundedKVConfig
-from .groups import build_cache
-from .manager import SlotsExhausted
-from .protocol import check_cache
+from .cache.groups import build_cache
+from .cache.manager import SlotsExhausted
+from .cache.protocol import check_cache
 from .step import BoundedKVStep, Segment, StreamPosition
-from .wrap import StepContext
+from .model.wrap import StepContext
 
 __all__ = ["StreamSession", "Chunk", "StepResult", "WHEN_FULL"]
 
@@ -295,7 +295,7 @@ class StreamSession:
         cache: a `BoundedKVConfig` (the session builds the cache on
             `device`: a `BoundedKVManager`, or with `groups` a
             `GroupedKVManager`), or any flexkv cache
-            (`flexkv.protocol.StreamCache`): a `BoundedKVManager`, a
+            (`flexkv.cache.protocol.StreamCache`): a `BoundedKVManager`, a
             `GroupedKVManager`, or an `UncachedHistory` (the same model
             without eviction, for checking; needs `compile=False`).
         groups: with a config, the layer groups that keep their own

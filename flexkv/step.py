@@ -9,11 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping, NamedTuple, Optional, Tuple
 
-__all__ = ["ResourceStep", "StreamPosition", "Segment", "BoundedKVStep"]
-
-
-class ResourceStep:
-    """Base class of the per-step objects an engine hands to its resources (see `flexkv.engine`)."""
+__all__ = ["StreamPosition", "Segment", "BoundedKVStep"]
 
 
 class StreamPosition(NamedTuple):
@@ -51,7 +47,7 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class BoundedKVStep(ResourceStep):
+class BoundedKVStep:
     """One step of a batch: its segments and the position of every request in it.
 
     `tokens` is the step's `T` (tokens per row in `q, k, v`); it defaults to

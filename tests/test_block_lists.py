@@ -1,8 +1,8 @@
 """The planner's block lists and cell intervals against FlexAttention's own `create_block_mask`.
 
 For each row of a planned step, the cells every query may read come from the
-reference definition (`flexkv.reference.attended_indices`) placed by the
-layout rule (`flexkv.show.entry_cell`). `create_block_mask` over that dense
+reference definition (`flexkv.model.reference.attended_indices`) placed by the
+layout rule (`flexkv.cli.show.entry_cell`). `create_block_mask` over that dense
 mask, `.to_dense()`, gives the KV blocks holding any readable cell and, from
 its full-block lists, the blocks every query reads whole. The planner's
 lists must be exactly those, on lengths chosen to straddle block edges.
@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.reference import attended_indices, own_stream_indices
-from flexkv.show import entry_cell
+from flexkv.model.reference import attended_indices, own_stream_indices
+from flexkv.cli.show import entry_cell
 
 CONFIGS = {
     # Source longer than the sinks, ring of 13 cells over blocks of 8: slot rows start mid-block.

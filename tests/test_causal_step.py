@@ -4,7 +4,7 @@ The property tests (tests/test_properties.py) and the block lists
 (tests/test_block_lists.py) draw it among every other retention; here it is
 checked where it meets the rest: a layer group of its own, the session (which
 may then pad feeds at the end), the uncached twin and rotary in-cache
-positions. The oracle is `flexkv.reference`, one `ReferenceCache` per layer.
+positions. The oracle is `flexkv.model.reference`, one `ReferenceCache` per layer.
 """
 
 import random
@@ -23,11 +23,11 @@ from flexkv import (
     StreamPosition,
     StreamSession,
 )
-from flexkv.groups import per_layer_groups
-from flexkv.reference import ReferenceCache
-from flexkv.rotary import Rotary
-from flexkv.uncached import UncachedHistory
-from flexkv.wrap import StepContext, attention
+from flexkv.cache.groups import per_layer_groups
+from flexkv.model.reference import ReferenceCache
+from flexkv.cache.rotary import Rotary
+from flexkv.model.uncached import UncachedHistory
+from flexkv.model.wrap import StepContext, attention
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 H, HQ, D, T = 2, 4, 8, 3

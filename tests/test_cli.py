@@ -11,9 +11,9 @@ import torch
 
 from flexkv import BoundedKVConfig, SinkWindow, Segment, BoundedKVStep, StreamPosition
 from flexkv.cli import main
-from flexkv.reference import ReferenceCache
-from flexkv.traffic import Traffic
-from flexkv.workload import load_workload
+from flexkv.model.reference import ReferenceCache
+from flexkv.cli.traffic import Traffic
+from flexkv.cli.workload import load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"

@@ -124,7 +124,7 @@ def test_elementwise_ops_right_after_attention_compile():
     request. Inductor's CPU FlexAttention kernel cannot take them as fused epilogues; the cache
     keeps them apart, and every output matches the reference with the same ops applied."""
     from flexkv import BoundedKVStep, Segment, StreamPosition
-    from flexkv.reference import ReferenceCache
+    from flexkv.model.reference import ReferenceCache
 
     cfg = CFG.replace(rows_per_request=2, max_step_tokens=1)
     manager = BoundedKVManager(cfg, "cpu", block_size=16)

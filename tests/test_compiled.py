@@ -11,7 +11,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
-from flexkv.kernel_sharing import SHARED_KERNEL_TORCH
+from flexkv.cache.kernel_sharing import SHARED_KERNEL_TORCH
 from workload import Workload, score_bias
 
 TOL = 1e-4

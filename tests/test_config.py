@@ -65,8 +65,8 @@ def test_keys_refuses_a_context_that_is_not_a_positive_int(context):
 
 def test_keys_counts_the_query_among_the_context():
     """`SinkWindow.keys(C)`: a decode query attends C keys, itself included; the literal
-    `SinkWindow(0, C)` would attend C + 1 (the definition in `flexkv.reference`)."""
-    from flexkv.reference import attended_indices
+    `SinkWindow(0, C)` would attend C + 1 (the definition in `flexkv.model.reference`)."""
+    from flexkv.model.reference import attended_indices
 
     C = 5
     for written in range(0, 12):
@@ -79,7 +79,7 @@ def test_keys_counts_the_query_among_the_context():
 def test_keys_with_causal_step_is_a_ring_of_context_entries():
     """Chunks of T written tokens under `SinkWindow.keys(C)` and `causal_step=True`: query t attends
     the last C entries before the chunk's end that are not after it (a ring cache of C entries)."""
-    from flexkv.reference import attended_indices
+    from flexkv.model.reference import attended_indices
 
     C, T = 6, 3
     cfg = make(retention=SinkWindow.keys(C), causal_step=True, max_step_tokens=T)

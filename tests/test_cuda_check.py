@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not part of the package
     sys.path.insert(0, str(ROOT))
 
-import flexkv.manager  # noqa: E402
+import flexkv.cache.manager  # noqa: E402
 from benchmarks.cuda_check import (  # noqa: E402
     Decode, bench_shape, rel_err, run_workload, save_report, variant_runs, workload_specs)
 from single_thread import one_thread  # noqa: E402,F401
@@ -34,8 +34,8 @@ def test_workload_with_sources_cfg_rows_reverse_order_matches_reference():
 
 def test_a_wrong_output_fails_the_check(monkeypatch):
     name, cfg, kw, _, _ = _spec("per-query")
-    attend = flexkv.manager.BoundedKVManager.attend
-    monkeypatch.setattr(flexkv.manager.BoundedKVManager, "attend", lambda *a, **k: attend(*a, **k) + 1e-3)
+    attend = flexkv.cache.manager.BoundedKVManager.attend
+    monkeypatch.setattr(flexkv.cache.manager.BoundedKVManager, "attend", lambda *a, **k: attend(*a, **k) + 1e-3)
     res = run_workload(name, cfg, kw, 3, "cpu", torch.float32, compiled=False)
     assert not res["ok"] and 5e-4 < res["max_abs_err"] < 2e-3 and res["rel_err"] > 1e-4, res
 

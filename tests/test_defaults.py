@@ -9,11 +9,11 @@ calls never run FlexAttention by default, and that the per-plan work is done onc
 import pytest
 import torch
 
-import flexkv.manager as manager_module
-import flexkv.row_attention as row_attention
+import flexkv.cache.manager as manager_module
+import flexkv.cache.row_attention as row_attention
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.layout import Layout, default_block_size
-from flexkv.reference import ReferenceCache
+from flexkv.cache.layout import Layout, default_block_size
+from flexkv.model.reference import ReferenceCache
 from single_thread import one_thread  # noqa: F401
 
 

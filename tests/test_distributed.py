@@ -8,7 +8,7 @@ sources, padding rows, spans from 0 to T) is streamed through:
   `EngineResourceInfo`; every rank attends its own heads and the outputs are
   all-gathered along heads;
 - a single-process cache on the full heads;
-- `flexkv.reference` (float64, whole streams).
+- `flexkv.model.reference` (float64, whole streams).
 
 The gathered outputs must match both, and every rank's plans must equal the
 single-process plans. At the end the ranks diverge on purpose, and the
@@ -39,7 +39,7 @@ from flexkv import (
     SinkWindow,
     StreamPosition,
 )
-from flexkv.reference import ReferenceCache
+from flexkv.model.reference import ReferenceCache
 
 LAYERS, HEADS, QUERY_HEADS, HEAD_DIM, ROWS = 2, 4, 8, 8, 2
 SLOTS, BATCH, STEPS, SEED = 4, 3, 24, 1234
@@ -141,7 +141,7 @@ def _diverge(m, world: int, rank: int) -> dict:
 
 def _stream(group, world: int, rank: int) -> dict:
     """Run the workload through this rank's share of a cache built for `group`; return what the test checks."""
-    from flexkv.distributed import ShardedKVManager, all_gather_heads
+    from flexkv.serving.distributed import ShardedKVManager, all_gather_heads
 
     spec = BoundedKVSpec("attention", config=make_config(dtype=None))
     m = BoundedKVResource().build(spec, EngineResourceInfo("cpu", torch.float32, process_group=group))

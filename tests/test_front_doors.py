@@ -1,7 +1,7 @@
 """Every front door serves every retention the core has.
 
-`StreamSession`, `flexkv.wrap` and the engine seam use a cache only through
-the cache protocol (`flexkv.protocol.StreamCache`), so a model whose layers
+`StreamSession`, `flexkv.model.wrap` and the engine seam use a cache only through
+the cache protocol (`flexkv.cache.protocol.StreamCache`), so a model whose layers
 keep different parts of the stream (a `GroupedKVManager`, or its uncached
 twin) runs through each of them. The oracle is one `ReferenceCache` per
 layer, built with that layer's own retention: it shares no code with the
@@ -27,11 +27,11 @@ from flexkv import (
     StreamPosition,
     StreamSession,
 )
-from flexkv.protocol import StreamCache, check_cache
-from flexkv.reference import ReferenceCache
-from flexkv.rotary import Rotary
-from flexkv.uncached import UncachedHistory
-from flexkv.wrap import StepContext, attention
+from flexkv.cache.protocol import StreamCache, check_cache
+from flexkv.model.reference import ReferenceCache
+from flexkv.cache.rotary import Rotary
+from flexkv.model.uncached import UncachedHistory
+from flexkv.model.wrap import StepContext, attention
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 H, HQ, D, LAYERS = 2, 4, 8, 3

@@ -1,4 +1,4 @@
-"""Layer groups (`GroupedKVManager`) and learned sinks (`flexkv.sinks`), in the core.
+"""Layer groups (`GroupedKVManager`) and learned sinks (`flexkv.cache.sinks`), in the core.
 
 A grouped cache must attend each layer exactly as a `ReferenceCache` of that
 layer's own retention does, hold per group only what that group keeps, and
@@ -23,8 +23,8 @@ from flexkv import (
     SlotsExhausted,
     StreamPosition,
 )
-from flexkv.groups import layer_group_configs
-from flexkv.reference import ReferenceCache
+from flexkv.cache.groups import layer_group_configs
+from flexkv.model.reference import ReferenceCache
 from single_thread import one_thread  # noqa: F401
 
 H, HQ, D = 2, 4, 8

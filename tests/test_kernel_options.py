@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flexkv.kernel_options import (
+from flexkv.cache.kernel_options import (
     decode_block_m,
     decode_split_kv,
     flex_kernel_options,

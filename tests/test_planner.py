@@ -11,7 +11,7 @@ most 4 entries, 2 slots, SinkWindow(3, 4), max_step_tokens 2):
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.masks import make_mask_mod
+from flexkv.cache.masks import make_mask_mod
 
 
 def cfg(**kw):

@@ -22,7 +22,7 @@ from examples.port_ring_transformer import (
 )
 from examples.ring_transformer import StreamingAttention, StreamingTransformer, TransformerArgs
 from flexkv import BoundedKVConfig, SinkWindow, StreamSession, swap_attention
-from flexkv.wrap import CacheAttention, StepContext
+from flexkv.model.wrap import CacheAttention, StepContext
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 ARGS = TransformerArgs(d_in=8, d_model=32, num_heads=2, num_layers=2, dim_feedforward=48, context=10, d_out=8)
@@ -83,7 +83,7 @@ def test_swap_refuses_what_does_not_fit_and_swaps_nothing():
         swap_attention(m, _context(), nn.Conv1d, attention_with_model_rope)
     with pytest.raises(ValueError, match="match must be an nn.Module class, a tuple of classes or a predicate"):
         swap_attention(m, _context(), "self_attn", attention_with_model_rope)
-    with pytest.raises(ValueError, match="context must be a flexkv.wrap.StepContext"):
+    with pytest.raises(ValueError, match="context must be a flexkv.model.wrap.StepContext"):
         swap_attention(m, object(), StreamingAttention, attention_with_model_rope)
     with pytest.raises(ValueError, match="give core or attention options"):
         swap_attention(m, _context(), StreamingAttention, attention_with_model_rope,

@@ -18,7 +18,7 @@ from flexkv import (
     SourcesExhausted,
     StreamPosition,
 )
-from flexkv.reference import ReferenceCache
+from flexkv.model.reference import ReferenceCache
 
 H, HQ, D, R = 2, 4, 8, 2
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.reference import ReferenceCache, own_stream_indices
-from flexkv.rotary import Rotary, SinkRotation, apply_rotary, rotate_half, stream_positions
+from flexkv.model.reference import ReferenceCache, own_stream_indices
+from flexkv.cache.rotary import Rotary, SinkRotation, apply_rotary, rotate_half, stream_positions
 from streamingllm import StreamingLLM
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 

@@ -1,4 +1,4 @@
-"""StreamSession: the step loop, checked against the dense reference (flexkv.reference).
+"""StreamSession: the step loop, checked against the dense reference (flexkv.model.reference).
 
 The model here is attention only: `fn` turns each request's feed (a
 `[T, 3, heads, head_dim]` tensor holding q, k and v per token) into every
@@ -12,7 +12,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from flexkv import BoundedKVConfig, BoundedKVManager, Chunk, SinkWindow, SlotsExhausted, StreamSession
-from flexkv.reference import ReferenceCache
+from flexkv.model.reference import ReferenceCache
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 H, D, LAYERS = 2, 8, 2
@@ -206,7 +206,7 @@ def test_bad_session_arguments():
         StreamSession(cfg, token_sizes=(4,))
     with pytest.raises(ValueError, match=r"batch_sizes must be a non-empty sequence of ints in \[1, max_slots=3\]"):
         StreamSession(cfg, batch_sizes=())
-    from flexkv.uncached import UncachedHistory
+    from flexkv.model.uncached import UncachedHistory
     with pytest.raises(ValueError, match=r"compile=True needs a cache whose attention traces"):
         StreamSession(UncachedHistory(cfg))
     s = StreamSession(cfg, compile=False)

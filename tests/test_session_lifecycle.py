@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow, StreamSession
-from flexkv.reference import ReferenceCache
+from flexkv.model.reference import ReferenceCache
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 H, D, LAYERS = 2, 8, 2

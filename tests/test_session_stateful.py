@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow, SlotsExhausted, SourcesExhausted, StreamSession
-from flexkv.reference import ReferenceCache
+from flexkv.model.reference import ReferenceCache
 
 H, D, LAYERS, SLOTS, PLACES, MAX_SOURCE = 1, 4, 2, 2, 2, 4
 IDS = ("a", "b", "c", "d")

@@ -21,8 +21,8 @@ from flexkv import (
     SinkWindow,
     StreamPosition,
 )
-from flexkv.distributed import HeadShard, ShardedKVManager, plan_digest, resolve_rank
-from flexkv.reference import ReferenceCache
+from flexkv.serving.distributed import HeadShard, ShardedKVManager, plan_digest, resolve_rank
+from flexkv.model.reference import ReferenceCache
 
 
 def small_config(num_heads=4, **kw) -> BoundedKVConfig:

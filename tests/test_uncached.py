@@ -1,5 +1,5 @@
 """`UncachedHistory`, the uncached twin models are checked against, checked itself:
-against `flexkv.reference.ReferenceCache` without rotary, and against a literal
+against `flexkv.model.reference.ReferenceCache` without rotary, and against a literal
 StreamingLLM cache with rotary in-cache positions. Host-only, no FlexAttention."""
 
 import random
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.reference import ReferenceCache
-from flexkv.rotary import Rotary
-from flexkv.uncached import UncachedHistory
+from flexkv.model.reference import ReferenceCache
+from flexkv.cache.rotary import Rotary
+from flexkv.model.uncached import UncachedHistory
 from streamingllm import StreamingLLM
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.rotary import Rotary
-from flexkv.uncached import UncachedHistory
-from flexkv.wrap import BoundedAttention, StepContext, UncachedAttention, attention
+from flexkv.cache.rotary import Rotary
+from flexkv.model.uncached import UncachedHistory
+from flexkv.model.wrap import BoundedAttention, StepContext, UncachedAttention, attention
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 H, HQ, D, R = 2, 4, 8, 2

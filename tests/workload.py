@@ -2,7 +2,7 @@
 
 Requests join, leave and reset between steps; segments go padding and come
 back; spans vary (look-ahead when `span < T`, read-only when `span == 0`).
-Every step's outputs are compared with `flexkv.reference.ReferenceCache`.
+Every step's outputs are compared with `flexkv.model.reference.ReferenceCache`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, StreamPosition
-from flexkv.reference import ReferenceCache
+from flexkv.model.reference import ReferenceCache
 
 
 def score_bias(score, b, h, q_pos, kv_pos):

@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache
 from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
 
 from ...config import BoundedKVConfig, SinkWindow
-from ...groups import GroupedKVManager
+from ...cache.groups import GroupedKVManager
 from ...step import BoundedKVStep, Segment, StreamPosition
 from .cache_positions import CachePositions
 from .hooks import check_model, enable, switch

@@ -2,7 +2,7 @@
 
 The model rotates queries and keys at stream positions; per chunk and KV
 layer, `CachePositions` undoes that rotation with the layer's own angles and
-hands the raw queries and keys to `flexkv.rotary.SinkRotation`, which
+hands the raw queries and keys to `flexkv.cache.rotary.SinkRotation`, which
 rotates them at in-cache positions (distances to the sinks measured as if
 the evicted tokens were never there).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...groups import GroupedKVManager, GroupedPlan
+from ...cache.groups import GroupedKVManager, GroupedPlan
 from ...step import BoundedKVStep
 from .model_config import text_config
 
@@ -28,7 +28,7 @@ def _layer_uses_rope(cfg, layer_idx: int) -> bool:
 
 
 class CachePositions:
-    """StreamingLLM's in-cache rotary positions per layer, through `flexkv.rotary.SinkRotation`.
+    """StreamingLLM's in-cache rotary positions per layer, through `flexkv.cache.rotary.SinkRotation`.
 
     The model rotates `q` and `k` at the stream positions the cache gave it.
     Per chunk and layer this undoes that rotation with the layer's own angles
@@ -44,7 +44,7 @@ class CachePositions:
 
     def __init__(self, manager: GroupedKVManager, model, kv_owner):
         """`kv_owner[k]`: the model layer whose keys KV layer `k` of `manager` holds."""
-        from ...rotary import Rotary, SinkRotation
+        from ...cache.rotary import Rotary, SinkRotation
 
         base = getattr(model, "base_model", model)
         cfg = text_config(model.config)
@@ -129,14 +129,14 @@ class CachePositions:
         return tokens
 
     def check_step(self, step: BoundedKVStep) -> None:
-        from ...rotary import check_cache_step
+        from ...cache.rotary import check_cache_step
 
         for g in self.groups:
             check_cache_step(self.manager.managers[g].config, step)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, plan: GroupedPlan):
         """Re-rotate KV layer `layer_idx`'s chunk `q`, `k` at in-cache positions (rewriting its sink cells)."""
-        from ...rotary import rotate_half, stream_positions
+        from ...cache.rotary import rotate_half, stream_positions
 
         rot = self.layers[layer_idx]
         if rot is None:

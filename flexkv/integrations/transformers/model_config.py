@@ -18,7 +18,7 @@ from typing import List, Optional
 import torch
 
 from ...config import SinkWindow
-from ...groups import LayerGroup
+from ...cache.groups import LayerGroup
 
 __all__ = ["LayerSpec", "read_layers", "layer_windows", "layer_groups", "text_config", "absolute_positions",
            "softcap_of", "ATTENTION_TYPES", "RECURRENT_TYPES", "HYBRID_TYPES"]

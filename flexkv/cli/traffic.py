@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from .step import BoundedKVStep, Segment, StreamPosition
+from ..step import BoundedKVStep, Segment, StreamPosition
 from .workload import Workload
 
 __all__ = ["Traffic", "Request"]

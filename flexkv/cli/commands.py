@@ -4,7 +4,7 @@
 report (`--json` for JSON, `--plot` for a PNG of memory and step time).
 `show` prints which stream entries each query of one step attends and where
 each lives. CONFIG is a workload YAML file (see `configs/`); without one,
-both use the built-in workload `flexkv.workload.BUILTIN`.
+both use the built-in workload `flexkv.cli.workload.BUILTIN`.
 
 Bad arguments or a bad file give one line on stderr and exit status 2;
 set FLEXKV_DEBUG=1 to see a traceback for unexpected errors instead.

@@ -18,16 +18,13 @@ inline as before (a score_mod is usually a closure over one layer's tensors).
 
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from typing import Callable
 
 import torch
 
+from ..compiling import TORCH_VERSION
+
 __all__ = ["shares_flex_kernel", "layer_region", "SHARED_KERNEL_TORCH"]
-
-
-def _version(text: str) -> Tuple[int, int]:
-    major, minor = text.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
 
 
 #: The first torch release whose region tracing of a CPU FlexAttention call is tested.
@@ -36,7 +33,7 @@ SHARED_KERNEL_TORCH = (2, 13)
 
 def shares_flex_kernel(device_type: str) -> bool:
     """Whether layers share one compiled FlexAttention kernel by default on this device and torch."""
-    return (device_type == "cpu" and _version(torch.__version__) >= SHARED_KERNEL_TORCH
+    return (device_type == "cpu" and TORCH_VERSION >= SHARED_KERNEL_TORCH
             and hasattr(torch.compiler, "nested_compile_region"))
 
 

@@ -13,8 +13,8 @@ from typing import Callable, Dict, Hashable, List, Optional
 
 import torch
 
-from .config import BoundedKVConfig
-from .step import BoundedKVStep
+from ..config import BoundedKVConfig
+from ..step import BoundedKVStep
 
 __all__ = ["attended_indices", "own_stream_indices", "cache_positions", "ReferenceCache"]
 
@@ -99,7 +99,7 @@ class ReferenceCache:
         positions: str = "stream",
         sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """`sinks`: learned sink logits `[Hq]` (see `flexkv.sinks`): each query head's softmax also
+        """`sinks`: learned sink logits `[Hq]` (see `flexkv.cache.sinks`): each query head's softmax also
         normalises over one extra score `sinks[h]` that carries no value."""
         c = self.config
         R = c.rows_per_request

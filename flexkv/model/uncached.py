@@ -4,9 +4,9 @@ A model streamed through a bounded cache should compute exactly what the
 same model computes when it keeps every key and value it ever produced and
 recomputes attention over the whole history, masked by the retention
 policy. `UncachedHistory` is that second model's storage. It meets the same
-cache protocol (`flexkv.protocol.StreamCache`) as `BoundedKVManager` and
+cache protocol (`flexkv.cache.protocol.StreamCache`) as `BoundedKVManager` and
 `GroupedKVManager`, in either retention form (one policy, or layer groups
-with their own), so a model, a `StreamSession` or a `flexkv.wrap` port
+with their own), so a model, a `StreamSession` or a `flexkv.model.wrap` port
 swaps one for the other without a change.
 
 Its host bookkeeping (which requests hold slots, which sources are
@@ -15,7 +15,7 @@ the `"meta"` device (which allocates nothing): it accepts and refuses
 exactly the declarations, sources and slot counts the bounded cache does,
 with the same messages. Its attention shares nothing with the cache's
 layout, planner or masks: the attended sets and in-cache positions come
-from `flexkv.reference`, computed in float64, dense, per query: a checking
+from `flexkv.model.reference`, computed in float64, dense, per query: a checking
 tool, not a fast path.
 
 Rotary embeddings are applied here, from un-rotated keys, in either
@@ -30,11 +30,11 @@ from typing import Callable, Dict, Hashable, List, Optional
 
 import torch
 
-from .config import BoundedKVConfig
-from .groups import GroupedKVManager, layer_group_configs
+from ..config import BoundedKVConfig
+from ..cache.groups import GroupedKVManager, layer_group_configs
 from .reference import ReferenceCache, attended_indices, cache_positions, own_stream_indices
-from .rotary import ROPE_POSITIONS, Rotary, check_cache_config, check_cache_step
-from .step import BoundedKVStep
+from ..cache.rotary import ROPE_POSITIONS, Rotary, check_cache_config, check_cache_step
+from ..step import BoundedKVStep
 
 __all__ = ["UncachedHistory", "UncachedPlan"]
 
@@ -104,7 +104,7 @@ class UncachedHistory:
         if not isinstance(config, BoundedKVConfig):
             raise ValueError(f"config must be a BoundedKVConfig, got {type(config).__name__}")
         if groups is not None:
-            from .groups import as_layer_groups
+            from ..cache.groups import as_layer_groups
 
             groups = as_layer_groups(config, groups)
         self.config = config
@@ -227,7 +227,7 @@ class UncachedHistory:
         """Rotary positions for layer `layer_idx`: applied by `attend` over the whole history (keys
         are kept un-rotated), refusing what the bounded cache refuses in ``"cache"`` mode."""
         if not isinstance(rotary, Rotary):
-            raise ValueError(f"rotation: rotary must be a flexkv.rotary.Rotary, got {type(rotary).__name__}")
+            raise ValueError(f"rotation: rotary must be a flexkv.cache.rotary.Rotary, got {type(rotary).__name__}")
         if mode not in ROPE_POSITIONS:
             raise ValueError(f"rotation: mode must be one of {ROPE_POSITIONS}, got {mode!r}")
         cfg = self.layer_config(layer_idx)

@@ -63,10 +63,10 @@ from typing import Callable, Hashable, Optional
 
 import torch
 
-from .config import BoundedKVConfig
+from ..config import BoundedKVConfig
 from .layout import Layout
 from .masks import MASK_INTERVALS
-from .step import BoundedKVStep
+from ..step import BoundedKVStep
 
 __all__ = ["BoundedPlan", "ROW_FIELDS", "INTERVALS", "build_plan", "table_views"]
 

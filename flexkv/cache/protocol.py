@@ -2,8 +2,8 @@
 
 Three caches meet it: `BoundedKVManager` (one retention for every layer),
 `GroupedKVManager` (layer groups with retention of their own) and the
-uncached twin `flexkv.uncached.UncachedHistory` (every key kept, for
-checking a port; either retention form). `StreamSession`, `flexkv.wrap` and
+uncached twin `flexkv.model.uncached.UncachedHistory` (every key kept, for
+checking a port; either retention form). `StreamSession`, `flexkv.model.wrap` and
 the engine seam use a cache only through these members, so each of them
 serves every retention the core has, and a model written against one cache
 runs on the others unchanged.
@@ -41,8 +41,8 @@ from typing import Any, Hashable, Optional, Protocol, runtime_checkable
 
 import torch
 
-from .config import BoundedKVConfig
-from .step import BoundedKVStep
+from ..config import BoundedKVConfig
+from ..step import BoundedKVStep
 
 __all__ = ["StreamCache", "check_cache", "PROTOCOL_MEMBERS"]
 
@@ -115,7 +115,7 @@ def check_cache(cache, where: str):
     if missing:
         raise ValueError(
             f"{where}: the cache must be a flexkv cache (BoundedKVManager, GroupedKVManager or "
-            f"flexkv.uncached.UncachedHistory, or anything meeting flexkv.protocol.StreamCache); "
+            f"flexkv.model.uncached.UncachedHistory, or anything meeting flexkv.cache.protocol.StreamCache); "
             f"{type(cache).__name__} lacks {', '.join(missing)}"
         )
     return cache

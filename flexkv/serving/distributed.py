@@ -46,10 +46,10 @@ from typing import Any, Hashable, Optional
 
 import torch
 
-from .config import BoundedKVConfig
-from .manager import BoundedKVManager
-from .planner import BoundedPlan
-from .step import BoundedKVStep
+from ..config import BoundedKVConfig
+from ..cache.manager import BoundedKVManager
+from ..cache.planner import BoundedPlan
+from ..step import BoundedKVStep
 
 __all__ = ["HeadShard", "ShardedKVManager", "resolve_rank", "all_gather_heads", "plan_digest"]
 

@@ -8,7 +8,7 @@ a function of yours that receives the module, the layer's flexkv attention
 core and the module's original inputs::
 
     from flexkv import StreamSession
-    from flexkv.port import swap_attention
+    from flexkv.model.port import swap_attention
 
     session = StreamSession(config)                      # the cache and the step loop
 
@@ -146,7 +146,7 @@ def swap_attention(
         raise ValueError(f"swap_attention: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(context, StepContext):
         raise ValueError(
-            f"swap_attention: context must be a flexkv.wrap.StepContext (StreamSession.context), "
+            f"swap_attention: context must be a flexkv.model.wrap.StepContext (StreamSession.context), "
             f"got {type(context).__name__}"
         )
     if not callable(forward):

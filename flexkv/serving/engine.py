@@ -2,7 +2,7 @@
 
 An engine declares the caches its model needs as `NodeResourceSpec`s, builds
 each one with `Resource.build(spec, info)` once it knows the device and KV
-dtype (`EngineResourceInfo`), and hands every model step a `ResourceStep`.
+dtype (`EngineResourceInfo`), and hands every model step its `BoundedKVStep`.
 A deployment's YAML file can retune the declared specs per `resource_key`.
 """
 
@@ -14,13 +14,11 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from .config import BoundedKVConfig
-from .step import ResourceStep
+from ..config import BoundedKVConfig
 
 __all__ = [
     "EngineResourceInfo",
     "NodeResourceSpec",
-    "ResourceStep",
     "Resource",
     "BoundedKVSpec",
     "BoundedKVResource",
@@ -95,7 +93,7 @@ class BoundedKVSpec(NodeResourceSpec):
         if not isinstance(self.config, BoundedKVConfig):
             raise ValueError(f"BoundedKVSpec.config must be a BoundedKVConfig, got {self.config!r}")
         if self.groups is not None:
-            from .groups import as_layer_groups
+            from ..cache.groups import as_layer_groups
 
             object.__setattr__(self, "groups", as_layer_groups(self.config, self.groups))
 
@@ -122,12 +120,12 @@ class BoundedKVResource(Resource):
     The result is a `BoundedKVManager`, or a `GroupedKVManager` when the spec
     has `groups`. When `info` names a tensor-parallel share (see
     `EngineResourceInfo`), each manager is a
-    `flexkv.distributed.ShardedKVManager` holding this rank's KV heads.
+    `flexkv.serving.distributed.ShardedKVManager` holding this rank's KV heads.
     """
 
     def build(self, spec: BoundedKVSpec, info: EngineResourceInfo):
-        from .groups import GroupedKVManager
-        from .manager import BoundedKVManager
+        from ..cache.groups import GroupedKVManager
+        from ..cache.manager import BoundedKVManager
 
         if not isinstance(spec, BoundedKVSpec):
             raise ValueError(f"BoundedKVResource.build needs a BoundedKVSpec, got {type(spec).__name__}")

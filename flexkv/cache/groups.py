@@ -30,10 +30,10 @@ from typing import Callable, Hashable, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .config import BoundedKVConfig, Retention, SinkWindow
+from ..config import BoundedKVConfig, Retention, SinkWindow
 from .manager import BoundedKVManager
 from .planner import BoundedPlan
-from .step import BoundedKVStep
+from ..step import BoundedKVStep
 
 __all__ = ["LayerGroup", "GroupedKVManager", "GroupedPlan", "layer_group_configs", "per_layer_groups", "as_layer_groups",
            "build_cache"]
@@ -191,7 +191,7 @@ def layer_group_configs(config: BoundedKVConfig, groups: Optional[Sequence[Layer
     `(group, index inside the group)` of each model layer. `groups=None` is
     one group of every layer with `config`'s own retention. This is the one
     place a grouped cache's per-group configs come from: `GroupedKVManager`
-    and the uncached twin (`flexkv.uncached.UncachedHistory`) both use it.
+    and the uncached twin (`flexkv.model.uncached.UncachedHistory`) both use it.
     """
     if not isinstance(config, BoundedKVConfig):
         raise ValueError(f"config must be a BoundedKVConfig, got {type(config).__name__}")
@@ -256,7 +256,7 @@ class GroupedPlan:
 
 
 class GroupRotation(nn.Module):
-    """One group's `flexkv.rotary.SinkRotation`, called with a `GroupedPlan` (it takes its group's plan)."""
+    """One group's `flexkv.cache.rotary.SinkRotation`, called with a `GroupedPlan` (it takes its group's plan)."""
 
     def __init__(self, group: int, rotation: nn.Module):
         super().__init__()
@@ -285,7 +285,7 @@ class GroupedKVManager(nn.Module):
         manager: builds each group's manager from its config (default:
             `BoundedKVManager(config, device, block_size=block_size)`); a
             tensor-parallel engine passes one that builds
-            `flexkv.distributed.ShardedKVManager`s.
+            `flexkv.serving.distributed.ShardedKVManager`s.
 
     `managers[g]` is group `g`'s `BoundedKVManager` (its layer `i` is model
     layer `groups[g].layers[i]`).
@@ -337,7 +337,7 @@ class GroupedKVManager(nn.Module):
         return self._mgrs[g], i
 
     # ------------------------------------------------------ the cache protocol
-    # What every flexkv cache offers the front doors above it (`flexkv.protocol.StreamCache`).
+    # What every flexkv cache offers the front doors above it (`flexkv.cache.protocol.StreamCache`).
 
     #: `attend` traces under `torch.compile(fullgraph=True)`.
     compilable = True

@@ -105,7 +105,7 @@ def row_geometry(layout: Layout, plan, mask_mod: Callable, q_len: int, dtype: to
                  width: Optional[int] = None) -> RowGeometry:
     """The rows path's view of `plan` for queries of length `q_len` (a folded GQA group counts).
 
-    `mask_mod` is the FlexAttention mask of the step (`flexkv.masks.make_mask_mod`), `dtype` the
+    `mask_mod` is the FlexAttention mask of the step (`flexkv.cache.masks.make_mask_mod`), `dtype` the
     queries' dtype (the bias is formed in it), `width` the cells per gathered row
     (`gather_width(config)`; needed unless the step reads in place).
     """

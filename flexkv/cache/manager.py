@@ -2,7 +2,7 @@
 
 Host state (which request holds which slot, what each has committed) lives
 in plain Python objects behind a lock. Device state is one key and one value
-tensor per layer, registered buffers allocated once (see `flexkv.layout`).
+tensor per layer, registered buffers allocated once (see `flexkv.cache.layout`).
 A step goes `admit -> plan -> attend (per layer) -> commit`.
 """
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from .config import BoundedKVConfig
+from ..config import BoundedKVConfig
 from .layout import Layout
 from .masks import POSITION_MODES, make_mask_mod, make_score_mod
 from .kernel_options import flex_kernel_options
@@ -27,7 +27,7 @@ from .planner import BoundedPlan, build_plan, table_views
 from .rotary import SinkRotation, stream_positions
 from .row_attention import attend_rows, gather_width, row_geometry
 from .sinks import apply_learned_sinks, check_sinks
-from .step import BoundedKVStep, Segment, StreamPosition
+from ..step import BoundedKVStep, Segment, StreamPosition
 
 __all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted"]
 
@@ -76,7 +76,7 @@ class BoundedKVManager(nn.Module):
             still plans, exactly as CUDA would (block size and full blocks), which
             shows that planning never touches device data.
         block_size: FlexAttention's KV block size (cells per block); None (the default) lets
-            flexkv choose for the config and device (`flexkv.layout.default_block_size`).
+            flexkv choose for the config and device (`flexkv.cache.layout.default_block_size`).
     """
 
     def __init__(self, config: BoundedKVConfig, device="cpu", *, block_size: Optional[int] = None):
@@ -119,13 +119,13 @@ class BoundedKVManager(nn.Module):
         self.full_blocks = self.device.type in ("cuda", "meta")
         #: How `attend` computes attention: `"flex"` (one FlexAttention call over the layer tensor,
         #: reading every cell in place), `"rows"` (each row's cells read in place or gathered, then
-        #: dense attention; `flexkv.row_attention`) or `"auto"` (`path_for`): eagerly (no
+        #: dense attention; `flexkv.cache.row_attention`) or `"auto"` (`path_for`): eagerly (no
         #: `torch.compile`) always rows, since uncompiled FlexAttention forms every score of the
         #: whole layer tensor; compiled, rows for chunked steps (T > 1) on the CPU, where the
         #: gather is cheap next to the chunk's attention and FlexAttention's CPU kernel is slow for
         #: short query blocks, and FlexAttention everywhere else.
         self.attention_path = "auto"
-        #: Compiled FlexAttention calls of every layer share one kernel (`flexkv.kernel_sharing`):
+        #: Compiled FlexAttention calls of every layer share one kernel (`flexkv.cache.kernel_sharing`):
         #: on by default on the CPU with the torch releases it is tested on.
         self.share_flex_kernel = shares_flex_kernel(self.device.type)
         # Eagerly, the rows path's per-plan work (cells, mask bias) is done once per plan and
@@ -177,7 +177,7 @@ class BoundedKVManager(nn.Module):
             return {i: n for i, n in self._sources.items() if i not in private}
 
     # ------------------------------------------------------ the cache protocol
-    # What every flexkv cache offers the front doors above it (`flexkv.protocol.StreamCache`).
+    # What every flexkv cache offers the front doors above it (`flexkv.cache.protocol.StreamCache`).
 
     #: `attend` traces under `torch.compile(fullgraph=True)`.
     compilable = True
@@ -192,9 +192,9 @@ class BoundedKVManager(nn.Module):
         return self, self._layer_index(layer_idx)
 
     def rotation(self, layer_idx: int, rotary, mode: str = "stream") -> SinkRotation:
-        """Rotary positions for layer `layer_idx` (`flexkv.rotary.SinkRotation`): call it as
+        """Rotary positions for layer `layer_idx` (`flexkv.cache.rotary.SinkRotation`): call it as
         `q, k = rotation(q, k, plan)` before `attend`; in ``"cache"`` mode run its `check_step`
-        on the host before planning (`flexkv.wrap.StepContext` does)."""
+        on the host before planning (`flexkv.model.wrap.StepContext` does)."""
         return SinkRotation(self, self._layer_index(layer_idx), rotary, mode)
 
     def stream_positions(self, plan: BoundedPlan, tokens: Optional[int] = None) -> torch.Tensor:
@@ -623,7 +623,7 @@ class BoundedKVManager(nn.Module):
         return self.path_for(tokens, torch.compiler.is_compiling()) == "rows"
 
     def _mask_mod(self, plan, tokens: int, packed: bool) -> Callable:
-        """The step's retention `mask_mod` (`flexkv.masks`); the one place every path builds it."""
+        """The step's retention `mask_mod` (`flexkv.cache.masks`); the one place every path builds it."""
         return make_mask_mod(plan, self.layout.ring_len, tokens, self.config.query_window, packed=packed,
                              causal_step=self.config.causal_step)
 
@@ -731,9 +731,9 @@ class BoundedKVManager(nn.Module):
         Returns `[N, Hq, T, Dv]`. `score_mod(score, b, h, q_pos, kv_pos)` gets
         stream positions (`positions="stream"`) or in-cache positions
         (`positions="cache"`). One attention call (`flex_attention`, or on the
-        rows path `flexkv.row_attention`; see `attention_path`); traceable by
+        rows path `flexkv.cache.row_attention`; see `attention_path`); traceable by
         `torch.compile(fullgraph=True)`. `sinks`: learned sink logits `[Hq]`
-        (see `flexkv.sinks`), served from the same call's log-sum-exp.
+        (see `flexkv.cache.sinks`), served from the same call's log-sum-exp.
         """
         if plan is None:
             plan = self._current_plan

@@ -3,7 +3,7 @@
 For a config and a request's position (`source_len`, `written`) and step
 (`span`, `T`), `describe_step` plans the step for one request and returns a
 `StepPicture`: per query, the stream entries it attends (from
-`flexkv.reference.attended_indices`, the definition) and, per entry, its
+`flexkv.model.reference.attended_indices`, the definition) and, per entry, its
 place in the cache (from the plan's row table and write cells): the source
 row, the slot's sink region, a ring cell, or one of the step's own tokens.
 `render_text` draws it as compact text; `render_png` as an image.
@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from .config import BoundedKVConfig
-from .layout import Layout
-from .planner import build_plan
-from .reference import attended_indices, own_stream_indices
-from .step import BoundedKVStep, Segment, StreamPosition
+from ..config import BoundedKVConfig
+from ..cache.layout import Layout
+from ..cache.planner import build_plan
+from ..model.reference import attended_indices, own_stream_indices
+from ..step import BoundedKVStep, Segment, StreamPosition
 
 __all__ = ["StepPicture", "describe_step", "entry_cell", "render_text", "render_png", "LEGEND"]
 
@@ -76,7 +76,7 @@ def entry_cell(row: dict, ring_len: int, j: int) -> Tuple[str, int, int]:
 
     `row` is `BoundedPlan.row(i)`. Regions: `"source"` (entry `j` of the
     source row), `"sink"` (the slot's sink region), `"ring"` (ring cell
-    `j % ring_len`), as `flexkv.layout` lays a slot row out.
+    `j % ring_len`), as `flexkv.cache.layout` lays a slot row out.
     """
     if j < row["src_len"]:
         return "source", row["src_base"] + j, j

@@ -3,9 +3,9 @@
 A `Workload` (model shape, retention, step shape, batch, run length) is read
 from a YAML file by `load_workload` (checked field by field) or taken from
 `BUILTIN`; `Workload.config()` gives the `BoundedKVConfig` of its cache.
-What runs from it lives beside it: `flexkv.stream_model.StreamModel` (the
-attention model) and `flexkv.traffic.Traffic` (seeded arrivals and
-departures). Nothing here times or checks anything; `flexkv.runner` does.
+What runs from it lives beside it: `flexkv.cli.stream_model.StreamModel` (the
+attention model) and `flexkv.cli.traffic.Traffic` (seeded arrivals and
+departures). Nothing here times or checks anything; `flexkv.cli.runner` does.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .compiling import fresh_function
-from .config import BoundedKVConfig, SinkWindow
+from ..compiling import fresh_function
+from ..config import BoundedKVConfig, SinkWindow
 
 __all__ = [
     "Workload",

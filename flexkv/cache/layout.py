@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .config import BoundedKVConfig
+from ..config import BoundedKVConfig
 
 __all__ = ["Layout", "DEFAULT_BLOCK_SIZE", "ALIGNED_BLOCK_PADDING", "default_block_size"]
 

@@ -3,9 +3,9 @@
 A model's attention computes `q, k, v` and hands them to a core
 `(q, k, v) -> out` (the SDPA layout: `q [N, Hq, T, D]`, `k, v [N, H, T,
 D]`, `out [N, Hq, T, D]`). `CacheAttention(context, layer)` is that core for
-one layer of any flexkv cache (`flexkv.protocol.StreamCache`): a
+one layer of any flexkv cache (`flexkv.cache.protocol.StreamCache`): a
 `BoundedKVManager`, a `GroupedKVManager` whose layer groups keep retention
-of their own, or the uncached twin `flexkv.uncached.UncachedHistory` that
+of their own, or the uncached twin `flexkv.model.uncached.UncachedHistory` that
 keeps every key, for checking a port. The same model runs on each.
 
 Every core reads the step from a `StepContext`, the one object a model's
@@ -40,9 +40,9 @@ from typing import Any, Callable, Hashable, List, Optional
 import torch
 from torch import nn
 
-from .protocol import check_cache
-from .rotary import ROPE_POSITIONS, Rotary
-from .step import BoundedKVStep
+from ..cache.protocol import check_cache
+from ..cache.rotary import ROPE_POSITIONS, Rotary
+from ..step import BoundedKVStep
 
 __all__ = ["StepContext", "CacheAttention", "BoundedAttention", "UncachedAttention", "attention"]
 
@@ -50,7 +50,7 @@ __all__ = ["StepContext", "CacheAttention", "BoundedAttention", "UncachedAttenti
 class StepContext:
     """The cache a model's attention layers share, and the step they are running.
 
-    `cache` is any flexkv cache (`flexkv.protocol.StreamCache`). Host side:
+    `cache` is any flexkv cache (`flexkv.cache.protocol.StreamCache`). Host side:
     `begin(step) -> plan`, then `commit()` after the forward. In a compiled
     step, call `bind(plan)` inside the compiled function.
     """
@@ -125,10 +125,10 @@ class CacheAttention(nn.Module):
     Args:
         context: a `StepContext`.
         layer_idx: the cache layer this attention writes and reads.
-        rotary: a `flexkv.rotary.Rotary` to rotate `q` and `k` (un-rotated
+        rotary: a `flexkv.cache.rotary.Rotary` to rotate `q` and `k` (un-rotated
             on input) at the step's positions, or None for no rotary.
         rope_positions: ``"stream"`` or ``"cache"`` (StreamingLLM's
-            in-cache positions; see `flexkv.rotary`).
+            in-cache positions; see `flexkv.cache.rotary`).
         scale, score_mod, positions, sinks: as `BoundedKVManager.attend`.
 
     `forward(q, k, v)`: `q [N, Hq, T, D]`, `k, v [N, H, T, D]` ->
@@ -154,7 +154,7 @@ class CacheAttention(nn.Module):
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < n:
             raise ValueError(f"layer_idx must be an int in [0, {n}), got {layer_idx!r}")
         if rotary is not None and not isinstance(rotary, Rotary):
-            raise ValueError(f"rotary must be a flexkv.rotary.Rotary or None, got {type(rotary).__name__}")
+            raise ValueError(f"rotary must be a flexkv.cache.rotary.Rotary or None, got {type(rotary).__name__}")
         if rope_positions not in ROPE_POSITIONS:
             raise ValueError(f"rope_positions must be one of {ROPE_POSITIONS}, got {rope_positions!r}")
         if positions not in ("stream", "cache"):

@@ -53,8 +53,8 @@ from typing import Tuple
 import torch
 from torch import nn
 
-from .config import BoundedKVConfig
-from .step import BoundedKVStep
+from ..config import BoundedKVConfig
+from ..step import BoundedKVStep
 
 __all__ = [
     "ROPE_POSITIONS",
@@ -185,7 +185,7 @@ class SinkRotation(nn.Module):
         mode: ``"stream"`` or ``"cache"``.
 
     Host side, call `check_step(step)` before planning a step in ``"cache"``
-    mode (`flexkv.wrap.StepContext` does it); it raises `ValueError` for a
+    mode (`flexkv.model.wrap.StepContext` does it); it raises `ValueError` for a
     step whose queries do not share one eviction count.
     """
 
@@ -201,7 +201,7 @@ class SinkRotation(nn.Module):
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < c.num_layers:
             raise ValueError(f"SinkRotation: layer_idx must be an int in [0, {c.num_layers}), got {layer_idx!r}")
         if not isinstance(rotary, Rotary):
-            raise ValueError(f"SinkRotation: rotary must be a flexkv.rotary.Rotary, got {type(rotary).__name__}")
+            raise ValueError(f"SinkRotation: rotary must be a flexkv.cache.rotary.Rotary, got {type(rotary).__name__}")
         if rotary.head_dim != c.head_dim:
             raise ValueError(
                 f"SinkRotation: rotary.head_dim={rotary.head_dim} differs from the cache's head_dim={c.head_dim}"

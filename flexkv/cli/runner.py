@@ -6,7 +6,7 @@ model step, warms every batch shape up on all-padding steps, then drives
 admits, pads, plans, runs the compiled layers and commits), then departures. It measures step and planning time, counts graphs
 compiled after the warm-up (there should be none), follows slot memory
 against what an unbounded cache would hold, and checks a few steps of a few
-tracked requests against the float64 `flexkv.reference`. The result is a
+tracked requests against the float64 `flexkv.model.reference`. The result is a
 plain dict (`report`), ready for JSON.
 """
 
@@ -19,11 +19,11 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .compiling import graphs_compiled
-from .manager import BoundedKVManager
-from .reference import ReferenceCache
-from .session import Chunk, StreamSession
-from .step import BoundedKVStep, Segment
+from ..compiling import graphs_compiled
+from ..cache.manager import BoundedKVManager
+from ..model.reference import ReferenceCache
+from ..session import Chunk, StreamSession
+from ..step import BoundedKVStep, Segment
 from .stream_model import StreamModel
 from .traffic import Traffic
 from .workload import Workload, fresh_function

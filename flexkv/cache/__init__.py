@@ -1,0 +1,4 @@
+"""The cache: where every entry lives (`layout`), the host planner (`planner`), retention as
+FlexAttention masks (`masks`), the attention paths (`row_attention`, `kernel_options`,
+`kernel_sharing`), learned sinks (`sinks`), rotary positions (`rotary`), the slot pool and its step
+(`manager`), layer groups (`groups`) and the protocol every cache meets (`protocol`)."""
