@@ -71,8 +71,8 @@ import flexkv.cache.manager as manager_module
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache.kernel_options import decode_split_kv, flex_kernel_options
 from flexkv.model.reference import ReferenceCache
-from flexkv.cli.show import entry_cell
-from flexkv.cli.workload import fresh_function
+from flexkv.cache.layout import entry_cell
+from flexkv.compiling import fresh_function
 
 #: Norm-relative tolerances, `||out - ref|| / ||ref||`: an absolute bound on bf16 outputs of a few
 #: thousand keys (values of order 1e-2) would not see a missing block.

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from benchmarks.timing import interleaved
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cli.show import entry_cell
+from flexkv.cache.layout import entry_cell
 
 SHAPE = dict(streams=8, layers=4, q_heads=16, kv_heads=8, head_dim=64, sink=4, window=252)
 

@@ -13,14 +13,19 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-__all__ = ["SinkWindow", "BoundedKVConfig", "SUPPORTED_DTYPES"]
+__all__ = ["SinkWindow", "BoundedKVConfig", "SUPPORTED_DTYPES", "is_int"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+def is_int(x) -> bool:
+    """Whether `x` is an integer (a Python int that is not a bool): the one test every check uses."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _int(name: str, value, lo: int, hint: str = "") -> int:
     """Check that `value` is an int >= lo; return it, or raise naming it."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ValueError(f"{name} must be an int >= {lo}, got {value!r} ({type(value).__name__}){hint}")
     if value < lo:
         raise ValueError(f"{name} must be >= {lo}, got {value}{hint}")
@@ -77,7 +82,7 @@ class SinkWindow(_SinkWindowFields):
         query then attends the last `context` entries before the chunk's end
         up to itself, as a ring cache of `context` entries does.
         """
-        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        if not is_int(context) or context < 1:
             raise ValueError(
                 f"SinkWindow.keys: context must be an int >= 1 (keys a query attends, itself included), "
                 f"got {context!r}"
@@ -216,7 +221,7 @@ class BoundedKVConfig:
 
     def retention_for(self, source_len: int) -> SinkWindow:
         """The resolved policy for a stream that starts with `source_len` source entries."""
-        if isinstance(source_len, bool) or not isinstance(source_len, int) or not (
+        if not is_int(source_len) or not (
             self.min_source_len <= source_len <= self.max_source_len
         ):
             raise ValueError(

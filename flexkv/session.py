@@ -87,7 +87,7 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Named
 import torch
 
 from .compiling import fresh_function, watch_recompiles
-from .config import BoundedKVConfig
+from .config import BoundedKVConfig, is_int
 from .cache.groups import build_cache
 from .cache.manager import SlotsExhausted
 from .cache.protocol import check_cache
@@ -179,9 +179,6 @@ def _map(fn: Callable, x):
     return x
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
 
 def _sizes(name: str, sizes, default: Tuple[int, ...], hi: int, hi_name: str) -> Tuple[int, ...]:
     if sizes is None:
@@ -190,7 +187,7 @@ def _sizes(name: str, sizes, default: Tuple[int, ...], hi: int, hi_name: str) ->
         values = tuple(sizes)
     except TypeError:
         raise ValueError(f"{name} must be a sequence of ints in [1, {hi_name}={hi}], got {sizes!r}") from None
-    if not values or any(not _is_int(v) or not 1 <= v <= hi for v in values):
+    if not values or any(not is_int(v) or not 1 <= v <= hi for v in values):
         raise ValueError(f"{name} must be a non-empty sequence of ints in [1, {hi_name}={hi}], got {sizes!r}")
     return tuple(sorted(set(values)))
 
@@ -642,7 +639,7 @@ class StreamSession:
             )
         if span is None:
             span = n
-        if not _is_int(span) or not 0 <= span <= n:
+        if not is_int(span) or not 0 <= span <= n:
             raise ValueError(f"request {request_id!r}: Chunk span must be an int in [0, {n}] (tokens fed), got {span!r}")
         return leaves, spec, n, span
 

@@ -16,7 +16,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.model.reference import attended_indices, own_stream_indices
-from flexkv.cli.show import entry_cell
+from flexkv.cache.layout import entry_cell
 
 CONFIGS = {
     # Source longer than the sinks, ring of 13 cells over blocks of 8: slot rows start mid-block.

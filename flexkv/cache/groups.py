@@ -30,7 +30,7 @@ from typing import Callable, Hashable, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..config import BoundedKVConfig, Retention, SinkWindow
+from ..config import BoundedKVConfig, is_int, Retention, SinkWindow
 from .manager import BoundedKVManager
 from .planner import BoundedPlan
 from ..step import BoundedKVStep
@@ -38,9 +38,6 @@ from ..step import BoundedKVStep
 __all__ = ["LayerGroup", "GroupedKVManager", "GroupedPlan", "layer_group_configs", "per_layer_groups", "as_layer_groups",
            "build_cache"]
 
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -81,7 +78,7 @@ class LayerGroup:
         if not layers:
             raise ValueError("LayerGroup.layers is empty; a group needs at least one layer")
         for i in layers:
-            if not _is_int(i) or i < 0:
+            if not is_int(i) or i < 0:
                 raise ValueError(f"LayerGroup.layers must hold ints >= 0, got {i!r} in {list(layers)}")
         if len(set(layers)) != len(layers):
             raise ValueError(f"LayerGroup.layers must be distinct, got {list(layers)}")
@@ -90,13 +87,13 @@ class LayerGroup:
             raise ValueError(
                 f"LayerGroup.retention must be a SinkWindow or a callable source_len -> SinkWindow, got {self.retention!r}"
             )
-        if self.query_window is not None and (not _is_int(self.query_window) or self.query_window < 0):
+        if self.query_window is not None and (not is_int(self.query_window) or self.query_window < 0):
             raise ValueError(f"LayerGroup.query_window must be an int >= 0 or None, got {self.query_window!r}")
         if not isinstance(self.name, str):
             raise ValueError(f"LayerGroup.name must be a str, got {self.name!r}")
         for field_name in ("num_heads", "head_dim", "v_head_dim"):
             value = getattr(self, field_name)
-            if value is not None and (not _is_int(value) or value < 1):
+            if value is not None and (not is_int(value) or value < 1):
                 raise ValueError(
                     f"LayerGroup.{field_name} must be an int >= 1, or None for the config's, got {value!r}"
                 )
@@ -327,7 +324,7 @@ class GroupedKVManager(nn.Module):
 
     def group_of(self, layer_idx: int) -> Tuple[int, int]:
         """`(group, index inside the group)` of model layer `layer_idx`."""
-        if not _is_int(layer_idx) or not 0 <= layer_idx < len(self._route):
+        if not is_int(layer_idx) or not 0 <= layer_idx < len(self._route):
             raise ValueError(f"layer_idx must be an int in [0, {len(self._route)}), got {layer_idx!r}")
         return self._route[layer_idx]
 

@@ -71,6 +71,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..config import is_int
+
 __all__ = ["flex_kernel_options", "uses_decode_kernel", "decode_block_m", "decode_split_kv", "MIN_CUDA_KV_BLOCK",
            "MIN_CUDA_HEAD_DIM"]
 
@@ -94,7 +96,7 @@ def _next_pow2(n: int) -> int:
 
 
 def _int(name: str, value, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+    if not is_int(value) or value < lo:
         raise ValueError(f"flex_kernel_options: {name} must be an int >= {lo}, got {value!r}")
     return value
 

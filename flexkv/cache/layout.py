@@ -25,11 +25,11 @@ host; nothing here touches a tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
-from ..config import BoundedKVConfig
+from ..config import BoundedKVConfig, is_int
 
-__all__ = ["Layout", "DEFAULT_BLOCK_SIZE", "ALIGNED_BLOCK_PADDING", "default_block_size"]
+__all__ = ["Layout", "DEFAULT_BLOCK_SIZE", "ALIGNED_BLOCK_PADDING", "default_block_size", "entry_cell"]
 
 DEFAULT_BLOCK_SIZE = 128
 
@@ -95,7 +95,7 @@ class Layout:
         """The layout of `config`; `block_size=None` takes `default_block_size(config, device_type)`."""
         if block_size is None:
             block_size = default_block_size(config, device_type)
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        if not is_int(block_size) or block_size < 1:
             raise ValueError(
                 f"block_size must be an int >= 1 (or None to let flexkv choose), got {block_size!r}")
         return cls(
@@ -163,3 +163,17 @@ class Layout:
     def slot_cells(self) -> int:
         """Cells one slot holds over all its rows (per layer, for keys or values)."""
         return self.rows_per_request * self.slot_row_len
+
+
+def entry_cell(row: dict, ring_len: int, j: int) -> Tuple[str, int, int]:
+    """Where retained stream entry `j` of a plan row lives: (region, physical cell, cell in region).
+
+    `row` is `BoundedPlan.row(i)`. Regions: `"source"` (entry `j` of the
+    source row), `"sink"` (the slot's sink region), `"ring"` (ring cell
+    `j % ring_len`), as `Layout` lays a slot row out.
+    """
+    if j < row["src_len"]:
+        return "source", row["src_base"] + j, j
+    if j < row["ring_start"]:
+        return "sink", row["sink_base"] + j - row["src_len"], j - row["src_len"]
+    return "ring", row["ring_base"] + j % ring_len, j % ring_len

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from ..config import BoundedKVConfig
+from ..config import BoundedKVConfig, is_int
 from .layout import Layout
 from .masks import POSITION_MODES, make_mask_mod, make_score_mod
 from .kernel_options import flex_kernel_options
@@ -47,9 +47,6 @@ class _Request:
     source: Optional[int] = None  # bound by the first admit after creation or reset
     source_len: Optional[int] = None
 
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _apart_from_kernel(out: torch.Tensor) -> torch.Tensor:
@@ -205,7 +202,7 @@ class BoundedKVManager(nn.Module):
         return stream_positions(plan, plan.tokens if tokens is None else tokens, self.config.reverse_step_order)
 
     def _layer_index(self, layer_idx) -> int:
-        if not _is_int(layer_idx) or not 0 <= layer_idx < self.config.num_layers:
+        if not is_int(layer_idx) or not 0 <= layer_idx < self.config.num_layers:
             raise ValueError(f"layer_idx must be an int in [0, {self.config.num_layers}), got {layer_idx!r}")
         return layer_idx
 
@@ -387,7 +384,7 @@ class BoundedKVManager(nn.Module):
         if not step.segments:
             raise ValueError("a step needs at least one segment (use Segment(None, 0) for padding)")
         T = step.step_tokens
-        if not _is_int(T) or not 1 <= T <= c.max_step_tokens:
+        if not is_int(T) or not 1 <= T <= c.max_step_tokens:
             raise ValueError(
                 f"step tokens T={T!r} must be an int in [1, max_step_tokens={c.max_step_tokens}]; "
                 f"raise max_step_tokens or split the step"
@@ -396,7 +393,7 @@ class BoundedKVManager(nn.Module):
         for seg in step.segments:
             if not isinstance(seg, Segment):
                 raise ValueError(f"segments must be Segment objects, got {seg!r}")
-            if not _is_int(seg.span) or seg.span < 0:
+            if not is_int(seg.span) or seg.span < 0:
                 raise ValueError(f"segment {seg.request_id!r}: span must be an int >= 0, got {seg.span!r}")
             if seg.span > c.max_step_tokens:
                 raise ValueError(
@@ -431,13 +428,13 @@ class BoundedKVManager(nn.Module):
         """
         c = self.config
         L, w, src = pos.source_len, pos.written, pos.source
-        if not _is_int(src) or src < -1:
+        if not is_int(src) or src < -1:
             raise ValueError(
                 f"request {rid!r}: source must be a registered source index >= 0, or -1 for the "
                 f"request's private source, got {src!r}"
             )
         for name, val in (("source_len", L), ("written", w)):
-            if not _is_int(val) or val < 0:
+            if not is_int(val) or val < 0:
                 raise ValueError(f"request {rid!r}: {name} must be an int >= 0, got {val!r}")
         if not c.min_source_len <= L <= c.max_source_len:
             raise ValueError(
@@ -639,7 +636,7 @@ class BoundedKVManager(nn.Module):
 
     def _check_attend(self, layer_idx, q, k, v, plan) -> None:
         c = self.config
-        if not _is_int(layer_idx) or not 0 <= layer_idx < c.num_layers:
+        if not is_int(layer_idx) or not 0 <= layer_idx < c.num_layers:
             # A compiled call may hold the index as a symbolic int, which cannot be formatted.
             got = "an index outside that range" if torch.compiler.is_compiling() else repr(layer_idx)
             raise ValueError(f"layer_idx must be an int in [0, {c.num_layers}), got {got}")

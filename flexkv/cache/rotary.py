@@ -53,7 +53,7 @@ from typing import Tuple
 import torch
 from torch import nn
 
-from ..config import BoundedKVConfig
+from ..config import BoundedKVConfig, is_int
 from ..step import BoundedKVStep
 
 __all__ = [
@@ -110,7 +110,7 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, base: float = 10000.0, *, angle_dtype: torch.dtype = torch.float64,
                  layout: str = "half"):
         super().__init__()
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        if not is_int(head_dim) or head_dim < 2 or head_dim % 2:
             raise ValueError(f"Rotary: head_dim must be an even int >= 2, got {head_dim!r}")
         if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
             raise ValueError(f"Rotary: base must be a number > 1, got {base!r}")
@@ -198,7 +198,7 @@ class SinkRotation(nn.Module):
                 f"for any flexkv cache use cache.rotation(layer_idx, rotary, mode)"
             )
         c = manager.config
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < c.num_layers:
+        if not is_int(layer_idx) or not 0 <= layer_idx < c.num_layers:
             raise ValueError(f"SinkRotation: layer_idx must be an int in [0, {c.num_layers}), got {layer_idx!r}")
         if not isinstance(rotary, Rotary):
             raise ValueError(f"SinkRotation: rotary must be a flexkv.cache.rotary.Rotary, got {type(rotary).__name__}")

@@ -19,14 +19,14 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ..compiling import graphs_compiled
+from ..compiling import fresh_function, graphs_compiled
 from ..cache.manager import BoundedKVManager
 from ..model.reference import ReferenceCache
 from ..session import Chunk, StreamSession
 from ..step import BoundedKVStep, Segment
 from .stream_model import StreamModel
 from .traffic import Traffic
-from .workload import Workload, fresh_function
+from .workload import Workload
 
 __all__ = ["run_workload", "CompiledStep", "graphs_compiled", "percentile"]
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from ..config import BoundedKVConfig
-from ..cache.layout import Layout
+from ..config import BoundedKVConfig, is_int
+from ..cache.layout import Layout, entry_cell
 from ..cache.planner import build_plan
 from ..model.reference import attended_indices, own_stream_indices
 from ..step import BoundedKVStep, Segment, StreamPosition
 
-__all__ = ["StepPicture", "describe_step", "entry_cell", "render_text", "render_png", "LEGEND"]
+__all__ = ["StepPicture", "describe_step", "render_text", "render_png", "LEGEND"]
 
 # One character per stream entry and query.
 LEGEND = (
@@ -71,20 +71,6 @@ def _fmt_runs(values: List[int]) -> str:
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in _runs(values))
 
 
-def entry_cell(row: dict, ring_len: int, j: int) -> Tuple[str, int, int]:
-    """Where retained stream entry `j` of a plan row lives: (region, physical cell, cell in region).
-
-    `row` is `BoundedPlan.row(i)`. Regions: `"source"` (entry `j` of the
-    source row), `"sink"` (the slot's sink region), `"ring"` (ring cell
-    `j % ring_len`), as `flexkv.cache.layout` lays a slot row out.
-    """
-    if j < row["src_len"]:
-        return "source", row["src_base"] + j, j
-    if j < row["ring_start"]:
-        return "sink", row["sink_base"] + j - row["src_len"], j - row["src_len"]
-    return "ring", row["ring_base"] + j % ring_len, j % ring_len
-
-
 def describe_step(
     config: BoundedKVConfig,
     source_len: int,
@@ -104,7 +90,7 @@ def describe_step(
     c = config
     for name, val, lo in (("source_len", source_len, 0), ("written", written, 0), ("span", span, 0),
                           ("T", tokens, 1), ("slot", slot, 0), ("source", source, 0)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < lo:
+        if not is_int(val) or val < lo:
             raise ValueError(f"{name} must be an integer >= {lo}, got {val!r}")
     if not c.min_source_len <= source_len <= c.max_source_len:
         raise ValueError(

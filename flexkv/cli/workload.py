@@ -16,8 +16,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..compiling import fresh_function
-from ..config import BoundedKVConfig, SinkWindow
+from ..config import BoundedKVConfig, SinkWindow, is_int
 
 __all__ = [
     "Workload",
@@ -25,7 +24,6 @@ __all__ = [
     "BUILTIN",
     "load_workload",
     "parse_workload",
-    "fresh_function",
 ]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -175,7 +173,7 @@ def _int_field(w: Workload, field: str, lo: int, allow_none: bool = False) -> No
     v = getattr(w, field)
     if v is None and allow_none:
         return
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+    if not is_int(v) or v < lo:
         _fail(field, v, f"expected an integer >= {lo}" + (" or null" if allow_none else ""))
 
 
@@ -215,7 +213,7 @@ def _check_fields(w: Workload) -> None:
     if (
         not isinstance(sl, tuple)
         or len(sl) != 2
-        or any(isinstance(x, bool) or not isinstance(x, int) for x in sl)
+        or any(not is_int(x) for x in sl)
         or not 1 <= sl[0] <= sl[1]
     ):
         _fail("stream_len", list(sl) if isinstance(sl, tuple) else sl,

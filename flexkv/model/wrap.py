@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ..cache.protocol import check_cache
+from ..config import is_int
 from ..cache.rotary import ROPE_POSITIONS, Rotary
 from ..step import BoundedKVStep
 
@@ -151,7 +152,7 @@ class CacheAttention(nn.Module):
         if not isinstance(context, StepContext):
             raise ValueError(f"expected a StepContext, got {type(context).__name__}")
         n = context.config.num_layers
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < n:
+        if not is_int(layer_idx) or not 0 <= layer_idx < n:
             raise ValueError(f"layer_idx must be an int in [0, {n}), got {layer_idx!r}")
         if rotary is not None and not isinstance(rotary, Rotary):
             raise ValueError(f"rotary must be a flexkv.cache.rotary.Rotary or None, got {type(rotary).__name__}")

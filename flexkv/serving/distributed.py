@@ -46,16 +46,13 @@ from typing import Any, Hashable, Optional
 
 import torch
 
-from ..config import BoundedKVConfig
+from ..config import BoundedKVConfig, is_int
 from ..cache.manager import BoundedKVManager
 from ..cache.planner import BoundedPlan
 from ..step import BoundedKVStep
 
 __all__ = ["HeadShard", "ShardedKVManager", "resolve_rank", "all_gather_heads", "plan_digest"]
 
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _divisors(n: int) -> str:
@@ -80,7 +77,7 @@ def resolve_rank(process_group: Any = None, rank: Optional[int] = None, world_si
     1 and `rank` to 0; a `rank` without a `world_size` is an error.
     """
     for name, val in (("rank", rank), ("world_size", world_size)):
-        if val is not None and not _is_int(val):
+        if val is not None and not is_int(val):
             raise ValueError(f"{name} must be an int or None, got {val!r} ({type(val).__name__})")
     if process_group is not None:
         dist = _dist()
@@ -129,13 +126,13 @@ class HeadShard:
     def __post_init__(self):
         for name in ("num_heads", "world_size"):
             val = getattr(self, name)
-            if not _is_int(val) or val < 1:
+            if not is_int(val) or val < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {val!r}")
-        if not _is_int(self.rank) or not 0 <= self.rank < self.world_size:
+        if not is_int(self.rank) or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be an int in [0, world_size={self.world_size}), got {self.rank!r}")
         H, W, Hq = self.num_heads, self.world_size, self.num_query_heads
         if Hq is not None:
-            if not _is_int(Hq) or Hq < 1 or Hq % H:
+            if not is_int(Hq) or Hq < 1 or Hq % H:
                 raise ValueError(
                     f"num_query_heads must be a positive multiple of num_heads={H} (grouped-query attention), "
                     f"got {Hq!r}"
@@ -166,7 +163,7 @@ class HeadShard:
     def query_slice(self, num_query_heads: Optional[int] = None) -> slice:
         """This rank's query heads within the model's `num_query_heads` (the GQA groups of its KV heads)."""
         Hq = self.num_query_heads if num_query_heads is None else num_query_heads
-        if not _is_int(Hq) or Hq < 1 or Hq % self.num_heads:
+        if not is_int(Hq) or Hq < 1 or Hq % self.num_heads:
             raise ValueError(
                 f"num_query_heads must be a positive multiple of num_heads={self.num_heads}, got {Hq!r}"
             )

@@ -9,7 +9,7 @@ import torch
 from transformers.cache_utils import Cache
 from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
 
-from ...config import BoundedKVConfig, SinkWindow
+from ...config import BoundedKVConfig, SinkWindow, is_int
 from ...cache.groups import GroupedKVManager
 from ...step import BoundedKVStep, Segment, StreamPosition
 from .cache_positions import CachePositions
@@ -115,7 +115,7 @@ class FlexKVCache(CacheShim):
             _check_retention("sliding_retention", sliding_retention)
         if positions not in POSITION_MODES:
             raise ValueError(f"positions must be one of {POSITION_MODES}, got {positions!r}")
-        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        if not is_int(prefill_chunk) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
         check_model(model)
         cfg, specs = read_layers(model)
