@@ -47,7 +47,7 @@ def run(name: str, rounds: int) -> dict:
     Q = g * T
 
     def geometry(plan):
-        mask_mod = make_mask_mod(plan, lay.ring_len, T, c.query_window, packed=g > 1)
+        mask_mod = make_mask_mod(plan, lay.ring_len, T, c.query_window, pack_gqa=g > 1)
         return row_geometry(lay, plan, mask_mod, Q, inputs[0][0].dtype, gather_width(c))
 
     with torch.no_grad():

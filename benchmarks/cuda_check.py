@@ -110,7 +110,7 @@ def flexkv_options(capability) -> Callable:
         q_block, kv_block = block_mask.BLOCK_SIZE
         return flex_kernel_options(
             query.device.type, query.shape[2], key.shape[1], query.shape[1], query.shape[3], query.dtype,
-            kv_block, block_mask.full_kv_num_blocks is not None, q_block_size=q_block, capability=capability,
+            kv_block, q_block_size=q_block, capability=capability,
         )
 
     return options
@@ -227,7 +227,7 @@ class Stream:
             # Every step planned with full blocks, whatever the batch (CUDA's default turns them off
             # for small decode batches): the kernels' full-block branch is what this checks.
             m.full_blocks = True
-            m._full_blocks_for = lambda rows, tokens: True
+            m._full_blocks_at = lambda rows, tokens: True
         self.sinks = (torch.randn(q_heads, generator=self.gen) * 2).to(self.device) if sinks else None
         self.ref = ReferenceCache(cfg)
         self.slots: list = [None] * segments
@@ -692,7 +692,7 @@ def variant_runs(d: "Decode") -> tuple:
     plan = m.plan(d.step())
     shipped = flex_kernel_options(
         d.device.type, group if packed else 1, s["kv_heads"], s["kv_heads"] if packed else s["q_heads"],
-        s["head_dim"], s["dtype"], m.layout.block_size, plan.has_full_blocks,
+        s["head_dim"], s["dtype"], m.layout.block_size,
         q_block_size=m.layout.q_block_size, capability=_capability(d.device))
     small = s["small_batch"]
     runs = [

@@ -75,7 +75,7 @@ def dynamic_bytes(model, batch: int, length: int) -> int:
 def run_flexkv(model, args):
     ids, mask, lengths = prompts(args)
     cache = FlexKVCache(
-        model, SinkWindow(args.sink, args.window), max_streams=args.batch, positions=args.positions,
+        model, SinkWindow(args.sink, args.window), max_streams=args.batch, rope_positions=args.positions,
         prefill_chunk=args.chunk,
     )
     print(f"{cache}")

@@ -178,7 +178,7 @@ def test_meta_plans_with_the_cuda_defaults():
     assert m.layout.block_size == 128 and m.full_blocks
     step = start(m, [Segment("a", 1), Segment("b", 1)], {"a": StreamPosition(0, 900), "b": StreamPosition(0, 41)})
     plan = m.plan(step)
-    assert plan.has_full_blocks
+    assert plan.full_blocks
     assert (plan.blocks(0, full=True), plan.blocks(0)) == ([0, 1], [2])
     assert (plan.blocks(1, full=True), plan.blocks(1)) == ([], [2])
     assert plan.cell_intervals(0) == [(0, 305)] and plan.cell_intervals(1) == [(305, 309), (313, 351)]

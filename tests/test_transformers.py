@@ -316,8 +316,8 @@ def test_bad_arguments_are_named():
         cache.select(["x", "x"])
     with pytest.raises(RuntimeError, match="did not plan"):
         model.model.forward(input_ids=ids[:2], cache=FlexKVCache(model, SinkWindow(2, 8), block_size=16))
-    with pytest.raises(ValueError, match=r"positions='cache' needs the model's rotary embedding"):
-        FlexKVCache(make_model("gpt2"), SinkWindow(2, 4), positions="cache")
+    with pytest.raises(ValueError, match=r"rope_positions=.cache. needs the model's rotary embedding"):
+        FlexKVCache(make_model("gpt2"), SinkWindow(2, 4), rope_positions="cache")
 
 
 @pytest.mark.parametrize("family", sorted(hf_models._refused_configs()))

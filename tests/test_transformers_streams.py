@@ -82,7 +82,7 @@ def test_cache_positions_leave_layers_without_rotary_alone():
     ps = prompts((5, 22), seed=13)
     ids, mask = left_pad(ps)
     n = 3 * WINDOW
-    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), positions="cache", max_streams=2, prefill_chunk=CHUNK,
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), rope_positions="cache", max_streams=2, prefill_chunk=CHUNK,
                         block_size=16)
     out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=n, do_sample=False,
                          output_logits=True, return_dict_in_generate=True)
@@ -383,3 +383,22 @@ def test_the_older_past_key_values_keyword_still_plans_the_forward():
         old = model.generate(ids, attention_mask=mask, past_key_values=old_cache, max_new_tokens=2 * WINDOW,
                              do_sample=False)
     assert torch.equal(old, new) and old_cache.stream_length(1) == 8 + 2 * WINDOW - 1
+
+
+def test_finish_ends_a_stream_and_frees_its_slot():
+    model = make_model("llama", seed=3)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=2, prefill_chunk=CHUNK, block_size=16)
+    ids, mask = left_pad(prompts((4, 6), seed=5))
+    model.generate(ids, attention_mask=mask, cache=cache.select(["a", "b"]), max_new_tokens=2, do_sample=False)
+    cache.finish("a")
+    assert cache.streams == ("b",) and cache.stream_length("a") == 0
+    cache.drop("b")  # the method's first name
+    assert cache.streams == () and cache.manager.free_slots == 2
+
+
+def test_the_rotary_mode_keyword_and_its_first_name_agree():
+    model = make_model("llama", seed=3)
+    assert FlexKVCache(model, SinkWindow(SINK, WINDOW), rope_positions="cache", **KW).rope_positions == "cache"
+    assert FlexKVCache(model, SinkWindow(SINK, WINDOW), positions="cache", **KW).rope_positions == "cache"
+    with pytest.raises(ValueError, match="rope_positions='stream' and positions='cache' disagree"):
+        FlexKVCache(model, SinkWindow(SINK, WINDOW), rope_positions="stream", positions="cache", **KW)

@@ -124,7 +124,6 @@ def flex_kernel_options(
     head_dim: int,
     dtype: torch.dtype,
     kv_block_size: int,
-    full_blocks: bool = False,
     *,
     q_block_size: int = 128,
     capability: Optional[Tuple[int, int]] = None,
@@ -134,8 +133,8 @@ def flex_kernel_options(
     Pass the shapes exactly as `flex_attention` receives them: `q_len` and
     `q_heads` of the query after any folding of GQA groups into the query
     axis, `kv_heads` of the key, and the block mask's `BLOCK_SIZE`
-    (`q_block_size`, `kv_block_size`). `full_blocks`: whether the block mask
-    carries full-block tensors (it changes no option; see the module notes on
+    (`q_block_size`, `kv_block_size`). Whether the block mask carries
+    full-block tensors changes no option (see the module notes on
     `SPLIT_KV`). `capability`: the CUDA device's `(major, minor)`, read once
     by the caller; without it only the options that make a shape compile are
     set, none that only tune speed.

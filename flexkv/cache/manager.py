@@ -546,7 +546,7 @@ class BoundedKVManager(nn.Module):
             slots = {rid: r.slot for rid, r in self._requests.items()}
             private = dict(self._private)
         plan = build_plan(self.config, self.layout, step, slots.__getitem__, self.device,
-                          self._full_blocks_for(len(step.segments) * self.config.rows_per_request, step.step_tokens),
+                          self._full_blocks_at(len(step.segments) * self.config.rows_per_request, step.step_tokens),
                           private_source=private.get)
         self._current_plan = plan
         return plan
@@ -592,7 +592,7 @@ class BoundedKVManager(nn.Module):
 
     # -------------------------------------------------------------- attention
 
-    def _full_blocks_for(self, rows: int, tokens: int) -> bool:
+    def _full_blocks_at(self, rows: int, tokens: int) -> bool:
         """Whether a step of `rows` x `tokens` is planned with full blocks.
 
         CUDA's decode kernel splits the KV length `SPLIT_KV` ways when the batch is small
@@ -615,13 +615,9 @@ class BoundedKVManager(nn.Module):
             rows = self.attention_path == "rows"
         return "rows" if rows else "flex"
 
-    def _rows_path(self, tokens: int) -> bool:
-        """Whether this call (compiled or not, as it is being run) attends through the rows path."""
-        return self.path_for(tokens, torch.compiler.is_compiling()) == "rows"
-
-    def _mask_mod(self, plan, tokens: int, packed: bool) -> Callable:
+    def _mask_mod(self, plan, tokens: int, pack_gqa: bool) -> Callable:
         """The step's retention `mask_mod` (`flexkv.cache.masks`); the one place every path builds it."""
-        return make_mask_mod(plan, self.layout.ring_len, tokens, self.config.query_window, packed=packed,
+        return make_mask_mod(plan, self.layout.ring_len, tokens, self.config.query_window, pack_gqa=pack_gqa,
                              causal_step=self.config.causal_step)
 
     def _eager_geometry(self, plan: BoundedPlan, key: tuple, build: Callable):
@@ -691,7 +687,7 @@ class BoundedKVManager(nn.Module):
         if nq > 1:
             kv_num, full_num = (x.expand(N, 1, nq).contiguous() for x in (kv_num, full_num))
             kv_idx, full_idx = (x.expand(N, 1, nq, x.shape[3]).contiguous() for x in (kv_idx, full_idx))
-        if not plan.has_full_blocks and self.device.type != "cpu":
+        if not plan.full_blocks and self.device.type != "cpu":
             # No full-block tensors at all: CUDA's decode kernel then splits a row by its own blocks.
             # (The CPU kernel is given the plan's zero counts instead: torch 2.13's compiled CPU
             # kernel failed to build without full-block tensors.)
@@ -752,16 +748,17 @@ class BoundedKVManager(nn.Module):
         group = Hq // H
         # Learned sinks need each query's log-sum-exp, which the compiled CPU FlexAttention kernel
         # does not return: on the CPU they take the rows path, which computes it.
-        rows_path = self._rows_path(T) or (
-            sinks is not None and self.device.type == "cpu" and self.attention_path == "auto")
+        compiling = torch.compiler.is_compiling()
+        path = self.path_for(T, compiling)
+        if sinks is not None and self.device.type == "cpu" and self.attention_path == "auto":
+            path = "rows"
         # On the CPU, fold each GQA group into the query axis: every KV head then meets its
         # group's queries in one pass over its keys instead of one pass per query head.
-        packed = group > 1 and (self.pack_gqa or rows_path)
-        g = group if packed else 1
-        compiling = torch.compiler.is_compiling()
+        pack_gqa = group > 1 and (self.pack_gqa or path == "rows")
+        g = group if pack_gqa else 1
         mask_mod = None
-        if compiling or not rows_path:
-            mask_mod = self._mask_mod(plan, T, packed)
+        if compiling or path == "flex":
+            mask_mod = self._mask_mod(plan, T, pack_gqa)
         sm = None
         if score_mod is not None:
             sm = make_score_mod(
@@ -772,7 +769,7 @@ class BoundedKVManager(nn.Module):
         # tensor (a slice of a stacked 5-D tensor, or a projection's view + transpose).
         scale = D ** -0.5 if scale is None else scale
         lse = None
-        if rows_path:
+        if path == "rows":
             qr = q.reshape(N, H, g * T, D) * scale
             width = gather_width(c)
             geometry = None
@@ -781,25 +778,25 @@ class BoundedKVManager(nn.Module):
                 # built at the first layer, from the same mask_mod. Everything the mask depends on
                 # besides the plan and the cache's config is in the key.
                 geometry = self._eager_geometry(
-                    plan, (g * T, T, packed, q.dtype),
-                    lambda: row_geometry(lay, plan, self._mask_mod(plan, T, packed), g * T, q.dtype, width))
+                    plan, (g * T, T, pack_gqa, q.dtype),
+                    lambda: row_geometry(lay, plan, self._mask_mod(plan, T, pack_gqa), g * T, q.dtype, width))
             out = attend_rows(qr, kc, vc, lay, plan, mask_mod, sm, width=width, return_lse=sinks is not None,
                               geometry=geometry)
             if sinks is not None:
                 out, lse = out
         else:
             options = flex_kernel_options(
-                self.device.type, g * T, H, H if packed else Hq, D, q.dtype, lay.block_size, plan.has_full_blocks,
+                self.device.type, g * T, H, H if pack_gqa else Hq, D, q.dtype, lay.block_size,
                 q_block_size=lay.q_block_size, capability=self._capability)
             aux = None if sinks is None else AuxRequest(lse=True)
             if compiling and self.share_flex_kernel and sm is None and sinks is None:
                 # One region per layer call, the same for every layer: its kernel compiles once.
-                qf = (q.reshape(N, H, g * T, D) if packed else q) * scale
+                qf = (q.reshape(N, H, g * T, D) if pack_gqa else q) * scale
                 out = _flex_layer(qf, kc, vc, plan.table, self, plan.rows, T, plan.width, plan.full_width,
-                                  plan.has_full_blocks, packed, options)
+                                  plan.full_blocks, pack_gqa, options)
             else:
                 block_mask = self._block_mask(plan, T * g, mask_mod)
-                if packed:
+                if pack_gqa:
                     out = flex_attention(q.reshape(N, H, g * T, D) * scale, kc, vc, score_mod=sm,
                                          block_mask=block_mask, scale=1.0, kernel_options=options, return_aux=aux)
                 else:
@@ -819,22 +816,22 @@ class BoundedKVManager(nn.Module):
 class _PlanView:
     """A plan's tensors as views of its table, inside a compiled region (see `_flex_layer`)."""
 
-    def __init__(self, table, rows, tokens, width, full_width, has_full_blocks):
+    def __init__(self, table, rows, tokens, width, full_width, full_blocks):
         for name, view in table_views(table, rows, tokens, width, full_width).items():
             setattr(self, name, view)
-        self.rows, self.tokens, self.has_full_blocks = rows, tokens, has_full_blocks
+        self.rows, self.tokens, self.full_blocks = rows, tokens, full_blocks
 
 
 @layer_region
-def _flex_layer(q, k_cache, v_cache, table, manager, rows, tokens, width, full_width, has_full_blocks, packed,
+def _flex_layer(q, k_cache, v_cache, table, manager, rows, tokens, width, full_width, full_blocks, pack_gqa,
                 options):
     """One layer's FlexAttention call from the plan's table alone: a region every layer shares.
 
     The plan enters as its one table (its named tensors are views of it, and a region takes no
     inputs that alias each other); everything else is static.
     """
-    plan = _PlanView(table, rows, tokens, width, full_width, has_full_blocks)
+    plan = _PlanView(table, rows, tokens, width, full_width, full_blocks)
     group = q.shape[2] // tokens
-    block_mask = manager._block_mask(plan, tokens * group, manager._mask_mod(plan, tokens, packed), own_buffers=True)
+    block_mask = manager._block_mask(plan, tokens * group, manager._mask_mod(plan, tokens, pack_gqa), own_buffers=True)
     return flex_attention(q, k_cache, v_cache, block_mask=block_mask, scale=1.0, kernel_options=options,
                           enable_gqa=q.shape[1] != k_cache.shape[1])

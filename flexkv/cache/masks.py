@@ -53,11 +53,11 @@ def stream_index(plan, ring_len: int, tokens: int, b, kv_idx):
     return in_src | in_sink | in_ring, j
 
 
-def make_mask_mod(plan, ring_len: int, tokens: int, query_window: Optional[int], packed: bool = False,
+def make_mask_mod(plan, ring_len: int, tokens: int, query_window: Optional[int], pack_gqa: bool = False,
                   causal_step: bool = False):
     """The retention mask of contract section 2 for `plan` (per-step or per-query window).
 
-    `packed`: the query axis holds `group * tokens` queries (a GQA group folded into
+    `pack_gqa`: the query axis holds `group * tokens` queries (a GQA group folded into
     it, group-major), so the step's token is `q_idx % tokens`. `causal_step`: a
     per-step window that is causal inside the step (no query reads a later own token).
     """
@@ -82,14 +82,14 @@ def make_mask_mod(plan, ring_len: int, tokens: int, query_window: Optional[int],
                 # The intervals hold the shared window and every own token; a query drops the own
                 # tokens after it (only those have stream indices past its own).
                 _, j = stream_index(plan, ring_len, tokens, b, kv_idx)
-                p = plan.n[b] + (q_idx % tokens if packed else q_idx)
+                p = plan.n[b] + (q_idx % tokens if pack_gqa else q_idx)
                 return in_intervals(b, kv_idx) & (j <= p)
 
     else:
 
         def mask_mod(b, h, q_idx, kv_idx):
             valid, j = stream_index(plan, ring_len, tokens, b, kv_idx)
-            p = plan.n[b] + (q_idx % tokens if packed else q_idx)
+            p = plan.n[b] + (q_idx % tokens if pack_gqa else q_idx)
             return valid & (j <= p) & ((j >= p - query_window) | (j < plan.sink[b]))
 
     return mask_mod
@@ -116,7 +116,7 @@ def make_score_mod(
 ):
     """Wrap `user(score, b, h, q_pos, kv_pos)` so it receives positions, not cells.
 
-    `group > 1`: queries are packed (see `make_mask_mod`); the user still sees the
+    `group > 1`: queries are packed (`pack_gqa` in `make_mask_mod`); the user still sees the
     query head `h * group + q_idx // tokens`.
     """
     if positions not in POSITION_MODES:

@@ -93,7 +93,7 @@ class BoundedPlan:
         full_width = width if full_blocks else 1
         self.rows = rows
         #: Whether blocks every query reads whole are listed apart (a host bool: it shapes the graph).
-        self.has_full_blocks = full_blocks
+        self.full_blocks = full_blocks
         self.tokens = tokens
         self.width = width
         self.full_width = full_width
@@ -117,8 +117,8 @@ class BoundedPlan:
     def __eq__(self, other):
         if not isinstance(other, BoundedPlan):
             return NotImplemented
-        return (self.rows, self.tokens, self.width, self.has_full_blocks, self.host) == (
-            other.rows, other.tokens, other.width, other.has_full_blocks, other.host)
+        return (self.rows, self.tokens, self.width, self.full_blocks, self.host) == (
+            other.rows, other.tokens, other.width, other.full_blocks, other.host)
 
     __hash__ = None
 

@@ -104,17 +104,24 @@ class FlexKVCache(CacheShim):
         *,
         sliding_retention: Optional[SinkWindow] = None,
         max_streams: int = 8,
-        positions: str = "stream",
+        rope_positions: Optional[str] = None,
         prefill_chunk: int = 64,
         block_size: Optional[int] = None,
         device=None,
         dtype: Optional[torch.dtype] = None,
+        positions: Optional[str] = None,
     ):
+        if positions is not None:  # the keyword's first name
+            if rope_positions is not None and rope_positions != positions:
+                raise ValueError(f"rope_positions={rope_positions!r} and positions={positions!r} disagree; "
+                                 f"give rope_positions only")
+            rope_positions = positions
+        positions = "stream" if rope_positions is None else rope_positions
         _check_retention("retention", retention)
         if sliding_retention is not None:
             _check_retention("sliding_retention", sliding_retention)
         if positions not in POSITION_MODES:
-            raise ValueError(f"positions must be one of {POSITION_MODES}, got {positions!r}")
+            raise ValueError(f"rope_positions must be one of {POSITION_MODES}, got {positions!r}")
         if not is_int(prefill_chunk) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
         check_model(model)
@@ -146,7 +153,8 @@ class FlexKVCache(CacheShim):
             states = RecurrentStates(shapes, max_streams, device)
         self.retention = retention
         self.sliding_retention = sliding_retention
-        self.positions = positions
+        #: the rotary position mode, `"stream"` or `"cache"`
+        self.rope_positions = positions
         self.model_config = cfg
         #: one `LayerSpec` per model layer (what it attends, what state it keeps)
         self.layer_specs = tuple(specs)
@@ -289,18 +297,21 @@ class FlexKVCache(CacheShim):
         self._columns = 0
         return self
 
-    def drop(self, stream_id: Hashable) -> None:
-        """Forget a stream and free its slot."""
+    def finish(self, stream_id: Hashable) -> None:
+        """End a stream: forget it and free its slot (`StreamSession.finish` for one batch row)."""
         self._recover()
-        self._no_pending("drop()")
+        self._no_pending("finish()")
         self.manager.remove_request(stream_id)
+
+    #: The first name of `finish`.
+    drop = finish
 
     def reset(self) -> None:
         """Forget every stream and the selection (transformers' `Cache.reset`)."""
         if self._pending is not None:
             self.rollback()
         for sid in self.manager.requests:
-            self.drop(sid)
+            self.finish(sid)
         self._selection = None
         self._columns = 0
 
@@ -440,7 +451,7 @@ class FlexKVCache(CacheShim):
                     raise ValueError(
                         f"stream {sid!r} would reach length {w + L} (holds {w}, this forward adds {L}), but the model's "
                         f"learned absolute positions ({name}) stop at max_position_embeddings={limit}; start a new "
-                        f"stream (cache.drop({sid!r}) and select it again), or use a model with rotary positions"
+                        f"stream (cache.finish({sid!r}) and select it again), or use a model with rotary positions"
                     )
         if self._recurrent is not None:
             self._check_recurrent(rows, written, real, T)
@@ -576,7 +587,7 @@ class FlexKVCache(CacheShim):
                 states = ", ".join(f"{k} {list(shape)}" for k, _, shape, _ in r["states"])
                 parts.append(f"{r['name']} layers {list(r['layers'])}: {states} per stream and layer")
         return (
-            f"FlexKVCache(positions={self.positions!r}, max_streams={c.max_slots}, layers={len(self.layer_specs)}, "
+            f"FlexKVCache(rope_positions={self.rope_positions!r}, max_streams={c.max_slots}, layers={len(self.layer_specs)}, "
             f"dtype={c.dtype}, groups=[{'; '.join(parts)}], stream_bytes={self.stream_bytes}, "
             f"memory_bytes={self.memory_bytes})"
         )

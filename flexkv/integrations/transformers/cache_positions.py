@@ -71,19 +71,19 @@ class CachePositions:
                 rope_type = rope_type.get(layer_type, "default")
             if not isinstance(inv_freq, torch.Tensor):
                 raise ValueError(
-                    f"positions='cache' needs the model's rotary embedding ({type(base).__name__}.rotary_emb.inv_freq) "
-                    f"for layer {i}; {type(model).__name__} has none: use positions='stream'"
+                    f"rope_positions='cache' needs the model's rotary embedding ({type(base).__name__}.rotary_emb.inv_freq) "
+                    f"for layer {i}; {type(model).__name__} has none: use rope_positions='stream'"
                 )
             if rope_type not in _LINEAR_ROPE:
                 raise ValueError(
-                    f"positions='cache' needs angles position * inv_freq with a fixed inv_freq (rope types "
-                    f"{_LINEAR_ROPE}); layer {i}'s rope_type is {rope_type!r}: use positions='stream'"
+                    f"rope_positions='cache' needs angles position * inv_freq with a fixed inv_freq (rope types "
+                    f"{_LINEAR_ROPE}); layer {i}'s rope_type is {rope_type!r}: use rope_positions='stream'"
                 )
             head_dim = m.config.head_dim
             if inv_freq.numel() * 2 != head_dim:
                 raise ValueError(
-                    f"positions='cache' needs rotary over the whole head (layer {i}: 2 * {inv_freq.numel()} "
-                    f"frequencies != head_dim {head_dim}): use positions='stream'"
+                    f"rope_positions='cache' needs rotary over the whole head (layer {i}: 2 * {inv_freq.numel()} "
+                    f"frequencies != head_dim {head_dim}): use rope_positions='stream'"
                 )
             key = (id(inv_freq), head_dim)
             if key not in rotaries:
@@ -98,11 +98,11 @@ class CachePositions:
         self.groups = sorted({manager.group_of(i)[0] for i, r in enumerate(self.layers) if r is not None})
         self.manager = manager
         if not self.groups and not any(_layer_uses_rope(cfg, i) for i in kv_owner):
-            raise ValueError(f"positions='cache' re-rotates rotary layers; {type(model).__name__} has none")
+            raise ValueError(f"rope_positions='cache' re-rotates rotary layers; {type(model).__name__} has none")
         if self.groups and emb is None:
             raise ValueError(
-                f"positions='cache' needs the model's rotary embedding ({type(base).__name__}.rotary_emb); "
-                f"{type(model).__name__} has none: use positions='stream'"
+                f"rope_positions='cache' needs the model's rotary embedding ({type(base).__name__}.rotary_emb); "
+                f"{type(model).__name__} has none: use rope_positions='stream'"
             )
 
     @property
