@@ -76,6 +76,9 @@ class ReferenceCache:
         """Request `rid`'s own source, read when its position declares `source=-1`."""
         self.private[rid] = (keys.double().cpu(), values.double().cpu())
 
+    def remove_private_source(self, rid) -> None:
+        self.private.pop(rid, None)
+
     def stream(self, rid) -> List[tuple]:
         """Request `rid`'s written entries per layer: `(K, V)`, `[R, H, written, head_dim]` and
         `[R, H, written, value_head_dim]` (created empty)."""
@@ -98,15 +101,29 @@ class ReferenceCache:
         score_mod: Optional[Callable] = None,
         positions: str = "stream",
         sinks: Optional[torch.Tensor] = None,
+        rotary=None,
+        rope_positions: str = "stream",
     ) -> torch.Tensor:
-        """`sinks`: learned sink logits `[Hq]` (see `flexkv.cache.sinks`): each query head's softmax also
-        normalises over one extra score `sinks[h]` that carries no value."""
+        """Attention of `step` for `layer` over each query's attended set (contract section 2).
+
+        `score_mod(score, b, h, q_pos, kv_pos)` gets stream positions, or with
+        `positions="cache"` in-cache positions (section 6). `sinks`: learned
+        sink logits `[Hq]` (see `flexkv.cache.sinks`): each query head's softmax
+        also normalises over one extra score `sinks[h]` that carries no value.
+        `rotary` (a `flexkv.cache.rotary.Rotary`): the keys and values kept are
+        un-rotated, and every query and attended key is rotated at its stream
+        index, or with `rope_positions="cache"` at its in-cache position, at
+        every step (StreamingLLM's definition). Queries whose attended sets are
+        equal are computed together.
+        """
         c = self.config
         R = c.rows_per_request
         q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
         N, Hq, T, D = q.shape
         group = Hq // c.num_heads
         scale = D ** -0.5 if scale is None else scale
+        heads = torch.arange(Hq).view(Hq, 1, 1)
+        sink_logits = None if sinks is None else sinks.double().cpu().view(Hq, 1, 1)
         out = torch.zeros(N, Hq, T, v.shape[3], dtype=torch.float64)
         for si, seg in enumerate(step.segments):
             rid = seg.request_id
@@ -116,9 +133,13 @@ class ReferenceCache:
             L, n, span = pos.source_len, pos.source_len + pos.written, seg.span
             own = own_stream_indices(n, span, T, c.reverse_step_order)
             sets = attended_indices(c, L, pos.written, span, T)
+            by_set: Dict[tuple, List[int]] = {}
+            for t in range(T):
+                by_set.setdefault(tuple(sets[t]), []).append(t)
             Kw, Vw = self.stream(rid)[layer]
             rows = slice(si * R, si * R + R)
             self.pending[(rid, layer)] = (k[rows], v[rows], span, own)
+            order = sorted(range(T), key=lambda t: own[t])  # own tokens in stream order
             for r in range(R):
                 b = si * R + r
                 parts_k, parts_v = [], []
@@ -126,31 +147,37 @@ class ReferenceCache:
                     sk, sv = self.private[rid] if pos.source == -1 else self.sources[pos.source]
                     parts_k.append(sk[layer, r, :, :L])
                     parts_v.append(sv[layer, r, :, :L])
-                parts_k.append(Kw[r, :, : pos.written])
-                parts_v.append(Vw[r, :, : pos.written])
-                order = sorted(range(T), key=lambda t: own[t])  # own tokens in stream order
-                parts_k.append(k[b][:, order])
-                parts_v.append(v[b][:, order])
+                parts_k += [Kw[r, :, : pos.written], k[b][:, order]]
+                parts_v += [Vw[r, :, : pos.written], v[b][:, order]]
                 K_all = torch.cat(parts_k, dim=1)  # [H, n + T, D], index = stream index
                 V_all = torch.cat(parts_v, dim=1)
-                for t in range(T):
-                    idx = sets[t]
-                    kk = K_all[:, idx].repeat_interleave(group, 0)  # [Hq, |A|, D]
-                    vv = V_all[:, idx].repeat_interleave(group, 0)
-                    scores = torch.einsum("hd,hkd->hk", q[b, :, t], kk) * scale
+                for idx, ts in by_set.items():
+                    idx = list(idx)
+                    rank = {j: i for i, j in enumerate(idx)}  # in-cache positions: ranks in the set
+                    key_pos = torch.tensor(idx, dtype=torch.long)
+                    query_pos = torch.tensor([own[t] for t in ts], dtype=torch.long)
+                    cache_key_pos = torch.arange(len(idx), dtype=torch.long)
+                    cache_query_pos = torch.tensor([rank[own[t]] for t in ts], dtype=torch.long)
+                    kk = K_all[:, key_pos]  # [H, K, D]
+                    qq = q[b][:, ts]  # [Hq, G, D]
+                    if rotary is not None:
+                        in_cache = rope_positions == "cache"
+                        kk = rotary.rotate(kk.unsqueeze(0), cache_key_pos if in_cache else key_pos)[0]
+                        qq = rotary.rotate(qq.unsqueeze(0), cache_query_pos if in_cache else query_pos)[0]
+                    kk = kk.repeat_interleave(group, 0)  # [Hq, K, D]
+                    vv = V_all[:, key_pos].repeat_interleave(group, 0)
+                    scores = torch.einsum("hgd,hkd->hgk", qq, kk) * scale
                     if score_mod is not None:
-                        kpos = torch.tensor(idx)
-                        qpos = torch.tensor(own[t])
-                        if positions == "cache":
-                            ranks, qrank = cache_positions(idx, own[t])
-                            kpos, qpos = torch.tensor(ranks), torch.tensor(qrank)
-                        heads = torch.arange(Hq).view(Hq, 1)
-                        scores = score_mod(scores, torch.tensor(b), heads, qpos, kpos.view(1, -1)).double()
-                    if sinks is None:
+                        in_cache = positions == "cache"
+                        qp = (cache_query_pos if in_cache else query_pos).view(1, -1, 1)
+                        kp = (cache_key_pos if in_cache else key_pos).view(1, 1, -1)
+                        scores = score_mod(scores, torch.tensor(b), heads, qp, kp).double()
+                    if sink_logits is None:
                         probs = torch.softmax(scores, dim=-1)
                     else:
-                        probs = torch.softmax(torch.cat([scores, sinks.double().cpu().view(Hq, 1)], dim=1), dim=-1)[:, :-1]
-                    out[b, :, t] = torch.einsum("hk,hkd->hd", probs, vv)
+                        extra = sink_logits.expand(Hq, len(ts), 1)
+                        probs = torch.softmax(torch.cat([scores, extra], dim=-1), dim=-1)[..., :-1]
+                    out[b][:, ts] = probs @ vv
         return out
 
     def commit(self, step: BoundedKVStep) -> None:

@@ -13,12 +13,12 @@ Its host bookkeeping (which requests hold slots, which sources are
 registered, what each request committed) is a bounded cache's own, built on
 the `"meta"` device (which allocates nothing): it accepts and refuses
 exactly the declarations, sources and slot counts the bounded cache does,
-with the same messages. Its attention shares nothing with the cache's
-layout, planner or masks: the attended sets and in-cache positions come
-from `flexkv.model.reference`, computed in float64, dense, per query: a checking
+with the same messages. Its attention is the dense whole-stream reference's
+(`flexkv.model.reference.ReferenceCache`, one per layer group, in float64),
+which shares nothing with the cache's layout, planner or masks: a checking
 tool, not a fast path.
 
-Rotary embeddings are applied here, from un-rotated keys, in either
+Rotary embeddings are applied there, from un-rotated keys, in either
 position mode: ``"stream"`` rotates each entry at its stream index;
 ``"cache"`` rotates every attended key at its in-cache position and the
 query at its own, at every step, the way StreamingLLM's reference code does.
@@ -32,7 +32,7 @@ import torch
 
 from ..config import BoundedKVConfig
 from ..cache.groups import GroupedKVManager, layer_group_configs
-from .reference import ReferenceCache, attended_indices, cache_positions, own_stream_indices
+from .reference import ReferenceCache, own_stream_indices
 from ..cache.rotary import ROPE_POSITIONS, Rotary, check_cache_config, check_cache_step
 from ..step import BoundedKVStep
 
@@ -113,9 +113,8 @@ class UncachedHistory:
         self.groups = groups
         # The bounded cache's own host state and checks; "meta" allocates no memory for it.
         self._host = GroupedKVManager(host_config, groups, "meta")
-        self._sources: Dict[int, tuple] = {}
-        self._private: Dict[Hashable, tuple] = {}
-        # Whole streams, per layer group, kept (and committed in stream order) as the reference keeps them.
+        # Every stream whole, per layer group: the dense reference of each group's retention keeps it,
+        # and attends over it.
         self._history = tuple(ReferenceCache(c) for c in self._configs)
         self._rotary: Dict[int, tuple] = {}
 
@@ -147,14 +146,20 @@ class UncachedHistory:
     @property
     def memory_bytes(self) -> int:
         """Bytes of everything kept: sources and every stream's whole history (it grows)."""
-        total = sum(t.numel() * t.element_size() for kv in (*self._sources.values(), *self._private.values())
-                    for t in kv)
+        total = 0
         for ref in self._history:
-            for layers in ref.streams.values():
-                total += sum(t.numel() * t.element_size() for kv in layers for t in kv)
+            for kv in (*ref.sources.values(), *ref.private.values(), *(kv for s in ref.streams.values() for kv in s)):
+                total += sum(t.numel() * t.element_size() for t in kv)
         return total
 
     # ---------------------------------------------------------- sources
+
+    def _per_group(self, keys: torch.Tensor, values: torch.Tensor):
+        """Each group's reference and its layers' share of all-layer source tensors (float64, CPU)."""
+        keys, values = keys.detach().double().cpu(), values.detach().double().cpu()
+        for g, ref in zip(self.groups, self._history):
+            idx = torch.tensor(g.layers)
+            yield ref, keys.index_select(0, idx), values.index_select(0, idx)
 
     def _meta(self, t):
         """The host's view of a source tensor: the same shape, no data."""
@@ -163,22 +168,26 @@ class UncachedHistory:
     def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Register a source `[num_layers, rows_per_request, num_heads, L, head_dim]` (un-rotated keys)."""
         index = self._host.add_source(self._meta(keys), self._meta(values))
-        self._sources[index] = (keys.detach().double().cpu(), values.detach().double().cpu())
+        for ref, k, v in self._per_group(keys, values):
+            ref.add_source(index, k, v)
         return index
 
     def remove_source(self, index: int) -> None:
         self._host.remove_source(index)
-        del self._sources[index]
+        for ref in self._history:
+            ref.remove_source(index)
 
     def add_private_source(self, request_id: Hashable, keys: torch.Tensor, values: torch.Tensor) -> int:
         """A prefix of `request_id`'s own, read when its position declares `source=-1`."""
         index = self._host.add_private_source(request_id, self._meta(keys), self._meta(values))
-        self._private[request_id] = (keys.detach().double().cpu(), values.detach().double().cpu())
+        for ref, k, v in self._per_group(keys, values):
+            ref.add_private_source(request_id, k, v)
         return index
 
     def remove_private_source(self, request_id: Hashable) -> None:
         self._host.remove_private_source(request_id)
-        del self._private[request_id]
+        for ref in self._history:
+            ref.remove_private_source(request_id)
 
     # --------------------------------------------------------- lifecycle
 
@@ -209,9 +218,9 @@ class UncachedHistory:
 
     def remove_request(self, request_id: Hashable) -> None:
         self._host.remove_request(request_id)  # frees its private source too
-        self._private.pop(request_id, None)
         for ref in self._history:
             ref.remove_request(request_id)
+            ref.remove_private_source(request_id)
 
     # ------------------------------------------------------- model side
 
@@ -273,69 +282,6 @@ class UncachedHistory:
             if mode not in _POSITION_MODES:
                 raise ValueError(f"attend: {name} must be one of {_POSITION_MODES}, got {mode!r}")
         g, local = self._host.group_of(layer)
-        c = self._configs[g]
-        history = self._history[g]
-        R = c.rows_per_request
-        dtype, device = q.dtype, q.device
-        q, k, v = (x.detach().double().cpu() for x in (q, k, v))
-        N, Hq, T, D = q.shape
-        group = Hq // c.num_heads
-        scale = D ** -0.5 if scale is None else scale
-        sink_logits = None if sinks is None else sinks.detach().double().cpu()
-        out = torch.zeros(N, Hq, T, v.shape[-1], dtype=torch.float64)
-        heads = torch.arange(Hq)
-        for si, seg in enumerate(step.segments):
-            rid = seg.request_id
-            if rid is None:
-                continue
-            pos = step.positions[rid]
-            L, n = pos.source_len, pos.length
-            own = own_stream_indices(n, seg.span, T, c.reverse_step_order)
-            sets = attended_indices(c, L, pos.written, seg.span, T)
-            rows = slice(si * R, si * R + R)
-            history.pending[(rid, local)] = (k[rows], v[rows], seg.span, own)
-            K_hist, V_hist = history.stream(rid)[local]
-            order = sorted(range(T), key=lambda t: own[t])
-            parts_k, parts_v = [], []
-            if L:
-                sk, sv = self._private[rid] if pos.source == -1 else self._sources[pos.source]
-                parts_k.append(sk[layer, :, :, :L])
-                parts_v.append(sv[layer, :, :, :L])
-            parts_k += [K_hist[:, :, : pos.written], k[rows][:, :, order]]
-            parts_v += [V_hist[:, :, : pos.written], v[rows][:, :, order]]
-            K_all = torch.cat(parts_k, dim=2)  # [R, H, n + T, D]: index = stream index
-            V_all = torch.cat(parts_v, dim=2)
-            # Queries with the same attended set go together: all of them for a per-step window.
-            by_set: Dict[tuple, list] = {}
-            for t in range(T):
-                by_set.setdefault(tuple(sets[t]), []).append(t)
-            for idx, ts in by_set.items():
-                idx = list(idx)
-                ranks, _ = cache_positions(idx, idx[0]) if idx else ([], 0)
-                rank = dict(zip(idx, ranks))
-                qranks = [rank[own[t]] for t in ts]
-                idx_t = torch.tensor(idx, dtype=torch.long)
-                kk = K_all[:, :, idx_t]  # [R, H, K, D]
-                qq = q[rows][:, :, ts]  # [R, Hq, G, D]
-                if rotary is not None:
-                    cache_mode = rope_positions == "cache"
-                    kk = rotary.rotate(kk, torch.tensor(ranks) if cache_mode else idx_t)
-                    qq = rotary.rotate(qq, torch.tensor(qranks if cache_mode else [own[t] for t in ts]))
-                kk = kk.repeat_interleave(group, 1)
-                vv = V_all[:, :, idx_t].repeat_interleave(group, 1)
-                scores = (qq @ kk.transpose(-1, -2)) * scale  # [R, Hq, G, K]
-                if score_mod is not None:
-                    stream_mode = positions == "stream"
-                    kpos = (idx_t if stream_mode else torch.tensor(ranks, dtype=torch.long)).view(1, 1, -1)
-                    qpos = torch.tensor([own[t] for t in ts] if stream_mode else qranks).view(1, -1, 1)
-                    for r in range(R):
-                        b = torch.tensor(si * R + r)
-                        scores[r] = score_mod(scores[r], b, heads.view(Hq, 1, 1), qpos, kpos).double()
-                if sink_logits is not None:
-                    # A learned sink joins the softmax as one more score with a zero value.
-                    extra = sink_logits.view(1, Hq, 1, 1).expand(R, Hq, len(ts), 1)
-                    probs = torch.softmax(torch.cat([scores, extra], dim=-1), dim=-1)[..., :-1]
-                else:
-                    probs = torch.softmax(scores, dim=-1)
-                out[rows][:, :, ts] = probs @ vv
-        return out.to(dtype=dtype, device=device)
+        out = self._history[g].attend(local, q, k, v, step, scale=scale, score_mod=score_mod, positions=positions,
+                                      sinks=sinks, rotary=rotary, rope_positions=rope_positions)
+        return out.to(dtype=q.dtype, device=q.device)
