@@ -53,7 +53,6 @@ import argparse
 import contextlib
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -70,26 +69,13 @@ from torch.utils.benchmark import Timer
 import flexkv.cache.manager as manager_module
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache.kernel_options import decode_split_kv, flex_kernel_options
-from flexkv.model.reference import ReferenceCache
+from flexkv.model.random_workload import RandomWorkload, relative_error, score_bias
 from flexkv.cache.layout import entry_cell
 from flexkv.compiling import fresh_function
 
 #: Norm-relative tolerances, `||out - ref|| / ||ref||`: an absolute bound on bf16 outputs of a few
 #: thousand keys (values of order 1e-2) would not see a missing block.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """`||out - ref|| / ||ref||` in float64 (0 when both are zero)."""
-    out, ref = out.double().cpu(), ref.double().cpu()
-    den = float(ref.norm())
-    num = float((out - ref).norm())
-    return num / den if den else num
-
-
-def score_bias(score, b, h, q_pos, kv_pos):
-    """A per-head relative-position bias, to check the positions a score_mod sees."""
-    return score - 0.07 * (h + 1) * (q_pos - kv_pos) + 0.01 * b
 
 
 def _unique_graphs() -> int:
@@ -211,115 +197,41 @@ class CompiledOptions:
 
 
 class Stream:
-    """Random steps through a manager (compiled model step) and the dense reference, side by side."""
+    """Random steps through a compiled model step and the dense reference (`flexkv.model.random_workload`)."""
 
     def __init__(self, name: str, cfg: BoundedKVConfig, device, *, q_heads: int, tokens: int, segments: int,
                  block_size: int, seed: int, churn: float = 0.2, score_mod=None, positions: str = "stream",
                  compiled: bool = True, sinks: bool = False, full_blocks: bool = False):
-        self.name, self.cfg, self.device = name, cfg, torch.device(device)
-        self.q_heads, self.T, self.churn = q_heads, tokens, churn
-        self.score_mod, self.positions = score_mod, positions
-        self.rng = random.Random(seed)
-        self.gen = torch.Generator().manual_seed(seed)
-        self.manager = m = BoundedKVManager(cfg, self.device, block_size=block_size)
-        self.full_blocks_seen = 0
+        m = BoundedKVManager(cfg, torch.device(device), block_size=block_size)
         if full_blocks:
             # Every step planned with full blocks, whatever the batch (CUDA's default turns them off
             # for small decode batches): the kernels' full-block branch is what this checks.
             m.full_blocks = True
             m._full_blocks_at = lambda rows, tokens: True
-        self.sinks = (torch.randn(q_heads, generator=self.gen) * 2).to(self.device) if sinks else None
-        self.ref = ReferenceCache(cfg)
-        self.slots: list = [None] * segments
-        self.state: dict = {}
-        self.sources: dict = {}
-        self.next_id = 0
-        self.errors: list = []
-        for _ in range(cfg.max_sources if cfg.max_source_len else 0):
-            length = self.rng.randint(max(cfg.min_source_len, 1), cfg.max_source_len)
-            shape = (cfg.num_layers, cfg.rows_per_request, cfg.num_heads, length, cfg.head_dim)
-            k, v = self.randn(*shape), self.randn(*shape)
-            idx = m.add_source(k, v)
-            self.ref.add_source(idx, k, v)
-            self.sources[idx] = length
-
+        gen = torch.Generator().manual_seed(seed)
+        learned = (torch.randn(q_heads, generator=gen) * 2).to(m.device) if sinks else None
         layers = cfg.num_layers
-
-        learned = self.sinks
 
         def model_step(plan, qs, ks, vs):
             return [m.attend(l, qs[l], ks[l], vs[l], plan, score_mod=score_mod, positions=positions, sinks=learned)
                     for l in range(layers)]
 
-        self.model_step = model_step
+        run = model_step
         if compiled:
-            self.model_step = torch.compile(fresh_function(model_step, f"check_{name}"), fullgraph=True, dynamic=False)
-
-    def randn(self, *shape):
-        return torch.randn(*shape, generator=self.gen).to(self.cfg.dtype).to(self.device)
-
-    def _new_request(self):
-        rid = f"r{self.next_id}"
-        self.next_id += 1
-        if self.sources:
-            src = self.rng.choice(sorted(self.sources))
-            length = self.rng.randint(self.cfg.min_source_len, min(self.cfg.max_source_len, self.sources[src]))
-        else:
-            src, length = 0, 0
-        self.state[rid] = [src, length, 0]
-        return rid
-
-    def _churn(self):
-        added = 0
-        for i, rid in enumerate(self.slots):
-            roll = self.rng.random()
-            if rid is not None and roll < self.churn / 2:
-                self.manager.remove_request(rid)
-                self.ref.remove_request(rid)
-                del self.state[rid]
-                self.slots[i] = None
-            elif rid is not None and roll < self.churn * 0.7:
-                self.manager.reset_request(rid)
-                self.ref.reset_request(rid)
-                self.state[rid][2] = 0
-            elif rid is None and roll < 0.7 and self.manager.free_slots > added:
-                self.slots[i] = self._new_request()
-                added += 1
+            run = torch.compile(fresh_function(model_step, f"check_{name}"), fullgraph=True, dynamic=False)
+        self.work = RandomWorkload(
+            cfg, manager=m, q_heads=q_heads, segments=segments, seed=seed, fixed_tokens=tokens, churn=churn,
+            score_mod=score_mod, positions=positions, sinks=learned, num_sources=cfg.max_sources,
+            attend=lambda manager, plan, qs, ks, vs: run(plan, qs, ks, vs))
+        self.full_blocks_seen = 0
 
     def step(self) -> tuple:
         """One step; returns the largest norm-relative and absolute error over its layers' outputs."""
-        self._churn()
-        c, T = self.cfg, self.T
-        segs, pos = [], {}
-        for rid in self.slots:
-            if rid is None:
-                segs.append(Segment(None, 0))
-                continue
-            src, length, written = self.state[rid]
-            segs.append(Segment(rid, self.rng.choice([T, T, self.rng.randint(0, T)])))
-            pos[rid] = StreamPosition(length, written, source=src)
-        step = BoundedKVStep(tuple(segs), pos, tokens=T)
-        N = len(segs) * c.rows_per_request
-        self.manager.admit(step)
-        plan = self.manager.plan(step)
-        self.full_blocks_seen += sum(len(plan.blocks(i, full=True)) for i in range(plan.rows))
-        qs = [self.randn(N, self.q_heads, T, c.head_dim) for _ in range(c.num_layers)]
-        ks = [self.randn(N, c.num_heads, T, c.head_dim) for _ in range(c.num_layers)]
-        vs = [self.randn(N, c.num_heads, T, c.head_dim) for _ in range(c.num_layers)]
-        with torch.no_grad():
-            outs = self.model_step(plan, qs, ks, vs)
-        rel = err = 0.0
-        for l in range(c.num_layers):
-            exp = self.ref.attend(l, qs[l], ks[l], vs[l], step, score_mod=self.score_mod, positions=self.positions,
-                                  sinks=self.sinks)
-            rel = max(rel, rel_err(outs[l], exp))
-            err = max(err, (outs[l].double().cpu() - exp).abs().max().item())
-        self.manager.commit(step)
-        self.ref.commit(step)
-        for seg in step.segments:
-            if seg.request_id is not None:
-                self.state[seg.request_id][2] += seg.span
-        return rel, err
+        w = self.work
+        w.worst = w.worst_relative = 0.0
+        w.step()
+        self.full_blocks_seen += sum(len(w.plan.blocks(i, full=True)) for i in range(w.plan.rows))
+        return w.worst_relative, w.worst
 
 
 def _retention_with_sources(sink: int, window: int):
@@ -629,7 +541,7 @@ def timing(device: torch.device, report: dict, budget_s: float, save: Callable[[
         with torch.no_grad():
             ref = F.scaled_dot_product_attention(q, Kc, Vc, enable_gqa=True)
         if out is not None:
-            rel = rel_err(out, ref)
+            rel = relative_error(out, ref)
             tol = TOL[s["dtype"]]
             t["flexkv_vs_sdpa"] = dict(rel_err=rel, tol=tol, ok=rel <= tol,
                                        max_abs_err=(out.double() - ref.double()).abs().max().item())
@@ -752,7 +664,7 @@ def variants(d: Decode, report: dict, deadline: float, copy_gbs, save: Callable[
                 recorder.report_new(report)
             extra = {}
             if expect is not None:
-                rel = rel_err(out, expect[:n])
+                rel = relative_error(out, expect[:n])
                 extra = dict(rel_err_vs_sdpa=rel, ok=rel <= tol)
                 if rel > tol:
                     report.setdefault("variant_failures", []).append(f"{name}: rel err {rel:.3g} > {tol:g}")

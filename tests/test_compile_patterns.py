@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
-from workload import Workload
+from flexkv.model.random_workload import RandomWorkload
 
 LAYERS = 3
 CFG = BoundedKVConfig(
@@ -32,7 +32,7 @@ def run(attend, warm_steps, steps=14, seed=3):
     """Warm up, then run `steps` steps that may not compile anything; returns (graphs at warm-up, workload)."""
     torch._dynamo.reset()
     manager = BoundedKVManager(CFG, "cpu", block_size=16)
-    work = Workload(CFG, q_heads=4, segments=3, seed=seed, manager=manager, fixed_tokens=2, churn=0.2,
+    work = RandomWorkload(CFG, q_heads=4, segments=3, seed=seed, manager=manager, fixed_tokens=2, churn=0.2,
                     attend=attend(manager))
     before = graphs()
     for _ in range(warm_steps):
@@ -106,7 +106,7 @@ def test_symbolic_layer_index_is_still_checked():
     """
     torch._dynamo.reset()
     manager = BoundedKVManager(CFG, "cpu", block_size=16)
-    work = Workload(CFG, q_heads=4, segments=1, seed=1, manager=manager, fixed_tokens=2, churn=0.0)
+    work = RandomWorkload(CFG, q_heads=4, segments=1, seed=1, manager=manager, fixed_tokens=2, churn=0.0)
     attend = torch.compile(manager.attend, fullgraph=True)
     step = work.make_step()
     manager.admit(step)

@@ -12,14 +12,14 @@ from torch._dynamo.utils import counters
 
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
 from flexkv.cache.kernel_sharing import SHARED_KERNEL_TORCH
-from workload import Workload, score_bias
+from flexkv.model.random_workload import RandomWorkload, score_bias
 
 TOL = 1e-4
 
 
 def compiled_workload(cfg, *, q_heads, tokens, seed, score_mod=None, positions="stream", segments=3, views=False,
                       block_size=8, churn=0.25, full_blocks=True):
-    """A Workload whose model step is compiled once.
+    """A RandomWorkload whose model step is compiled once.
 
     With `views`, the step receives q, k, v stacked over layers as 5-D inputs and hands `attend`
     per-layer slices of them (views, not buffers of their own), the case inductor's CPU
@@ -42,7 +42,7 @@ def compiled_workload(cfg, *, q_heads, tokens, seed, score_mod=None, positions="
         if views:
             return compiled(torch.stack(qs), torch.stack(ks), torch.stack(vs), plan)
         return compiled(qs, ks, vs, plan)
-    work = Workload(
+    work = RandomWorkload(
         cfg,
         q_heads=q_heads,
         segments=segments,
@@ -161,7 +161,7 @@ def test_layers_of_one_graph_share_one_flex_attention_region(tokens, pack_gqa, f
         return [manager.attend(l, qs[l], ks[l], vs[l], plan) for l in range(cfg.num_layers)]
 
     compiled = torch.compile(model_step, fullgraph=True, backend=_inspecting_backend(seen))
-    work = Workload(cfg, q_heads=4, segments=3, seed=2, manager=manager, fixed_tokens=tokens, churn=0.2,
+    work = RandomWorkload(cfg, q_heads=4, segments=3, seed=2, manager=manager, fixed_tokens=tokens, churn=0.2,
                     attend=lambda m, plan, qs, ks, vs: compiled(qs, ks, vs, plan))
     torch._dynamo.reset()
     work.step()
@@ -186,7 +186,7 @@ def test_gqa_decode_with_one_block_per_slot_row():
         return [manager.attend(l, qs[l], ks[l], vs[l], plan) for l in range(cfg.num_layers)]
 
     compiled = torch.compile(model_step, fullgraph=True)
-    work = Workload(cfg, q_heads=4, segments=12, seed=6, manager=manager, fixed_tokens=1, churn=0.02,
+    work = RandomWorkload(cfg, q_heads=4, segments=12, seed=6, manager=manager, fixed_tokens=1, churn=0.02,
                     attend=lambda m, plan, qs, ks, vs: compiled(qs, ks, vs, plan))
     torch._dynamo.reset()
     work.step()

@@ -17,8 +17,9 @@ if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not
     sys.path.insert(0, str(ROOT))
 
 import flexkv.cache.manager  # noqa: E402
+from flexkv.model.random_workload import relative_error  # noqa: E402
 from benchmarks.cuda_check import (  # noqa: E402
-    Decode, bench_shape, rel_err, run_workload, save_report, variant_runs, workload_specs)
+    Decode, bench_shape, run_workload, save_report, variant_runs, workload_specs)
 from single_thread import one_thread  # noqa: E402,F401
 
 
@@ -58,8 +59,8 @@ def test_decode_setup_lays_out_what_attend_reads():
 
 def test_the_error_is_relative_to_the_reference_norm():
     ref = torch.full((4, 8), 0.01)
-    assert abs(rel_err(ref + 0.001, ref) - 0.1) < 1e-6  # a 1e-3 offset is 10% of outputs of 1e-2
-    assert rel_err(ref, ref) == 0.0
+    assert abs(relative_error(ref + 0.001, ref) - 0.1) < 1e-6  # a 1e-3 offset is 10% of outputs of 1e-2
+    assert relative_error(ref, ref) == 0.0
 
 
 def test_full_block_workload_plans_full_blocks_and_matches_reference():

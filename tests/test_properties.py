@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexkv import BoundedKVConfig, SinkWindow
-from workload import Workload, score_bias
+from flexkv.model.random_workload import RandomWorkload, score_bias
 
 TOL = 1e-4
 
@@ -64,7 +64,7 @@ def test_random_workloads_match_reference(cfg_q, seed, block_size, positions, pa
     """Every attention path agrees with the reference: FlexAttention, and the rows path both in place
     (the step uses most of the pool's slot rows) and gathered (one segment against up to 4 slots)."""
     cfg, q_heads = cfg_q
-    work = Workload(
+    work = RandomWorkload(
         cfg,
         q_heads=q_heads,
         segments=segments,
@@ -85,7 +85,7 @@ def test_long_streams_wrap_the_ring_many_times():
         num_layers=1, num_heads=2, head_dim=8, rows_per_request=2, max_source_len=4,
         retention=lambda n: SinkWindow(2 + n % 3, 5), max_slots=3, max_step_tokens=3, max_sources=2,
     )
-    work = Workload(cfg, q_heads=4, segments=3, seed=7, churn=0.05)
+    work = RandomWorkload(cfg, q_heads=4, segments=3, seed=7, churn=0.05)
     for _ in range(80):
         work.step()
     assert max(s[2] for s in work.state.values()) > 5 * cfg.window_capacity
@@ -94,7 +94,7 @@ def test_long_streams_wrap_the_ring_many_times():
 
 def test_padding_rows_return_zeros_and_write_nothing():
     cfg = BoundedKVConfig(1, 1, 4, 1, 0, SinkWindow(1, 3), max_slots=2, max_step_tokens=2)
-    work = Workload(cfg, segments=2, seed=3, churn=0.0)
+    work = RandomWorkload(cfg, segments=2, seed=3, churn=0.0)
     work.slots = ["a", None]
     work.state["a"] = [0, 0, 0]
     work._churn = lambda: None  # keep segment 1 padding throughout
