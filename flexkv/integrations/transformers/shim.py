@@ -50,7 +50,7 @@ class _LayerView:
         self.owner._unsupported("crop (assisted or speculative decoding)")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.owner._unsupported("batch_repeat_interleave")
+        self.owner._unsupported("batch_repeat_interleave (copying a stream's rows)")
 
     def batch_select_indices(self, indices) -> None:
         self.owner._unsupported("batch_select_indices")
@@ -72,6 +72,7 @@ class AttentionLayerView(_LayerView, CacheLayerMixin):
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple:
+        """The mask transformers builds inside the forward is unused (flexkv masks itself): keep it `T x T`."""
         return query_length, 0
 
     def get_seq_length(self) -> int:
@@ -129,16 +130,9 @@ class CacheShim(Cache):
         """Columns fed since the last `select()` (what `generate()` slices its input by)."""
         return self._columns
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple:
-        """The mask transformers builds inside the forward is unused: keep it `T x T`."""
-        return query_length, 0
-
     def get_query_offset(self, layer_idx: int = 0) -> int:
         """0: read inside the forward, so a changing value would recompile a compiled forward every token."""
         return 0
-
-    def get_max_length(self, layer_idx=None) -> int:
-        return -1
 
     @property
     def is_compileable(self) -> bool:
@@ -148,20 +142,9 @@ class CacheShim(Cache):
     def is_croppable(self) -> bool:
         return False
 
-    def reorder_cache(self, beam_idx):
-        self._unsupported("beam search (reorder_cache)")
-
-    def crop(self, tokens_to_remove: int):
-        self._unsupported("crop (assisted or speculative decoding)")
-
-    def batch_repeat_interleave(self, repeats: int):
-        self._unsupported("batch_repeat_interleave (copying a stream's rows)")
-
-    def batch_select_indices(self, indices):
-        self._unsupported("batch_select_indices")
-
-    def activate_past_recording(self):
-        self._unsupported("recording past recurrent states (assisted or speculative decoding)")
+    # `get_mask_sizes`, `get_max_length` and what a bounded cache refuses (`reorder_cache`, `crop`,
+    # `batch_repeat_interleave`, `batch_select_indices`, `activate_past_recording`) are answered
+    # by the layer views: transformers' `Cache` hands each of them to its layers.
 
     def early_initialization(self, *args, **kwargs):
         """Nothing to do: every buffer was allocated when the cache was built."""
