@@ -1,77 +1,4 @@
-"""`StreamSession`: the step loop of a streaming model, written once.
-
-A model that streams through a bounded cache needs the same loop every
-time: keep each request's position, give new requests a slot (or make them
-wait), pad the batch to a fixed shape so the compiled step never
-recompiles, compile and warm up, then per step admit, plan, run the model,
-commit. `StreamSession` is that loop::
-
-    session = StreamSession(config)                 # or an existing BoundedKVManager
-
-    def model(attn, tokens):                        # tokens [B, T]: every request's, padded
-        x = embed(tokens)
-        for layer in range(num_layers):
-            q, k, v = project(layer, x)             # [B, heads, T, head_dim]
-            x = x + out_proj(layer, attn(layer, q, k, v))
-        return logits(x)                            # [B, T, vocab]
-
-    out = session.step({"chat0": prompt_ids, "chat1": next_id}, model)
-    out["chat0"]                                    # chat0's logits, [len(prompt_ids), vocab]
-    session.finish("chat0")                         # its slot goes to the next request
-
-What it does per `step(feeds, fn)`:
-
-- `feeds` maps request ids to what each request feeds this step: a tensor
-  (or a tuple, list or dict of tensors) with the request's tokens along
-  dimension 0, or a `Chunk(inputs, span=k)` that writes only the first `k`
-  tokens (the rest are look-ahead tokens: attended, never written). A request
-  seen for the first time starts with an empty stream and no source;
-  `start()` starts one on a shared source.
-- Each request holds a *lane*, its row in the batch (`rows_per_request` rows
-  with CFG), from its start until `finish()`: the lowest free lane, as
-  stable as the request. The batch is padded to the smallest of
-  `batch_sizes` that covers every lane in the step, and `T` to the smallest of
-  `token_sizes` that holds every feed; padded lanes are padding segments
-  (they read and write nothing).
-- `fn(attn, inputs)` runs the model on the padded batch (`inputs` has the
-  structure of one feed, each tensor `[B, T, ...]`); `attn(layer, q, k, v,
-  **kw)` is the cache's attention for the step (`BoundedKVManager.attend`
-  with the step's plan). `attn` is the session's `StepContext`, so modules
-  built with `flexkv.model.wrap.attention(session.context, layer)` work too.
-- The result maps each request of the step to its share of `fn`'s output:
-  every output tensor `[B, T, ...]` cut to the request's lane and tokens.
-
-With `compile=True` (the default) `fn` runs under
-`torch.compile(fullgraph=True, dynamic=False)`, once per `(B, T)` bucket:
-the first step (or `warmup`) compiles every bucket on all-padding steps,
-and no later step compiles. `initial_state` gives every request a model state
-carried between steps (a convolution's last inputs, say); `fn` then takes
-and returns it (see `StreamSession`).
-
-When every lane is held, `when_full` decides: `"queue"` (default) keeps new
-requests waiting, first come first served, and admits them as lanes free
-up (their feeds are left out of steps meanwhile and listed in
-`StepResult.waiting`); `"refuse"` raises `SlotsExhausted` and changes
-nothing.
-
-Every retention the core has runs here: give `groups=` (LayerGroups, or
-one `SinkWindow` per layer) for a model whose layers keep different parts
-of the stream, or pass any flexkv cache (`flexkv.cache.protocol.StreamCache`: a
-`BoundedKVManager`, a `GroupedKVManager`, or the uncached twin
-`flexkv.model.uncached.UncachedHistory` for checking). The session uses the cache
-only through that protocol, and adds no semantics of its own.
-
-Every operation is atomic: it happens, or it raises and nothing changed
-(the cache, every lane, every waiting request). That holds for a model
-function that raises (`KeyboardInterrupt` included): the step's tokens are
-not committed and its new requests are not started. A session is not
-thread-safe and not re-entrant: an operation called while another runs
-(from another thread, or from inside the model function) raises
-`RuntimeError` and changes nothing.
-
-The low-level API (`admit`, `plan`, `attend`, `commit`) stays what an
-engine uses; the session is built on it and on nothing else.
-"""
+"""`StreamSession`: the step loop (see `flexkv.session`)."""
 
 from __future__ import annotations
 
@@ -82,19 +9,21 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from .compiling import fresh_function, watch_recompiles
-from .config import BoundedKVConfig, is_int
-from .cache.groups import build_cache
-from .cache.manager import SlotsExhausted
-from .cache.protocol import check_cache
-from .step import BoundedKVStep, Segment, StreamPosition
-from .model.wrap import StepContext
+from ..cache.groups import build_cache
+from ..cache.manager import SlotsExhausted
+from ..cache.protocol import check_cache
+from ..compiling import fresh_function, watch_recompiles
+from ..config import BoundedKVConfig, is_int
+from ..model.wrap import StepContext
+from ..step import BoundedKVStep, Segment, StreamPosition
+from .feeds import Chunk, flatten, map_tensors, pad_by_lane, parse_feed, unflatten
+from .result import StepResult
 
-__all__ = ["StreamSession", "Chunk", "StepResult", "WHEN_FULL"]
+__all__ = ["StreamSession", "WHEN_FULL"]
 
 WHEN_FULL = ("queue", "refuse")
 
@@ -111,75 +40,6 @@ _RECOMPILE_ADVICE = (
 )
 
 
-class Chunk(NamedTuple):
-    """What one request feeds a step when it does not write all of it.
-
-    `inputs`: a tensor, or a tuple, list or dict of tensors, with the chunk's
-    tokens along dimension 0. `span`: how many of them are written to the
-    stream (default: all); the remaining ones are look-ahead tokens, attended
-    but never written (a conformer's right context, a TTS model's last chunk
-    with `span=0`).
-    """
-
-    inputs: Any
-    span: Optional[int] = None
-
-
-# ------------------------------------------------------------------ pytrees
-
-
-def _flatten(x, where: str) -> Tuple[List[torch.Tensor], Any]:
-    """Leaves and structure of a tensor or a (nested) tuple/list/dict of tensors."""
-    if isinstance(x, torch.Tensor):
-        return [x], None
-    if isinstance(x, (tuple, list)):
-        leaves, specs = [], []
-        for i, e in enumerate(x):
-            lv, sp = _flatten(e, f"{where}[{i}]")
-            leaves += lv
-            specs.append((len(lv), sp))
-        return leaves, (type(x), specs)
-    if isinstance(x, dict):
-        leaves, specs = [], []
-        for key, e in x.items():
-            lv, sp = _flatten(e, f"{where}[{key!r}]")
-            leaves += lv
-            specs.append((key, len(lv), sp))
-        return leaves, (dict, specs)
-    raise ValueError(
-        f"{where} must be a tensor or a tuple, list or dict of tensors, got {type(x).__name__}"
-    )
-
-
-def _unflatten(spec, leaves: Sequence[torch.Tensor]):
-    if spec is None:
-        return leaves[0]
-    kind, specs = spec
-    out, i = [], 0
-    if kind is dict:
-        d = {}
-        for key, n, sp in specs:
-            d[key] = _unflatten(sp, leaves[i:i + n])
-            i += n
-        return d
-    for n, sp in specs:
-        out.append(_unflatten(sp, leaves[i:i + n]))
-        i += n
-    return kind(out)
-
-
-def _map(fn: Callable, x):
-    """`fn` applied to every tensor of a (nested) tuple/list/dict; other values are kept."""
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_map(fn, e) for e in x)
-    if isinstance(x, dict):
-        return {k: _map(fn, e) for k, e in x.items()}
-    return x
-
-
-
 def _sizes(name: str, sizes, default: Tuple[int, ...], hi: int, hi_name: str) -> Tuple[int, ...]:
     if sizes is None:
         return default
@@ -193,60 +53,6 @@ def _sizes(name: str, sizes, default: Tuple[int, ...], hi: int, hi_name: str) ->
 
 
 # ------------------------------------------------------------------ results
-
-
-class StepResult(Mapping):
-    """What `StreamSession.step` returns: each request's share of the model's output.
-
-    `result[rid]` is `fn`'s output with every tensor `[B, T, ...]` cut to the
-    request's lane and its own tokens: `t[lane, :n]`. The whole batch is
-    there too:
-
-    - `outputs`: `fn`'s output as it returned it (padded lanes included);
-    - `lanes`: request id -> lane (batch row; rows `lane * R .. lane * R + R - 1`
-      of the attention with `rows_per_request = R`);
-    - `tokens`: request id -> how many tokens it fed;
-    - `step`: the `BoundedKVStep` that ran (its positions are before the step);
-    - `plan`: the step's plan (what the cache's `plan` returned);
-    - `waiting`: request ids fed this step that wait for a lane (not run);
-    - `plan_s`: host seconds spent admitting, checking and planning.
-    """
-
-    def __init__(self, outputs, lanes: Dict, tokens: Dict, step, plan, waiting: tuple, plan_s: float):
-        self.outputs = outputs
-        self.lanes = lanes
-        self.tokens = tokens
-        self.step = step
-        self.plan = plan
-        self.waiting = waiting
-        self.plan_s = plan_s
-
-    def __getitem__(self, request_id):
-        if request_id not in self.lanes:
-            where = "waits for a lane" if request_id in self.waiting else "was not in this step"
-            raise KeyError(f"request {request_id!r} {where}")
-        lane, n = self.lanes[request_id], self.tokens[request_id]
-        T = self.step.step_tokens
-        B = len(self.step.segments)
-
-        def cut(t: torch.Tensor) -> torch.Tensor:
-            if t.dim() < 2 or t.shape[0] != B or t.shape[1] != T:
-                raise ValueError(
-                    f"an output of shape {tuple(t.shape)} is not [B={B}, T={T}, ...], so it cannot be cut per "
-                    f"request; read result.outputs and result.lanes instead"
-                )
-            return t[lane, :n]
-
-        return _map(cut, self.outputs)
-
-    def __iter__(self) -> Iterator:
-        return iter(self.lanes)
-
-    def __len__(self) -> int:
-        return len(self.lanes)
-
-    def __repr__(self):
-        return f"StepResult(requests={list(self.lanes)}, waiting={list(self.waiting)})"
 
 
 @dataclass
@@ -616,39 +422,8 @@ class StreamSession:
         return watch_recompiles(self._step_codes[fn], f"StreamSession.step: the compiled model step (B={B}, T={T})",
                                 _RECOMPILE_ADVICE, stacklevel=6)  # the caller of step()
 
-    def _parse(self, request_id, feed):
-        """(leaves, spec, n, span) of one feed, checked."""
-        inputs, span = (feed.inputs, feed.span) if isinstance(feed, Chunk) else (feed, None)
-        leaves, spec = _flatten(inputs, f"the feed of request {request_id!r}")
-        if not leaves:
-            raise ValueError(f"the feed of request {request_id!r} holds no tensor")
-        n = leaves[0].shape[0] if leaves[0].dim() else 0
-        for t in leaves:
-            if t.dim() == 0 or t.shape[0] != n:
-                raise ValueError(
-                    f"request {request_id!r}: every tensor it feeds needs its tokens along dim 0, and they disagree "
-                    f"(shapes {[tuple(x.shape) for x in leaves]})"
-                )
-        if n < 1:
-            raise ValueError(f"request {request_id!r} feeds no token; feed at least one (or leave it out)")
-        top = self.token_sizes[-1]
-        if n > top:
-            raise ValueError(
-                f"request {request_id!r} feeds {n} tokens, more than the largest token size {top}; split the feed "
-                f"into chunks of at most {top} or raise token_sizes (and max_step_tokens)"
-            )
-        if span is None:
-            span = n
-        if not is_int(span) or not 0 <= span <= n:
-            raise ValueError(f"request {request_id!r}: Chunk span must be an int in [0, {n}] (tokens fed), got {span!r}")
-        return leaves, spec, n, span
-
     def _bucket(self, sizes, need: int) -> int:
         return next(s for s in sizes if s >= need)
-
-    @staticmethod
-    def _signature(leaves) -> tuple:
-        return tuple((tuple(t.shape[1:]), t.dtype, t.device) for t in leaves)
 
     def step(self, feeds: Mapping[Hashable, Any], fn: Callable) -> StepResult:
         """Run one step of `fn` for the requests in `feeds` (see the module docstring); returns a `StepResult`.
@@ -668,10 +443,10 @@ class StreamSession:
             raise ValueError("feeds must be a non-empty mapping of request id -> tokens (or Chunk)")
         if not callable(fn):
             raise ValueError(f"fn must be a callable fn(attn, inputs), got {fn!r}")
-        parsed = {rid: self._parse(rid, feed) for rid, feed in feeds.items()}
+        parsed = {rid: parse_feed(rid, feed, self.token_sizes[-1]) for rid, feed in feeds.items()}
         sig = None
-        for rid, (leaves, spec, n, span) in parsed.items():
-            s = (spec, self._signature(leaves))
+        for rid, feed in parsed.items():
+            s = feed.signature
             if sig is None:
                 sig, first = s, rid
             elif s != sig:
@@ -704,12 +479,12 @@ class StreamSession:
             for rid in deferred:
                 self._queue.append(_Waiting(rid, 0, 0))
             return StepResult(None, {}, {}, None, None, waiting, 0.0)
-        T = self._bucket(self.token_sizes, max(parsed[r][2] for r in running))
+        T = self._bucket(self.token_sizes, max(parsed[r].tokens for r in running))
         if self._fill_tokens:
             for rid in running:
-                if parsed[rid][2] != T:
+                if parsed[rid].tokens != T:
                     raise ValueError(
-                        f"request {rid!r} feeds {parsed[rid][2]} tokens in a step of T={T}; with a per-step window "
+                        f"request {rid!r} feeds {parsed[rid].tokens} tokens in a step of T={T}; with a per-step window "
                         f"every query attends all T tokens of its row, so padding would be attended. Feed T tokens "
                         f"(Chunk(inputs, span=k) writes only k), step it separately, or add its length to token_sizes"
                     )
@@ -737,39 +512,13 @@ class StreamSession:
                 self._queue.remove(w)
             raise
 
-    def _pad(self, per_lane: Dict[int, Sequence[torch.Tensor]], template: Sequence[torch.Tensor], B: int, T: Optional[int]):
-        """Stack per-lane leaves into `[B, (T,) ...]` batches, zeros where a lane has nothing (or fewer tokens)."""
-        out = []
-        for i, t in enumerate(template):
-            shape = (B,) + ((T,) + tuple(t.shape[1:]) if T is not None else tuple(t.shape))
-            rows = []
-            full = True
-            for lane in range(B):
-                leaves = per_lane.get(lane)
-                if leaves is None or (T is not None and leaves[i].shape[0] != T):
-                    full = False
-                    break
-                rows.append(leaves[i])
-            if full:
-                out.append(torch.stack(rows))
-                continue
-            batch = torch.zeros(shape, dtype=t.dtype, device=t.device)
-            for lane, leaves in per_lane.items():
-                x = leaves[i]
-                if T is None:
-                    batch[lane] = x
-                else:
-                    batch[lane, :x.shape[0]] = x
-            out.append(batch)
-        return out
-
     def _check_new_state(self, result, state_leaves: List[torch.Tensor], state_spec) -> Any:
         """`fn`'s `(outputs, new_state)`, with `new_state` checked against the state it was given."""
         if not isinstance(result, (tuple, list)) or len(result) != 2:
             raise ValueError("with initial_state, fn must return (outputs, new_state)")
         outputs, new_state = result
         try:
-            leaves, spec = _flatten(new_state, "the new_state fn returned")
+            leaves, spec = flatten(new_state, "the new_state fn returned")
         except ValueError:
             leaves, spec = None, None
         given = [(tuple(t.shape), t.dtype) for t in state_leaves]
@@ -785,8 +534,8 @@ class StreamSession:
         return outputs, new_state
 
     def _run(self, parsed, running, lanes, waiting, B, T, fn) -> StepResult:
-        spec = parsed[running[0]][1]
-        template = parsed[running[0]][0]
+        spec = parsed[running[0]].spec
+        template = parsed[running[0]].leaves
         if self.compile and (fn, B, T) not in self._warm:
             self._warm_up(fn, template, spec)
         t0 = time.perf_counter()
@@ -798,31 +547,31 @@ class StreamSession:
                 segments.append(Segment(None, 0))
                 continue
             req = self._requests[rid]
-            segments.append(Segment(rid, parsed[rid][3]))
+            segments.append(Segment(rid, parsed[rid].span))
             positions[rid] = StreamPosition(req.source_len, req.written, req.source)
         step = BoundedKVStep(tuple(segments), positions, tokens=T)
         plan = self.context.begin(step)
         plan_s = time.perf_counter() - t0
-        inputs = _unflatten(spec, self._pad({lanes[r]: parsed[r][0] for r in running}, template, B, T))
+        inputs = unflatten(spec, pad_by_lane({lanes[r]: parsed[r].leaves for r in running}, template, B, T))
         run = self._runner(fn)
         with torch.no_grad(), self._watch_recompiles(fn, B, T):
             if self.initial_state is None:
                 outputs = run(plan, inputs)
             else:
-                states = {lanes[r]: _flatten(self._requests[r].state, f"the state of request {r!r}") for r in running}
+                states = {lanes[r]: flatten(self._requests[r].state, f"the state of request {r!r}") for r in running}
                 s_leaves, s_spec = states[lanes[running[0]]]
-                stacked = self._pad({l: lv for l, (lv, _) in states.items()}, s_leaves, B, None)
-                outputs, new_state = self._check_new_state(run(plan, inputs, _unflatten(s_spec, stacked)),
+                stacked = pad_by_lane({l: lv for l, (lv, _) in states.items()}, s_leaves, B, None)
+                outputs, new_state = self._check_new_state(run(plan, inputs, unflatten(s_spec, stacked)),
                                                            stacked, s_spec)
         self.context.commit()
         for rid in running:
             req = self._requests[rid]
-            req.written += parsed[rid][3]
+            req.written += parsed[rid].span
             if self.initial_state is not None:
                 lane = lanes[rid]
-                req.state = _map(lambda t: t[lane], new_state)
+                req.state = map_tensors(lambda t: t[lane], new_state)
         return StepResult(outputs, {rid: lanes[rid] for rid in running},
-                          {rid: parsed[rid][2] for rid in running}, step, plan, waiting, plan_s)
+                          {rid: parsed[rid].tokens for rid in running}, step, plan, waiting, plan_s)
 
     def warmup(self, fn: Callable, example) -> float:
         """Compile `fn` for every `(B, T)` bucket on all-padding steps; returns the seconds it took.
@@ -835,7 +584,7 @@ class StreamSession:
         """
         with self._exclusive("warmup"):
             inputs = example.inputs if isinstance(example, Chunk) else example
-            template, spec = _flatten(inputs, "warmup's example")
+            template, spec = flatten(inputs, "warmup's example")
             return self._warm_up(fn, template, spec)
 
     def _warm_up(self, fn, template, spec) -> float:
@@ -843,17 +592,17 @@ class StreamSession:
         run = self._runner(fn)
         state_leaves = state_spec = None
         if self._new_state is not None:
-            state_leaves, state_spec = _flatten(self._new_state(None), "initial_state()")
+            state_leaves, state_spec = flatten(self._new_state(None), "initial_state()")
         for B in self.batch_sizes:
             for T in self.token_sizes:
                 step = BoundedKVStep(tuple(Segment(None, 0) for _ in range(B)), {}, tokens=T)
                 plan = self.cache.plan(step)
                 self.context.step, self.context.plan = step, plan
-                inputs = _unflatten(spec, self._pad({}, template, B, T))
+                inputs = unflatten(spec, pad_by_lane({}, template, B, T))
                 with torch.no_grad():
                     if state_leaves is None:
                         run(plan, inputs)
                     else:
-                        run(plan, inputs, _unflatten(state_spec, self._pad({}, state_leaves, B, None)))
+                        run(plan, inputs, unflatten(state_spec, pad_by_lane({}, state_leaves, B, None)))
                 self._warm.add((fn, B, T))
         return time.perf_counter() - t0

@@ -1,0 +1,119 @@
+"""What requests feed a session step, and how the feeds of a step become one padded batch.
+
+A feed is a tensor, or a nested tuple, list or dict of tensors, with the
+request's tokens along dimension 0; `Chunk(inputs, span=k)` writes only the
+first `k`. Feeds are taken apart and put back together with torch's own
+pytree functions (`torch.utils._pytree`), so the model function receives the
+structure one request fed, each tensor stacked by lane into `[B, T, ...]`.
+Per-request model state goes through the same functions, stacked `[B, ...]`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..config import is_int
+
+__all__ = ["Chunk", "Feed", "flatten", "unflatten", "map_tensors", "parse_feed", "pad_by_lane"]
+
+
+class Chunk(NamedTuple):
+    """What one request feeds a step when it does not write all of it.
+
+    `inputs`: a tensor, or a tuple, list or dict of tensors, with the chunk's
+    tokens along dimension 0. `span`: how many of them are written to the
+    stream (default: all); the remaining ones are look-ahead tokens, attended
+    but never written (a conformer's right context, a TTS model's last chunk
+    with `span=0`).
+    """
+
+    inputs: Any
+    span: Optional[int] = None
+
+
+class Feed(NamedTuple):
+    """One request's feed, checked: its tensors, their structure, how many tokens, how many it writes."""
+
+    leaves: List[torch.Tensor]
+    spec: Any
+    tokens: int
+    span: int
+
+    @property
+    def signature(self) -> tuple:
+        """The structure, trailing shapes, dtypes and devices every feed of a step must share."""
+        return self.spec, tuple((tuple(t.shape[1:]), t.dtype, t.device) for t in self.leaves)
+
+
+def flatten(x, where: str) -> Tuple[List[torch.Tensor], Any]:
+    """The tensors of `x` (a tensor or a nested tuple/list/dict of tensors) and its structure."""
+    paths, spec = pytree.tree_flatten_with_path(x)
+    for path, leaf in paths:
+        if not isinstance(leaf, torch.Tensor):
+            raise ValueError(
+                f"{where}{pytree.keystr(path)} must be a tensor or a tuple, list or dict of tensors, "
+                f"got {type(leaf).__name__}"
+            )
+    return [leaf for _, leaf in paths], spec
+
+
+def unflatten(spec, leaves: Sequence[torch.Tensor]):
+    """`flatten`'s inverse."""
+    return pytree.tree_unflatten(list(leaves), spec)
+
+
+def map_tensors(fn, x):
+    """`fn` applied to every tensor of a (nested) structure; other values are kept."""
+    return pytree.tree_map_only(torch.Tensor, fn, x)
+
+
+def parse_feed(request_id, feed, largest: int) -> Feed:
+    """Check one request's feed (`largest`: the most tokens a step may carry) and take it apart."""
+    inputs, span = (feed.inputs, feed.span) if isinstance(feed, Chunk) else (feed, None)
+    leaves, spec = flatten(inputs, f"the feed of request {request_id!r}")
+    if not leaves:
+        raise ValueError(f"the feed of request {request_id!r} holds no tensor")
+    n = leaves[0].shape[0] if leaves[0].dim() else 0
+    for t in leaves:
+        if t.dim() == 0 or t.shape[0] != n:
+            raise ValueError(
+                f"request {request_id!r}: every tensor it feeds needs its tokens along dim 0, and they disagree "
+                f"(shapes {[tuple(x.shape) for x in leaves]})"
+            )
+    if n < 1:
+        raise ValueError(f"request {request_id!r} feeds no token; feed at least one (or leave it out)")
+    if n > largest:
+        raise ValueError(
+            f"request {request_id!r} feeds {n} tokens, more than the largest token size {largest}; split the feed "
+            f"into chunks of at most {largest} or raise token_sizes (and max_step_tokens)"
+        )
+    if span is None:
+        span = n
+    if not is_int(span) or not 0 <= span <= n:
+        raise ValueError(f"request {request_id!r}: Chunk span must be an int in [0, {n}] (tokens fed), got {span!r}")
+    return Feed(leaves, spec, n, span)
+
+
+def pad_by_lane(per_lane: Dict[int, Sequence[torch.Tensor]], template: Sequence[torch.Tensor], B: int,
+                T: Optional[int]) -> List[torch.Tensor]:
+    """Stack per-lane leaves into `[B, T, ...]` (or `[B, ...]` with `T` None), zeros where a lane
+    has nothing or fewer tokens."""
+    out = []
+    for i, t in enumerate(template):
+        rows = [per_lane.get(lane) for lane in range(B)]
+        if all(r is not None and (T is None or r[i].shape[0] == T) for r in rows):
+            out.append(torch.stack([r[i] for r in rows]))
+            continue
+        shape = (B,) + ((T,) + tuple(t.shape[1:]) if T is not None else tuple(t.shape))
+        batch = torch.zeros(shape, dtype=t.dtype, device=t.device)
+        for lane, leaves in per_lane.items():
+            x = leaves[i]
+            if T is None:
+                batch[lane] = x
+            else:
+                batch[lane, :x.shape[0]] = x
+        out.append(batch)
+    return out
