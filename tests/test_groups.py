@@ -6,7 +6,6 @@ admit atomically across groups. Learned sinks are checked against softmax
 over the attended scores plus one extra score with a zero value.
 """
 
-import copy
 
 import pytest
 import torch
@@ -153,10 +152,10 @@ def test_admit_is_atomic_across_groups():
     m.commit(step([("a", 1)], {"a": 0}))
     # Take group 1's last slot behind the grouped cache's back: group 0 then accepts what group 1 refuses.
     m.managers[1].admit(step([("x", 1)], {"x": 0}))
-    before = copy.deepcopy((m.managers[0]._requests, m.managers[0]._free))
+    before = m.managers[0].slots.snapshot()
     with pytest.raises(SlotsExhausted):
         m.admit(step([("a", 1), ("b", 1)], {"a": 1, "b": 0}))
-    assert copy.deepcopy((m.managers[0]._requests, m.managers[0]._free)) == before
+    assert m.managers[0].slots.snapshot() == before
     assert m.requests == ("a",) and m.written("a") == 1
     with pytest.raises(ValueError, match=r"request 'a': written=0 but 1 tokens are committed"):
         m.admit(step([("a", 1)], {"a": 0}))

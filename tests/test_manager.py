@@ -1,6 +1,5 @@
 """The manager's lifecycle: errors, atomic admission, sources, memory, threads and request isolation."""
 
-import copy
 import random
 import threading
 
@@ -44,7 +43,7 @@ def step(*segs, tokens=None, **pos):
 
 
 def snapshot(mgr):
-    return copy.deepcopy((mgr._free, mgr._requests, mgr._sources))
+    return mgr.slots.snapshot()
 
 
 # ---------------------------------------------------------------- admit errors
@@ -275,7 +274,7 @@ def test_pool_is_safe_under_threads():
     for t in threads:
         t.join()
     assert errors == []
-    assert mgr.free_slots == c.max_slots and sorted(mgr._free) == list(range(c.max_slots))
+    assert mgr.free_slots == c.max_slots and mgr.slots.snapshot()[1] == tuple(range(c.max_slots))
     assert mgr.requests == ()
 
 

@@ -145,10 +145,10 @@ def test_per_query_window_with_sink():
 def test_plan_is_pure_and_repeatable():
     m = manager(cfg())
     step = start(m, [Segment("a", 2), Segment(None, 0)], {"a": StreamPosition(3, 0)})
-    state = (list(m._free), dict(m._requests))
+    state = m.slots.snapshot()
     p1, p2 = m.plan(step), m.plan(step)
     assert p1 == p2 and p1 is not p2
-    assert (list(m._free), dict(m._requests)) == state
+    assert m.slots.snapshot() == state
 
 
 def test_planning_on_meta_device_never_touches_device_data():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
 from typing import Callable, Hashable, Optional
 
 import torch
@@ -27,25 +26,10 @@ from .planner import BoundedPlan, build_plan, table_views
 from .rotary import SinkRotation, stream_positions
 from .row_attention import attend_rows, gather_width, row_geometry
 from .sinks import apply_learned_sinks, check_sinks
-from ..step import BoundedKVStep, Segment, StreamPosition
+from .slots import SlotsExhausted, SlotTable, SourcesExhausted
+from ..step import BoundedKVStep, StreamPosition
 
 __all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted"]
-
-
-class SlotsExhausted(RuntimeError):
-    """`admit` needed more free slots than the pool has; nothing was admitted."""
-
-
-class SourcesExhausted(RuntimeError):
-    """`add_source` found every one of `max_sources` places taken."""
-
-
-@dataclass
-class _Request:
-    slot: int
-    written: int = 0
-    source: Optional[int] = None  # bound by the first admit after creation or reset
-    source_len: Optional[int] = None
 
 
 
@@ -98,10 +82,8 @@ class BoundedKVManager(nn.Module):
             "_head_index", torch.arange(config.num_heads, device=self.device).view(-1, 1), persistent=False
         )
         self._lock = threading.RLock()
-        self._requests: dict = {}
-        self._free = list(range(config.max_slots))  # kept sorted: the lowest free slot goes first
-        self._sources: dict = {}  # index -> registered length (shared and private)
-        self._private: dict = {}  # request id -> index of its private source
+        #: Host bookkeeping: slots, requests, source places (`flexkv.cache.slots`), under `_lock`.
+        self.slots = SlotTable(config)
         self._current_plan: Optional[BoundedPlan] = None
         #: Fold GQA groups into the query axis (on by default on the CPU; see `attend`).
         self.pack_gqa = self.device.type == "cpu"
@@ -144,34 +126,29 @@ class BoundedKVManager(nn.Module):
     def free_slots(self) -> int:
         """How many slots are free."""
         with self._lock:
-            return len(self._free)
+            return self.slots.free_slots
 
     def slot_of(self, request_id: Hashable) -> int:
         """The slot an admitted request holds."""
         with self._lock:
-            req = self._requests.get(request_id)
-            if req is None:
-                raise ValueError(f"request {request_id!r} is not admitted; admit(step) a step that carries it first")
-            return req.slot
+            return self.slots.slot_of(request_id)
 
     def written(self, request_id: Hashable) -> int:
         """Tokens the request has committed to its stream."""
         with self._lock:
-            self.slot_of(request_id)
-            return self._requests[request_id].written
+            return self.slots.written(request_id)
 
     @property
     def requests(self) -> tuple:
         """Admitted request ids, in admission order."""
         with self._lock:
-            return tuple(self._requests)
+            return self.slots.requests
 
     @property
     def sources(self) -> dict:
         """Registered shared sources: index -> length (private sources: `private_sources`)."""
         with self._lock:
-            private = set(self._private.values())
-            return {i: n for i, n in self._sources.items() if i not in private}
+            return self.slots.sources
 
     # ------------------------------------------------------ the cache protocol
     # What every flexkv cache offers the front doors above it (`flexkv.cache.protocol.StreamCache`).
@@ -273,13 +250,7 @@ class BoundedKVManager(nn.Module):
     def _store_source(self, keys, values, length: int) -> int:
         """Copy a checked source into the first free source place (under the lock); returns its index."""
         c = self.config
-        index = next((i for i in range(c.max_sources) if i not in self._sources), None)
-        if index is None:
-            raise SourcesExhausted(
-                f"all max_sources={c.max_sources} source places are taken ({len(self._private)} by private "
-                f"sources); remove_source() a shared one, remove a request with a private one, "
-                f"or raise max_sources"
-            )
+        index = self.slots.next_place()
         with torch.no_grad():
             for layer in range(c.num_layers):
                 kc, vc = self._layer_kv(layer)
@@ -287,7 +258,6 @@ class BoundedKVManager(nn.Module):
                     base = self.layout.source_row(index, r)
                     kc[0, :, base:base + length].copy_(keys[layer, r])
                     vc[0, :, base:base + length].copy_(values[layer, r])
-        self._sources[index] = length
         return index
 
     def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
@@ -299,7 +269,9 @@ class BoundedKVManager(nn.Module):
         """
         length = self._check_source("add_source", keys, values)
         with self._lock:
-            return self._store_source(keys, values, length)
+            index = self._store_source(keys, values, length)
+            self.slots.add_source(index, length)
+            return index
 
     def add_private_source(self, request_id: Hashable, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Give `request_id` a prefix of its own (a per-request prompt): its stream then declares
@@ -317,173 +289,28 @@ class BoundedKVManager(nn.Module):
             raise ValueError("add_private_source: request_id None is reserved for padding segments")
         length = self._check_source("add_private_source", keys, values)
         with self._lock:
-            if request_id in self._private:
-                raise ValueError(
-                    f"add_private_source: request {request_id!r} already has private source "
-                    f"{self._private[request_id]}; reset_request() or remove_private_source() it first"
-                )
-            req = self._requests.get(request_id)
-            if req is not None and req.source_len is not None:
-                raise ValueError(
-                    f"add_private_source: request {request_id!r} has started its stream (source {req.source}, "
-                    f"source_len={req.source_len}); reset_request() it first"
-                )
+            self.slots.check_private(request_id)
             index = self._store_source(keys, values, length)
-            self._private[request_id] = index
+            self.slots.add_private_source(request_id, index, length)
             return index
 
     def remove_private_source(self, request_id: Hashable) -> None:
         """Free `request_id`'s private source (its stream must not be reading it)."""
         with self._lock:
-            if request_id not in self._private:
-                raise ValueError(f"remove_private_source: request {request_id!r} has no private source")
-            req = self._requests.get(request_id)
-            if req is not None and req.source == -1 and req.source_len:
-                raise ValueError(
-                    f"remove_private_source: request {request_id!r} is reading it; reset_request() it "
-                    f"first, or remove_request() it (which frees the private source too)"
-                )
-            self._free_private(request_id)
-
-    def _free_private(self, request_id: Hashable) -> None:
-        index = self._private.pop(request_id, None)
-        if index is not None:
-            del self._sources[index]
+            self.slots.remove_private_source(request_id)
 
     @property
     def private_sources(self) -> dict:
         """Private sources: request id -> source place index."""
         with self._lock:
-            return dict(self._private)
+            return self.slots.private_sources
 
     def remove_source(self, index: int) -> None:
         """Unregister a source no admitted request reads."""
         with self._lock:
-            owner = next((rid for rid, i in self._private.items() if i == index), None)
-            if owner is not None:
-                raise ValueError(
-                    f"remove_source: source {index} is request {owner!r}'s private source; "
-                    f"remove_private_source({owner!r}) or remove_request({owner!r}) frees it"
-                )
-            if index not in self._sources:
-                raise ValueError(f"remove_source: no source {index!r}; registered: {sorted(self._sources)}")
-            users = [rid for rid, r in self._requests.items() if r.source == index and r.source_len]
-            if users:
-                raise ValueError(
-                    f"remove_source: source {index} is still read by requests {users}; remove or reset them first"
-                )
-            del self._sources[index]
+            self.slots.remove_source(index)
 
     # -------------------------------------------------------------- lifecycle
-
-    def _check_step(self, step: BoundedKVStep) -> int:
-        """Shape checks shared by admit and plan; returns T."""
-        c = self.config
-        if not isinstance(step, BoundedKVStep):
-            raise ValueError(f"expected a BoundedKVStep, got {type(step).__name__}")
-        if not step.segments:
-            raise ValueError("a step needs at least one segment (use Segment(None, 0) for padding)")
-        T = step.step_tokens
-        if not is_int(T) or not 1 <= T <= c.max_step_tokens:
-            raise ValueError(
-                f"step tokens T={T!r} must be an int in [1, max_step_tokens={c.max_step_tokens}]; "
-                f"raise max_step_tokens or split the step"
-            )
-        seen = set()
-        for seg in step.segments:
-            if not isinstance(seg, Segment):
-                raise ValueError(f"segments must be Segment objects, got {seg!r}")
-            if not is_int(seg.span) or seg.span < 0:
-                raise ValueError(f"segment {seg.request_id!r}: span must be an int >= 0, got {seg.span!r}")
-            if seg.span > c.max_step_tokens:
-                raise ValueError(
-                    f"segment {seg.request_id!r}: span={seg.span} exceeds max_step_tokens={c.max_step_tokens}"
-                )
-            if seg.span > T:
-                raise ValueError(
-                    f"segment {seg.request_id!r}: span={seg.span} exceeds the step's T={T}; "
-                    f"set BoundedKVStep(tokens=...) to at least the largest span"
-                )
-            rid = seg.request_id
-            if rid is None:
-                continue
-            if rid in seen:
-                raise ValueError(f"request {rid!r} appears twice in one step; give each request one segment")
-            seen.add(rid)
-            pos = step.positions.get(rid)
-            if not isinstance(pos, StreamPosition):
-                raise ValueError(
-                    f"request {rid!r} has no StreamPosition in step.positions (got {pos!r}); "
-                    f"every non-padding segment needs one"
-                )
-        return T
-
-    def _check_declaration(self, rid: Hashable, pos: StreamPosition, restart: bool = False) -> None:
-        """Every check of one request's declaration (under the lock); changes nothing.
-
-        The one home of these checks: `admit` runs them for every request of a
-        step, and `check_start` for a request about to start (or, with
-        `restart`, restart) its stream, so every front door refuses the same
-        declarations with the same message.
-        """
-        c = self.config
-        L, w, src = pos.source_len, pos.written, pos.source
-        if not is_int(src) or src < -1:
-            raise ValueError(
-                f"request {rid!r}: source must be a registered source index >= 0, or -1 for the "
-                f"request's private source, got {src!r}"
-            )
-        for name, val in (("source_len", L), ("written", w)):
-            if not is_int(val) or val < 0:
-                raise ValueError(f"request {rid!r}: {name} must be an int >= 0, got {val!r}")
-        if not c.min_source_len <= L <= c.max_source_len:
-            raise ValueError(
-                f"request {rid!r}: source_len={L} is outside [min_source_len={c.min_source_len}, "
-                f"max_source_len={c.max_source_len}]"
-                + ("; start it on a registered source" if L < c.min_source_len else "")
-            )
-        if L > 0 and src == -1:
-            if rid not in self._private:
-                raise ValueError(
-                    f"request {rid!r}: source=-1 declares a private source, but none was added; "
-                    f"add_private_source({rid!r}, keys, values) first"
-                )
-            if L > self._sources[self._private[rid]]:
-                raise ValueError(
-                    f"request {rid!r}: source_len={L} is longer than its private source "
-                    f"({self._sources[self._private[rid]]} entries)"
-                )
-        elif L > 0:
-            owner = next((o for o, i in self._private.items() if i == src), None)
-            if owner is not None:
-                raise ValueError(
-                    f"request {rid!r}: source {src} is request {owner!r}'s private source; "
-                    f"declare a shared source, or source=-1 with a private source of its own"
-                )
-            if src not in self._sources:
-                raise ValueError(
-                    f"request {rid!r}: unknown source {src}; registered sources: {sorted(self._sources)} "
-                    f"(add_source() it first)"
-                )
-            if L > self._sources[src]:
-                raise ValueError(
-                    f"request {rid!r}: source_len={L} is longer than source {src} "
-                    f"({self._sources[src]} entries)"
-                )
-        req = self._requests.get(rid)
-        committed = 0 if req is None or restart else req.written
-        if w != committed:
-            raise ValueError(
-                f"request {rid!r}: written={w} but {committed} tokens are committed; "
-                f"positions must follow commit()"
-            )
-        if not restart and req is not None and req.source_len is not None and (
-            L != req.source_len or (L > 0 and src != req.source)
-        ):
-            raise ValueError(
-                f"request {rid!r}: stream started with source {req.source} (source_len={req.source_len}) "
-                f"but this step declares source {src} (source_len={L}); reset_request() to change it"
-            )
 
     def check_start(self, request_id: Hashable, source: int = 0, source_len: int = 0, *,
                     restart: bool = False) -> None:
@@ -497,7 +324,7 @@ class BoundedKVManager(nn.Module):
         if request_id is None:
             raise ValueError("request id None is reserved for padding segments; use any other hashable id")
         with self._lock:
-            self._check_declaration(request_id, StreamPosition(source_len, 0, source), restart)
+            self.slots.check_declaration(request_id, StreamPosition(source_len, 0, source), restart)
 
     def admit(self, step: BoundedKVStep) -> None:
         """Give each new request of `step` a free slot and check every declaration.
@@ -505,30 +332,8 @@ class BoundedKVManager(nn.Module):
         Atomic: on any error nothing changes. A full pool raises
         `SlotsExhausted`; a bad declaration raises `ValueError`.
         """
-        c = self.config
         with self._lock:
-            self._check_step(step)
-            new = []
-            for seg in step.segments:
-                rid = seg.request_id
-                if rid is None:
-                    continue
-                self._check_declaration(rid, step.positions[rid])
-                if rid not in self._requests:
-                    new.append(rid)
-            if len(new) > len(self._free):
-                raise SlotsExhausted(
-                    f"step needs {len(new)} new slot(s) but only {len(self._free)} of max_slots={c.max_slots} "
-                    f"are free; remove_request() finished requests or raise max_slots"
-                )
-            for rid in new:
-                self._requests[rid] = _Request(slot=self._free.pop(0))
-            for seg in step.segments:
-                if seg.request_id is not None:
-                    req = self._requests[seg.request_id]
-                    if req.source_len is None:
-                        pos = step.positions[seg.request_id]
-                        req.source, req.source_len = pos.source, pos.source_len
+            self.slots.admit(step)
 
     def plan(self, step: BoundedKVStep) -> BoundedPlan:
         """Plan `step` (every request admitted) on host ints; the plan is also kept for `attend(plan=None)`.
@@ -537,14 +342,10 @@ class BoundedKVManager(nn.Module):
         same step twice gives equal plans.
         """
         with self._lock:
-            self._check_step(step)
-            for seg in step.segments:
-                if seg.request_id is not None and seg.request_id not in self._requests:
-                    raise ValueError(
-                        f"request {seg.request_id!r} is not admitted; call admit(step) before plan(step)"
-                    )
-            slots = {rid: r.slot for rid, r in self._requests.items()}
-            private = dict(self._private)
+            self.slots.check_step(step)
+            self.slots.check_admitted(step, "request {rid} is not admitted; call admit(step) before plan(step)")
+            slots = self.slots.slots()
+            private = self.slots.private_sources
         plan = build_plan(self.config, self.layout, step, slots.__getitem__, self.device,
                           self._full_blocks_at(len(step.segments) * self.config.rows_per_request, step.step_tokens),
                           private_source=private.get)
@@ -559,14 +360,7 @@ class BoundedKVManager(nn.Module):
         """
         self._geometry_plan, self._geometries = None, {}
         with self._lock:
-            self._check_step(step)
-            for seg in step.segments:
-                if seg.request_id is not None and seg.request_id not in self._requests:
-                    raise ValueError(f"commit: request {seg.request_id!r} is not admitted")
-            for seg in step.segments:
-                if seg.request_id is not None:
-                    pos = step.positions[seg.request_id]
-                    self._requests[seg.request_id].written = pos.written + seg.span
+            self.slots.commit(step)
 
     def reset_request(self, request_id: Hashable) -> None:
         """Rewind a request to an empty stream; it keeps its slot and may pick a new source.
@@ -575,20 +369,12 @@ class BoundedKVManager(nn.Module):
         (`source=-1`), or `remove_private_source` frees it for a new one.
         """
         with self._lock:
-            req = self._requests.get(request_id)
-            if req is None:
-                raise ValueError(f"reset_request: request {request_id!r} is not admitted")
-            req.written, req.source, req.source_len = 0, None, None
+            self.slots.reset(request_id)
 
     def remove_request(self, request_id: Hashable) -> None:
         """Free the request's slot (and its private source, if any)."""
         with self._lock:
-            req = self._requests.pop(request_id, None)
-            if req is None:
-                raise ValueError(f"remove_request: request {request_id!r} is not admitted")
-            self._free_private(request_id)
-            self._free.append(req.slot)
-            self._free.sort()
+            self.slots.remove(request_id)
 
     # -------------------------------------------------------------- attention
 

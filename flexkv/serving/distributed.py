@@ -324,11 +324,9 @@ class ShardedKVManager(BoundedKVManager):
     def state_digest(self) -> str:
         """A digest of the host state every rank must share: requests, slots, written counts, sources."""
         with self._lock:
-            state = (
-                [(_stable_id(rid), r.slot, r.written, r.source, r.source_len) for rid, r in self._requests.items()],
-                list(self._free),
-                sorted(self._sources.items()),
-            )
+            requests, free, sources, private = self.slots.snapshot()
+            state = ([(_stable_id(rid), *rest) for rid, *rest in requests], list(free), list(sources),
+                     [(_stable_id(rid), place) for rid, place in private])
         return hashlib.blake2b(repr(state).encode(), digest_size=8).hexdigest()
 
     def check_in_sync(self, plan: Optional[BoundedPlan] = None) -> None:
@@ -355,7 +353,7 @@ class ShardedKVManager(BoundedKVManager):
             )
         with self._lock:
             mine = [_signed64(self.state_digest()), _signed64(plan_digest(plan)) if plan is not None else 0,
-                    len(self._requests), len(self._free)]
+                    len(self.slots.requests), self.slots.free_slots]
         # gloo/mpi gather host tensors; other backends (NCCL) gather on the cache's accelerator.
         backend = str(dist.get_backend(group))
         device = self.device if self.device.type not in ("cpu", "meta") and not (

@@ -1,0 +1,324 @@
+"""`SlotTable`: a cache's host bookkeeping, in plain Python.
+
+Which request holds which slot, what each has committed, which source it
+started on, which source places are taken (shared, or reserved as a
+request's private source): everything a step is checked and planned
+against, and nothing on a device. `BoundedKVManager` keeps one and holds
+its lock around every call; the planner reads slots and private places
+from it. All the checks of a step and of a request's declaration live here
+(docs/contract.md section 5), so every front door refuses the same things
+with the same message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Optional
+
+from ..config import BoundedKVConfig, is_int
+from ..step import BoundedKVStep, Segment, StreamPosition
+
+__all__ = ["SlotTable", "SlotsExhausted", "SourcesExhausted"]
+
+
+class SlotsExhausted(RuntimeError):
+    """`admit` needed more free slots than the pool has; nothing was admitted."""
+
+
+class SourcesExhausted(RuntimeError):
+    """`add_source` found every one of `max_sources` places taken."""
+
+
+@dataclass
+class _Request:
+    slot: int
+    written: int = 0
+    source: Optional[int] = None  # bound by the first admit after creation or reset
+    source_len: Optional[int] = None
+
+
+class SlotTable:
+    """Slots, requests and source places of one cache (not thread-safe: the owner locks)."""
+
+    def __init__(self, config: BoundedKVConfig):
+        self.config = config
+        self._requests: dict = {}
+        self._free = list(range(config.max_slots))  # kept sorted: the lowest free slot goes first
+        self._sources: dict = {}  # place -> registered length (shared and private)
+        self._private: dict = {}  # request id -> place of its private source
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def slot_of(self, request_id: Hashable) -> int:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise ValueError(f"request {request_id!r} is not admitted; admit(step) a step that carries it first")
+        return req.slot
+
+    def written(self, request_id: Hashable) -> int:
+        self.slot_of(request_id)
+        return self._requests[request_id].written
+
+    @property
+    def requests(self) -> tuple:
+        return tuple(self._requests)
+
+    @property
+    def sources(self) -> dict:
+        private = set(self._private.values())
+        return {i: n for i, n in self._sources.items() if i not in private}
+
+    @property
+    def private_sources(self) -> dict:
+        return dict(self._private)
+
+    def slots(self) -> dict:
+        """Request id -> slot, for the planner."""
+        return {rid: r.slot for rid, r in self._requests.items()}
+
+    def snapshot(self) -> tuple:
+        """Everything the table holds, as plain values (equal snapshots: the same state)."""
+        return (
+            tuple((rid, r.slot, r.written, r.source, r.source_len) for rid, r in self._requests.items()),
+            tuple(self._free), tuple(sorted(self._sources.items())), tuple(self._private.items()),
+        )
+
+    # ---------------------------------------------------------------- sources
+
+    def next_place(self) -> int:
+        """The lowest free source place, or `SourcesExhausted`."""
+        c = self.config
+        index = next((i for i in range(c.max_sources) if i not in self._sources), None)
+        if index is None:
+            raise SourcesExhausted(
+                f"all max_sources={c.max_sources} source places are taken ({len(self._private)} by private "
+                f"sources); remove_source() a shared one, remove a request with a private one, "
+                f"or raise max_sources"
+            )
+        return index
+
+    def add_source(self, index: int, length: int) -> None:
+        self._sources[index] = length
+
+    def check_private(self, request_id: Hashable) -> None:
+        """Raise unless `request_id` may be given a private source now."""
+        if request_id is None:
+            raise ValueError("add_private_source: request_id None is reserved for padding segments")
+        if request_id in self._private:
+            raise ValueError(
+                f"add_private_source: request {request_id!r} already has private source "
+                f"{self._private[request_id]}; reset_request() or remove_private_source() it first"
+            )
+        req = self._requests.get(request_id)
+        if req is not None and req.source_len is not None:
+            raise ValueError(
+                f"add_private_source: request {request_id!r} has started its stream (source {req.source}, "
+                f"source_len={req.source_len}); reset_request() it first"
+            )
+
+    def add_private_source(self, request_id: Hashable, index: int, length: int) -> None:
+        self._sources[index] = length
+        self._private[request_id] = index
+
+    def remove_private_source(self, request_id: Hashable) -> None:
+        if request_id not in self._private:
+            raise ValueError(f"remove_private_source: request {request_id!r} has no private source")
+        req = self._requests.get(request_id)
+        if req is not None and req.source == -1 and req.source_len:
+            raise ValueError(
+                f"remove_private_source: request {request_id!r} is reading it; reset_request() it "
+                f"first, or remove_request() it (which frees the private source too)"
+            )
+        self._free_private(request_id)
+
+    def _free_private(self, request_id: Hashable) -> None:
+        index = self._private.pop(request_id, None)
+        if index is not None:
+            del self._sources[index]
+
+    def remove_source(self, index: int) -> None:
+        owner = next((rid for rid, i in self._private.items() if i == index), None)
+        if owner is not None:
+            raise ValueError(
+                f"remove_source: source {index} is request {owner!r}'s private source; "
+                f"remove_private_source({owner!r}) or remove_request({owner!r}) frees it"
+            )
+        if index not in self._sources:
+            raise ValueError(f"remove_source: no source {index!r}; registered: {sorted(self._sources)}")
+        users = [rid for rid, r in self._requests.items() if r.source == index and r.source_len]
+        if users:
+            raise ValueError(
+                f"remove_source: source {index} is still read by requests {users}; remove or reset them first"
+            )
+        del self._sources[index]
+
+    # ----------------------------------------------------------------- checks
+
+    def check_step(self, step: BoundedKVStep) -> int:
+        """Shape checks every step operation runs first; returns T."""
+        c = self.config
+        if not isinstance(step, BoundedKVStep):
+            raise ValueError(f"expected a BoundedKVStep, got {type(step).__name__}")
+        if not step.segments:
+            raise ValueError("a step needs at least one segment (use Segment(None, 0) for padding)")
+        T = step.step_tokens
+        if not is_int(T) or not 1 <= T <= c.max_step_tokens:
+            raise ValueError(
+                f"step tokens T={T!r} must be an int in [1, max_step_tokens={c.max_step_tokens}]; "
+                f"raise max_step_tokens or split the step"
+            )
+        seen = set()
+        for seg in step.segments:
+            if not isinstance(seg, Segment):
+                raise ValueError(f"segments must be Segment objects, got {seg!r}")
+            if not is_int(seg.span) or seg.span < 0:
+                raise ValueError(f"segment {seg.request_id!r}: span must be an int >= 0, got {seg.span!r}")
+            if seg.span > c.max_step_tokens:
+                raise ValueError(
+                    f"segment {seg.request_id!r}: span={seg.span} exceeds max_step_tokens={c.max_step_tokens}"
+                )
+            if seg.span > T:
+                raise ValueError(
+                    f"segment {seg.request_id!r}: span={seg.span} exceeds the step's T={T}; "
+                    f"set BoundedKVStep(tokens=...) to at least the largest span"
+                )
+            rid = seg.request_id
+            if rid is None:
+                continue
+            if rid in seen:
+                raise ValueError(f"request {rid!r} appears twice in one step; give each request one segment")
+            seen.add(rid)
+            pos = step.positions.get(rid)
+            if not isinstance(pos, StreamPosition):
+                raise ValueError(
+                    f"request {rid!r} has no StreamPosition in step.positions (got {pos!r}); "
+                    f"every non-padding segment needs one"
+                )
+        return T
+
+    def check_admitted(self, step: BoundedKVStep, message: str) -> None:
+        """Raise unless every request of `step` holds a slot; `message` names it as `{rid}`."""
+        for seg in step.segments:
+            if seg.request_id is not None and seg.request_id not in self._requests:
+                raise ValueError(message.format(rid=repr(seg.request_id)))
+
+    def check_declaration(self, rid: Hashable, pos: StreamPosition, restart: bool = False) -> None:
+        """Every check of one request's declaration; changes nothing.
+
+        `admit` runs them for every request of a step, and `check_start` for a
+        request about to start (or, with `restart`, restart) its stream.
+        """
+        c = self.config
+        L, w, src = pos.source_len, pos.written, pos.source
+        if not is_int(src) or src < -1:
+            raise ValueError(
+                f"request {rid!r}: source must be a registered source index >= 0, or -1 for the "
+                f"request's private source, got {src!r}"
+            )
+        for name, val in (("source_len", L), ("written", w)):
+            if not is_int(val) or val < 0:
+                raise ValueError(f"request {rid!r}: {name} must be an int >= 0, got {val!r}")
+        if not c.min_source_len <= L <= c.max_source_len:
+            raise ValueError(
+                f"request {rid!r}: source_len={L} is outside [min_source_len={c.min_source_len}, "
+                f"max_source_len={c.max_source_len}]"
+                + ("; start it on a registered source" if L < c.min_source_len else "")
+            )
+        if L > 0 and src == -1:
+            if rid not in self._private:
+                raise ValueError(
+                    f"request {rid!r}: source=-1 declares a private source, but none was added; "
+                    f"add_private_source({rid!r}, keys, values) first"
+                )
+            if L > self._sources[self._private[rid]]:
+                raise ValueError(
+                    f"request {rid!r}: source_len={L} is longer than its private source "
+                    f"({self._sources[self._private[rid]]} entries)"
+                )
+        elif L > 0:
+            owner = next((o for o, i in self._private.items() if i == src), None)
+            if owner is not None:
+                raise ValueError(
+                    f"request {rid!r}: source {src} is request {owner!r}'s private source; "
+                    f"declare a shared source, or source=-1 with a private source of its own"
+                )
+            if src not in self._sources:
+                raise ValueError(
+                    f"request {rid!r}: unknown source {src}; registered sources: {sorted(self._sources)} "
+                    f"(add_source() it first)"
+                )
+            if L > self._sources[src]:
+                raise ValueError(
+                    f"request {rid!r}: source_len={L} is longer than source {src} "
+                    f"({self._sources[src]} entries)"
+                )
+        req = self._requests.get(rid)
+        committed = 0 if req is None or restart else req.written
+        if w != committed:
+            raise ValueError(
+                f"request {rid!r}: written={w} but {committed} tokens are committed; "
+                f"positions must follow commit()"
+            )
+        if not restart and req is not None and req.source_len is not None and (
+            L != req.source_len or (L > 0 and src != req.source)
+        ):
+            raise ValueError(
+                f"request {rid!r}: stream started with source {req.source} (source_len={req.source_len}) "
+                f"but this step declares source {src} (source_len={L}); reset_request() to change it"
+            )
+
+    # -------------------------------------------------------------- lifecycle
+
+    def admit(self, step: BoundedKVStep) -> None:
+        """Check `step` and every declaration, then give each new request the lowest free slot (atomic)."""
+        c = self.config
+        self.check_step(step)
+        new = []
+        for seg in step.segments:
+            rid = seg.request_id
+            if rid is None:
+                continue
+            self.check_declaration(rid, step.positions[rid])
+            if rid not in self._requests:
+                new.append(rid)
+        if len(new) > len(self._free):
+            raise SlotsExhausted(
+                f"step needs {len(new)} new slot(s) but only {len(self._free)} of max_slots={c.max_slots} "
+                f"are free; remove_request() finished requests or raise max_slots"
+            )
+        for rid in new:
+            self._requests[rid] = _Request(slot=self._free.pop(0))
+        for seg in step.segments:
+            if seg.request_id is not None:
+                req = self._requests[seg.request_id]
+                if req.source_len is None:
+                    pos = step.positions[seg.request_id]
+                    req.source, req.source_len = pos.source, pos.source_len
+
+    def commit(self, step: BoundedKVStep) -> None:
+        """`written = position.written + span` for each request of `step` (idempotent)."""
+        self.check_step(step)
+        self.check_admitted(step, "commit: request {rid} is not admitted")
+        for seg in step.segments:
+            if seg.request_id is not None:
+                self._requests[seg.request_id].written = step.positions[seg.request_id].written + seg.span
+
+    def reset(self, request_id: Hashable) -> None:
+        """Rewind a request to an empty stream; it keeps its slot (and its private source)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise ValueError(f"reset_request: request {request_id!r} is not admitted")
+        req.written, req.source, req.source_len = 0, None, None
+
+    def remove(self, request_id: Hashable) -> None:
+        """Free the request's slot and its private source."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            raise ValueError(f"remove_request: request {request_id!r} is not admitted")
+        self._free_private(request_id)
+        self._free.append(req.slot)
+        self._free.sort()
