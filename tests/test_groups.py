@@ -161,26 +161,27 @@ def test_admit_is_atomic_across_groups():
         m.admit(step([("a", 1)], {"a": 0}))
 
 
-def test_bad_groups_are_named():
-    cfg = base_config()
-    with pytest.raises(ValueError, match=r"layer 2 is in groups 0 and 1"):
-        GroupedKVManager(cfg, (LayerGroup((0, 1, 2), SinkWindow(1, 2)), LayerGroup((2, 3), SinkWindow(1, 2))))
-    with pytest.raises(ValueError, match=r"layers \[3\] are in no group"):
-        GroupedKVManager(cfg, (LayerGroup((0, 1, 2), SinkWindow(1, 2)),))
-    with pytest.raises(ValueError, match=r"group 0 names layer 4, but config.num_layers=4"):
-        GroupedKVManager(cfg, (LayerGroup((0, 1, 2, 3, 4), SinkWindow(1, 2)),))
-    with pytest.raises(ValueError, match=r"group 1 \(layers \[3\]\): query_window=5 needs window >= 5"):
-        GroupedKVManager(cfg, (LayerGroup((0, 1, 2), SinkWindow(1, 8)), LayerGroup((3,), SinkWindow(1, 2), 5)))
-    with pytest.raises(ValueError, match=r"LayerGroup.layers must be distinct"):
-        LayerGroup((1, 1), SinkWindow(1, 2))
-    with pytest.raises(ValueError, match=r"LayerGroup.layers is empty"):
-        LayerGroup((), SinkWindow(1, 2))
-    with pytest.raises(ValueError, match=r"LayerGroup.retention must be a SinkWindow"):
-        LayerGroup((0,), 5)
-    m = GroupedKVManager(cfg, GROUPS, block_size=8)
-    x = torch.zeros(1, H, 1, D, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"attend needs this cache's GroupedPlan"):
-        m.attend(0, x, x, x, plan=None)
+@pytest.mark.parametrize("groups, match", [
+    (lambda: (LayerGroup((0, 1, 2), SinkWindow(1, 2)), LayerGroup((2, 3), SinkWindow(1, 2))),
+     r"layer 2 is in groups 0 and 1"),
+    (lambda: (LayerGroup((0, 1, 2), SinkWindow(1, 2)),), r"layers \[3\] are in no group"),
+    (lambda: (LayerGroup((0, 1, 2, 3, 4), SinkWindow(1, 2)),), r"group 0 names layer 4, but config.num_layers=4"),
+    (lambda: (LayerGroup((0, 1, 2), SinkWindow(1, 8)), LayerGroup((3,), SinkWindow(1, 2), 5)),
+     r"group 1 \(layers \[3\]\): query_window=5 needs window >= 5"),
+], ids=["twice", "missing", "out-of-range", "bad-group-config"])
+def test_groups_that_do_not_cover_the_layers_once_are_named(groups, match):
+    with pytest.raises(ValueError, match=match):
+        GroupedKVManager(base_config(), groups())
+
+
+@pytest.mark.parametrize("args, match", [
+    (((1, 1), SinkWindow(1, 2)), r"LayerGroup.layers must be distinct"),
+    (((), SinkWindow(1, 2)), r"LayerGroup.layers is empty"),
+    (((0,), 5), r"LayerGroup.retention must be a SinkWindow"),
+], ids=["repeated", "empty", "retention"])
+def test_a_bad_layer_group_is_refused(args, match):
+    with pytest.raises(ValueError, match=match):
+        LayerGroup(*args)
 
 
 def test_sources_are_split_by_layer():

@@ -135,30 +135,42 @@ def test_remove_frees_the_slot_for_reuse(m):
 # -------------------------------------------------------------------- sources
 
 
-def test_source_errors(m):
-    c = m.config
-    k, v = source(c, 3)
-    with pytest.raises(ValueError, match=r"keys shape expected \(2, 2, 2, 3, 4\), got \(2, 1, 2, 3, 4\)"):
-        m.add_source(k[:, :1], v[:, :1])
-    with pytest.raises(ValueError, match=r"must be \[num_layers, rows_per_request, num_heads, L, head_dim\]"):
-        m.add_source(k[0], v[0])
+@pytest.mark.parametrize("make, match", [
+    (lambda k, v: (k[:, :1], v[:, :1]), r"keys shape expected \(2, 2, 2, 3, 4\), got \(2, 1, 2, 3, 4\)"),
+    (lambda k, v: (k[0], v[0]), r"must be \[num_layers, rows_per_request, num_heads, L, head_dim\]"),
+    (lambda k, v: (k.double(), v.double()), r"keys dtype expected torch.float32, got torch.float64"),
+    (lambda k, v: (k, v[:, :, :, :2]), r"keys \(2, 2, 2, 3, 4\) and values \(2, 2, 2, 2, 4\) differ"),
+], ids=["rows", "rank", "dtype", "lengths"])
+def test_add_source_refuses_tensors_that_do_not_fit(m, make, match):
+    k, v = source(m.config, 3)
+    with pytest.raises(ValueError, match=match):
+        m.add_source(*make(k, v))
+    assert m.sources == {0: 4}
+
+
+def test_add_source_refuses_a_source_longer_than_max_source_len(m):
     with pytest.raises(ValueError, match=r"source length 6 exceeds max_source_len=5"):
-        m.add_source(*source(c, 6))
-    with pytest.raises(ValueError, match=r"keys dtype expected torch.float32, got torch.float64"):
-        m.add_source(k.double(), v.double())
-    with pytest.raises(ValueError, match=r"keys \(2, 2, 2, 3, 4\) and values \(2, 2, 2, 2, 4\) differ"):
-        m.add_source(k, v[:, :, :, :2])
+        m.add_source(*source(m.config, 6))
+
+
+def test_add_source_takes_the_lowest_free_place_until_none_is_left(m):
+    k, v = source(m.config, 3)
     assert m.add_source(k, v) == 1
     with pytest.raises(SourcesExhausted, match=r"all max_sources=2 source places are taken"):
         m.add_source(k, v)
-    m.admit(step(("a", 1), a=StreamPosition(2, 0, source=1)))
+    m.remove_source(0)
+    assert m.add_source(k, v) == 0
+
+
+def test_remove_source_is_refused_while_a_request_reads_it(m):
+    idx = m.add_source(*source(m.config, 3))
+    m.admit(step(("a", 1), a=StreamPosition(2, 0, source=idx)))
     with pytest.raises(ValueError, match=r"source 1 is still read by requests \['a'\]"):
-        m.remove_source(1)
+        m.remove_source(idx)
     m.remove_request("a")
-    m.remove_source(1)
+    m.remove_source(idx)
     with pytest.raises(ValueError, match=r"no source 1; registered: \[0\]"):
-        m.remove_source(1)
-    assert m.add_source(k, v) == 1
+        m.remove_source(idx)
 
 
 def test_source_is_read_where_it_lives(m):
@@ -186,30 +198,34 @@ def test_source_is_read_where_it_lives(m):
 # ---------------------------------------------------------------- attend errors
 
 
-def test_attend_checks_its_tensors(m):
+@pytest.fixture
+def planned(m):
+    """`m` with a step of T=2 for one request planned, and tensors that fit it."""
     s = step(("a", 2), a=StreamPosition(2, 0))
     m.admit(s)
-    plan = m.plan(s)
-    q = torch.zeros(2, 4, 2, 4)
-    kv = torch.zeros(2, 2, 2, 4)
-    with pytest.raises(ValueError, match=r"k shape expected \(2, 2, 2, 4\) .*got \(2, 2, 3, 4\); the plan was made for T=2"):
-        m.attend(0, q, torch.zeros(2, 2, 3, 4), kv, plan)
-    with pytest.raises(ValueError, match=r"q shape expected \(2, a multiple of num_heads=2, 2, 4\), got \(2, 3, 2, 4\)"):
-        m.attend(0, torch.zeros(2, 3, 2, 4), kv, kv, plan)
-    with pytest.raises(ValueError, match=r"q dtype expected torch.float32, got torch.float16"):
-        m.attend(0, q.half(), kv, kv, plan)
-    with pytest.raises(ValueError, match=r"v device expected cpu, got meta"):
-        m.attend(0, q, kv, kv.to("meta"), plan)
-    with pytest.raises(ValueError, match=r"layer_idx must be an int in \[0, 2\), got 2"):
-        m.attend(2, q, kv, kv, plan)
-    with pytest.raises(ValueError, match=r"T=4 exceeds max_step_tokens=3"):
-        m.attend(0, torch.zeros(2, 4, 4, 4), kv, kv, plan)
-    with pytest.raises(ValueError, match=r"positions must be one of"):
-        m.attend(0, q, kv, kv, plan, positions="cells")
-    fresh = BoundedKVManager(m.config, "cpu", block_size=8)
-    with pytest.raises(ValueError, match=r"attend needs a plan"):
-        fresh.attend(0, q, kv, kv)
-    # plan=None uses the last plan made.
+    return m, m.plan(s), torch.zeros(2, 4, 2, 4), torch.zeros(2, 2, 2, 4)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m, p, q, kv: m.attend(0, q, torch.zeros(2, 2, 3, 4), kv, p),
+     r"k shape expected \(2, 2, 2, 4\) .*got \(2, 2, 3, 4\); the plan was made for T=2"),
+    (lambda m, p, q, kv: m.attend(0, torch.zeros(2, 3, 2, 4), kv, kv, p),
+     r"q shape expected \(2, a multiple of num_heads=2, 2, 4\), got \(2, 3, 2, 4\)"),
+    (lambda m, p, q, kv: m.attend(0, q.half(), kv, kv, p), r"q dtype expected torch.float32, got torch.float16"),
+    (lambda m, p, q, kv: m.attend(0, q, kv, kv.to("meta"), p), r"v device expected cpu, got meta"),
+    (lambda m, p, q, kv: m.attend(2, q, kv, kv, p), r"layer_idx must be an int in \[0, 2\), got 2"),
+    (lambda m, p, q, kv: m.attend(0, torch.zeros(2, 4, 4, 4), kv, kv, p), r"T=4 exceeds max_step_tokens=3"),
+    (lambda m, p, q, kv: m.attend(0, q, kv, kv, p, positions="cells"), r"positions must be one of"),
+    (lambda m, p, q, kv: BoundedKVManager(m.config, "cpu", block_size=8).attend(0, q, kv, kv), r"attend needs a plan"),
+], ids=["k-tokens", "q-heads", "dtype", "device", "layer", "too-many-tokens", "positions", "no-plan"])
+def test_attend_refuses_what_does_not_fit_the_plan(planned, call, match):
+    m, plan, q, kv = planned
+    with pytest.raises(ValueError, match=match):
+        call(m, plan, q, kv)
+
+
+def test_attend_without_a_plan_uses_the_last_one_made(planned):
+    m, plan, q, kv = planned
     assert torch.equal(m.attend(0, q, kv, kv), m.attend(0, q, kv, kv, plan))
 
 

@@ -198,25 +198,37 @@ def test_bad_feeds_raise_and_change_nothing(checked, feeds, match):
     assert checked.session.requests == ("z",) and checked.session.written("z") == 1
 
 
-def test_bad_session_arguments():
-    cfg = config()
-    with pytest.raises(ValueError, match=r"when_full must be one of \('queue', 'refuse'\)"):
-        StreamSession(cfg, when_full="drop")
-    with pytest.raises(ValueError, match=r"token_sizes must be a non-empty sequence of ints in \[1, max_step_tokens=3\]"):
-        StreamSession(cfg, token_sizes=(4,))
-    with pytest.raises(ValueError, match=r"batch_sizes must be a non-empty sequence of ints in \[1, max_slots=3\]"):
-        StreamSession(cfg, batch_sizes=())
+@pytest.mark.parametrize("kw, match", [
+    (dict(when_full="drop"), r"when_full must be one of \('queue', 'refuse'\)"),
+    (dict(token_sizes=(4,)), r"token_sizes must be a non-empty sequence of ints in \[1, max_step_tokens=3\]"),
+    (dict(batch_sizes=()), r"batch_sizes must be a non-empty sequence of ints in \[1, max_slots=3\]"),
+], ids=["when_full", "token_sizes", "batch_sizes"])
+def test_bad_session_arguments_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        StreamSession(config(), **kw)
+
+
+def test_compiling_needs_a_cache_that_traces():
     from flexkv.model.uncached import UncachedHistory
     with pytest.raises(ValueError, match=r"compile=True needs a cache whose attention traces"):
-        StreamSession(UncachedHistory(cfg))
-    s = StreamSession(cfg, compile=False)
+        StreamSession(UncachedHistory(config()))
+
+
+def test_finishing_an_unknown_request_is_refused():
     with pytest.raises(ValueError, match=r"request 'x' holds no lane; start\(\) it or feed it to step\(\)"):
-        s.finish("x")
+        StreamSession(config(), compile=False).finish("x")
+
+
+def test_starting_a_request_twice_is_refused():
+    s = StreamSession(config(), compile=False)
     s.start("a")
     with pytest.raises(ValueError, match=r"request 'a' is already started"):
         s.start("a")
-    with pytest.raises(ValueError, match=r"request 'b': unknown source|source_len=2 is outside"):
-        s.start("b", source_len=2)
+
+
+def test_starting_on_a_source_the_cache_cannot_hold_is_refused():
+    with pytest.raises(ValueError, match=r"request 'b': source_len=2 is outside \[min_source_len=0, max_source_len=0\]"):
+        StreamSession(config(), compile=False).start("b", source_len=2)
 
 
 def test_compiled_session_warms_every_bucket_once_and_never_recompiles():

@@ -289,33 +289,50 @@ def test_unsupported_transformers_release_fails_with_one_message(monkeypatch):
         fkt.registration.import_transformers()
 
 
-def test_bad_arguments_are_named():
+@pytest.mark.parametrize("args, kw, match", [
+    (((4, 8),), {}, "retention must be a flexkv.SinkWindow"),
+    ((SinkWindow(2, 8, window_includes_step=True),), {}, "window_includes_step=True"),
+    ((SinkWindow(2, 8),), dict(sliding_retention=8), "sliding_retention must be a flexkv.SinkWindow"),
+    ((SinkWindow(2, 8),), dict(rope_positions="absolute"), "rope_positions must be one of"),
+    ((SinkWindow(2, 8),), dict(prefill_chunk=0), "prefill_chunk must be an int >= 1"),
+], ids=["retention", "includes-step", "sliding", "rope-positions", "prefill-chunk"])
+def test_bad_arguments_are_named_and_leave_the_model_untouched(args, kw, match):
     model = make_model("llama", seed=11)
-    with pytest.raises(ValueError, match="retention must be a flexkv.SinkWindow"):
-        FlexKVCache(model, (4, 8))
-    with pytest.raises(ValueError, match="window_includes_step=True"):
-        FlexKVCache(model, SinkWindow(2, 8, window_includes_step=True))
-    with pytest.raises(ValueError, match="sliding_retention must be a flexkv.SinkWindow"):
-        FlexKVCache(model, SinkWindow(2, 8), sliding_retention=8)
-    with pytest.raises(ValueError, match="positions must be one of"):
-        FlexKVCache(model, SinkWindow(2, 8), positions="absolute")
-    with pytest.raises(ValueError, match="prefill_chunk must be an int >= 1"):
-        FlexKVCache(model, SinkWindow(2, 8), prefill_chunk=0)
-    assert getattr(model, "_flexkv_state", None) is None  # no refused build touched the model
+    with pytest.raises(ValueError, match=match):
+        FlexKVCache(model, *args, **kw)
+    assert getattr(model, "_flexkv_state", None) is None
+
+
+def test_more_rows_than_free_slots_admits_nothing():
+    model = make_model("llama", seed=11)
     cache = FlexKVCache(model, SinkWindow(2, 8), max_streams=2, block_size=16)
-    ids = torch.ones(3, 4, dtype=torch.long)
     with pytest.raises(Exception, match="only 2 of max_slots=2 are free"):
-        model(input_ids=ids, cache=cache)
-    assert cache.streams == () and cache.selection is None  # nothing admitted
-    cache.select(["x", "y"])
-    with pytest.raises(ValueError, match="3 batch rows but the cache's selection names 2"):
-        model(input_ids=ids, cache=cache)
-    with pytest.raises(ValueError, match="2-D padding attention_mask"):
-        model(input_ids=ids[:2], attention_mask=torch.ones(2, 1, 4, 4), cache=cache)
-    with pytest.raises(ValueError, match="stream ids must be distinct"):
-        cache.select(["x", "x"])
+        model(input_ids=torch.ones(3, 4, dtype=torch.long), cache=cache)
+    assert cache.streams == () and cache.selection is None
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda model, cache, ids: model(input_ids=ids, cache=cache.select(["x", "y"])),
+     "3 batch rows but the cache's selection names 2"),
+    (lambda model, cache, ids: model(input_ids=ids[:2], attention_mask=torch.ones(2, 1, 4, 4),
+                                     cache=cache.select(["x", "y"])), "2-D padding attention_mask"),
+    (lambda model, cache, ids: cache.select(["x", "x"]), "stream ids must be distinct"),
+], ids=["rows", "mask", "ids"])
+def test_forwards_the_cache_cannot_plan_are_refused(call, match):
+    model = make_model("llama", seed=11)
+    cache = FlexKVCache(model, SinkWindow(2, 8), max_streams=2, block_size=16)
+    with pytest.raises(ValueError, match=match):
+        call(model, cache, torch.ones(3, 4, dtype=torch.long))
+
+
+def test_a_cache_handed_to_an_inner_forward_it_did_not_plan_is_refused():
+    model = make_model("llama", seed=11)
     with pytest.raises(RuntimeError, match="did not plan"):
-        model.model.forward(input_ids=ids[:2], cache=FlexKVCache(model, SinkWindow(2, 8), block_size=16))
+        model.model.forward(input_ids=torch.ones(2, 4, dtype=torch.long),
+                            cache=FlexKVCache(model, SinkWindow(2, 8), block_size=16))
+
+
+def test_cache_positions_need_a_rotary_model():
     with pytest.raises(ValueError, match=r"rope_positions=.cache. needs the model's rotary embedding"):
         FlexKVCache(make_model("gpt2"), SinkWindow(2, 4), rope_positions="cache")
 
