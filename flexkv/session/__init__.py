@@ -1,23 +1,14 @@
 """`StreamSession`: the step loop of a streaming model, written once.
 
-A model that streams through a bounded cache needs the same loop every
-time: keep each request's position, give new requests a slot (or make them
-wait), pad the batch to a fixed shape so the compiled step never
-recompiles, compile and warm up, then per step admit, plan, run the model,
-commit. `StreamSession` is that loop::
-
-    session = StreamSession(config)                 # or an existing BoundedKVManager
-
-    def model(attn, tokens):                        # tokens [B, T]: every request's, padded
-        x = embed(tokens)
-        for layer in range(num_layers):
-            q, k, v = project(layer, x)             # [B, heads, T, head_dim]
-            x = x + out_proj(layer, attn(layer, q, k, v))
-        return logits(x)                            # [B, T, vocab]
-
-    out = session.step({"chat0": prompt_ids, "chat1": next_id}, model)
-    out["chat0"]                                    # chat0's logits, [len(prompt_ids), vocab]
-    session.finish("chat0")                         # its slot goes to the next request
+This docstring is the session's one full description; README.md's
+quickstart and `examples/quickstart.py` show it in use, and
+docs/contract.md section 5 is the lifecycle it runs. The package holds
+what a request feeds (`feeds`), a step's result (`result`) and the session
+itself (`stream_session`). A model that streams through a bounded cache
+needs the same loop every time: keep each request's position, give new
+requests a slot (or make them wait), pad the batch to a fixed shape so the
+compiled step never recompiles, compile and warm up, then per step admit,
+plan, run the model, commit. `StreamSession` is that loop.
 
 What it does per `step(feeds, fn)`:
 
@@ -26,27 +17,33 @@ What it does per `step(feeds, fn)`:
   dimension 0, or a `Chunk(inputs, span=k)` that writes only the first `k`
   tokens (the rest are look-ahead tokens: attended, never written). A request
   seen for the first time starts with an empty stream and no source;
-  `start()` starts one on a shared source.
-- Each request holds a *lane*, its row in the batch (`rows_per_request` rows
-  with CFG), from its start until `finish()`: the lowest free lane, as
-  stable as the request. The batch is padded to the smallest of
-  `batch_sizes` that covers every lane in the step, and `T` to the smallest of
-  `token_sizes` that holds every feed; padded lanes are padding segments
-  (they read and write nothing).
+  `start(request_id, source=i, source_len=L)` starts one on a shared source.
+- Each request holds a *lane*, its index in the model's batch, from its
+  start until `finish()`: the lowest free lane, as stable as the request
+  (its attention rows are `lane * R .. lane * R + R - 1` with
+  `rows_per_request = R`; its slot in the cache is the cache's choice). The
+  batch is padded to the smallest of `batch_sizes` that covers every lane in
+  the step, and `T` to the smallest of `token_sizes` that holds every feed;
+  padded lanes are padding segments (they read and write nothing).
 - `fn(attn, inputs)` runs the model on the padded batch (`inputs` has the
   structure of one feed, each tensor `[B, T, ...]`); `attn(layer, q, k, v,
   **kw)` is the cache's attention for the step (`BoundedKVManager.attend`
   with the step's plan). `attn` is the session's `StepContext`, so modules
-  built with `flexkv.model.wrap.attention(session.context, layer)` work too.
-- The result maps each request of the step to its share of `fn`'s output:
-  every output tensor `[B, T, ...]` cut to the request's lane and tokens.
+  built with `flexkv.model.wrap.attention(session.context, layer)` and
+  models swapped with `flexkv.swap_attention(model, session.context, ...)`
+  work too.
+- The result (`StepResult`) maps each request of the step to its share of
+  `fn`'s output: every output tensor `[B, T, ...]` cut to the request's lane
+  and tokens.
 
 With `compile=True` (the default) `fn` runs under
 `torch.compile(fullgraph=True, dynamic=False)`, once per `(B, T)` bucket:
 the first step (or `warmup`) compiles every bucket on all-padding steps,
-and no later step compiles. `initial_state` gives every request a model state
-carried between steps (a convolution's last inputs, say); `fn` then takes
-and returns it (see `StreamSession`).
+and no later step compiles; one that does is reported with the guard that
+failed (`flexkv.RecompileWarning`, `flexkv.RecompileError`).
+`initial_state` gives every request a model state carried between steps (a
+convolution's last inputs, say); `fn` then takes and returns it (see
+`StreamSession`).
 
 When every lane is held, `when_full` decides: `"queue"` (default) keeps new
 requests waiting, first come first served, and admits them as lanes free
@@ -68,9 +65,6 @@ not committed and its new requests are not started. A session is not
 thread-safe and not re-entrant: an operation called while another runs
 (from another thread, or from inside the model function) raises
 `RuntimeError` and changes nothing.
-
-The low-level API (`admit`, `plan`, `attend`, `commit`) stays what an
-engine uses; the session is built on it and on nothing else.
 """
 
 from .feeds import Chunk

@@ -73,18 +73,19 @@ class FlexKVCache(CacheShim):
             sinks); its window may not exceed the model's.
         max_streams: streams the cache holds at once (slots); memory is
             allocated for all of them up front.
-        positions: `"stream"` or `"cache"` (see the package docstring).
+        rope_positions: `"stream"` (None, the default) or `"cache"`: where
+            rotary embeddings rotate (docs/transformers.md, "Positions").
         prefill_chunk: the most tokens per row one flexkv step carries; a
             longer prompt is attended in chunks, each layer in turn. Every slot
             holds this many cells beyond what its layers keep.
         block_size: FlexAttention's KV block size (None: flexkv picks one for the config and device).
         device, dtype: default to the model's.
+        positions: the first name of `rope_positions`, still accepted.
 
-    Layers that keep a recurrent state instead of (or beside) keys and values
-    keep it per stream in buffers sized once here; building the cache for
-    such a model runs the model once on one token to read their shapes.
-    `memory_bytes` is the memory the cache holds, fixed at construction;
-    `memory_report()` says what each group of layers keeps and holds.
+    Building the cache for a model with recurrent layers runs the model once
+    on one token to read their states' shapes. `memory_bytes` is what the
+    cache holds, fixed at construction; `memory_report()` says it per group
+    of layers. docs/transformers.md is the full description.
     """
 
     def __new__(cls, model=None, *args, **kwargs):
