@@ -43,9 +43,7 @@ from typing import Dict, List
 
 import torch
 
-from flexkv import BoundedKVConfig, SinkWindow, StreamSession, swap_attention
-from flexkv.cache.rotary import Rotary
-from flexkv.model.uncached import UncachedHistory
+from flexkv import BoundedKVConfig, Rotary, SinkWindow, StreamSession, UncachedHistory, swap_attention
 
 try:
     from examples.ring_transformer import StreamingAttention, StreamingTransformer, TransformerArgs, apply_rope

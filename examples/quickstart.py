@@ -14,8 +14,7 @@ import time
 
 import torch
 
-from flexkv import BoundedKVConfig, SinkWindow, StreamSession
-from flexkv.model.uncached import UncachedHistory
+from flexkv import BoundedKVConfig, SinkWindow, StreamSession, UncachedHistory
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, DIM, VOCAB = 2, 2, 4, 32, 64, 256
 config = BoundedKVConfig(

@@ -40,10 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow, StreamSession
-from flexkv.cache.rotary import Rotary
-from flexkv.model.uncached import UncachedHistory
-from flexkv.model.wrap import StepContext, attention
+from flexkv import BoundedKVConfig, BoundedKVManager, Rotary, SinkWindow, StepContext, StreamSession, UncachedHistory
+from flexkv.model.wrap import attention
 
 
 @dataclass(frozen=True)

@@ -45,9 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flexkv import BoundedKVConfig, BoundedKVManager, Chunk, SinkWindow, StreamSession
-from flexkv.model.uncached import UncachedHistory
-from flexkv.model.wrap import StepContext, attention
+from flexkv import BoundedKVConfig, BoundedKVManager, Chunk, SinkWindow, StepContext, StreamSession, UncachedHistory
+from flexkv.model.wrap import attention
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flexkv import BoundedKVConfig, BoundedKVManager, Chunk, SinkWindow, StreamSession
-from flexkv.model.uncached import UncachedHistory
+from flexkv import BoundedKVConfig, BoundedKVManager, Chunk, SinkWindow, StreamSession, UncachedHistory
 from flexkv.model.wrap import attention
 
 

@@ -1,9 +1,14 @@
-"""Running flexkv under `torch.compile`: code-object copies, graph counts, and what differs between torch releases.
+"""Running flexkv under `torch.compile`: the torch release, code-object copies, graph counts, recompiles.
 
-flexkv supports torch 2.11 to 2.15. The APIs it uses (`flex_attention`,
-`BlockMask.from_kv_blocks`, dynamo's counters and config) have the same
-signatures across those releases; what differs is behaviour, and the guards
-for it live here so the rest of the package reads the same on every release.
+flexkv supports torch 2.11 to 2.15 (`SUPPORTED_TORCH`; `TORCH_VERSION` is
+the running one, `warn_if_untested` says when it is outside). The APIs it
+uses have the same signatures across those releases; where their behaviour
+differs, the code that depends on it decides at its own site (the kernel
+paths in `flexkv.cache.manager`, `kernel_sharing` and `kernel_options`,
+learned sinks in `flexkv.cache.sinks`). `fresh_function` gives a compiled
+use a code object (and so a graph cache) of its own, `graphs_compiled`
+counts graphs, and `watch_recompiles` turns a recompile after warm-up into
+a warning, or an error at dynamo's limit, that names the guard that failed.
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ class StreamSession:
             causal per-step windows (`causal_step`) in every layer feeds may
             be shorter (queries never see later tokens).
         when_full: ``"queue"`` or ``"refuse"``: what `start` (or a step with a
-            new request) does when every lane is held (module docstring).
+            new request) does when every lane is held (see `flexkv.session`).
         compile: run `fn` under `torch.compile(fullgraph=True,
             dynamic=False)`, warmed up on every bucket at its first step.
             With False, `fn` runs as given (it may hold compiled parts of its
@@ -426,7 +426,7 @@ class StreamSession:
         return next(s for s in sizes if s >= need)
 
     def step(self, feeds: Mapping[Hashable, Any], fn: Callable) -> StepResult:
-        """Run one step of `fn` for the requests in `feeds` (see the module docstring); returns a `StepResult`.
+        """Run one step of `fn` for the requests in `feeds` (see `flexkv.session`); returns a `StepResult`.
 
         Requests not started yet start here (empty stream, no source). Any
         error is raised before the cache or any request changes, and a `fn`
