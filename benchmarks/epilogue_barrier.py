@@ -31,6 +31,7 @@ import warnings
 import torch
 
 from benchmarks.rotary_positions import _time_round_robin
+from benchmarks.timing import decode_shape_args
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 
 
@@ -77,16 +78,7 @@ def bench(args, barrier: bool, gated: bool):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=8, help="KV heads")
-    ap.add_argument("--q-heads", type=int, default=32)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--sink", type=int, default=4)
-    ap.add_argument("--window", type=int, default=1020)
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    decode_shape_args(ap, steps=100)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -13,7 +13,7 @@ import statistics
 import time
 from typing import Callable, Dict
 
-__all__ = ["interleaved", "ratio"]
+__all__ = ["decode_shape_args", "interleaved", "ratio"]
 
 
 def interleaved(fns: Dict[str, Callable[[], object]], rounds: int = 7, min_round_s: float = 0.2) -> Dict[str, dict]:
@@ -46,3 +46,18 @@ def interleaved(fns: Dict[str, Callable[[], object]], rounds: int = 7, min_round
 def ratio(a: dict, b: dict) -> float:
     """`a`'s median over `b`'s (how many times slower `a` is)."""
     return a["median_ms"] / b["median_ms"]
+
+
+def decode_shape_args(ap, steps: int) -> None:
+    """The decode-shape options two benchmarks share (batch, layers, heads, head size, sink, window,
+    steps, warm-up, torch threads), added to the argparse parser `ap`."""
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8, help="KV heads")
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--sink", type=int, default=4)
+    ap.add_argument("--window", type=int, default=1020)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")

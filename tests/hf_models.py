@@ -307,3 +307,30 @@ class FailOnce:
         self.seen += 1
         if self.seen == self.call:
             raise self.error
+
+
+def eager_and_compiled_greedy(model, ids, mask, eager, compiled, steps: int):
+    """Greedy decode of `steps` tokens after the prompt, once eagerly over `eager` and once with
+    `model.forward` compiled over `compiled` (the prompt itself runs eagerly in both).
+
+    Returns `(want, got, graphs)`: each forward's last-position logits, eager and compiled, and the
+    count of compiled graphs after each compiled decode step (constant when nothing recompiles).
+    """
+    from torch._dynamo.utils import counters
+
+    with torch.no_grad():
+        want = [model(input_ids=ids, attention_mask=mask, cache=eager).logits[:, -1]]
+        for _ in range(steps):
+            want.append(model(input_ids=want[-1].argmax(-1, keepdim=True), cache=eager).logits[:, -1])
+        got = [model(input_ids=ids, attention_mask=mask, cache=compiled).logits[:, -1]]
+        forward = model.forward
+        model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
+        graphs = []
+        try:
+            for _ in range(steps):
+                got.append(model(input_ids=got[-1].argmax(-1, keepdim=True), cache=compiled).logits[:, -1])
+                graphs.append(counters["stats"]["unique_graphs"])
+        finally:
+            model.forward = forward
+    return want, got, graphs
+

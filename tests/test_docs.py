@@ -349,7 +349,10 @@ def _flags(words: List[str]) -> List[str]:
 
 
 def _source_defines(path: Path, flags: List[str]) -> List[str]:
+    """The flags neither `path` nor a benchmarks module it imports (shared options) names."""
     source = path.read_text(encoding="utf-8")
+    for shared in re.findall(r"^from benchmarks\.(\w+) import", source, flags=re.M):
+        source += (ROOT / "benchmarks" / f"{shared}.py").read_text(encoding="utf-8")
     return [f for f in flags if f'"{f}"' not in source and f"'{f}'" not in source]
 
 

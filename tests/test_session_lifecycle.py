@@ -13,9 +13,8 @@ import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow, StreamSession
 from flexkv.model.reference import ReferenceCache
+from session_models import D, H, LAYERS, feed, model
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
-
-H, D, LAYERS = 2, 8, 2
 
 
 def config(**kw):
@@ -23,19 +22,6 @@ def config(**kw):
                 retention=SinkWindow(2, 6), max_slots=2, max_step_tokens=3, query_window=6)
     base.update(kw)
     return BoundedKVConfig(**base)
-
-
-def model(attn, x):
-    """`x [B, T, 3, H, D]` (q, k, v per token) -> `[B, T, LAYERS, H, D]`."""
-    outs = []
-    for layer in range(LAYERS):
-        q, k, v = ((x[:, :, i] * (layer + 1)).transpose(1, 2) for i in range(3))
-        outs.append(attn(layer, q, k, v).transpose(1, 2))
-    return torch.stack(outs, dim=2)
-
-
-def feed(n, seed):
-    return torch.randn(n, 3, H, D, generator=torch.Generator().manual_seed(seed))
 
 
 def source(n, seed):

@@ -16,7 +16,8 @@ import torch
 
 import hf_models  # noqa: E402
 from hf_models import (  # noqa: E402  (skips this module without the transformers extra)
-    CHUNK, SINK, WINDOW, FailOnce, left_pad, logit_tolerance, make_model, prompts, reference_greedy,
+    CHUNK, SINK, WINDOW, FailOnce, eager_and_compiled_greedy, left_pad, logit_tolerance, make_model, prompts,
+    reference_greedy,
 )
 from single_thread import one_thread  # noqa: E402,F401
 from transformers import DynamicCache  # noqa: E402
@@ -177,28 +178,13 @@ def test_a_failed_or_interrupted_forward_leaves_recurrent_state_as_it_was():
 def test_compiled_decode_of_a_recurrent_model_does_not_recompile():
     """Bamba (a Mamba-2 layer and an attention layer), float32: the compiled decode step reads and
     updates the streams' conv and SSM states in place of the gathered rows, one graph for every token."""
-    from torch._dynamo.utils import counters
-
     torch._dynamo.reset()
     model = make_model("bamba", dtype=torch.float32, seed=4)
     eager = FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
     compiled = FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
     ids, mask = left_pad(prompts((3, 6, 6), seed=8))
     steps = 2 * WINDOW
-    with torch.no_grad():
-        want = [model(input_ids=ids, attention_mask=mask, cache=eager).logits[:, -1]]
-        for _ in range(steps):
-            want.append(model(input_ids=want[-1].argmax(-1, keepdim=True), cache=eager).logits[:, -1])
-        got = [model(input_ids=ids, attention_mask=mask, cache=compiled).logits[:, -1]]
-        forward = model.forward
-        model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
-        graphs = []
-        try:
-            for _ in range(steps):
-                got.append(model(input_ids=got[-1].argmax(-1, keepdim=True), cache=compiled).logits[:, -1])
-                graphs.append(counters["stats"]["unique_graphs"])
-        finally:
-            model.forward = forward
+    want, got, graphs = eager_and_compiled_greedy(model, ids, mask, eager, compiled, steps)
     print(f"\ngraphs compiled after each decode step: {graphs}")
     assert graphs[0] >= 1 and len(set(graphs)) == 1
     for a, b in zip(want, got):

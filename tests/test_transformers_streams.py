@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from hf_models import (  # noqa: E402  (skips this module without the transformers extra)
-    CHUNK, SINK, WINDOW, FailOnce, layer_masks, left_pad, make_model, prompts, reference_greedy,
+    CHUNK, SINK, WINDOW, FailOnce, eager_and_compiled_greedy, layer_masks, left_pad, make_model, prompts,
+    reference_greedy,
 )
 from single_thread import one_thread  # noqa: E402,F401
 
@@ -219,8 +220,6 @@ def test_a_forward_planned_by_hand_commits_when_told():
 
 def test_compiled_hybrid_decode_does_not_recompile_per_token():
     """Gemma 3 (a sliding and a full layer, two groups of different slot sizes), float32, compiled decode."""
-    from torch._dynamo.utils import counters
-
     torch._dynamo.reset()
     model = make_model("gemma3", dtype=torch.float32, seed=4)
     kwargs = dict(max_streams=4, prefill_chunk=CHUNK, block_size=16)
@@ -228,20 +227,7 @@ def test_compiled_hybrid_decode_does_not_recompile_per_token():
     compiled = FlexKVCache(model, SinkWindow(SINK, WINDOW), **kwargs)
     ids, _ = left_pad(prompts((6, 6, 6), seed=8))
     steps = 2 * WINDOW  # past both the sliding window and sink + window
-    with torch.no_grad():
-        want = [model(input_ids=ids, cache=eager).logits[:, -1]]
-        for _ in range(steps):
-            want.append(model(input_ids=want[-1].argmax(-1, keepdim=True), cache=eager).logits[:, -1])
-        got = [model(input_ids=ids, cache=compiled).logits[:, -1]]
-        forward = model.forward
-        model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
-        graphs = []
-        try:
-            for _ in range(steps):
-                got.append(model(input_ids=got[-1].argmax(-1, keepdim=True), cache=compiled).logits[:, -1])
-                graphs.append(counters["stats"]["unique_graphs"])
-        finally:
-            model.forward = forward
+    want, got, graphs = eager_and_compiled_greedy(model, ids, None, eager, compiled, steps)
     print(f"\ngraphs compiled after each decode step: {graphs}")
     assert graphs[0] >= 1 and len(set(graphs)) == 1
     for a, b in zip(want, got):
