@@ -120,6 +120,12 @@ def test_source_minus_one_without_a_private_source_is_refused_and_changes_nothin
     assert (manager.free_slots, manager.requests) == before
 
 
+def test_a_private_source_for_the_padding_id_is_refused_and_takes_no_place(config, manager):
+    with pytest.raises(ValueError, match=r"add_private_source: request_id None is reserved for padding"):
+        manager.add_private_source(None, *prefix(config, 2, 1))
+    assert manager.private_sources == {} and manager.slots.next_place() == 0
+
+
 def test_bad_private_declarations_name_the_value(config, manager):
     index = manager.add_private_source("a", *prefix(config, 2, 1))
     with pytest.raises(ValueError, match="source_len=4 is longer than its private source \\(2 entries\\)"):

@@ -191,6 +191,13 @@ def test_bad_session_arguments_are_named(kw, match):
         StreamSession(config(), **kw)
 
 
+def test_starting_the_padding_id_is_refused_and_changes_nothing(checked):
+    checked.step({"z": feed(1, 9)})
+    with pytest.raises(ValueError, match=r"request id None is reserved for padding"):
+        checked.session.start(None)
+    assert checked.session.requests == ("z",) and checked.session.written("z") == 1
+
+
 def test_compiling_needs_a_cache_that_traces():
     from flexkv.model.uncached import UncachedHistory
     with pytest.raises(ValueError, match=r"compile=True needs a cache whose attention traces"):

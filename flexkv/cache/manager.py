@@ -285,8 +285,6 @@ class BoundedKVManager(nn.Module):
         Set it before the request's stream starts: before its first `admit`,
         or after `reset_request`.
         """
-        if request_id is None:
-            raise ValueError("add_private_source: request_id None is reserved for padding segments")
         length = self._check_source("add_private_source", keys, values)
         with self._lock:
             self.slots.check_private(request_id)
@@ -321,8 +319,6 @@ class BoundedKVManager(nn.Module):
         current stream and source binding are ignored). Changes nothing, and
         does not check for a free slot (`free_slots` says that).
         """
-        if request_id is None:
-            raise ValueError("request id None is reserved for padding segments; use any other hashable id")
         with self._lock:
             self.slots.check_declaration(request_id, StreamPosition(source_len, 0, source), restart)
 

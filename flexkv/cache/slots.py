@@ -212,6 +212,8 @@ class SlotTable:
         `admit` runs them for every request of a step, and `check_start` for a
         request about to start (or, with `restart`, restart) its stream.
         """
+        if rid is None:
+            raise ValueError("request id None is reserved for padding segments; use any other hashable id")
         c = self.config
         L, w, src = pos.source_len, pos.written, pos.source
         if not is_int(src) or src < -1:

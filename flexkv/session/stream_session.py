@@ -290,8 +290,6 @@ class StreamSession:
 
     def _check_start(self, request_id, source, source_len, restart: bool = False) -> None:
         """The cache's own declaration checks (the one home of them), for a request starting now or later."""
-        if request_id is None:
-            raise ValueError("request id None is reserved for padding; use any other hashable id")
         self.cache.check_start(request_id, source, source_len, restart=restart)
 
     def _admit(self, request_id, source, source_len) -> None:
