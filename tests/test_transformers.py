@@ -27,7 +27,9 @@ from transformers import DynamicCache  # noqa: E402
 from transformers.generation.stopping_criteria import StoppingCriteriaList  # noqa: E402
 
 import flexkv.integrations.transformers as fkt  # noqa: E402
-from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition  # noqa: E402
+from flexkv import (  # noqa: E402
+    BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, SlotsExhausted, StreamPosition,
+)
 from flexkv.integrations.transformers import FlexKVCache  # noqa: E402
 from flexkv.integrations.transformers.model_config import HYBRID_TYPES, layer_windows  # noqa: E402
 
@@ -306,9 +308,43 @@ def test_bad_arguments_are_named_and_leave_the_model_untouched(args, kw, match):
 def test_more_rows_than_free_slots_admits_nothing():
     model = make_model("llama", seed=11)
     cache = FlexKVCache(model, SinkWindow(2, 8), max_streams=2, block_size=16)
-    with pytest.raises(Exception, match="only 2 of max_slots=2 are free"):
+    with pytest.raises(SlotsExhausted, match=r"starts 3 new stream\(s\) but the cache holds max_streams=2 and 0 are "
+                                            r"taken; cache.finish\(\) streams that ended"):
         model(input_ids=torch.ones(3, 4, dtype=torch.long), cache=cache)
     assert cache.streams == () and cache.selection is None
+
+
+def test_finishing_an_unknown_stream_names_the_streams_held():
+    model = make_model("llama", seed=11)
+    cache = FlexKVCache(model, SinkWindow(2, 8), max_streams=2, block_size=16)
+    model(input_ids=torch.ones(1, 4, dtype=torch.long), cache=cache.select(["a"]))
+    with pytest.raises(ValueError, match=r"finish\(\): no stream 'b'; the cache holds \['a'\]"):
+        cache.finish("b")
+    assert cache.streams == ("a",)
+
+
+@pytest.mark.parametrize("max_streams", [0, -1, "2", True])
+def test_max_streams_must_be_a_positive_int(max_streams):
+    model = make_model("llama", seed=11)
+    with pytest.raises(ValueError, match=r"max_streams must be an int >= 1"):
+        FlexKVCache(model, SinkWindow(2, 8), max_streams=max_streams)
+
+
+def test_a_cache_recovers_through_the_hooks_installed_now():
+    """disable(model) then enable(model) installs new hooks; a cache built before still plans through them."""
+    from flexkv.integrations.transformers import disable, enable
+
+    model = make_model("llama", seed=11)
+    cache = FlexKVCache(model, SinkWindow(2, 8), max_streams=2, block_size=16)
+    ids = torch.ones(1, 4, dtype=torch.long)
+    disable(model)
+    with pytest.raises(ValueError, match=r"hooks were removed \(disable\(model\)\); call .*enable\(model\)"):
+        cache.prepare(ids)
+    enable(model)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache.select(["a"]))
+    assert cache.stream_length("a") == 4
+    assert all(c._attn_implementation_internal != "flexkv" for c in model._flexkv_state.configs)
 
 
 @pytest.mark.parametrize("call, match", [

@@ -32,13 +32,12 @@ import torch
 
 from ..config import BoundedKVConfig
 from ..cache.groups import GroupedKVManager, layer_group_configs
+from ..cache.masks import POSITION_MODES
 from .reference import ReferenceCache, own_stream_indices
 from ..cache.rotary import ROPE_POSITIONS, Rotary, check_cache_config, check_cache_step
 from ..step import BoundedKVStep
 
 __all__ = ["UncachedHistory", "UncachedPlan"]
-
-_POSITION_MODES = ("stream", "cache")
 
 
 class UncachedPlan:
@@ -278,9 +277,10 @@ class UncachedHistory:
             rotary, recorded = self._rotary[layer]
             rope_positions = recorded if rope_positions is None else rope_positions
         rope_positions = "stream" if rope_positions is None else rope_positions
-        for name, mode in (("positions", positions), ("rope_positions", rope_positions)):
-            if mode not in _POSITION_MODES:
-                raise ValueError(f"attend: {name} must be one of {_POSITION_MODES}, got {mode!r}")
+        for name, mode, allowed in (("positions", positions, POSITION_MODES),
+                                    ("rope_positions", rope_positions, ROPE_POSITIONS)):
+            if mode not in allowed:
+                raise ValueError(f"attend: {name} must be one of {allowed}, got {mode!r}")
         g, local = self._host.group_of(layer)
         out = self._history[g].attend(local, q, k, v, step, scale=scale, score_mod=score_mod, positions=positions,
                                       sinks=sinks, rotary=rotary, rope_positions=rope_positions)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Hashable, List, Optional, Sequence
 
 import torch
@@ -11,6 +12,8 @@ from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
 
 from ...config import BoundedKVConfig, SinkWindow, is_int
 from ...cache.groups import GroupedKVManager
+from ...cache.rotary import ROPE_POSITIONS
+from ...cache.slots import SlotsExhausted
 from ...step import BoundedKVStep, Segment, StreamPosition
 from .cache_positions import CachePositions
 from .hooks import check_model, enable, switch
@@ -19,9 +22,8 @@ from .plan import FlexKVForward, Pending
 from .recurrent import RecurrentStates, probe_states
 from .shim import AttentionLayerView, CacheShim, HybridLayerView, RecurrentLayerView
 
-__all__ = ["FlexKVCache", "POSITION_MODES"]
+__all__ = ["FlexKVCache"]
 
-POSITION_MODES = ("stream", "cache")
 
 # Models whose forward takes no cache but an instance of their own class (MiniMax raises for any
 # other); a FlexKVCache for them is also an instance of that class, with every method its own.
@@ -70,7 +72,8 @@ class FlexKVCache(CacheShim):
         sliding_retention: what the model's sliding-window layers keep.
             None (default): exactly the model's window (`SinkWindow(0,
             sliding_window - 1)`). A `SinkWindow` replaces it (e.g. to add
-            sinks); its window may not exceed the model's.
+            sinks); its window is at most `sliding_window - 1` (what the model's
+            own layer reads before the query).
         max_streams: streams the cache holds at once (slots); memory is
             allocated for all of them up front.
         rope_positions: `"stream"` (None, the default) or `"cache"`: where
@@ -121,8 +124,10 @@ class FlexKVCache(CacheShim):
         _check_retention("retention", retention)
         if sliding_retention is not None:
             _check_retention("sliding_retention", sliding_retention)
-        if positions not in POSITION_MODES:
-            raise ValueError(f"rope_positions must be one of {POSITION_MODES}, got {positions!r}")
+        if positions not in ROPE_POSITIONS:
+            raise ValueError(f"rope_positions must be one of {ROPE_POSITIONS}, got {positions!r}")
+        if not is_int(max_streams) or max_streams < 1:
+            raise ValueError(f"max_streams must be an int >= 1 (streams the cache holds at once), got {max_streams!r}")
         if not is_int(prefill_chunk) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
         check_model(model)
@@ -206,7 +211,9 @@ class FlexKVCache(CacheShim):
         self._pending: Optional[Pending] = None
         # Every check passed: only now touch the model.
         enable(model)
-        self._model_state = model._flexkv_state
+        # The model's hook state is read when needed, not kept: disable(model) and enable(model)
+        # replace it, and this cache must recover and switch through the one installed now.
+        self._model = weakref.ref(model)
 
     # ---------------------------------------------------------------- views
 
@@ -221,7 +228,7 @@ class FlexKVCache(CacheShim):
     @property
     def memory_bytes(self) -> int:
         """Bytes of device memory the cache holds: every slot's keys and values in every attention
-        layer, every slot's recurrent states, and un-rotated sink copies (`positions="cache"`)."""
+        layer, every slot's recurrent states, and un-rotated sink copies (`rope_positions="cache"`)."""
         extra = 0 if self._rotary is None else self._rotary.memory_bytes
         states = 0 if self._recurrent is None else self._recurrent.memory_bytes
         return self.manager.memory_bytes + extra + states
@@ -288,6 +295,11 @@ class FlexKVCache(CacheShim):
         ids = tuple(stream_ids)
         if not ids:
             raise ValueError("select() needs at least one stream id")
+        for i in ids:
+            try:
+                hash(i)
+            except TypeError:
+                raise ValueError(f"select(): stream ids must be hashable (a str, an int, a tuple), got {i!r}") from None
         if len(set(ids)) != len(ids):
             raise ValueError(f"select(): stream ids must be distinct, got {list(ids)}")
         if any(i is None for i in ids):
@@ -302,6 +314,8 @@ class FlexKVCache(CacheShim):
         """End a stream: forget it and free its slot (`StreamSession.finish` for one batch row)."""
         self._recover()
         self._no_pending("finish()")
+        if stream_id not in self.manager.requests:
+            raise ValueError(f"finish(): no stream {stream_id!r}; the cache holds {list(self.manager.requests)}")
         self.manager.remove_request(stream_id)
 
     #: The first name of `finish`.
@@ -315,6 +329,12 @@ class FlexKVCache(CacheShim):
             self.finish(sid)
         self._selection = None
         self._columns = 0
+
+    @property
+    def _model_state(self):
+        """The model's hook state (`hooks.ModelState`) as installed now; None after `disable(model)`."""
+        model = self._model()
+        return None if model is None else getattr(model, "_flexkv_state", None)
 
     def _recover(self) -> None:
         """Roll back a forward the model's hooks planned and never ended (interrupted)."""
@@ -415,6 +435,12 @@ class FlexKVCache(CacheShim):
         """
         self._recover()
         self._no_pending("prepare()")
+        state = self._model_state
+        if state is None:
+            raise ValueError(
+                "prepare(): the model's flexkv hooks were removed (disable(model)); call "
+                "flexkv.integrations.transformers.enable(model) before planning a forward with this cache"
+            )
         ref = input_ids if input_ids is not None else inputs_embeds
         if not isinstance(ref, torch.Tensor) or ref.dim() < 2:
             raise ValueError(
@@ -482,7 +508,15 @@ class FlexKVCache(CacheShim):
         known = set(m.requests)
         # Admits the new streams (atomically over every group); the later chunks continue the same
         # streams, planned at the positions they will have. Nothing is committed before the forward returns.
-        m.admit(steps[0])
+        try:
+            m.admit(steps[0])
+        except SlotsExhausted as exc:
+            fresh = [sid for sid in rows if sid not in known]
+            raise SlotsExhausted(
+                f"this forward starts {len(fresh)} new stream(s) but the cache holds max_streams="
+                f"{m.config.max_slots} and {len(known)} are taken; cache.finish() streams that ended, or build "
+                f"the cache with a larger max_streams"
+            ) from exc
         new = [sid for sid in rows if sid not in known]
         try:
             plans = [m.plan(step) for step in steps]
@@ -516,10 +550,10 @@ class FlexKVCache(CacheShim):
             raise
         fwd = FlexKVForward(self, steps, plans, gather, scatter, position_ids, state_slots,
                             continues=any(written))
-        self._pending = Pending(fwd, new, self._columns, self._selection)
+        self._pending = Pending(fwd, new, self._columns, self._selection, state)
         self._selection = rows
         self._columns += T
-        switch(self._model_state, on=True)
+        switch(state, on=True)
         return {"position_ids": position_ids, "flexkv_step": fwd}
 
     def model_masks(self, attention_mask, forward: FlexKVForward):
@@ -552,7 +586,7 @@ class FlexKVCache(CacheShim):
         if self._recurrent is not None:
             self._recurrent.commit(p.forward)
         self._pending = None
-        switch(self._model_state, on=False)
+        switch(p.state, on=False)
 
     def rollback(self) -> None:
         """Forget the pending forward (it failed): every stream, its recurrent state, the selection and
@@ -567,7 +601,7 @@ class FlexKVCache(CacheShim):
         self._columns = p.columns
         self._selection = p.selection
         self._pending = None
-        switch(self._model_state, on=False)
+        switch(p.state, on=False)
 
     def _to_device(self, rows: List[list]) -> torch.Tensor:
         t = torch.tensor(rows, dtype=torch.long)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...cache.groups import GroupedKVManager, GroupedPlan
+from ...cache.rotary import Rotary, SinkRotation, check_cache_step, rotate_half, stream_positions
 from ...step import BoundedKVStep
 from .model_config import text_config
 
@@ -44,8 +45,6 @@ class CachePositions:
 
     def __init__(self, manager: GroupedKVManager, model, kv_owner):
         """`kv_owner[k]`: the model layer whose keys KV layer `k` of `manager` holds."""
-        from ...cache.rotary import Rotary, SinkRotation
-
         base = getattr(model, "base_model", model)
         cfg = text_config(model.config)
         emb = getattr(base, "rotary_emb", None)
@@ -99,11 +98,6 @@ class CachePositions:
         self.manager = manager
         if not self.groups and not any(_layer_uses_rope(cfg, i) for i in kv_owner):
             raise ValueError(f"rope_positions='cache' re-rotates rotary layers; {type(model).__name__} has none")
-        if self.groups and emb is None:
-            raise ValueError(
-                f"rope_positions='cache' needs the model's rotary embedding ({type(base).__name__}.rotary_emb); "
-                f"{type(model).__name__} has none: use rope_positions='stream'"
-            )
 
     @property
     def memory_bytes(self) -> int:
@@ -129,15 +123,11 @@ class CachePositions:
         return tokens
 
     def check_step(self, step: BoundedKVStep) -> None:
-        from ...cache.rotary import check_cache_step
-
         for g in self.groups:
             check_cache_step(self.manager.managers[g].config, step)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, plan: GroupedPlan):
         """Re-rotate KV layer `layer_idx`'s chunk `q`, `k` at in-cache positions (rewriting its sink cells)."""
-        from ...cache.rotary import rotate_half, stream_positions
-
         rot = self.layers[layer_idx]
         if rot is None:
             return q, k

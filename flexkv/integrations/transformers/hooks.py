@@ -21,6 +21,7 @@ import inspect
 
 import torch
 
+from .model_config import text_config
 from .plan import FlexKVForward
 from .registration import ATTN_IMPLEMENTATION, register
 from .shim import CacheShim
@@ -29,10 +30,6 @@ __all__ = ["enable", "disable", "switch", "ModelState", "check_model", "SUPPORTE
 
 #: The `generate()` decoding modes a FlexKVCache serves: one sequence per stream, never reordered.
 SUPPORTED_MODES = ("greedy_search", "sample")
-
-
-def _text_config(config):
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
 def _attention_modules(model) -> dict:
@@ -167,7 +164,7 @@ def _post_forward(state: ModelState, module, args, kwargs, result):
 def _attention_configs(model) -> list:
     """The config objects the model's attention layers and mask builders read `_attn_implementation` from."""
     found = {}
-    for cfg in (model.config, _text_config(model.config)):
+    for cfg in (model.config, text_config(model.config)):
         found.setdefault(id(cfg), cfg)
     for mod in model.modules():
         cfg = getattr(mod, "config", None)
@@ -212,10 +209,8 @@ def _generation_mode(model, args, kwargs) -> str:
 
 def _guarded_generate(state: ModelState, model, generate, *args, **kwargs):
     """`model.generate` under flexkv: refuse unsupported modes first; leave the cache usable however it ends."""
-    cache = kwargs.get("cache")
-    if not isinstance(cache, CacheShim):
-        cache = kwargs.get("past_key_values")
-    if not isinstance(cache, CacheShim):
+    cache = _find_cache(args, kwargs)
+    if cache is None:
         return generate(*args, **kwargs)
     state.recover()
     mode = _generation_mode(model, args, kwargs)

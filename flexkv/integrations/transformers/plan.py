@@ -114,8 +114,10 @@ class FlexKVForward:
 class Pending:
     """A planned forward not yet committed, and what to restore if it fails."""
 
-    def __init__(self, forward: FlexKVForward, new_streams, columns: int, selection):
+    def __init__(self, forward: FlexKVForward, new_streams, columns: int, selection, state):
         self.forward = forward
         self.new_streams = tuple(new_streams)
         self.columns = columns
         self.selection = selection
+        #: the model's hook state whose attention switch this forward turned on (`hooks.ModelState`)
+        self.state = state

@@ -28,10 +28,7 @@ from typing import Dict, Tuple
 
 import torch
 
-__all__ = ["RecurrentStates", "probe_states", "KINDS"]
-
-#: The two kinds of state a recurrent layer keeps (transformers' names).
-KINDS = ("conv", "recurrent")
+__all__ = ["RecurrentStates", "probe_states"]
 
 StateKey = Tuple[int, str, int]  # (model layer, kind, state index)
 
