@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow, StreamSession
+from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition, StreamSession
 from flexkv.model.reference import ReferenceCache
 from session_models import D, H, LAYERS, feed, model
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
@@ -269,3 +269,65 @@ def test_batch_sizes_must_hold_every_lane():
     with pytest.raises(ValueError, match=r"batch_sizes=\[1\] cannot hold every lane: .* must be 2"):
         StreamSession(config(), batch_sizes=(1,), compile=False)
     assert StreamSession(config(), batch_sizes=(1, 2), compile=False).batch_sizes == (1, 2)
+
+
+def test_a_waiting_request_keeps_its_place_when_starting_it_fails(full):
+    """finish() ends its request; if the waiting request's initial_state raises while it is started
+    in the freed lane, that error comes out of finish() and the request still waits, first in line."""
+    fail = {"d"}
+
+    def initial(rid):
+        if rid in fail:
+            raise RuntimeError(f"no state for {rid}")
+        return torch.zeros(2)
+
+    s = StreamSession(BoundedKVManager(config(), block_size=8), compile=False, initial_state=initial)
+    s.start("a")
+    s.start("b")
+    assert s.start("d") is False
+    with pytest.raises(RuntimeError, match="no state for d"):
+        s.finish("b")
+    assert s.requests == ("a",) and s.waiting == ("d",) and s.free_lanes == 1 and s.cache.free_slots == 1
+    fail.clear()
+    s.finish("a")  # the next free lane goes to "d"
+    assert s.requests == ("d",) and s.waiting == () and s.lane("d") == 0
+
+
+def test_a_waiting_request_whose_source_returns_starts_again(full):
+    """A source removed behind the session's back and registered again: feeding the waiting request no
+    longer names the stale reason, and registering it through the session gives it the free lane."""
+    index = full.add_source(3, 7)
+    assert full.session.start("d", source=index, source_len=3) is False
+    k, v = source(3, 7)
+    full.session.cache.remove_source(index)
+    full.session.finish("b")
+    full.ref.remove_request("b")
+    assert full.session.cache.add_source(k, v) == index  # behind the session's back again
+    assert full.step({"a": feed(1, 8), "d": feed(1, 9)}) < 1e-5  # "d" is fed and still waits
+    assert full.session.waiting == ("d",) and full.session.requests == ("a",)
+    full.session.cache.remove_source(index)
+    assert full.add_source(3, 7) == index  # through the session: the waiting request takes the lane
+    assert full.session.requests == ("a", "d") and full.session.waiting == ()
+    assert full.step({"a": feed(1, 10), "d": feed(2, 11)}) < 1e-5
+
+
+def test_a_request_given_a_private_source_is_not_started_without_it(full):
+    """A step starts new requests with no source; one holding a private source must start() on it,
+    and the refusal keeps its private source."""
+    full.session.finish("b")
+    full.ref.remove_request("b")
+    before = full.snapshot()
+    with pytest.raises(ValueError, match=r"request 'c' has a private source but was never started: start\('c', "
+                                         r"source=-1"):
+        full.session.step({"a": feed(1, 5), "c": feed(1, 6)}, model)
+    assert full.snapshot() == before and "c" in full.session.cache.private_sources
+    full.session.start("c", source=-1, source_len=4)
+    assert full.step({"a": feed(1, 5), "c": feed(1, 6)}) < 1e-5
+
+
+def test_a_session_needs_a_cache_of_its_own():
+    cache = BoundedKVManager(config(), block_size=8)
+    cache.admit(BoundedKVStep((Segment("x", 0),), {"x": StreamPosition(0, 0)}))
+    with pytest.raises(ValueError, match=r"needs a cache that holds no request .* holds \['x'\]"):
+        StreamSession(cache, compile=False)
+    assert cache.requests == ("x",)

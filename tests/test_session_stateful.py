@@ -213,6 +213,9 @@ class SessionMachine(RuleBasedStateMachine):
         m = self.m
         feeds = {rid: self.tensors(n, 3, H, D) for rid, n in fed.items()}
         new = [r for r in fed if r not in m.lanes and m.waiting(r) is None]
+        if any(r in m.private for r in new):  # given a private source: it must be start()ed on it
+            self.refused(ValueError, lambda: self.session.step(feeds, model_fn))
+            return
         for rid in new:  # new requests start on an empty stream, lowest free lane first, in feed order
             if m.free_lanes():
                 m.run(rid, 0, 0)

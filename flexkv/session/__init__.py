@@ -43,13 +43,17 @@ and no later step compiles; one that does is reported with the guard that
 failed (`flexkv.RecompileWarning`, `flexkv.RecompileError`).
 `initial_state` gives every request a model state carried between steps (a
 convolution's last inputs, say); `fn` then takes and returns it (see
-`StreamSession`).
+`StreamSession`). Warm-up builds the state of its padding rows with request
+id `None` (`initial_state(None)`), so a per-request `initial_state` must
+accept it.
 
 When every lane is held, `when_full` decides: `"queue"` (default) keeps new
 requests waiting, first come first served, and admits them as lanes free
 up (their feeds are left out of steps meanwhile and listed in
 `StepResult.waiting`); `"refuse"` raises `SlotsExhausted` and changes
-nothing.
+nothing. A step starts a request it has not seen on an empty stream with no
+source; a request given a private source is refused there and must be
+`start`ed on it (`source=-1`).
 
 Every retention the core has runs here: give `groups=` (LayerGroups, or
 one `SinkWindow` per layer) for a model whose layers keep different parts
@@ -61,7 +65,12 @@ only through that protocol, and adds no semantics of its own.
 Every operation is atomic: it happens, or it raises and nothing changed
 (the cache, every lane, every waiting request). That holds for a model
 function that raises (`KeyboardInterrupt` included): the step's tokens are
-not committed and its new requests are not started. A session is not
+not committed and its new requests are not started. The one exception is
+what `finish`, `reset` and `add_source` do next: handing freed lanes to
+waiting requests. If starting one raises (its `initial_state` fails, an
+interrupt), the operation itself has happened, that error is raised after
+it, and the request keeps its place in the queue. The session needs a
+cache of its own, holding no request when the session is built. A session is not
 thread-safe and not re-entrant: an operation called while another runs
 (from another thread, or from inside the model function) raises
 `RuntimeError` and changes nothing.

@@ -25,7 +25,8 @@ class StepResult(Mapping):
     - `step`: the `BoundedKVStep` that ran (its positions are before the step);
     - `plan`: the step's plan (what the cache's `plan` returned);
     - `waiting`: request ids fed this step that wait for a lane (not run);
-    - `plan_s`: host seconds spent admitting, checking and planning.
+    - `plan_s`: host seconds spent planning the step (building it from the requests' positions, the
+      cache's checks and its plan; not starting new requests or warming up).
     """
 
     def __init__(self, outputs, lanes: Dict, tokens: Dict, step, plan, waiting: tuple, plan_s: float):

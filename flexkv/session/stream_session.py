@@ -52,7 +52,7 @@ def _sizes(name: str, sizes, default: Tuple[int, ...], hi: int, hi_name: str) ->
     return tuple(sorted(set(values)))
 
 
-# ------------------------------------------------------------------ results
+# ------------------------------------------------------------------ requests
 
 
 @dataclass
@@ -157,6 +157,12 @@ class StreamSession:
                              f"attends on the host (float64) and is not traceable; pass compile=False")
         if initial_state is not None and not callable(initial_state):
             raise ValueError(f"initial_state must be a callable returning a new request's state, got {initial_state!r}")
+        if cache.requests:
+            raise ValueError(
+                f"StreamSession needs a cache that holds no request (the session gives out its lanes and slots), "
+                f"but this {type(cache).__name__} holds {list(cache.requests)}; remove_request() them first or give "
+                f"the session a cache of its own"
+            )
         c = cache.config
         batch = _sizes("batch_sizes", batch_sizes, (c.max_slots,), c.max_slots, "max_slots")
         if batch[-1] != c.max_slots:
@@ -255,7 +261,9 @@ class StreamSession:
     def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Register a shared read-only prefix (see `BoundedKVManager.add_source`); returns its index."""
         with self._exclusive("add_source"):
-            return self.cache.add_source(keys, values)
+            index = self.cache.add_source(keys, values)
+            self._admit_waiting()  # a waiting request may have been blocked on this source place
+            return index
 
     def remove_source(self, index: int) -> None:
         """Unregister a shared source that no request reads, or waits to read."""
@@ -362,8 +370,11 @@ class StreamSession:
             except ValueError as exc:
                 w.blocked = str(exc)
                 continue
-            self._queue.remove(w)
+            w.blocked = None
+            # Admitted first, then out of the queue: if admitting raises (a failing initial_state, an
+            # interrupt), the request still waits where it was.
             self._admit(w.request_id, w.source, w.source_len)
+            self._queue.remove(w)
 
     def reset(self, request_id: Hashable, *, source: Optional[int] = None, source_len: Optional[int] = None) -> None:
         """Rewind a request to an empty stream (new state too), keeping its lane; optionally a new source.
@@ -455,14 +466,25 @@ class StreamSession:
         for rid in parsed:
             w = self._waiting(rid)
             if w is not None and w.blocked is not None:
-                raise ValueError(
-                    f"request {rid!r} waits for a lane but can no longer start: {w.blocked}; reset() it with a valid "
-                    f"source or finish() it"
-                )
+                try:  # the reason may be gone (its source registered again)
+                    self._check_start(rid, w.source, w.source_len)
+                except ValueError as exc:
+                    w.blocked = str(exc)
+                    raise ValueError(
+                        f"request {rid!r} waits for a lane but can no longer start: {w.blocked}; reset() it with a "
+                        f"valid source or finish() it"
+                    ) from None
+                w.blocked = None
         # Who runs: started requests, then new ones while lanes are free (in feed order).
         queued = set(self.waiting)
         new = [rid for rid in parsed if rid not in self._requests and rid not in queued]
+        private = self.cache.private_sources
         for rid in new:
+            if rid in private:
+                raise ValueError(
+                    f"request {rid!r} has a private source but was never started: start({rid!r}, source=-1, "
+                    f"source_len=...) it (a step starts new requests on an empty stream with no source)"
+                )
             self._check_start(rid, 0, 0)
         free = len(self._free_lanes)
         if len(new) > free and self.when_full == "refuse":
@@ -561,18 +583,22 @@ class StreamSession:
                 stacked = pad_by_lane({l: lv for l, (lv, _) in states.items()}, s_leaves, B, None)
                 outputs, new_state = self._check_new_state(run(plan, inputs, unflatten(s_spec, stacked)),
                                                            stacked, s_spec)
+        # Everything that can fail comes before the commit; after it, only plain assignments.
+        kept = {}
+        if self.initial_state is not None:
+            kept = {rid: map_tensors(lambda t, lane=lanes[rid]: t[lane], new_state) for rid in running}
         self.context.commit()
         for rid in running:
             req = self._requests[rid]
             req.written += parsed[rid].span
             if self.initial_state is not None:
-                lane = lanes[rid]
-                req.state = map_tensors(lambda t: t[lane], new_state)
+                req.state = kept[rid]
         return StepResult(outputs, {rid: lanes[rid] for rid in running},
                           {rid: parsed[rid].tokens for rid in running}, step, plan, waiting, plan_s)
 
     def warmup(self, fn: Callable, example) -> float:
-        """Compile `fn` for every `(B, T)` bucket on all-padding steps; returns the seconds it took.
+        """Compile `fn` for every `(B, T)` bucket on all-padding steps (with `compile=False`, run it
+        once per bucket); returns the seconds it took.
 
         `example` is one request's feed (a tensor or structure of tensors with
         any number of tokens, or a `Chunk`): its trailing shapes and dtypes are
