@@ -39,8 +39,6 @@ def warn_if_untested() -> None:
     """Warn (once, at import) when this torch is outside the releases flexkv is tested with."""
     lo, hi = SUPPORTED_TORCH
     if not lo <= TORCH_VERSION <= hi:
-        import warnings
-
         warnings.warn(
             f"flexkv is tested with torch {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}; this is torch {torch.__version__}. "
             f"Compiled FlexAttention changes between releases: run tests/test_compiled.py before relying on it",

@@ -85,3 +85,20 @@ def test_rejects_stale_positions_and_bad_modes():
     x = torch.zeros(1, H, 1, D)
     with pytest.raises(ValueError, match="rope_positions must be one of"):
         unc.attend(0, x, x, x, step, rope_positions="absolute")
+
+
+def test_attend_takes_the_last_plan_and_the_protocols_keywords():
+    """As `BoundedKVManager.attend`: `layer_idx=` by keyword, and `plan=None` is the last `plan(step)`."""
+    cfg = BoundedKVConfig(num_layers=2, num_heads=1, head_dim=4, rows_per_request=1, max_source_len=0,
+                          retention=SinkWindow(1, 2), max_slots=1, dtype=torch.float64)
+    cache = UncachedHistory(cfg)
+    g = torch.Generator().manual_seed(0)
+    for written in range(5):
+        step = BoundedKVStep((Segment("a", 1),), {"a": StreamPosition(0, written)})
+        cache.admit(step)
+        given = cache.plan(step)
+        q, k, v = (torch.randn(1, 1, 1, 4, generator=g, dtype=torch.float64) for _ in range(3))
+        implicit = cache.attend(layer_idx=1, q=q, k=k, v=v)
+        explicit = cache.attend(0, q, k, v, given)
+        torch.testing.assert_close(implicit, explicit, rtol=0, atol=0)
+        cache.commit(step)

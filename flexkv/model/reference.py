@@ -16,7 +16,7 @@ import torch
 from ..config import BoundedKVConfig
 from ..step import BoundedKVStep
 
-__all__ = ["attended_indices", "own_stream_indices", "cache_positions", "ReferenceCache"]
+__all__ = ["attended_indices", "own_stream_indices", "ReferenceCache"]
 
 
 def own_stream_indices(n: int, span: int, tokens: int, reverse: bool) -> List[int]:
@@ -42,12 +42,6 @@ def attended_indices(config: BoundedKVConfig, source_len: int, written: int, spa
         p = n + t
         out.append([j for j in range(p + 1) if j >= p - qw or j < s])
     return out
-
-
-def cache_positions(attended: List[int], query: int) -> tuple:
-    """In-cache positions: each entry's rank in the attended set, and the query's."""
-    rank = {j: r for r, j in enumerate(attended)}
-    return [rank[j] for j in attended], rank[query]
 
 
 class ReferenceCache:

@@ -31,7 +31,7 @@ from typing import Callable, Dict, Hashable, List, Optional
 import torch
 
 from ..config import BoundedKVConfig
-from ..cache.groups import GroupedKVManager, layer_group_configs
+from ..cache.groups import GroupedKVManager, as_layer_groups
 from ..cache.masks import POSITION_MODES
 from .reference import ReferenceCache, own_stream_indices
 from ..cache.rotary import ROPE_POSITIONS, Rotary, check_cache_config, check_cache_step
@@ -89,7 +89,7 @@ class UncachedHistory:
         groups: as for `GroupedKVManager` (LayerGroups, or one retention per
             layer): each layer group attends by its own retention.
 
-    `attend(layer, q, k, v, plan, ...)` mirrors `BoundedKVManager.attend`
+    `attend(layer_idx, q, k, v, plan, ...)` mirrors `BoundedKVManager.attend`
     (`q [N, Hq, T, D]`, `k, v [N, H, T, D]`, returns `[N, Hq, T, D]` in
     `q`'s dtype and device) and adds `rotary`/`rope_positions`; `commit`
     appends each request's written tokens (in stream order) from the last
@@ -103,15 +103,14 @@ class UncachedHistory:
         if not isinstance(config, BoundedKVConfig):
             raise ValueError(f"config must be a BoundedKVConfig, got {type(config).__name__}")
         if groups is not None:
-            from ..cache.groups import as_layer_groups
-
             groups = as_layer_groups(config, groups)
         self.config = config
         host_config = config if config.dtype is not None else config.replace(dtype=torch.float64)
-        groups, self._configs, self._route = layer_group_configs(host_config, groups)
-        self.groups = groups
         # The bounded cache's own host state and checks; "meta" allocates no memory for it.
         self._host = GroupedKVManager(host_config, groups, "meta")
+        self.groups = self._host.groups
+        self._configs = tuple(m.config for m in self._host.managers)
+        self._last_plan: Optional[UncachedPlan] = None
         # Every stream whole, per layer group: the dense reference of each group's retention keeps it,
         # and attends over it.
         self._history = tuple(ReferenceCache(c) for c in self._configs)
@@ -202,7 +201,8 @@ class UncachedHistory:
     def plan(self, step: BoundedKVStep) -> UncachedPlan:
         """Check the step as the bounded cache's `plan` does; the plan is the host step itself."""
         self._host.plan(step)
-        return UncachedPlan(step, self.config)
+        self._last_plan = UncachedPlan(step, self.config)
+        return self._last_plan
 
     def commit(self, step: BoundedKVStep) -> None:
         """Append each request's written tokens, for every layer it attended, in stream order."""
@@ -248,7 +248,7 @@ class UncachedHistory:
 
     def attend(
         self,
-        layer: int,
+        layer_idx: int,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -261,27 +261,30 @@ class UncachedHistory:
         rotary: Optional[Rotary] = None,
         rope_positions: Optional[str] = None,
     ) -> torch.Tensor:
-        """Attention of the planned step for `layer` over the whole history, masked by the layer's
+        """Attention of the planned step for `layer_idx` over the whole history, masked by the layer's
         retention (docs/contract.md section 2).
 
-        `plan` is what `plan(step)` returned (a `BoundedKVStep` is taken too).
+        `plan` is what `plan(step)` returned (a `BoundedKVStep` is taken too;
+        None: the last plan, as in `BoundedKVManager.attend`).
         `positions` chooses what `score_mod` receives; `sinks` are learned
         sink logits `[Hq]` as in `BoundedKVManager.attend`. `rotary` and
         `rope_positions` rotate queries and keys (default: what
-        `rotation(layer, ...)` recorded for the layer, if anything).
+        `rotation(layer_idx, ...)` recorded for the layer, if anything).
         """
+        if plan is None:
+            plan = self._last_plan
         step = plan.step if isinstance(plan, UncachedPlan) else plan
         if not isinstance(step, BoundedKVStep):
             raise ValueError("attend needs the step's plan: pass plan=cache.plan(step)")
-        if rotary is None and layer in self._rotary:
-            rotary, recorded = self._rotary[layer]
+        if rotary is None and layer_idx in self._rotary:
+            rotary, recorded = self._rotary[layer_idx]
             rope_positions = recorded if rope_positions is None else rope_positions
         rope_positions = "stream" if rope_positions is None else rope_positions
         for name, mode, allowed in (("positions", positions, POSITION_MODES),
                                     ("rope_positions", rope_positions, ROPE_POSITIONS)):
             if mode not in allowed:
                 raise ValueError(f"attend: {name} must be one of {allowed}, got {mode!r}")
-        g, local = self._host.group_of(layer)
+        g, local = self._host.group_of(layer_idx)
         out = self._history[g].attend(local, q, k, v, step, scale=scale, score_mod=score_mod, positions=positions,
                                       sinks=sinks, rotary=rotary, rope_positions=rope_positions)
         return out.to(dtype=q.dtype, device=q.device)

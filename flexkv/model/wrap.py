@@ -40,6 +40,7 @@ from typing import Any, Callable, Hashable, List, Optional
 import torch
 from torch import nn
 
+from ..cache.masks import POSITION_MODES
 from ..cache.protocol import check_cache
 from ..config import is_int
 from ..cache.rotary import ROPE_POSITIONS, Rotary
@@ -158,8 +159,8 @@ class CacheAttention(nn.Module):
             raise ValueError(f"rotary must be a flexkv.cache.rotary.Rotary or None, got {type(rotary).__name__}")
         if rope_positions not in ROPE_POSITIONS:
             raise ValueError(f"rope_positions must be one of {ROPE_POSITIONS}, got {rope_positions!r}")
-        if positions not in ("stream", "cache"):
-            raise ValueError(f"positions must be 'stream' or 'cache', got {positions!r}")
+        if positions not in POSITION_MODES:
+            raise ValueError(f"positions must be one of {POSITION_MODES} (what a score_mod receives), got {positions!r}")
         object.__setattr__(self, "context", context)  # shared, not a submodule
         self.layer_idx = layer_idx
         self.scale = scale

@@ -35,7 +35,7 @@ class EngineResourceInfo:
     For tensor-parallel attention give `process_group` (the group the heads
     are split over; this process's rank and the group's size are read from
     it), or `rank` and `world_size` directly. Leaving all three unset means
-    one process holding every head, as before.
+    one process holding every head.
     """
 
     device: torch.device | str
