@@ -314,7 +314,8 @@ def eager_and_compiled_greedy(model, ids, mask, eager, compiled, steps: int):
     `model.forward` compiled over `compiled` (the prompt itself runs eagerly in both).
 
     Returns `(want, got, graphs)`: each forward's last-position logits, eager and compiled, and the
-    count of compiled graphs after each compiled decode step (constant when nothing recompiles).
+    count of graphs compiled since the decode began, after each compiled decode step (1 throughout when
+    the first compiled step is the only one that compiles).
     """
     from torch._dynamo.utils import counters
 
@@ -324,6 +325,7 @@ def eager_and_compiled_greedy(model, ids, mask, eager, compiled, steps: int):
             want.append(model(input_ids=want[-1].argmax(-1, keepdim=True), cache=eager).logits[:, -1])
         got = [model(input_ids=ids, attention_mask=mask, cache=compiled).logits[:, -1]]
         forward = model.forward
+        counters.clear()  # the count below is this compile's alone
         model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
         graphs = []
         try:

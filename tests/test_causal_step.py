@@ -159,4 +159,5 @@ def test_rotary_cache_positions_on_causal_chunks_match_the_twin():
             ctx.commit()
         torch.testing.assert_close(outs[0][1:], outs[1][1:], rtol=0, atol=1e-5)
         written += T
-    assert written > 2 + 6 + T  # evicting: in-cache positions have shifted
+    # Both caches committed every chunk, far past sinks + window: in-cache positions had shifted.
+    assert [ctx.cache.written("a") for ctx in contexts] == [written, written] and written > 2 + 6 + T

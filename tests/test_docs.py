@@ -91,7 +91,7 @@ def shell_lines(path: Path) -> List[Span]:
 # ------------------------------------------------------------------ signatures
 
 def _transformers_cache():
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="the transformers integration's signatures need transformers")
     from flexkv.integrations.transformers import FlexKVCache
 
     return FlexKVCache

@@ -5,7 +5,9 @@ the cache protocol (`flexkv.cache.protocol.StreamCache`), so a model whose layer
 keep different parts of the stream (a `GroupedKVManager`, or its uncached
 twin) runs through each of them. The oracle is one `ReferenceCache` per
 layer, built with that layer's own retention: it shares no code with the
-groups, the session or the twin.
+groups or the session. The twin attends through `ReferenceCache` itself, so
+its cases check the plumbing (grouping, routing, lifecycle through the
+protocol), not the attention.
 """
 
 import pytest
@@ -210,7 +212,8 @@ def test_wrap_cores_on_a_grouped_cache_compute_what_the_grouped_twin_computes():
         for got, want in zip(*outs):
             torch.testing.assert_close(got[:1], want[:1], rtol=0, atol=1e-5)
         written += 1
-    assert written > 4 + 2  # past the global group's sink + window: in-cache positions shifted
+    # Both caches committed every step, past the global group's sink + window: in-cache positions shifted.
+    assert [ctx.cache.written("a") for ctx in contexts] == [written, written] and written > 4 + 2
 
 
 def test_stream_positions_are_the_same_public_view_on_every_cache():
