@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.chunked import SHAPES
-from benchmarks.impls import LaidOut, Steady
+from benchmarks.impls import LaidOut, Steady, check
 from benchmarks.timing import interleaved
 from flexkv.cache.masks import make_mask_mod
 from flexkv.cache.row_attention import attend_rows, gather_width, row_geometry
@@ -94,7 +94,18 @@ def run(name: str, rounds: int) -> dict:
         "laid-out": lambda: laid.step(inputs),
     }
     fns["rows path"] = lambda: [rows[l](qs_plain[l], plan) for l in range(L)]
-    with torch.no_grad():
+
+    def by_row(out):
+        """The timed kernel's output of one layer read back into the plan's rows, as attend returns it."""
+        if geo.in_place:
+            out = out.index_select(0, geo.back)
+        return torch.where(geo.row_reads.unsqueeze(-1), out, 0.0)
+
+    with torch.no_grad():  # every timed piece computes what attend computes
+        want = [o.clone() for o in fns["attend"]()]
+        check(want, [r.view_as(w) for r, w in zip(fns["rows path"](), want)], "rows path")
+        check(want, [by_row(o).view_as(w) for o, w in zip(fns["kernel"](), want)], "kernel")
+        check(want, laid.step(inputs), "laid-out")
         times = interleaved(fns, rounds=rounds)
     return dict(times=times, in_place=geo.in_place, layers=L)
 

@@ -43,7 +43,7 @@ import time
 import torch
 
 from benchmarks.impls import CatSlice, FlexKV, Floor, Gather, LaidOut, Steady, check
-from benchmarks.timing import interleaved
+from benchmarks.timing import cycle, interleaved
 from flexkv.cli.workload import Workload
 
 SHAPES = {
@@ -70,17 +70,6 @@ def _path(manager, tokens: int) -> str:
     return "rows" if manager._rows_path(tokens) else "flex"
 
 
-def _cycler(impl, inputs):
-    state = {"i": 0}
-
-    def one():
-        state["i"] += 1
-        with torch.no_grad():
-            impl.step(inputs[state["i"] % len(inputs)])
-
-    return one
-
-
 def run_shape(name: str, rounds: int, flex: bool = False, gather: bool = False) -> dict:
     w = SHAPES[name]
     decode = w.step_tokens == 1
@@ -91,7 +80,7 @@ def run_shape(name: str, rounds: int, flex: bool = False, gather: bool = False) 
     first = st.inputs[0]
     with torch.no_grad():
         expect = [o.clone() for o in fk.step(first)]
-    fns = {"flexkv": _cycler(fk, st.inputs)}
+    fns = {"flexkv": cycle(fk.step, st.inputs)}
     info = dict(block=st.manager.layout.block_size, compile_s=compile_s,
                 path=_path(st.manager, st.T))
     errs = {}
@@ -102,24 +91,24 @@ def run_shape(name: str, rounds: int, flex: bool = False, gather: bool = False) 
         fk2 = FlexKV(st2, "layer")
         with torch.no_grad():
             errs["flexkv/flex"] = check(expect, fk2.step(first), "flexkv/flex")
-        fns["flexkv/flex"] = _cycler(fk2, st2.inputs)
+        fns["flexkv/flex"] = cycle(fk2.step, st2.inputs)
         others.append(st2)
     if decode:
-        fns["floor"] = _cycler(Floor(st), st.inputs)
+        fns["floor"] = cycle(Floor(st).step, st.inputs)
     laid = LaidOut(st, first)
     with torch.no_grad():
         errs["laid-out"] = check(expect, laid.step(first), "laid-out")
     # The laid-out keys hold the first round's own tokens: time it on that round only.
-    fns["laid-out"] = _cycler(laid, [first])
+    fns["laid-out"] = cycle(laid.step, [first])
     dense = CatSlice(st)
     with torch.no_grad():
         errs["dense"] = check(expect, dense.step(first), "dense")
-    fns["dense"] = _cycler(dense, st.inputs)
+    fns["dense"] = cycle(dense.step, st.inputs)
     if gather:
         g = Gather(st)
         with torch.no_grad():
             errs["gather"] = check(expect, g.step(first), "gather")
-        fns["gather"] = _cycler(g, st.inputs)
+        fns["gather"] = cycle(g.step, st.inputs)
     fk.plan_s.clear()
     times = interleaved(fns, rounds=rounds)
     info["plan_ms"] = sorted(fk.plan_s)[len(fk.plan_s) // 2] * 1e3

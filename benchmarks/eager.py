@@ -24,7 +24,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from benchmarks.timing import interleaved
+from benchmarks.timing import cycle, interleaved
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache.layout import entry_cell
 
@@ -98,17 +98,6 @@ class Eager:
         return out
 
 
-def _cycle(fn, inputs):
-    state = {"i": 0}
-
-    def one():
-        state["i"] += 1
-        with torch.no_grad():
-            fn(inputs[state["i"] % len(inputs)])
-
-    return one
-
-
 def run(rounds: int = 7, flex: bool = False) -> dict:
     a = Eager(SHAPE)
     with torch.no_grad():
@@ -116,7 +105,7 @@ def run(rounds: int = 7, flex: bool = False) -> dict:
     err = max(float((x - y).abs().max()) for x, y in zip(fo, ro))
     if not err < 1e-4:
         raise AssertionError(f"flexkv and the ring cache disagree by {err:.3g} on the first step")
-    fns = {"flexkv": _cycle(a.flexkv, a.inputs), "ring": _cycle(a.ring, a.inputs)}
+    fns = {"flexkv": cycle(a.flexkv, a.inputs), "ring": cycle(a.ring, a.inputs)}
     if flex:
         b = Eager(SHAPE)
         b.m.attention_path = "flex"
@@ -124,7 +113,7 @@ def run(rounds: int = 7, flex: bool = False) -> dict:
             e2 = max(float((x - y).abs().max()) for x, y in zip(b.flexkv(b.inputs[0]), fo))
         if not e2 < 1e-4:
             raise AssertionError(f"flexkv/flex disagrees with flexkv by {e2:.3g}")
-        fns["flexkv/flex"] = _cycle(b.flexkv, b.inputs)
+        fns["flexkv/flex"] = cycle(b.flexkv, b.inputs)
     return dict(times=interleaved(fns, rounds=rounds), err=err)
 
 

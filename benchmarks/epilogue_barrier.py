@@ -30,8 +30,7 @@ import warnings
 
 import torch
 
-from benchmarks.rotary_positions import _time_round_robin
-from benchmarks.timing import decode_shape_args
+from benchmarks.timing import decode_shape_args, round_robin
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 
 
@@ -89,7 +88,9 @@ def main(argv=None):
         "gated, barrier": bench(args, True, True),
     }
     same = (built["projection, barrier"][2] - built["projection, no barrier"][2]).abs().max().item()
-    timed = _time_round_robin({name: fn for name, (fn, _, _) in built.items()}, args.steps, args.warmup)
+    if not same < 1e-4:
+        raise AssertionError(f"the barrier changed the output by {same:.3g}: it must be an identity")
+    timed = round_robin({name: fn for name, (fn, _, _) in built.items()}, args.steps, args.warmup)
     print(f"decode step, B {args.batch}, {args.layers} layers, {args.q_heads} q / {args.heads} kv heads x "
           f"{args.head_dim}, sink {args.sink} + window {args.window}, fp32, {torch.get_num_threads()} threads")
     print(f"{'variant':<24}{'ms/step p50':>12}{'p90':>9}{'compile s':>11}")

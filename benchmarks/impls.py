@@ -286,7 +286,7 @@ class Gather:
         return parts
 
     def step(self, inputs):
-        st, w = self.st, self.st.w
+        st = self.st
         outs = []
         src_sink = min(self.sink, self.L)
         for l, (q, k, v) in enumerate(inputs):

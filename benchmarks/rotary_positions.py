@@ -30,39 +30,15 @@ floor.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 import warnings
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.timing import decode_shape_args
+from benchmarks.timing import decode_shape_args, round_robin
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache.rotary import Rotary, SinkRotation
-
-
-def _time_round_robin(fns: dict, steps: int, warmup: int, rounds: int = 5) -> dict:
-    """ms per call of each `fn(i)`: `warmup` calls each, then `rounds` rounds of `steps // rounds`
-    calls of every variant in turn, so load from other processes falls on all of them alike.
-    Returns name -> (median, p90)."""
-    for fn in fns.values():
-        for i in range(1, 1 + warmup):
-            fn(i)
-    times = {name: [] for name in fns}
-    i = 1 + warmup
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            for j in range(max(1, steps // rounds)):
-                t0 = time.perf_counter()
-                fn(i + j)
-                times[name].append(1e3 * (time.perf_counter() - t0))
-        i += max(1, steps // rounds)
-    out = {}
-    for name, t in times.items():
-        t.sort()
-        out[name] = (statistics.median(t), t[int(0.9 * (len(t) - 1))])
-    return out
 
 
 def bench_flexkv(args, mode: str):
@@ -165,7 +141,7 @@ def main(argv=None):
         "re-rotate": bench_dense(args, True),
         "dense rotated": bench_dense(args, False),
     }
-    timed = _time_round_robin({name: fn for name, (fn, _) in built.items()}, args.steps, args.warmup)
+    timed = round_robin({name: fn for name, (fn, _) in built.items()}, args.steps, args.warmup)
     print(f"decode step, B {args.batch}, {args.layers} layers, {args.q_heads} q / {args.heads} kv heads x "
           f"{args.head_dim}, sink {args.sink} + window {args.window}, fp32, {torch.get_num_threads()} threads")
     print(f"{'variant':<16}{'ms/step p50':>12}{'p90':>9}{'compile s':>11}")

@@ -13,7 +13,9 @@ import statistics
 import time
 from typing import Callable, Dict
 
-__all__ = ["decode_shape_args", "interleaved", "ratio"]
+import torch
+
+__all__ = ["cycle", "decode_shape_args", "interleaved", "ratio", "round_robin"]
 
 
 def interleaved(fns: Dict[str, Callable[[], object]], rounds: int = 7, min_round_s: float = 0.2) -> Dict[str, dict]:
@@ -61,3 +63,39 @@ def decode_shape_args(ap, steps: int) -> None:
     ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def round_robin(fns: dict, steps: int, warmup: int, rounds: int = 5) -> dict:
+    """ms per call of each `fn(i)`: `warmup` calls each, then `rounds` rounds of `steps // rounds`
+    calls of every variant in turn, so load from other processes falls on all of them alike.
+    Returns name -> (median, p90)."""
+    for fn in fns.values():
+        for i in range(1, 1 + warmup):
+            fn(i)
+    times = {name: [] for name in fns}
+    i = 1 + warmup
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for j in range(max(1, steps // rounds)):
+                t0 = time.perf_counter()
+                fn(i + j)
+                times[name].append(1e3 * (time.perf_counter() - t0))
+        i += max(1, steps // rounds)
+    out = {}
+    for name, t in times.items():
+        t.sort()
+        out[name] = (statistics.median(t), t[int(0.9 * (len(t) - 1))])
+    return out
+
+
+def cycle(step: Callable, inputs) -> Callable[[], None]:
+    """A no-argument call for `interleaved`: each call runs `step` (without autograd) on the next of
+    `inputs`, round and round."""
+    state = {"i": 0}
+
+    def one():
+        state["i"] += 1
+        with torch.no_grad():
+            step(inputs[state["i"] % len(inputs)])
+
+    return one
