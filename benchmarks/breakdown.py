@@ -74,6 +74,8 @@ def run(name: str, rounds: int) -> dict:
                 vc[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, vc.shape[-1]).transpose(0, 1))
 
     with torch.no_grad():
+        for l, (q, k, v) in enumerate(inputs):  # the step's own keys and values in place, as attend leaves them
+            write(l, k, v, plan)
         kvs = [tuple(t.contiguous() if not geo.in_place else t for t in kv_of(l)) for l in range(L)]
         qs = [(q.reshape(N, H, Q, D) * D ** -0.5).index_select(0, geo.batch_rows) if geo.in_place
               else q.reshape(N, H, Q, D) * D ** -0.5 for q, _, _ in inputs]
