@@ -466,7 +466,7 @@ class FlexKVCache(CacheShim):
                     f"{B} rows x {T} tokens"
                 )
             # The one device read of the integration: which of this forward's columns are padding.
-            flags = attention_mask[:, -T:].to("cpu").bool().tolist()
+            flags = attention_mask[:, -T:].bool().to("cpu").tolist()
             if not all(all(r) for r in flags):
                 real = [[t for t, f in enumerate(r) if f] for r in flags]
         lengths = [T] * B if real is None else [len(r) for r in real]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...cache.groups import GroupedKVManager, GroupedPlan
-from ...cache.rotary import Rotary, SinkRotation, check_cache_step, rotate_half, stream_positions
+from ...cache.rotary import Rotary, check_cache_step, rotate_half, stream_positions
 from ...step import BoundedKVStep
 from .model_config import text_config
 
@@ -91,7 +91,7 @@ class CachePositions:
                     rotary.inv_freq.copy_(inv_freq.to(torch.float64))
                 rotaries[key] = (rotary, inv_freq.detach().to(device=manager.device, dtype=torch.float32).clone())
             rotary, inv32 = rotaries[key]
-            self.layers.append(SinkRotation(m, local, rotary, "cache"))
+            self.layers.append(m.rotation(local, rotary, "cache"))
             self.inv_freq.append(inv32)
         # The groups whose queries must share one eviction count within a step.
         self.groups = sorted({manager.group_of(i)[0] for i, r in enumerate(self.layers) if r is not None})
