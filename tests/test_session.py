@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 from flexkv import BoundedKVConfig, BoundedKVManager, Chunk, SinkWindow, SlotsExhausted, StreamSession
 from flexkv.model.reference import ReferenceCache
-from session_models import D, H, LAYERS, feed, model
+from session_models import D, H, LAYERS, feed, model, worst_difference
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 
@@ -36,20 +36,7 @@ class Checked:
         res = self.session.step(feeds, model)
         if res.step is None:
             return res, 0.0
-        B, T = len(res.step.segments), res.step.step_tokens
-        x = torch.zeros(B, T, 3, H, D)
-        for rid, lane in res.lanes.items():
-            data = feeds[rid].inputs if isinstance(feeds[rid], Chunk) else feeds[rid]
-            x[lane, :len(data)] = data
-        worst = 0.0
-        for layer in range(LAYERS):
-            q, k, v = ((x[:, :, i] * (layer + 1)).transpose(1, 2) for i in range(3))
-            want = self.ref.attend(layer, q, k, v, res.step).transpose(1, 2)
-            for rid, lane in res.lanes.items():
-                got = res[rid][:, layer]
-                worst = max(worst, (got.double() - want[lane, :res.tokens[rid]]).abs().max().item())
-        self.ref.commit(res.step)
-        return res, worst
+        return res, worst_difference(self.ref, res, feeds)
 
     def finish(self, rid):
         self.session.finish(rid)

@@ -13,7 +13,7 @@ import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition, StreamSession
 from flexkv.model.reference import ReferenceCache
-from session_models import D, H, LAYERS, feed, model
+from session_models import D, H, LAYERS, feed, model, worst_difference
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 
@@ -51,19 +51,7 @@ class Checked:
     def step(self, feeds, fn=model):
         """One session step; returns the largest difference from the reference over every request."""
         res = self.session.step(feeds, fn)
-        B, T = len(res.step.segments), res.step.step_tokens
-        x = torch.zeros(B, T, 3, H, D)
-        for rid, lane in res.lanes.items():
-            x[lane, :res.tokens[rid]] = feeds[rid]
-        worst = 0.0
-        for layer in range(LAYERS):
-            q, k, v = ((x[:, :, i] * (layer + 1)).transpose(1, 2) for i in range(3))
-            want = self.ref.attend(layer, q, k, v, res.step).transpose(1, 2)
-            for rid, lane in res.lanes.items():
-                got = res[rid][:, layer] if fn is model else model_outputs(res, rid)[:, layer]
-                worst = max(worst, (got.double() - want[lane, :res.tokens[rid]]).abs().max().item())
-        self.ref.commit(res.step)
-        return worst
+        return worst_difference(self.ref, res, feeds, None if fn is model else model_outputs)
 
     def snapshot(self):
         s = self.session
