@@ -105,6 +105,15 @@ class LayerGroup:
         return {k: getattr(self, k) for k in ("num_heads", "head_dim", "v_head_dim") if getattr(self, k) is not None}
 
 
+def _one_per_layer(name: str, value, layers: int, single: str) -> list:
+    """`value` for each of `layers` layers: a list or tuple as given (one per layer), else repeated."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * layers
+    if len(value) != layers:
+        raise ValueError(f"{name} names {len(value)} layers but retention names {layers}; give one per layer or {single}")
+    return list(value)
+
+
 def per_layer_groups(retention: Sequence[Retention], query_window=None,
                      causal_step: bool = False) -> Tuple[LayerGroup, ...]:
     """`LayerGroup`s from one retention per layer: layers whose retention, query window and
@@ -123,24 +132,8 @@ def per_layer_groups(retention: Sequence[Retention], query_window=None,
         raise ValueError(f"retention must be a sequence with one policy per layer, got {retention!r}") from None
     if not policies:
         raise ValueError("retention is empty; give one SinkWindow per layer")
-    if isinstance(query_window, (list, tuple)):
-        windows = list(query_window)
-        if len(windows) != len(policies):
-            raise ValueError(
-                f"query_window names {len(windows)} layers but retention names {len(policies)}; give one per layer "
-                f"or a single value"
-            )
-    else:
-        windows = [query_window] * len(policies)
-    if isinstance(causal_step, (list, tuple)):
-        causal = list(causal_step)
-        if len(causal) != len(policies):
-            raise ValueError(
-                f"causal_step names {len(causal)} layers but retention names {len(policies)}; give one per layer "
-                f"or a single bool"
-            )
-    else:
-        causal = [causal_step] * len(policies)
+    windows = _one_per_layer("query_window", query_window, len(policies), "a single value")
+    causal = _one_per_layer("causal_step", causal_step, len(policies), "a single bool")
     found: dict = {}
     for layer, (pol, qw, cs) in enumerate(zip(policies, windows, causal)):
         if not isinstance(pol, SinkWindow) and not callable(pol):
