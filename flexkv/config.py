@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-__all__ = ["SinkWindow", "BoundedKVConfig", "SUPPORTED_DTYPES", "is_int"]
+__all__ = ["SinkWindow", "BoundedKVConfig", "SUPPORTED_DTYPES", "is_int", "check_config", "check_layer_index"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -258,3 +258,22 @@ class BoundedKVConfig:
     def replace(self, **changes) -> "BoundedKVConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def check_config(config, name: str = "config") -> BoundedKVConfig:
+    """Return `config` if it is a `BoundedKVConfig`, else raise naming `name` and what it got."""
+    if not isinstance(config, BoundedKVConfig):
+        raise ValueError(f"{name} must be a BoundedKVConfig, got {type(config).__name__}")
+    return config
+
+
+def check_layer_index(layer_idx, num_layers: int, where: str = "") -> int:
+    """Return `layer_idx` if it is an int in `[0, num_layers)`, else raise (`where` prefixes the message).
+
+    Under `torch.compile` the index may be a symbolic int, which cannot be
+    formatted: the message then says only that it is out of range.
+    """
+    if is_int(layer_idx) and 0 <= layer_idx < num_layers:
+        return layer_idx
+    got = "an index outside that range" if torch.compiler.is_compiling() else repr(layer_idx)
+    raise ValueError(f"{where}layer_idx must be an int in [0, {num_layers}), got {got}")

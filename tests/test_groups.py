@@ -146,19 +146,26 @@ def test_attend_needs_a_grouped_plan():
         m.attend(0, x, x, x, plan=None)
 
 
-def test_admit_is_atomic_across_groups():
+def test_the_groups_share_one_slot_table():
+    """Every group's store keeps its requests in the grouped cache's one table: a slot taken through
+    any of them is taken in all, and a refused admit changes nothing anywhere."""
     m = GroupedKVManager(base_config(max_slots=2), GROUPS, block_size=8)
+    assert all(store.slots is m.slots for store in m.managers)
     m.admit(step([("a", 1)], {"a": 0}))
     m.commit(step([("a", 1)], {"a": 0}))
-    # Take group 1's last slot behind the grouped cache's back: group 0 then accepts what group 1 refuses.
     m.managers[1].admit(step([("x", 1)], {"x": 0}))
-    before = m.managers[0].slots.snapshot()
+    assert m.requests == ("a", "x") and m.free_slots == 0
+    before = m.slots.snapshot()
     with pytest.raises(SlotsExhausted):
         m.admit(step([("a", 1), ("b", 1)], {"a": 1, "b": 0}))
-    assert m.managers[0].slots.snapshot() == before
-    assert m.requests == ("a",) and m.written("a") == 1
+    assert m.slots.snapshot() == before
     with pytest.raises(ValueError, match=r"request 'a': written=0 but 1 tokens are committed"):
         m.admit(step([("a", 1)], {"a": 0}))
+    # Sources reach every group's tensors, so a group's store refuses one of its own.
+    with pytest.raises(ValueError, match=r"add_source: this manager stores one layer group of a GroupedKVManager"):
+        m.managers[0].add_source(torch.zeros(2, 1, H, 1, D, dtype=torch.float64),
+                                 torch.zeros(2, 1, H, 1, D, dtype=torch.float64))
+    assert m.slots.snapshot() == before
 
 
 @pytest.mark.parametrize("groups, match", [

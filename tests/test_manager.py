@@ -216,17 +216,12 @@ def planned(m):
     (lambda m, p, q, kv: m.attend(2, q, kv, kv, p), r"layer_idx must be an int in \[0, 2\), got 2"),
     (lambda m, p, q, kv: m.attend(0, torch.zeros(2, 4, 4, 4), kv, kv, p), r"T=4 exceeds max_step_tokens=3"),
     (lambda m, p, q, kv: m.attend(0, q, kv, kv, p, positions="cells"), r"positions must be one of"),
-    (lambda m, p, q, kv: BoundedKVManager(m.config, "cpu", block_size=8).attend(0, q, kv, kv), r"attend needs a plan"),
+    (lambda m, p, q, kv: m.attend(0, q, kv, kv, None), r"attend needs this cache's plan: .*got NoneType"),
 ], ids=["k-tokens", "q-heads", "dtype", "device", "layer", "too-many-tokens", "positions", "no-plan"])
 def test_attend_refuses_what_does_not_fit_the_plan(planned, call, match):
     m, plan, q, kv = planned
     with pytest.raises(ValueError, match=match):
         call(m, plan, q, kv)
-
-
-def test_attend_without_a_plan_uses_the_last_one_made(planned):
-    m, plan, q, kv = planned
-    assert torch.equal(m.attend(0, q, kv, kv), m.attend(0, q, kv, kv, plan))
 
 
 # --------------------------------------------------------------------- memory

@@ -62,18 +62,23 @@ def test_rotary_cache_positions_match_streamingllm():
     torch.manual_seed(8)
     cfg = BoundedKVConfig(L_, H, D, R, 0, SinkWindow(3, 5), max_slots=2)
     rot = Rotary(D, base=50.0)
-    unc, sllm = UncachedHistory(cfg), StreamingLLM(rot, 3, 5, D ** -0.5)
+    unc, by_stream, sllm = UncachedHistory(cfg), UncachedHistory(cfg), StreamingLLM(rot, 3, 5, D ** -0.5)
+    for layer in range(L_):
+        unc.rotation(layer, rot, "cache")
+        by_stream.rotation(layer, rot, "stream")
     for n in range(20):
         step = BoundedKVStep((Segment("a", 1),), {"a": StreamPosition(0, n)})
         unc.admit(step)
+        by_stream.admit(step)
         for layer in range(L_):
             q, k, v = torch.randn(R, HQ, 1, D), torch.randn(R, H, 1, D), torch.randn(R, H, 1, D)
-            got = unc.attend(layer, q, k, v, step, rotary=rot, rope_positions="cache")
+            got = unc.attend(layer, q, k, v, step)
             assert (got.double() - sllm.attend(layer, "a", q, k, v)).abs().max() < 1e-5
-            stream = unc.attend(layer, q, k, v, step, rotary=rot, rope_positions="stream")
+            stream = by_stream.attend(layer, q, k, v, step)
             if n > 3 + 5:  # evicting: the two position modes part
                 assert (stream - got).abs().max() > 1e-3
         unc.commit(step)
+        by_stream.commit(step)
 
 
 def test_rejects_stale_positions_and_bad_modes():
@@ -83,12 +88,14 @@ def test_rejects_stale_positions_and_bad_modes():
         unc.admit(BoundedKVStep((Segment("a", 1),), {"a": StreamPosition(0, 3)}))
     step = BoundedKVStep((Segment("a", 1),), {"a": StreamPosition(0, 0)})
     x = torch.zeros(1, H, 1, D)
-    with pytest.raises(ValueError, match="rope_positions must be one of"):
-        unc.attend(0, x, x, x, step, rope_positions="absolute")
+    with pytest.raises(ValueError, match="rotation: mode must be one of"):
+        unc.rotation(0, Rotary(D), "absolute")
+    with pytest.raises(ValueError, match="attend: positions must be one of"):
+        unc.attend(0, x, x, x, step, positions="cells")
 
 
-def test_attend_takes_the_last_plan_and_the_protocols_keywords():
-    """As `BoundedKVManager.attend`: `layer_idx=` by keyword, and `plan=None` is the last `plan(step)`."""
+def test_attend_takes_the_protocols_keywords():
+    """As `BoundedKVManager.attend`: every argument by keyword, `plan` the one `plan(step)` returned."""
     cfg = BoundedKVConfig(num_layers=2, num_heads=1, head_dim=4, rows_per_request=1, max_source_len=0,
                           retention=SinkWindow(1, 2), max_slots=1, dtype=torch.float64)
     cache = UncachedHistory(cfg)
@@ -98,7 +105,7 @@ def test_attend_takes_the_last_plan_and_the_protocols_keywords():
         cache.admit(step)
         given = cache.plan(step)
         q, k, v = (torch.randn(1, 1, 1, 4, generator=g, dtype=torch.float64) for _ in range(3))
-        implicit = cache.attend(layer_idx=1, q=q, k=k, v=v)
+        implicit = cache.attend(layer_idx=1, q=q, k=k, v=v, plan=given)
         explicit = cache.attend(0, q, k, v, given)
         torch.testing.assert_close(implicit, explicit, rtol=0, atol=0)
         cache.commit(step)

@@ -1,42 +1,44 @@
-"""Per-layer retention: layers grouped by what they keep, one `BoundedKVManager` per group.
+"""Per-layer retention: layers grouped by what they keep, one slot table and a store per group.
 
 Models mix layer types: Gemma 3 alternates five sliding-window layers with
 one global layer, gpt-oss alternates sliding and global layers, and each
-kind keeps a different part of the stream. `GroupedKVManager` holds one
-`BoundedKVManager` per `LayerGroup`, each with its own retention and so its
-own slot size: a group whose window is 128 holds 128 cells per slot, not
-what the widest group needs.
+kind keeps a different part of the stream. `GroupedKVManager` is one
+`flexkv.cache.slots.SlotTable` (the requests, their slots, written counts
+and sources: the same for every group) and one device store per
+`LayerGroup` (a `BoundedKVManager` over that shared table), each with its
+own retention and so its own slot size: a group whose window is 128 holds
+128 cells per slot, not what the widest group needs.
 
 A step still goes `admit -> plan -> attend (per layer) -> commit`:
 
-* `admit(step)` admits the step to every group, atomically: if one group
-  refuses, no group changes;
-* `plan(step)` plans it once per group (host ints, as `BoundedKVManager.plan`)
-  and returns a `GroupedPlan`;
+* `admit(step)` checks and admits the step once, in the shared table;
+* `plan(step)` reads the table once and plans the step for each group's
+  store (host ints, as `BoundedKVManager.plan`), returning a `GroupedPlan`;
 * `attend(layer, ...)` runs the layer's one FlexAttention call in its group's
-  manager, with the group's plan and the layer's index inside the group;
-* `commit(step)` records the written tokens in every group.
+  store, with the group's plan and the layer's index inside the group;
+* `commit(step)` records the written tokens once, in the table.
 
-Every group sees the same requests, written counts and sources; only what
-each keeps differs.
+A source is checked for every group before any is written, then copied
+into the same place of every group's tensors. Only what each group keeps
+differs.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Callable, Hashable, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from ..config import BoundedKVConfig, is_int, Retention, SinkWindow
+from ..config import BoundedKVConfig, check_config, check_layer_index, is_int, Retention, SinkWindow
 from .manager import BoundedKVManager
 from .planner import BoundedPlan
-from ..step import BoundedKVStep
+from .slots import Admission, SlotTable
+from ..step import BoundedKVStep, StreamPosition
 
-__all__ = ["LayerGroup", "GroupedKVManager", "GroupedPlan", "layer_group_configs", "per_layer_groups", "as_layer_groups",
-           "build_cache"]
+__all__ = ["LayerGroup", "GroupedKVManager", "GroupedPlan", "layer_group_configs", "split_source", "per_layer_groups",
+           "as_layer_groups", "build_cache"]
 
 
 
@@ -183,8 +185,7 @@ def layer_group_configs(config: BoundedKVConfig, groups: Optional[Sequence[Layer
     place a grouped cache's per-group configs come from: `GroupedKVManager`
     and the uncached twin (`flexkv.model.uncached.UncachedHistory`) both use it.
     """
-    if not isinstance(config, BoundedKVConfig):
-        raise ValueError(f"config must be a BoundedKVConfig, got {type(config).__name__}")
+    check_config(config)
     L = config.num_layers
     if groups is None:
         groups = (LayerGroup(tuple(range(L)), config.retention, config.query_window,
@@ -256,8 +257,47 @@ class GroupRotation(nn.Module):
     def check_step(self, step: BoundedKVStep) -> None:
         self.rotation.check_step(step)
 
+    @property
+    def memory_bytes(self) -> int:
+        return self.rotation.memory_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.rotation.slot_bytes
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, plan: "GroupedPlan"):
         return self.rotation(q, k, plan.plans[self.group])
+
+
+def split_source(what: str, config: BoundedKVConfig, groups: Sequence[LayerGroup], configs: Sequence[BoundedKVConfig],
+                 keys, values) -> list:
+    """All-layer source tensors as each group's share: `[(keys, values)]` per group, its layers in order.
+
+    `keys`, `values` as for `BoundedKVManager.add_source` with all
+    `config.num_layers` layers; refused when the groups' heads differ in size
+    (one tensor cannot hold them). Checks the all-layer shape only: each
+    group's store checks its share.
+    """
+    c = config
+    shapes = {(cfg.num_heads, cfg.head_dim, cfg.value_head_dim) for cfg in configs}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"{what}: the groups hold heads of different sizes {sorted(shapes)} (kv heads, head_dim, "
+            f"value_head_dim), so one all-layer tensor cannot carry a source; a cache whose groups differ in "
+            f"head sizes takes no sources (give every group the config's heads to use them)"
+        )
+    for name, t in (("keys", keys), ("values", values)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 5 or t.shape[0] != c.num_layers:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"{what}: {name} must be [num_layers={c.num_layers}, rows_per_request, num_heads, L, head_dim], "
+                f"got {got}"
+            )
+    out = []
+    for g in groups:
+        idx = torch.tensor(g.layers, device=keys.device)
+        out.append((keys.index_select(0, idx), values.index_select(0, idx)))
+    return out
 
 
 class GroupedKVManager(nn.Module):
@@ -272,12 +312,14 @@ class GroupedKVManager(nn.Module):
         groups: the `LayerGroup`s; together they must cover
             `range(config.num_layers)` once.
         device, block_size: as for `BoundedKVManager`.
-        manager: builds each group's manager from its config (default:
-            `BoundedKVManager(config, device, block_size=block_size)`); a
-            tensor-parallel engine passes one that builds
+        manager: builds each group's store from its config and the shared
+            slot table, `manager(config, slots)` (default:
+            `BoundedKVManager(config, device, block_size=block_size,
+            slots=slots)`); a tensor-parallel engine passes one that builds
             `flexkv.serving.distributed.ShardedKVManager`s.
 
-    `managers[g]` is group `g`'s `BoundedKVManager` (its layer `i` is model
+    `slots` is the one `SlotTable` of every group; `managers[g]` is group
+    `g`'s store, a `BoundedKVManager` over that table (its layer `i` is model
     layer `groups[g].layers[i]`).
     """
 
@@ -288,41 +330,43 @@ class GroupedKVManager(nn.Module):
         device="cpu",
         *,
         block_size: Optional[int] = None,
-        manager: Optional[Callable[[BoundedKVConfig], BoundedKVManager]] = None,
+        manager: Optional[Callable[[BoundedKVConfig, SlotTable], BoundedKVManager]] = None,
     ):
         super().__init__()
-        if not isinstance(config, BoundedKVConfig):
-            raise ValueError(f"config must be a BoundedKVConfig, got {type(config).__name__}")
+        check_config(config)
         groups, configs, route = layer_group_configs(config, groups)
         if manager is None:
-            def manager(cfg):
-                return BoundedKVManager(cfg, device, block_size=block_size)
+            def manager(cfg, slots):
+                return BoundedKVManager(cfg, device, block_size=block_size, slots=slots)
         elif not callable(manager):
-            raise ValueError(f"manager must be a callable config -> BoundedKVManager, got {manager!r}")
+            raise ValueError(f"manager must be a callable (config, slots) -> BoundedKVManager, got {manager!r}")
         self.config = config
         self.groups = groups
         self.device = torch.device(device)
-        built = [manager(c) for c in configs]
+        #: The requests, slots and sources of every group (`flexkv.cache.slots.SlotTable`).
+        self.slots = SlotTable(config)
+        built = [manager(c, self.slots) for c in configs]
         for gi, m in enumerate(built):
             if not isinstance(m, BoundedKVManager):
-                raise ValueError(f"manager(config) must return a BoundedKVManager, got {type(m).__name__} for group {gi}")
+                raise ValueError(f"manager(config, slots) must return a BoundedKVManager, got {type(m).__name__} "
+                                 f"for group {gi}")
+            if m.slots is not self.slots:
+                raise ValueError(f"manager(config, slots) must build group {gi}'s store over the slot table it is "
+                                 f"given (BoundedKVManager(..., slots=slots))")
         self.managers = nn.ModuleList(built)
         # Host-side access without nn.ModuleList's indexing cost (it runs on every step).
         self._mgrs = tuple(self.managers)
         self._route = route
-        self._lock = threading.RLock()
-        self._current_plan: Optional[GroupedPlan] = None
+        self._lock = self.slots.lock
 
     # ------------------------------------------------------------------ views
 
     def group_of(self, layer_idx: int) -> Tuple[int, int]:
         """`(group, index inside the group)` of model layer `layer_idx`."""
-        if not is_int(layer_idx) or not 0 <= layer_idx < len(self._route):
-            raise ValueError(f"layer_idx must be an int in [0, {len(self._route)}), got {layer_idx!r}")
-        return self._route[layer_idx]
+        return self._route[check_layer_index(layer_idx, len(self._route))]
 
     def layer_manager(self, layer_idx: int) -> Tuple[BoundedKVManager, int]:
-        """The manager holding model layer `layer_idx`, and the layer's index in it."""
+        """The store holding model layer `layer_idx`, and the layer's index in it."""
         g, i = self.group_of(layer_idx)
         return self._mgrs[g], i
 
@@ -352,25 +396,40 @@ class GroupedKVManager(nn.Module):
     def check_start(self, request_id: Hashable, source: int = 0, source_len: int = 0, *,
                     restart: bool = False) -> None:
         """Raise what `admit` would raise for this declaration (see `BoundedKVManager.check_start`)."""
-        for m in self._mgrs:  # the groups share declarations; each may refuse a source length
-            m.check_start(request_id, source, source_len, restart=restart)
+        with self._lock:
+            self.slots.check_declaration(request_id, StreamPosition(source_len, 0, source), restart)
 
     @property
     def requests(self) -> tuple:
-        """Admitted request ids, in admission order (the same in every group)."""
-        return self._mgrs[0].requests
+        """Admitted request ids, in admission order."""
+        with self._lock:
+            return self.slots.requests
 
     @property
     def free_slots(self) -> int:
-        return min(m.free_slots for m in self._mgrs)
+        with self._lock:
+            return self.slots.free_slots
+
+    def slot_of(self, request_id: Hashable) -> int:
+        """The slot an admitted request holds (the same slot index in every group)."""
+        with self._lock:
+            return self.slots.slot_of(request_id)
 
     @property
     def sources(self) -> dict:
-        return self._mgrs[0].sources
+        with self._lock:
+            return self.slots.sources
+
+    @property
+    def private_sources(self) -> dict:
+        """Private sources: request id -> source place index."""
+        with self._lock:
+            return self.slots.private_sources
 
     def written(self, request_id: Hashable) -> int:
         """Tokens the request has committed to its stream."""
-        return self._mgrs[0].written(request_id)
+        with self._lock:
+            return self.slots.written(request_id)
 
     @property
     def memory_bytes(self) -> int:
@@ -406,131 +465,78 @@ class GroupedKVManager(nn.Module):
 
     # -------------------------------------------------------------- lifecycle
 
-    def admit(self, step: BoundedKVStep) -> None:
-        """Admit `step` in every group; atomic across groups (on any error nothing changes)."""
+    def admit(self, step: BoundedKVStep) -> Admission:
+        """Admit `step` in the shared table (atomic: on any error nothing changes); returns what changed."""
         with self._lock:
-            if len(self._mgrs) == 1:
-                self._mgrs[0].admit(step)  # atomic on its own
-                return
-            done = []
-            try:
-                for m in self._mgrs:
-                    before = set(m.requests)
-                    m.admit(step)
-                    done.append((m, before))
-            except BaseException:
-                for m, before in done:
-                    for rid in m.requests:
-                        if rid not in before:
-                            m.remove_request(rid)
-                        elif m.written(rid) == 0:  # admit never changes `written`
-                            # An admit binds the source of a stream that has written nothing;
-                            # rewinding the empty stream unbinds it again.
-                            m.reset_request(rid)
-                raise
+            return self.slots.admit(step)
+
+    def undo_admit(self, admission: Admission) -> None:
+        """Take back one `admit` whose step failed (see `BoundedKVManager.undo_admit`)."""
+        with self._lock:
+            self.slots.undo(admission)
 
     def plan(self, step: BoundedKVStep) -> GroupedPlan:
-        """Plan `step` once per group; the result is also kept for `attend(plan=None)`."""
+        """Plan `step` for every group from one read of the table."""
         with self._lock:
-            plan = GroupedPlan([m.plan(step) for m in self._mgrs])
-            self._current_plan = plan
-            return plan
+            self.slots.check_plannable(step)
+            slots = self.slots.slots()
+            private = self.slots.private_sources
+        return GroupedPlan([m._plan_from(step, slots, private) for m in self._mgrs])
 
     def commit(self, step: BoundedKVStep) -> None:
-        """Record each request's written tokens in every group (idempotent)."""
+        """Record each request's written tokens (idempotent); every group's eager per-plan state is dropped."""
+        for m in self._mgrs:
+            m._end_step()
         with self._lock:
-            self._mgrs[0].commit(step)  # validates before any group changes
-            for m in self._mgrs[1:]:
-                m.commit(step)
+            self.slots.commit(step)
 
     def reset_request(self, request_id: Hashable) -> None:
-        """Rewind a request to an empty stream in every group."""
+        """Rewind a request to an empty stream (see `BoundedKVManager.reset_request`)."""
         with self._lock:
-            self._mgrs[0].slot_of(request_id)
-            for m in self._mgrs:
-                m.reset_request(request_id)
+            self.slots.reset(request_id)
 
     def remove_request(self, request_id: Hashable) -> None:
-        """Free the request's slot in every group."""
+        """Free the request's slot (and its private source, if any)."""
         with self._lock:
-            if request_id not in self._mgrs[0].requests:
-                raise ValueError(f"remove_request: request {request_id!r} is not admitted")
-            for m in self._mgrs:
-                m.remove_request(request_id)
+            self.slots.remove(request_id)
 
-    def _per_group(self, what: str, keys: torch.Tensor, values: torch.Tensor):
-        """Check all-layer source tensors; yield each group's manager with its layers' keys and values."""
-        c = self.config
-        shapes = {(m.config.num_heads, m.config.head_dim, m.config.value_head_dim) for m in self._mgrs}
-        if len(shapes) > 1:
-            raise ValueError(
-                f"{what}: the groups hold heads of different sizes {sorted(shapes)} (kv heads, head_dim, "
-                f"value_head_dim), so one all-layer tensor cannot carry a source; register it with each "
-                f"group's manager (managers[g].{what}) instead"
-            )
-        for name, t in (("keys", keys), ("values", values)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 5 or t.shape[0] != c.num_layers:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(
-                    f"{what}: {name} must be [num_layers={c.num_layers}, rows_per_request, num_heads, L, head_dim], "
-                    f"got {got}"
-                )
-        for g, m in zip(self.groups, self._mgrs):
-            idx = torch.tensor(g.layers, device=keys.device)
-            yield m, keys.index_select(0, idx), values.index_select(0, idx)
+    def _group_sources(self, what: str, keys: torch.Tensor, values: torch.Tensor) -> list:
+        """Each group's store with its share of all-layer source tensors, checked by that store."""
+        shares = split_source(what, self.config, self.groups, [m.config for m in self._mgrs], keys, values)
+        return [(m, *m._source_tensors(what, k, v)) for m, (k, v) in zip(self._mgrs, shares)]
 
     def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Register a shared prefix for every group; `keys`, `values` as for
         `BoundedKVManager.add_source` with all `config.num_layers` layers."""
+        shares = self._group_sources("add_source", keys, values)
         with self._lock:
-            added = []
-            try:
-                for m, k, v in self._per_group("add_source", keys, values):
-                    added.append((m, m.add_source(k, v)))
-            except BaseException:
-                for m, index in added:
-                    m.remove_source(index)
-                raise
-            indices = {index for _, index in added}
-            if len(indices) != 1:  # only if a group's manager was used on its own
-                for m, index in added:
-                    m.remove_source(index)
-                raise RuntimeError(f"add_source: the groups placed the source at different indices {sorted(indices)}")
-            return indices.pop()
+            index = self.slots.next_place()
+            for m, k, v, length in shares:
+                m._write_source(index, k, v, length)
+            self.slots.add_source(index, shares[0][3])
+            return index
 
     def add_private_source(self, request_id: Hashable, keys: torch.Tensor, values: torch.Tensor) -> int:
         """A prefix of `request_id`'s own in every group (see `BoundedKVManager.add_private_source`);
         `keys`, `values` with all `config.num_layers` layers."""
+        shares = self._group_sources("add_private_source", keys, values)
         with self._lock:
-            added = []
-            try:
-                for m, k, v in self._per_group("add_private_source", keys, values):
-                    m.add_private_source(request_id, k, v)
-                    added.append(m)
-            except BaseException:
-                for m in added:
-                    m.remove_private_source(request_id)
-                raise
-            return added[0].private_sources[request_id]
+            self.slots.check_private(request_id)
+            index = self.slots.next_place()
+            for m, k, v, length in shares:
+                m._write_source(index, k, v, length)
+            self.slots.add_private_source(request_id, index, shares[0][3])
+            return index
 
     def remove_private_source(self, request_id: Hashable) -> None:
-        """Free `request_id`'s private source in every group."""
+        """Free `request_id`'s private source (its stream must not be reading it)."""
         with self._lock:
-            self._mgrs[0].remove_private_source(request_id)
-            for m in self._mgrs[1:]:
-                m.remove_private_source(request_id)
-
-    @property
-    def private_sources(self) -> dict:
-        """Private sources: request id -> source place index (in the first group)."""
-        return self._mgrs[0].private_sources
+            self.slots.remove_private_source(request_id)
 
     def remove_source(self, index: int) -> None:
-        """Unregister a source in every group."""
+        """Unregister a source no admitted request reads."""
         with self._lock:
-            self._mgrs[0].remove_source(index)
-            for m in self._mgrs[1:]:
-                m.remove_source(index)
+            self.slots.remove_source(index)
 
     # -------------------------------------------------------------- attention
 
@@ -540,7 +546,7 @@ class GroupedKVManager(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        plan: Optional[GroupedPlan] = None,
+        plan: GroupedPlan,
         *,
         scale: Optional[float] = None,
         score_mod: Optional[Callable] = None,
@@ -548,8 +554,6 @@ class GroupedKVManager(nn.Module):
         sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """`BoundedKVManager.attend` for model layer `layer_idx`, in its group with the group's plan."""
-        if plan is None:
-            plan = self._current_plan
         if not isinstance(plan, GroupedPlan) or len(plan) != len(self._mgrs):
             raise ValueError(
                 f"attend needs this cache's GroupedPlan (one plan per group, {len(self._mgrs)} groups): "

@@ -1,14 +1,19 @@
-"""`BoundedKVManager`: the slot pool, the sources, and the attention step.
+"""`BoundedKVManager`: a slot table and the device store of its layers.
 
 Host state (which request holds which slot, what each has committed) lives
-in plain Python objects behind a lock. Device state is one key and one value
-tensor per layer, registered buffers allocated once (see `flexkv.cache.layout`).
+in a `flexkv.cache.slots.SlotTable`, plain Python objects behind its lock.
+Device state is one key and one value tensor per layer, registered buffers
+allocated once (see `flexkv.cache.layout`), and the attention step over them.
 A step goes `admit -> plan -> attend (per layer) -> commit`.
+
+A manager keeps a table of its own, or (`slots=`) stores one layer group of
+a `flexkv.cache.groups.GroupedKVManager` over the table every group shares:
+the lifecycle then acts on that one table, and only sources (which must
+reach every group's tensors) go through the grouped cache.
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Callable, Hashable, Optional
 
@@ -17,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from ..config import BoundedKVConfig, is_int
+from ..config import BoundedKVConfig, check_config, check_layer_index
 from .layout import Layout
 from .masks import POSITION_MODES, make_mask_mod, make_score_mod
 from .kernel_options import flex_kernel_options
@@ -26,11 +31,39 @@ from .planner import BoundedPlan, build_plan, table_views
 from .rotary import SinkRotation, stream_positions
 from .row_attention import attend_rows, gather_width, row_geometry
 from .sinks import apply_learned_sinks, check_sinks
-from .slots import SlotsExhausted, SlotTable, SourcesExhausted
+from .slots import Admission, SlotsExhausted, SlotTable, SourcesExhausted
 from ..step import BoundedKVStep, StreamPosition
 
-__all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted"]
+__all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted", "check_source_shapes"]
 
+
+def check_source_shapes(config: BoundedKVConfig, what: str, keys, values) -> int:
+    """Raise unless `keys`, `values` are a source of `config`'s shape; returns its length `L`.
+
+    Keys `[num_layers, rows_per_request, num_heads, L, head_dim]`, values the
+    same with `value_head_dim`, `L <= max_source_len` (dtype and device are
+    the store's to check).
+    """
+    c = config
+    for name, t, dim, width in (("keys", keys, "head_dim", c.head_dim),
+                                ("values", values, "value_head_dim", c.value_head_dim)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 5:
+            raise ValueError(
+                f"{what}: {name} must be [num_layers, rows_per_request, num_heads, L, {dim}] "
+                f"= [{c.num_layers}, {c.rows_per_request}, {c.num_heads}, L, {width}], got {tuple(t.shape)}"
+            )
+        want = (c.num_layers, c.rows_per_request, c.num_heads, t.shape[3], width)
+        if tuple(t.shape) != want:
+            raise ValueError(f"{what}: {name} shape expected {want}, got {tuple(t.shape)}")
+        if t.shape[3] > c.max_source_len:
+            raise ValueError(
+                f"{what}: source length {t.shape[3]} exceeds max_source_len={c.max_source_len}"
+            )
+    if keys.shape[:4] != values.shape[:4]:
+        raise ValueError(f"{what}: keys {tuple(keys.shape)} and values {tuple(values.shape)} differ")
+    return keys.shape[3]
 
 
 def _apart_from_kernel(out: torch.Tensor) -> torch.Tensor:
@@ -58,12 +91,15 @@ class BoundedKVManager(nn.Module):
             shows that planning never touches device data.
         block_size: FlexAttention's KV block size (cells per block); None (the default) lets
             flexkv choose for the config and device (`flexkv.cache.layout.default_block_size`).
+        slots: the `SlotTable` to keep the requests in; None (the default) makes one. A
+            `GroupedKVManager` passes the table all its groups share; such a manager stores one
+            group and refuses sources of its own (the grouped cache writes them in every group).
     """
 
-    def __init__(self, config: BoundedKVConfig, device="cpu", *, block_size: Optional[int] = None):
+    def __init__(self, config: BoundedKVConfig, device="cpu", *, block_size: Optional[int] = None,
+                 slots: Optional[SlotTable] = None):
         super().__init__()
-        if not isinstance(config, BoundedKVConfig):
-            raise ValueError(f"config must be a BoundedKVConfig, got {type(config).__name__}")
+        check_config(config)
         if config.dtype is None:
             raise ValueError(
                 "config.dtype is None: the KV dtype is settled by the engine; build the cache with "
@@ -81,10 +117,15 @@ class BoundedKVManager(nn.Module):
         self.register_buffer(
             "_head_index", torch.arange(config.num_heads, device=self.device).view(-1, 1), persistent=False
         )
-        self._lock = threading.RLock()
-        #: Host bookkeeping: slots, requests, source places (`flexkv.cache.slots`), under `_lock`.
-        self.slots = SlotTable(config)
-        self._current_plan: Optional[BoundedPlan] = None
+        if slots is not None and not isinstance(slots, SlotTable):
+            raise ValueError(f"slots must be a flexkv.cache.slots.SlotTable or None, got {type(slots).__name__}")
+        if slots is not None:
+            slots.check_shares(config, "this manager")
+        #: Whether the table is shared with other layer groups' stores (then sources come through them all).
+        self._shared = slots is not None
+        #: Host bookkeeping: slots, requests, source places (`flexkv.cache.slots`), under its lock.
+        self.slots = SlotTable(config) if slots is None else slots
+        self._lock = self.slots.lock
         #: Fold GQA groups into the query axis (on by default on the CPU; see `attend`).
         self.pack_gqa = self.device.type == "cpu"
         #: Keep a compiled step's elementwise ops on the attention output (`o * 2`, a gate, a mean
@@ -158,18 +199,18 @@ class BoundedKVManager(nn.Module):
 
     def layer_config(self, layer_idx: int) -> BoundedKVConfig:
         """The config that governs layer `layer_idx` (its retention and windows): this cache's own."""
-        self._layer_index(layer_idx)
+        check_layer_index(layer_idx, self.config.num_layers)
         return self.config
 
     def layer_manager(self, layer_idx: int):
         """`(manager, index in it)` holding layer `layer_idx`: this manager and the same index."""
-        return self, self._layer_index(layer_idx)
+        return self, check_layer_index(layer_idx, self.config.num_layers)
 
     def rotation(self, layer_idx: int, rotary, mode: str = "stream") -> SinkRotation:
         """Rotary positions for layer `layer_idx` (`flexkv.cache.rotary.SinkRotation`): call it as
         `q, k = rotation(q, k, plan)` before `attend`; in ``"cache"`` mode run its `check_step`
         on the host before planning (`flexkv.model.wrap.StepContext` does)."""
-        return SinkRotation(self, self._layer_index(layer_idx), rotary, mode)
+        return SinkRotation(self, check_layer_index(layer_idx, self.config.num_layers), rotary, mode)
 
     def stream_positions(self, plan: BoundedPlan, tokens: Optional[int] = None) -> torch.Tensor:
         """Stream index of each of the step's own tokens, `[N, T]` int64 on the device (contract
@@ -177,11 +218,6 @@ class BoundedKVManager(nn.Module):
         if not isinstance(plan, BoundedPlan):
             raise ValueError(f"stream_positions needs this cache's plan (cache.plan(step)), got {type(plan).__name__}")
         return stream_positions(plan, plan.tokens if tokens is None else tokens, self.config.reverse_step_order)
-
-    def _layer_index(self, layer_idx) -> int:
-        if not is_int(layer_idx) or not 0 <= layer_idx < self.config.num_layers:
-            raise ValueError(f"layer_idx must be an int in [0, {self.config.num_layers}), got {layer_idx!r}")
-        return layer_idx
 
     def _layer_kv(self, layer_idx):
         """Layer `layer_idx`'s key and value buffers, `[1, num_heads, S, head_dim]` and `[.., value_head_dim]`.
@@ -221,36 +257,22 @@ class BoundedKVManager(nn.Module):
     # ---------------------------------------------------------------- sources
 
     def _check_source(self, what: str, keys, values) -> int:
-        """Validate a source's keys and values; returns its length."""
-        c = self.config
-        for name, t, dim, width in (("keys", keys, "head_dim", c.head_dim),
-                                    ("values", values, "value_head_dim", c.value_head_dim)):
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
-            if t.dim() != 5:
-                raise ValueError(
-                    f"{what}: {name} must be [num_layers, rows_per_request, num_heads, L, {dim}] "
-                    f"= [{c.num_layers}, {c.rows_per_request}, {c.num_heads}, L, {width}], got {tuple(t.shape)}"
-                )
-            want = (c.num_layers, c.rows_per_request, c.num_heads, t.shape[3], width)
-            if tuple(t.shape) != want:
-                raise ValueError(f"{what}: {name} shape expected {want}, got {tuple(t.shape)}")
-            if t.shape[3] > c.max_source_len:
-                raise ValueError(
-                    f"{what}: source length {t.shape[3]} exceeds max_source_len={c.max_source_len}"
-                )
-            if t.dtype != c.dtype:
-                raise ValueError(f"{what}: {name} dtype expected {c.dtype}, got {t.dtype}")
+        """Validate a source's keys and values for this store; returns its length."""
+        length = check_source_shapes(self.config, what, keys, values)
+        for name, t in (("keys", keys), ("values", values)):
+            if t.dtype != self.config.dtype:
+                raise ValueError(f"{what}: {name} dtype expected {self.config.dtype}, got {t.dtype}")
             if t.device != self.device:
                 raise ValueError(f"{what}: {name} device expected {self.device}, got {t.device}")
-        if keys.shape[:4] != values.shape[:4]:
-            raise ValueError(f"{what}: keys {tuple(keys.shape)} and values {tuple(values.shape)} differ")
-        return keys.shape[3]
+        return length
 
-    def _store_source(self, keys, values, length: int) -> int:
-        """Copy a checked source into the first free source place (under the lock); returns its index."""
+    def _source_tensors(self, what: str, keys, values):
+        """`(keys, values, length)` of a source as this store keeps it, checked; changes nothing."""
+        return keys, values, self._check_source(what, keys, values)
+
+    def _write_source(self, index: int, keys, values, length: int) -> None:
+        """Copy a checked source into source place `index` of every layer (under the lock)."""
         c = self.config
-        index = self.slots.next_place()
         with torch.no_grad():
             for layer in range(c.num_layers):
                 kc, vc = self._layer_kv(layer)
@@ -258,7 +280,13 @@ class BoundedKVManager(nn.Module):
                     base = self.layout.source_row(index, r)
                     kc[0, :, base:base + length].copy_(keys[layer, r])
                     vc[0, :, base:base + length].copy_(values[layer, r])
-        return index
+
+    def _own_sources(self, what: str) -> None:
+        if self._shared:
+            raise ValueError(
+                f"{what}: this manager stores one layer group of a GroupedKVManager (it shares that cache's slot "
+                f"table); call {what} on the GroupedKVManager, which writes the source into every group"
+            )
 
     def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Register a read-only prefix shared by requests; returns its index.
@@ -267,9 +295,11 @@ class BoundedKVManager(nn.Module):
         the same with `value_head_dim`, `L <= max_source_len`, in the cache's
         dtype and on its device.
         """
-        length = self._check_source("add_source", keys, values)
+        self._own_sources("add_source")
+        keys, values, length = self._source_tensors("add_source", keys, values)
         with self._lock:
-            index = self._store_source(keys, values, length)
+            index = self.slots.next_place()
+            self._write_source(index, keys, values, length)
             self.slots.add_source(index, length)
             return index
 
@@ -285,10 +315,12 @@ class BoundedKVManager(nn.Module):
         Set it before the request's stream starts: before its first `admit`,
         or after `reset_request`.
         """
-        length = self._check_source("add_private_source", keys, values)
+        self._own_sources("add_private_source")
+        keys, values, length = self._source_tensors("add_private_source", keys, values)
         with self._lock:
             self.slots.check_private(request_id)
-            index = self._store_source(keys, values, length)
+            index = self.slots.next_place()
+            self._write_source(index, keys, values, length)
             self.slots.add_private_source(request_id, index, length)
             return index
 
@@ -322,31 +354,39 @@ class BoundedKVManager(nn.Module):
         with self._lock:
             self.slots.check_declaration(request_id, StreamPosition(source_len, 0, source), restart)
 
-    def admit(self, step: BoundedKVStep) -> None:
-        """Give each new request of `step` a free slot and check every declaration.
+    def admit(self, step: BoundedKVStep) -> Admission:
+        """Give each new request of `step` a free slot and check every declaration; returns what
+        changed (`flexkv.cache.slots.Admission`, for `undo_admit`).
 
         Atomic: on any error nothing changes. A full pool raises
         `SlotsExhausted`; a bad declaration raises `ValueError`.
         """
         with self._lock:
-            self.slots.admit(step)
+            return self.slots.admit(step)
+
+    def undo_admit(self, admission: Admission) -> None:
+        """Take back one `admit` whose step failed: its new requests leave, the streams it started
+        are unbound (private sources stay). A step transaction's abort calls it."""
+        with self._lock:
+            self.slots.undo(admission)
 
     def plan(self, step: BoundedKVStep) -> BoundedPlan:
-        """Plan `step` (every request admitted) on host ints; the plan is also kept for `attend(plan=None)`.
+        """Plan `step` (every request admitted) on host ints.
 
         Pure: it reads the slot table, never device data, and planning the
         same step twice gives equal plans.
         """
         with self._lock:
-            self.slots.check_step(step)
-            self.slots.check_admitted(step, "request {rid} is not admitted; call admit(step) before plan(step)")
+            self.slots.check_plannable(step)
             slots = self.slots.slots()
             private = self.slots.private_sources
-        plan = build_plan(self.config, self.layout, step, slots.__getitem__, self.device,
+        return self._plan_from(step, slots, private)
+
+    def _plan_from(self, step: BoundedKVStep, slots: dict, private: dict) -> BoundedPlan:
+        """This store's plan of a checked step, from the table's slots and private places."""
+        return build_plan(self.config, self.layout, step, slots.__getitem__, self.device,
                           self._full_blocks_at(len(step.segments) * self.config.rows_per_request, step.step_tokens),
                           private_source=private.get)
-        self._current_plan = plan
-        return plan
 
     def commit(self, step: BoundedKVStep) -> None:
         """Record each request's written tokens: `written = position.written + span` (idempotent).
@@ -354,9 +394,13 @@ class BoundedKVManager(nn.Module):
         Also drops the rows path's eager per-plan geometry (its mask bias is as large as the step's
         queries times the cells a row reads): the step is over.
         """
-        self._geometry_plan, self._geometries = None, {}
+        self._end_step()
         with self._lock:
             self.slots.commit(step)
+
+    def _end_step(self) -> None:
+        """Drop what this store kept for the step's layers (the rows path's eager geometry)."""
+        self._geometry_plan, self._geometries = None, {}
 
     def reset_request(self, request_id: Hashable) -> None:
         """Rewind a request to an empty stream; it keeps its slot and may pick a new source.
@@ -414,12 +458,9 @@ class BoundedKVManager(nn.Module):
 
     def _check_attend(self, layer_idx, q, k, v, plan) -> None:
         c = self.config
-        if not is_int(layer_idx) or not 0 <= layer_idx < c.num_layers:
-            # A compiled call may hold the index as a symbolic int, which cannot be formatted.
-            got = "an index outside that range" if torch.compiler.is_compiling() else repr(layer_idx)
-            raise ValueError(f"layer_idx must be an int in [0, {c.num_layers}), got {got}")
+        check_layer_index(layer_idx, c.num_layers)
         if not isinstance(plan, BoundedPlan):
-            raise ValueError("attend needs a plan: pass plan=manager.plan(step) (or call plan() first)")
+            raise ValueError(f"attend needs this cache's plan: pass plan=manager.plan(step), got {type(plan).__name__}")
         N, T = plan.rows, plan.tokens
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -491,7 +532,7 @@ class BoundedKVManager(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        plan: Optional[BoundedPlan] = None,
+        plan: BoundedPlan,
         *,
         scale: Optional[float] = None,
         score_mod: Optional[Callable] = None,
@@ -510,8 +551,6 @@ class BoundedKVManager(nn.Module):
         `torch.compile(fullgraph=True)`. `sinks`: learned sink logits `[Hq]`
         (see `flexkv.cache.sinks`), served from the same call's log-sum-exp.
         """
-        if plan is None:
-            plan = self._current_plan
         self._check_attend(layer_idx, q, k, v, plan)
         if sinks is not None:
             check_sinks(sinks, q.shape[1], self.device)

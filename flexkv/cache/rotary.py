@@ -53,7 +53,7 @@ from typing import Tuple
 import torch
 from torch import nn
 
-from ..config import BoundedKVConfig, is_int
+from ..config import BoundedKVConfig, check_layer_index, is_int
 from ..step import BoundedKVStep
 
 __all__ = [
@@ -198,8 +198,7 @@ class SinkRotation(nn.Module):
                 f"for any flexkv cache use cache.rotation(layer_idx, rotary, mode)"
             )
         c = manager.config
-        if not is_int(layer_idx) or not 0 <= layer_idx < c.num_layers:
-            raise ValueError(f"SinkRotation: layer_idx must be an int in [0, {c.num_layers}), got {layer_idx!r}")
+        check_layer_index(layer_idx, c.num_layers, "SinkRotation: ")
         if not isinstance(rotary, Rotary):
             raise ValueError(f"SinkRotation: rotary must be a flexkv.cache.rotary.Rotary, got {type(rotary).__name__}")
         if rotary.head_dim != c.head_dim:
@@ -243,6 +242,12 @@ class SinkRotation(nn.Module):
         """Bytes of the un-rotated sink copies (0 in ``"stream"`` mode)."""
         raw = getattr(self, "raw_sink", None)
         return 0 if raw is None else raw.numel() * raw.element_size()
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of the un-rotated sink copies one slot holds (0 in ``"stream"`` mode)."""
+        raw = getattr(self, "raw_sink", None)
+        return 0 if raw is None or not self._sink else self.memory_bytes // (raw.shape[0] // self._sink)
 
     def check_step(self, step: BoundedKVStep) -> None:
         """Host check (``"cache"`` mode): every query of each request must share one eviction count."""

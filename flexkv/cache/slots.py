@@ -3,22 +3,33 @@
 Which request holds which slot, what each has committed, which source it
 started on, which source places are taken (shared, or reserved as a
 request's private source): everything a step is checked and planned
-against, and nothing on a device. `BoundedKVManager` keeps one and holds
-its lock around every call; the planner reads slots and private places
-from it. All the checks of a step and of a request's declaration live here
-(docs/contract.md section 5), so every front door refuses the same things
-with the same message.
+against, and nothing on a device. A cache is one table and the device
+stores of its layers: `BoundedKVManager` holds one table, a
+`GroupedKVManager` one table that every group's store shares, the uncached
+twin one table beside its dense history. Every check reads only fields all
+layer groups share (`SHARED_FIELDS`), so one table serves every group and
+there is nothing to keep in step between groups.
+
+The table does not lock itself: every cache that uses it holds `lock`
+around its calls (one lock for every store that shares the table). The
+planner reads slots and private places from it. All the checks of a step
+and of a request's declaration live here (docs/contract.md section 5), so
+every front door refuses the same things with the same message.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Hashable, Optional
+from typing import Hashable, NamedTuple, Optional, Tuple
 
 from ..config import BoundedKVConfig, is_int
 from ..step import BoundedKVStep, Segment, StreamPosition
 
-__all__ = ["SlotTable", "SlotsExhausted", "SourcesExhausted"]
+__all__ = ["SlotTable", "Admission", "SlotsExhausted", "SourcesExhausted", "SHARED_FIELDS"]
+
+#: The config fields the table reads: every layer group of one cache has the same values.
+SHARED_FIELDS = ("max_slots", "max_sources", "max_step_tokens", "min_source_len", "max_source_len")
 
 
 class SlotsExhausted(RuntimeError):
@@ -37,11 +48,21 @@ class _Request:
     source_len: Optional[int] = None
 
 
+class Admission(NamedTuple):
+    """What one `admit` changed: the requests it gave a slot, and those whose stream it started
+    (bound to the declared source). `SlotTable.undo` takes exactly that back."""
+
+    new: Tuple[Hashable, ...] = ()
+    started: Tuple[Hashable, ...] = ()
+
+
 class SlotTable:
-    """Slots, requests and source places of one cache (not thread-safe: the owner locks)."""
+    """Slots, requests and source places of one cache (not thread-safe: its users hold `lock`)."""
 
     def __init__(self, config: BoundedKVConfig):
         self.config = config
+        #: Held by every cache and store that uses this table, around each of its calls.
+        self.lock = threading.RLock()
         self._requests: dict = {}
         self._free = list(range(config.max_slots))  # kept sorted: the lowest free slot goes first
         self._sources: dict = {}  # place -> registered length (shared and private)
@@ -200,6 +221,19 @@ class SlotTable:
                 )
         return T
 
+    def check_shares(self, config: BoundedKVConfig, what: str) -> None:
+        """Raise unless `config` agrees with the table's on every field the table reads."""
+        differ = [f"{f}={getattr(config, f)} (the table's {getattr(self.config, f)})"
+                  for f in SHARED_FIELDS if getattr(config, f) != getattr(self.config, f)]
+        if differ:
+            raise ValueError(f"{what} cannot share this slot table: its config has {', '.join(differ)}")
+
+    def check_plannable(self, step: BoundedKVStep) -> int:
+        """The checks of `plan(step)`: the step's shape, and every request admitted; returns T."""
+        T = self.check_step(step)
+        self.check_admitted(step, "request {rid} is not admitted; call admit(step) before plan(step)")
+        return T
+
     def check_admitted(self, step: BoundedKVStep, message: str) -> None:
         """Raise unless every request of `step` holds a slot; `message` names it as `{rid}`."""
         for seg in step.segments:
@@ -275,8 +309,9 @@ class SlotTable:
 
     # -------------------------------------------------------------- lifecycle
 
-    def admit(self, step: BoundedKVStep) -> None:
-        """Check `step` and every declaration, then give each new request the lowest free slot (atomic)."""
+    def admit(self, step: BoundedKVStep) -> Admission:
+        """Check `step` and every declaration, then give each new request the lowest free slot (atomic);
+        returns what changed."""
         c = self.config
         self.check_step(step)
         new = []
@@ -294,12 +329,29 @@ class SlotTable:
             )
         for rid in new:
             self._requests[rid] = _Request(slot=self._free.pop(0))
+        started = []
         for seg in step.segments:
             if seg.request_id is not None:
                 req = self._requests[seg.request_id]
                 if req.source_len is None:
                     pos = step.positions[seg.request_id]
                     req.source, req.source_len = pos.source, pos.source_len
+                    started.append(seg.request_id)
+        return Admission(tuple(new), tuple(started))
+
+    def undo(self, admission: Admission) -> None:
+        """Take back what one `admit` did (the step that admitted failed): its new requests leave
+        (their slots go back to the pool), and the streams it started are unbound again. Requests
+        removed since are skipped."""
+        for rid in admission.new:
+            req = self._requests.pop(rid, None)
+            if req is not None:
+                self._free.append(req.slot)
+        self._free.sort()
+        for rid in admission.started:
+            req = self._requests.get(rid)
+            if req is not None and rid not in admission.new:
+                req.written, req.source, req.source_len = 0, None, None
 
     def commit(self, step: BoundedKVStep) -> None:
         """`written = position.written + span` for each request of `step` (idempotent)."""

@@ -10,10 +10,11 @@ with their own), so a model, a `StreamSession` or a `flexkv.model.wrap` port
 swaps one for the other without a change.
 
 Its host bookkeeping (which requests hold slots, which sources are
-registered, what each request committed) is a bounded cache's own, built on
-the `"meta"` device (which allocates nothing): it accepts and refuses
-exactly the declarations, sources and slot counts the bounded cache does,
-with the same messages. Its attention is the dense whole-stream reference's
+registered, what each request committed) is a bounded cache's own slot
+table (`flexkv.cache.slots.SlotTable`), and its sources are checked by the
+bounded cache's shape checks: it accepts and refuses exactly the
+declarations, sources and slot counts the bounded cache does, with the same
+messages. Its attention is the dense whole-stream reference's
 (`flexkv.model.reference.ReferenceCache`, one per layer group, in float64),
 which shares nothing with the cache's layout, planner or masks: a checking
 tool, not a fast path.
@@ -30,12 +31,14 @@ from typing import Callable, Dict, Hashable, List, Optional
 
 import torch
 
-from ..config import BoundedKVConfig
-from ..cache.groups import GroupedKVManager, as_layer_groups
+from ..config import BoundedKVConfig, check_config, check_layer_index
+from ..cache.groups import as_layer_groups, layer_group_configs, split_source
+from ..cache.manager import check_source_shapes
 from ..cache.masks import POSITION_MODES
 from .reference import ReferenceCache, own_stream_indices
 from ..cache.rotary import ROPE_POSITIONS, Rotary, check_cache_config, check_cache_step
-from ..step import BoundedKVStep
+from ..cache.slots import Admission, SlotTable
+from ..step import BoundedKVStep, StreamPosition
 
 __all__ = ["UncachedHistory", "UncachedPlan"]
 
@@ -89,28 +92,28 @@ class UncachedHistory:
         groups: as for `GroupedKVManager` (LayerGroups, or one retention per
             layer): each layer group attends by its own retention.
 
-    `attend(layer_idx, q, k, v, plan, ...)` mirrors `BoundedKVManager.attend`
-    (`q [N, Hq, T, D]`, `k, v [N, H, T, D]`, returns `[N, Hq, T, D]` in
-    `q`'s dtype and device) and adds `rotary`/`rope_positions`; `commit`
-    appends each request's written tokens (in stream order) from the last
-    `attend` of every layer.
+    One slot table (`slots`) and one dense reference per layer group.
+    `attend(layer_idx, q, k, v, plan, ...)` is `BoundedKVManager.attend`
+    (`q [N, Hq, T, D]`, `k [N, H, T, D]`, `v [N, H, T, value_head_dim]`,
+    returns `[N, Hq, T, value_head_dim]` in `q`'s dtype and device), rotating
+    queries and keys as `rotation(layer_idx, ...)` recorded for the layer;
+    `commit` appends each request's written tokens (in stream order) from the
+    last `attend` of every layer.
     """
 
     #: Attention runs on the host in float64: not traceable by `torch.compile`.
     compilable = False
 
     def __init__(self, config: BoundedKVConfig, groups=None):
-        if not isinstance(config, BoundedKVConfig):
-            raise ValueError(f"config must be a BoundedKVConfig, got {type(config).__name__}")
+        check_config(config)
         if groups is not None:
             groups = as_layer_groups(config, groups)
         self.config = config
         host_config = config if config.dtype is not None else config.replace(dtype=torch.float64)
-        # The bounded cache's own host state and checks; "meta" allocates no memory for it.
-        self._host = GroupedKVManager(host_config, groups, "meta")
-        self.groups = self._host.groups
-        self._configs = tuple(m.config for m in self._host.managers)
-        self._last_plan: Optional[UncachedPlan] = None
+        self.groups, self._configs, self._route = layer_group_configs(host_config, groups)
+        #: The bounded cache's own host bookkeeping and checks (`flexkv.cache.slots.SlotTable`).
+        self.slots = SlotTable(host_config)
+        self._lock = self.slots.lock
         # Every stream whole, per layer group: the dense reference of each group's retention keeps it,
         # and attends over it.
         self._history = tuple(ReferenceCache(c) for c in self._configs)
@@ -120,26 +123,35 @@ class UncachedHistory:
 
     def layer_config(self, layer_idx: int) -> BoundedKVConfig:
         """The config that governs layer `layer_idx` (its group's retention and windows)."""
-        return self._configs[self._host.group_of(layer_idx)[0]]
+        return self._configs[self._route[check_layer_index(layer_idx, self.config.num_layers)][0]]
 
     @property
     def requests(self) -> tuple:
-        return self._host.requests
+        with self._lock:
+            return self.slots.requests
 
     @property
     def free_slots(self) -> int:
-        return self._host.free_slots
+        with self._lock:
+            return self.slots.free_slots
+
+    def slot_of(self, request_id: Hashable) -> int:
+        with self._lock:
+            return self.slots.slot_of(request_id)
 
     @property
     def sources(self) -> dict:
-        return self._host.sources
+        with self._lock:
+            return self.slots.sources
 
     @property
     def private_sources(self) -> dict:
-        return self._host.private_sources
+        with self._lock:
+            return self.slots.private_sources
 
     def written(self, request_id: Hashable) -> int:
-        return self._host.written(request_id)
+        with self._lock:
+            return self.slots.written(request_id)
 
     @property
     def memory_bytes(self) -> int:
@@ -152,74 +164,91 @@ class UncachedHistory:
 
     # ---------------------------------------------------------- sources
 
-    def _per_group(self, keys: torch.Tensor, values: torch.Tensor):
-        """Each group's reference and its layers' share of all-layer source tensors (float64, CPU)."""
-        keys, values = keys.detach().double().cpu(), values.detach().double().cpu()
-        for g, ref in zip(self.groups, self._history):
-            idx = torch.tensor(g.layers)
-            yield ref, keys.index_select(0, idx), values.index_select(0, idx)
-
-    def _meta(self, t):
-        """The host's view of a source tensor: the same shape, no data."""
-        return t.detach().to(device="meta", dtype=self._host.config.dtype) if isinstance(t, torch.Tensor) else t
+    def _group_sources(self, what: str, keys: torch.Tensor, values: torch.Tensor):
+        """Each group's share of all-layer source tensors, checked as the bounded cache checks them
+        (float64, CPU), and the source's length."""
+        shares = split_source(what, self.config, self.groups, self._configs, keys, values)
+        length = None
+        for cfg, (k, v) in zip(self._configs, shares):
+            length = check_source_shapes(cfg, what, k, v)
+        return [(k.detach().double().cpu(), v.detach().double().cpu()) for k, v in shares], length
 
     def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Register a source `[num_layers, rows_per_request, num_heads, L, head_dim]` (un-rotated keys)."""
-        index = self._host.add_source(self._meta(keys), self._meta(values))
-        for ref, k, v in self._per_group(keys, values):
-            ref.add_source(index, k, v)
-        return index
+        shares, length = self._group_sources("add_source", keys, values)
+        with self._lock:
+            index = self.slots.next_place()
+            self.slots.add_source(index, length)
+            for ref, (k, v) in zip(self._history, shares):
+                ref.add_source(index, k, v)
+            return index
 
     def remove_source(self, index: int) -> None:
-        self._host.remove_source(index)
-        for ref in self._history:
-            ref.remove_source(index)
+        with self._lock:
+            self.slots.remove_source(index)
+            for ref in self._history:
+                ref.remove_source(index)
 
     def add_private_source(self, request_id: Hashable, keys: torch.Tensor, values: torch.Tensor) -> int:
         """A prefix of `request_id`'s own, read when its position declares `source=-1`."""
-        index = self._host.add_private_source(request_id, self._meta(keys), self._meta(values))
-        for ref, k, v in self._per_group(keys, values):
-            ref.add_private_source(request_id, k, v)
-        return index
+        shares, length = self._group_sources("add_private_source", keys, values)
+        with self._lock:
+            self.slots.check_private(request_id)
+            index = self.slots.next_place()
+            self.slots.add_private_source(request_id, index, length)
+            for ref, (k, v) in zip(self._history, shares):
+                ref.add_private_source(request_id, k, v)
+            return index
 
     def remove_private_source(self, request_id: Hashable) -> None:
-        self._host.remove_private_source(request_id)
-        for ref in self._history:
-            ref.remove_private_source(request_id)
+        with self._lock:
+            self.slots.remove_private_source(request_id)
+            for ref in self._history:
+                ref.remove_private_source(request_id)
 
     # --------------------------------------------------------- lifecycle
 
     def check_start(self, request_id: Hashable, source: int = 0, source_len: int = 0, *,
                     restart: bool = False) -> None:
         """Raise what `admit` would raise for this declaration (see `BoundedKVManager.check_start`)."""
-        self._host.check_start(request_id, source, source_len, restart=restart)
+        with self._lock:
+            self.slots.check_declaration(request_id, StreamPosition(source_len, 0, source), restart)
 
-    def admit(self, step: BoundedKVStep) -> None:
+    def admit(self, step: BoundedKVStep) -> Admission:
         """Check every declaration and give new requests a slot, as the bounded cache does (atomic)."""
-        self._host.admit(step)
+        with self._lock:
+            return self.slots.admit(step)
+
+    def undo_admit(self, admission: Admission) -> None:
+        """Take back one `admit` whose step failed (see `BoundedKVManager.undo_admit`)."""
+        with self._lock:
+            self.slots.undo(admission)
 
     def plan(self, step: BoundedKVStep) -> UncachedPlan:
         """Check the step as the bounded cache's `plan` does; the plan is the host step itself."""
-        self._host.plan(step)
-        self._last_plan = UncachedPlan(step, self.config)
-        return self._last_plan
+        with self._lock:
+            self.slots.check_plannable(step)
+        return UncachedPlan(step, self.config)
 
     def commit(self, step: BoundedKVStep) -> None:
         """Append each request's written tokens, for every layer it attended, in stream order."""
-        self._host.commit(step)
-        for ref in self._history:
-            ref.commit(step)
+        with self._lock:
+            self.slots.commit(step)
+            for ref in self._history:
+                ref.commit(step)
 
     def reset_request(self, request_id: Hashable) -> None:
-        self._host.reset_request(request_id)
-        for ref in self._history:
-            ref.reset_request(request_id)
+        with self._lock:
+            self.slots.reset(request_id)
+            for ref in self._history:
+                ref.reset_request(request_id)
 
     def remove_request(self, request_id: Hashable) -> None:
-        self._host.remove_request(request_id)  # frees its private source too
-        for ref in self._history:
-            ref.remove_request(request_id)
-            ref.remove_private_source(request_id)
+        with self._lock:
+            self.slots.remove(request_id)  # frees its private source too
+            for ref in self._history:
+                ref.remove_request(request_id)
+                ref.remove_private_source(request_id)
 
     # ------------------------------------------------------- model side
 
@@ -252,39 +281,29 @@ class UncachedHistory:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        plan=None,
+        plan: UncachedPlan,
         *,
         scale: Optional[float] = None,
         score_mod: Optional[Callable] = None,
         positions: str = "stream",
         sinks: Optional[torch.Tensor] = None,
-        rotary: Optional[Rotary] = None,
-        rope_positions: Optional[str] = None,
     ) -> torch.Tensor:
         """Attention of the planned step for `layer_idx` over the whole history, masked by the layer's
         retention (docs/contract.md section 2).
 
-        `plan` is what `plan(step)` returned (a `BoundedKVStep` is taken too;
-        None: the last plan, as in `BoundedKVManager.attend`).
+        `plan` is what `plan(step)` returned (a `BoundedKVStep` is taken too).
         `positions` chooses what `score_mod` receives; `sinks` are learned
-        sink logits `[Hq]` as in `BoundedKVManager.attend`. `rotary` and
-        `rope_positions` rotate queries and keys (default: what
-        `rotation(layer_idx, ...)` recorded for the layer, if anything).
+        sink logits `[Hq]` as in `BoundedKVManager.attend`. Queries and keys
+        are rotated as `rotation(layer_idx, rotary, mode)` recorded for the
+        layer (not at all if it was never called).
         """
-        if plan is None:
-            plan = self._last_plan
         step = plan.step if isinstance(plan, UncachedPlan) else plan
         if not isinstance(step, BoundedKVStep):
-            raise ValueError("attend needs the step's plan: pass plan=cache.plan(step)")
-        if rotary is None and layer_idx in self._rotary:
-            rotary, recorded = self._rotary[layer_idx]
-            rope_positions = recorded if rope_positions is None else rope_positions
-        rope_positions = "stream" if rope_positions is None else rope_positions
-        for name, mode, allowed in (("positions", positions, POSITION_MODES),
-                                    ("rope_positions", rope_positions, ROPE_POSITIONS)):
-            if mode not in allowed:
-                raise ValueError(f"attend: {name} must be one of {allowed}, got {mode!r}")
-        g, local = self._host.group_of(layer_idx)
+            raise ValueError(f"attend needs this cache's plan: pass plan=cache.plan(step), got {type(plan).__name__}")
+        if positions not in POSITION_MODES:
+            raise ValueError(f"attend: positions must be one of {POSITION_MODES}, got {positions!r}")
+        rotary, rope_positions = self._rotary.get(layer_idx, (None, "stream"))
+        g, local = self._route[check_layer_index(layer_idx, self.config.num_layers)]
         out = self._history[g].attend(local, q, k, v, step, scale=scale, score_mod=score_mod, positions=positions,
                                       sinks=sinks, rotary=rotary, rope_positions=rope_positions)
         return out.to(dtype=q.dtype, device=q.device)

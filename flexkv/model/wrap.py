@@ -42,7 +42,7 @@ from torch import nn
 
 from ..cache.masks import POSITION_MODES
 from ..cache.protocol import check_cache
-from ..config import is_int
+from ..config import check_layer_index
 from ..cache.rotary import ROPE_POSITIONS, Rotary
 from ..step import BoundedKVStep
 
@@ -152,9 +152,7 @@ class CacheAttention(nn.Module):
         super().__init__()
         if not isinstance(context, StepContext):
             raise ValueError(f"expected a StepContext, got {type(context).__name__}")
-        n = context.config.num_layers
-        if not is_int(layer_idx) or not 0 <= layer_idx < n:
-            raise ValueError(f"layer_idx must be an int in [0, {n}), got {layer_idx!r}")
+        check_layer_index(layer_idx, context.config.num_layers)
         if rotary is not None and not isinstance(rotary, Rotary):
             raise ValueError(f"rotary must be a flexkv.cache.rotary.Rotary or None, got {type(rotary).__name__}")
         if rope_positions not in ROPE_POSITIONS:

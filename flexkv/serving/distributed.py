@@ -46,9 +46,10 @@ from typing import Any, Hashable, Optional
 
 import torch
 
-from ..config import BoundedKVConfig, is_int
+from ..config import BoundedKVConfig, check_config, is_int
 from ..cache.manager import BoundedKVManager
 from ..cache.planner import BoundedPlan
+from ..cache.slots import SlotTable
 from ..step import BoundedKVStep
 
 __all__ = ["HeadShard", "ShardedKVManager", "resolve_rank", "all_gather_heads", "plan_digest"]
@@ -230,6 +231,8 @@ class ShardedKVManager(BoundedKVManager):
         block_size: FlexAttention's KV block size (None: flexkv picks one for the config and device).
         check_plans: run `check_in_sync` in every `plan` (debugging: one
             small collective per step).
+        slots: as for `BoundedKVManager`: the slot table of a `GroupedKVManager` whose group this
+            rank's manager stores (the engine's tensor-parallel factory passes it).
 
     `attend` takes this rank's heads: `q [N, Hq / world_size, T, D]`, `k, v
     [N, num_heads / world_size, T, D]`, and returns `[N, Hq / world_size, T, D]`.
@@ -247,14 +250,14 @@ class ShardedKVManager(BoundedKVManager):
         num_query_heads: Optional[int] = None,
         block_size: Optional[int] = None,
         check_plans: bool = False,
+        slots: Optional[SlotTable] = None,
     ):
-        if not isinstance(config, BoundedKVConfig):
-            raise ValueError(f"config must be a BoundedKVConfig, got {type(config).__name__}")
+        check_config(config)
         if not isinstance(check_plans, bool):
             raise ValueError(f"check_plans must be a bool, got {check_plans!r}")
         rank, world_size = resolve_rank(process_group, rank, world_size)
         shard = HeadShard(config.num_heads, rank, world_size, num_query_heads)
-        super().__init__(config.replace(num_heads=shard.local_heads), device, block_size=block_size)
+        super().__init__(config.replace(num_heads=shard.local_heads), device, block_size=block_size, slots=slots)
         self.full_config = config
         self.shard = shard
         self.process_group = process_group
@@ -276,10 +279,14 @@ class ShardedKVManager(BoundedKVManager):
         `keys`, `values`: `[num_layers, rows_per_request, H, L, head_dim]` with
         `H` the model's `num_heads` or this rank's `num_heads // world_size`.
         """
+        return super().add_source(keys, values)
+
+    def _source_tensors(self, what: str, keys, values):
+        """This rank's heads of a source given with every head or with this rank's (then checked)."""
         full, local = self.shard.num_heads, self.shard.local_heads
         picked = []
         for name, t in (("keys", keys), ("values", values)):
-            if isinstance(t, torch.Tensor) and t.dim() == 5:
+            if what == "add_source" and isinstance(t, torch.Tensor) and t.dim() == 5:
                 if t.shape[2] == full:
                     t = self.shard.kv(t, dim=2)
                 elif t.shape[2] != local:
@@ -290,7 +297,7 @@ class ShardedKVManager(BoundedKVManager):
                         f"{local} already-sharded heads"
                     )
             picked.append(t)
-        return super().add_source(*picked)
+        return super()._source_tensors(what, *picked)
 
     # -------------------------------------------------------------- attention
 

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from ..config import BoundedKVConfig
+from ..config import BoundedKVConfig, check_config
 
 __all__ = [
     "EngineResourceInfo",
@@ -90,8 +90,7 @@ class BoundedKVSpec(NodeResourceSpec):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.config, BoundedKVConfig):
-            raise ValueError(f"BoundedKVSpec.config must be a BoundedKVConfig, got {self.config!r}")
+        check_config(self.config, "BoundedKVSpec.config")
         if self.groups is not None:
             from ..cache.groups import as_layer_groups
 
@@ -135,13 +134,14 @@ class BoundedKVResource(Resource):
         if info.tensor_parallel:
             from .distributed import ShardedKVManager
 
-            def manager(cfg):
+            def manager(cfg, slots=None):
                 return ShardedKVManager(
-                    cfg, info.device, process_group=info.process_group, rank=info.rank, world_size=info.world_size
+                    cfg, info.device, process_group=info.process_group, rank=info.rank, world_size=info.world_size,
+                    slots=slots,
                 )
         else:
-            def manager(cfg):
-                return BoundedKVManager(cfg, info.device)
+            def manager(cfg, slots=None):
+                return BoundedKVManager(cfg, info.device, slots=slots)
         if spec.groups is None:
             return manager(config)
         return GroupedKVManager(config, spec.groups, info.device, manager=manager)
