@@ -3,75 +3,79 @@
 Three caches meet it: `BoundedKVManager` (one retention for every layer),
 `GroupedKVManager` (layer groups with retention of their own) and the
 uncached twin `flexkv.model.uncached.UncachedHistory` (every key kept, for
-checking a port; either retention form). `StreamSession`, `flexkv.model.wrap` and
-the engine seam use a cache only through these members, so each of them
-serves every retention the core has, and a model written against one cache
-runs on the others unchanged.
+checking a port; either retention form); `ShardedKVManager` is a
+`BoundedKVManager` holding one rank's heads. `StreamSession`,
+`flexkv.model.wrap`, the transformers integration and the engine seam use a
+cache only through these members, so each of them serves every retention
+the core has, and a model written against one cache runs on the others
+unchanged.
 
-The members, by what they are for:
-
-============================  ===============================================
-step lifecycle                `admit(step)`, `plan(step) -> plan`,
-                              `attend(layer, q, k, v, plan, **kw)`,
-                              `commit(step)`, `reset_request(id)`,
-                              `remove_request(id)`
-declarations                  `check_start(id, source, source_len, *,
-                              restart=False)`: raises what `admit` would,
-                              changes nothing (the one home of those checks)
-sources                       `add_source`, `remove_source`, `sources`,
-                              `add_private_source`, `remove_private_source`,
-                              `private_sources`
-views                         `config` (the shape every layer shares),
-                              `layer_config(layer)` (the layer's retention and
-                              windows), `requests`, `written(id)`,
-                              `free_slots`, `memory_bytes`
-model side                    `stream_positions(plan, tokens=None)` (`[N, T]`
-                              stream index of every own token),
-                              `rotation(layer, rotary, mode)` (rotary
-                              positions for one layer), `compilable`
-============================  ===============================================
+The class body below is the one statement of the protocol: its members are
+grouped by what they are for (the step lifecycle, declarations, sources,
+views, the model side), `PROTOCOL_MEMBERS` is read from it, and
+tests/test_protocol.py checks that every cache's public signatures are its
+signatures. A step transaction (`flexkv.cache.transaction`) drives the
+lifecycle: `admit` returns what it changed (`flexkv.cache.slots.Admission`)
+and `undo_admit` takes that back when the step fails.
 
 A plan is whatever the cache's `plan` returns; callers hand it back to the
-same cache's `attend` and `stream_positions` and never look inside.
+same cache's `attend` and `stream_positions` and never look inside. The
+cache keeps no current plan: `attend` is given the plan every time (a
+model's layers read it from `flexkv.model.wrap.StepContext.plan`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Hashable, Optional, Protocol, runtime_checkable
 
 import torch
 
 from ..config import BoundedKVConfig
+from .slots import Admission
 from ..step import BoundedKVStep
 
-__all__ = ["StreamCache", "check_cache", "PROTOCOL_MEMBERS"]
-
-#: Every member a `StreamCache` has (methods and attributes), for `check_cache`'s message.
-PROTOCOL_MEMBERS = (
-    "config", "compilable", "layer_config", "check_start", "admit", "plan", "attend", "commit", "reset_request",
-    "remove_request", "add_source", "remove_source", "sources", "add_private_source", "remove_private_source",
-    "private_sources", "requests", "written", "free_slots", "memory_bytes", "stream_positions", "rotation",
-)
+__all__ = ["StreamCache", "check_cache", "PROTOCOL_MEMBERS", "protocol_members"]
 
 
 @runtime_checkable
 class StreamCache(Protocol):
     """The cache protocol (module docstring). `isinstance(x, StreamCache)` checks the members exist."""
 
+    # ---------------------------------------------------------------- views
+    #: the shape every layer shares (heads, slots, sources, dtype)
     config: BoundedKVConfig
+    #: whether `attend` traces under `torch.compile(fullgraph=True)`
     compilable: bool
 
     def layer_config(self, layer_idx: int) -> BoundedKVConfig: ...
 
+    @property
+    def requests(self) -> tuple: ...
+
+    def written(self, request_id: Hashable) -> int: ...
+
+    def slot_of(self, request_id: Hashable) -> int: ...
+
+    @property
+    def free_slots(self) -> int: ...
+
+    @property
+    def memory_bytes(self) -> int: ...
+
+    # ---------------------------------------------------------- declarations
     def check_start(self, request_id: Hashable, source: int = 0, source_len: int = 0, *,
                     restart: bool = False) -> None: ...
 
-    def admit(self, step: BoundedKVStep) -> None: ...
+    # ------------------------------------------------------- step lifecycle
+    def admit(self, step: BoundedKVStep) -> Admission: ...
+
+    def undo_admit(self, admission: Admission) -> None: ...
 
     def plan(self, step: BoundedKVStep) -> Any: ...
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any = None,
-               **kwargs) -> torch.Tensor: ...
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, *,
+               scale: Optional[float] = None, score_mod: Optional[Callable] = None, positions: str = "stream",
+               sinks: Optional[torch.Tensor] = None) -> torch.Tensor: ...
 
     def commit(self, step: BoundedKVStep) -> None: ...
 
@@ -79,6 +83,7 @@ class StreamCache(Protocol):
 
     def remove_request(self, request_id: Hashable) -> None: ...
 
+    # -------------------------------------------------------------- sources
     def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int: ...
 
     def remove_source(self, index: int) -> None: ...
@@ -93,20 +98,21 @@ class StreamCache(Protocol):
     @property
     def private_sources(self) -> dict: ...
 
-    @property
-    def requests(self) -> tuple: ...
-
-    def written(self, request_id: Hashable) -> int: ...
-
-    @property
-    def free_slots(self) -> int: ...
-
-    @property
-    def memory_bytes(self) -> int: ...
-
+    # ----------------------------------------------------------- model side
     def stream_positions(self, plan: Any, tokens: Optional[int] = None) -> torch.Tensor: ...
 
     def rotation(self, layer_idx: int, rotary, mode: str = "stream"): ...
+
+
+def protocol_members(protocol: type = StreamCache) -> tuple:
+    """The members a protocol class declares (annotated attributes, then methods and properties), in order."""
+    names = list(protocol.__dict__.get("__annotations__", {}))
+    names += [n for n in protocol.__dict__ if not n.startswith("_") and n not in names]
+    return tuple(names)
+
+
+#: Every member a `StreamCache` has (methods and attributes), read from the class body.
+PROTOCOL_MEMBERS = protocol_members(StreamCache)
 
 
 def check_cache(cache, where: str):

@@ -540,7 +540,7 @@ class FlexKVCache(CacheShim):
             position_ids = self._to_device(pos)
             state_slots = None
             if self._recurrent is not None:
-                slot_of = m.layer_manager(0)[0].slot_of
+                slot_of = m.slot_of
                 state_slots = self._to_device([slot_of(sid) for sid in rows])
                 if new:
                     self._recurrent.clear(self._to_device([slot_of(sid) for sid in new]))

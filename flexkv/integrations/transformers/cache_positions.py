@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...cache.groups import GroupedKVManager, GroupedPlan
-from ...cache.rotary import Rotary, check_cache_step, rotate_half, stream_positions
+from ...cache.rotary import Rotary, check_cache_step, rotate_half
 from ...step import BoundedKVStep
 from .model_config import text_config
 
@@ -55,9 +55,8 @@ class CachePositions:
         rotaries: dict = {}
         for kv in range(c.num_layers):
             i = kv_owner[kv]
-            m, local = manager.layer_manager(kv)
-            g, _ = manager.group_of(kv)
-            if manager.managers[g].config.sink_capacity == 0 or not _layer_uses_rope(cfg, i):
+            layer_config = manager.layer_config(kv)
+            if layer_config.sink_capacity == 0 or not _layer_uses_rope(cfg, i):
                 self.layers.append(None)
                 self.inv_freq.append(None)
                 continue
@@ -78,7 +77,7 @@ class CachePositions:
                     f"rope_positions='cache' needs angles position * inv_freq with a fixed inv_freq (rope types "
                     f"{_LINEAR_ROPE}); layer {i}'s rope_type is {rope_type!r}: use rope_positions='stream'"
                 )
-            head_dim = m.config.head_dim
+            head_dim = layer_config.head_dim
             if inv_freq.numel() * 2 != head_dim:
                 raise ValueError(
                     f"rope_positions='cache' needs rotary over the whole head (layer {i}: 2 * {inv_freq.numel()} "
@@ -91,12 +90,16 @@ class CachePositions:
                     rotary.inv_freq.copy_(inv_freq.to(torch.float64))
                 rotaries[key] = (rotary, inv_freq.detach().to(device=manager.device, dtype=torch.float32).clone())
             rotary, inv32 = rotaries[key]
-            self.layers.append(m.rotation(local, rotary, "cache"))
+            self.layers.append(manager.rotation(kv, rotary, "cache"))
             self.inv_freq.append(inv32)
-        # The groups whose queries must share one eviction count within a step.
-        self.groups = sorted({manager.group_of(i)[0] for i, r in enumerate(self.layers) if r is not None})
+        # The retentions (one config per layer group) whose queries must share one eviction count within a step.
+        self.configs = []
+        for kv, r in enumerate(self.layers):
+            layer_config = manager.layer_config(kv)
+            if r is not None and not any(layer_config is c for c in self.configs):
+                self.configs.append(layer_config)
         self.manager = manager
-        if not self.groups and not any(_layer_uses_rope(cfg, i) for i in kv_owner):
+        if not self.configs and not any(_layer_uses_rope(cfg, i) for i in kv_owner):
             raise ValueError(f"rope_positions='cache' re-rotates rotary layers; {type(model).__name__} has none")
 
     @property
@@ -106,39 +109,32 @@ class CachePositions:
     @property
     def slot_bytes(self) -> int:
         """Un-rotated sink bytes one slot holds over every layer."""
-        total = 0
-        for r in self.layers:
-            if r is not None and r.memory_bytes:
-                rows = r.raw_sink.shape[0] // r._sink
-                total += r.memory_bytes // rows
-        return total
+        return sum(r.slot_bytes for r in self.layers if r is not None)
 
     def chunk_limit(self, tokens: int, lengths) -> int:
         """Shrink a chunk so every query in it shares one eviction count in each rotated group."""
-        for g in self.groups:
-            pol = self.manager.managers[g].config.retention_for(0)
+        for config in self.configs:
+            pol = config.retention_for(0)
             limit = pol.sink + pol.window + 1
             room = min(limit - n for n in lengths)
             tokens = max(1, min(tokens, room))
         return tokens
 
     def check_step(self, step: BoundedKVStep) -> None:
-        for g in self.groups:
-            check_cache_step(self.manager.managers[g].config, step)
+        for config in self.configs:
+            check_cache_step(config, step)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, plan: GroupedPlan):
         """Re-rotate KV layer `layer_idx`'s chunk `q`, `k` at in-cache positions (rewriting its sink cells)."""
         rot = self.layers[layer_idx]
         if rot is None:
             return q, k
-        g, _ = self.manager.group_of(layer_idx)
-        gplan = plan.plans[g]
-        pos = stream_positions(gplan, k.shape[2])  # [N, T]: the positions the model rotated at
+        pos = self.manager.stream_positions(plan, k.shape[2])  # [N, T]: the positions the model rotated at
         freqs = pos.float().unsqueeze(-1) * self.inv_freq[layer_idx]
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
         cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
         q_raw = q * cos - rotate_half(q) * sin
         k_raw = k * cos - rotate_half(k) * sin
-        return rot(q_raw, k_raw, gplan)
+        return rot(q_raw, k_raw, plan)
 
 

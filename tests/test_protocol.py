@@ -1,0 +1,77 @@
+"""Every flexkv cache speaks `flexkv.cache.protocol.StreamCache` exactly: the same members, and every
+method with the protocol's parameters (names, order, kinds and defaults).
+
+Annotations are not compared: each cache names its own plan type where the protocol says `Any`.
+"""
+
+import inspect
+
+import pytest
+import torch
+
+from flexkv import BoundedKVConfig, SinkWindow
+from flexkv.cache.groups import GroupedKVManager, LayerGroup
+from flexkv.cache.manager import BoundedKVManager
+from flexkv.cache.protocol import PROTOCOL_MEMBERS, StreamCache, check_cache
+from flexkv.model.uncached import UncachedHistory
+from flexkv.serving.distributed import ShardedKVManager
+
+CONFIG = BoundedKVConfig(num_layers=2, num_heads=2, head_dim=4, rows_per_request=1, max_source_len=2,
+                         retention=SinkWindow(1, 3), max_slots=2, dtype=torch.float32)
+GROUPS = (LayerGroup((0,), SinkWindow(0, 2)), LayerGroup((1,), SinkWindow(1, 3)))
+
+CACHES = {
+    "BoundedKVManager": lambda: BoundedKVManager(CONFIG, block_size=8),
+    "GroupedKVManager": lambda: GroupedKVManager(CONFIG, GROUPS, block_size=8),
+    "UncachedHistory": lambda: UncachedHistory(CONFIG, GROUPS),
+    "ShardedKVManager": lambda: ShardedKVManager(CONFIG, rank=1, world_size=2, block_size=8),
+}
+
+METHODS = [n for n in PROTOCOL_MEMBERS if inspect.isfunction(StreamCache.__dict__.get(n))]
+PROPERTIES = [n for n in PROTOCOL_MEMBERS if isinstance(StreamCache.__dict__.get(n), property)]
+ATTRIBUTES = [n for n in PROTOCOL_MEMBERS if n not in METHODS and n not in PROPERTIES]
+
+
+def parameters(fn) -> list:
+    """`(name, kind, default)` of each parameter after `self`."""
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    return [(p.name, p.kind.name, p.default) for p in params]
+
+
+def test_the_member_list_is_the_protocol_class_body():
+    """PROTOCOL_MEMBERS is read from the class, so a member added there is checked everywhere."""
+    declared = {n for n in vars(StreamCache) if not n.startswith("_")} | set(StreamCache.__annotations__)
+    assert set(PROTOCOL_MEMBERS) == declared
+    assert ATTRIBUTES == ["config", "compilable"]
+    assert {"attend", "admit", "undo_admit", "slot_of", "layer_config"} <= set(METHODS)
+
+
+@pytest.mark.parametrize("name", CACHES)
+def test_each_cache_has_the_protocols_signatures(name):
+    cache = CACHES[name]()
+    cls = type(cache)
+    assert isinstance(cache, StreamCache) and check_cache(cache, "test") is cache
+    for member in METHODS:
+        want, got = parameters(getattr(StreamCache, member)), parameters(getattr(cls, member))
+        assert got == want, f"{name}.{member}{inspect.signature(getattr(cls, member))} differs from the protocol's"
+    for member in PROPERTIES:
+        assert isinstance(inspect.getattr_static(cls, member), property), f"{name}.{member} is not a property"
+    for member in ATTRIBUTES:
+        assert hasattr(cache, member), f"{name} has no {member}"
+
+
+def test_the_attend_signature_spells_out_every_keyword():
+    """No `**kwargs`: a keyword a cache does not know is an error at the call, not swallowed."""
+    kinds = {p.kind for p in inspect.signature(StreamCache.attend).parameters.values()}
+    assert inspect.Parameter.VAR_KEYWORD not in kinds
+    assert [n for n, kind, _ in parameters(StreamCache.attend) if kind == "KEYWORD_ONLY"] == [
+        "scale", "score_mod", "positions", "sinks"]
+
+
+def test_a_cache_missing_a_member_is_named():
+    class Partial:
+        config = CONFIG
+
+    with pytest.raises(ValueError, match=r"StepContext: the cache must be a flexkv cache .* Partial lacks compilable, "
+                                         r"layer_config, requests"):
+        check_cache(Partial(), "StepContext")
