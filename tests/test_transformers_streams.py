@@ -214,6 +214,22 @@ def test_a_forward_planned_by_hand_commits_when_told():
         bare.commit()
 
 
+def test_a_rolled_back_forward_leaves_the_slot_table_as_it_was():
+    """A forward planned for a known stream and a new one, then rolled back: the step transaction
+    takes back the new stream's slot, and the selection and sequence length return."""
+    model = make_model("llama", seed=4)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=2, block_size=16)
+    with torch.no_grad():
+        model(input_ids=prompts((3,), seed=1)[0][None], cache=cache.select(["a"]))
+    before = cache.manager.slots.snapshot()
+    cache.select(["a", "b"])
+    selected = (cache.selection, cache.get_seq_length())
+    cache.prepare(torch.stack(prompts((2, 2), seed=3)))
+    assert cache.streams == ("a", "b")
+    cache.rollback()
+    assert cache.manager.slots.snapshot() == before and (cache.selection, cache.get_seq_length()) == selected
+
+
 
 # ------------------------------------------------------------------ compile
 

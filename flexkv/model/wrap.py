@@ -10,7 +10,10 @@ keeps every key, for checking a port. The same model runs on each.
 
 Every core reads the step from a `StepContext`, the one object a model's
 layers share: the host loop calls `context.begin(step)` (admit, checks,
-plan), runs the model, then `context.commit()`. Nothing about the step is
+plan), runs the model, then `context.commit()`, or `context.abort()` if the
+model raised (`with context.stepping(step) as plan:` does both). The step is
+one `flexkv.cache.transaction.StepTransaction`: an aborted step changes
+nothing in the cache. Nothing about the step is
 an argument of the layers, so the model's own forward signature stays as it
 was. `context.stream_positions()` gives the step's stream index of every
 own token (for a model that applies its own position encoding).
@@ -35,6 +38,7 @@ Passing the plan as an argument makes it a graph input explicitly.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Hashable, List, Optional
 
 import torch
@@ -42,6 +46,7 @@ from torch import nn
 
 from ..cache.masks import POSITION_MODES
 from ..cache.protocol import check_cache
+from ..cache.transaction import StepTransaction
 from ..config import check_layer_index
 from ..cache.rotary import ROPE_POSITIONS, Rotary
 from ..step import BoundedKVStep
@@ -53,14 +58,20 @@ class StepContext:
     """The cache a model's attention layers share, and the step they are running.
 
     `cache` is any flexkv cache (`flexkv.cache.protocol.StreamCache`). Host side:
-    `begin(step) -> plan`, then `commit()` after the forward. In a compiled
-    step, call `bind(plan)` inside the compiled function.
+    `begin(step) -> plan`, then `commit()` after the forward (or `abort()`
+    when it raised); `stepping(step)` is both as a `with` block. In a
+    compiled step, call `bind(plan)` inside the compiled function.
+
+    `plan` is the plan the layers read: the one place a step's current plan
+    lives (caches keep none; every `attend` is given it).
     """
 
     def __init__(self, cache):
         self.cache = check_cache(cache, "StepContext")
         self.step: Optional[BoundedKVStep] = None
         self.plan: Any = None
+        #: The step begun last (`flexkv.cache.transaction.StepTransaction`), None before the first.
+        self.transaction: Optional[StepTransaction] = None
         self._checks: List[Callable[[BoundedKVStep], None]] = []
 
     @property
@@ -72,14 +83,24 @@ class StepContext:
         if check not in self._checks:
             self._checks.append(check)
 
-    def begin(self, step: BoundedKVStep):
+    def begin(self, step: BoundedKVStep, transaction: Optional[StepTransaction] = None):
         """Check `step` (the layers' checks first, so a refused step admits nothing), admit and plan it;
-        returns the plan."""
+        returns the plan.
+
+        The step runs in `transaction` (a door that admitted more in it first, such as a
+        session starting requests) or a new one. Refused while the step begun last is still
+        open: `commit()` or `abort()` it first.
+        """
+        if self.transaction is not None and self.transaction.is_open:
+            raise ValueError("StepContext.begin: the step begun last is still open; commit() it after its "
+                             "forward, or abort() it if the forward failed")
         for check in self._checks:
             check(step)
-        self.cache.admit(step)
-        plan = self.cache.plan(step)
-        self.step, self.plan = step, plan
+        txn = StepTransaction(self.cache) if transaction is None else transaction
+        if txn.cache is not self.cache:
+            raise ValueError("StepContext.begin: the transaction is over another cache than this context's")
+        plan = txn.begin(step)
+        self.transaction, self.step, self.plan = txn, step, plan
         return plan
 
     def bind(self, plan) -> None:
@@ -109,10 +130,27 @@ class StepContext:
         return self.cache.stream_positions(self.plan, tokens)
 
     def commit(self) -> None:
-        """Commit the step begun last."""
-        if self.step is None:
+        """Commit the step begun last (its transaction's commit checks first)."""
+        if self.transaction is None:
             raise ValueError("StepContext.commit: no step was begun; call begin(step) first")
-        self.cache.commit(self.step)
+        self.transaction.commit()
+
+    def abort(self) -> bool:
+        """Take back the step begun last (its forward failed): the cache is as it was before
+        `begin`. Returns False when no step is open (nothing to undo)."""
+        return self.transaction is not None and self.transaction.abort()
+
+    @contextlib.contextmanager
+    def stepping(self, step: BoundedKVStep):
+        """`with context.stepping(step) as plan:` begins `step`, commits it when the block ends,
+        and aborts it when the block raises (any exception, `KeyboardInterrupt` included)."""
+        plan = self.begin(step)
+        try:
+            yield plan
+        except BaseException:
+            self.abort()
+            raise
+        self.commit()
 
     def reset_request(self, request_id: Hashable) -> None:
         self.cache.reset_request(request_id)

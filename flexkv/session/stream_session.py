@@ -16,6 +16,7 @@ import torch
 from ..cache.groups import build_cache
 from ..cache.manager import SlotsExhausted
 from ..cache.protocol import check_cache
+from ..cache.transaction import StepTransaction
 from ..compiling import fresh_function, watch_recompiles
 from ..config import BoundedKVConfig, is_int
 from ..model.wrap import StepContext
@@ -300,13 +301,25 @@ class StreamSession:
         """The cache's own declaration checks (the one home of them), for a request starting now or later."""
         self.cache.check_start(request_id, source, source_len, restart=restart)
 
-    def _admit(self, request_id, source, source_len) -> None:
-        """Take the lowest free lane and the cache's slot for a request (admitted with a span-0 step)."""
+    def _admit(self, request_id, source, source_len, transaction: Optional[StepTransaction] = None) -> None:
+        """Take the lowest free lane and the cache's slot for a request (admitted with a span-0 step).
+
+        In a step's `transaction`, both are taken back if the step fails."""
         state = None if self._new_state is None else self._new_state(request_id)
         step = BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(source_len, 0, source)})
-        self.cache.admit(step)
+        if transaction is None:
+            self.cache.admit(step)
+        else:
+            transaction.admit(step)
         lane = self._free_lanes.pop(0)
         self._requests[request_id] = _Request(lane, source, source_len, 0, state)
+        if transaction is not None:
+            transaction.add_undo(lambda: self._give_back_lane(request_id))
+
+    def _give_back_lane(self, request_id) -> None:
+        """Undo of `_admit` in a failed step: the request leaves its lane (the cache's undo frees its slot)."""
+        self._free_lanes.append(self._requests.pop(request_id).lane)
+        self._free_lanes.sort()
 
     def start(self, request_id: Hashable, *, source: int = 0, source_len: int = 0) -> bool:
         """Start a request on an empty stream, optionally after `source_len` entries of source `source`.
@@ -514,22 +527,19 @@ class StreamSession:
             lanes[rid] = lane
         B = self._bucket(self.batch_sizes, max(lanes.values()) + 1)
 
-        # From here on the session changes: start the new requests, then begin the step.
-        started = []
+        # From here on the session changes, in one step transaction: start the new requests, queue
+        # the deferred ones, then run the step. A failure anywhere takes all of it back.
+        transaction = StepTransaction(self.cache)
         try:
             for rid in starting:
-                self._admit(rid, 0, 0)
-                started.append(rid)
+                self._admit(rid, 0, 0, transaction)
             for rid in deferred:
-                self._queue.append(_Waiting(rid, 0, 0))
-            return self._run(parsed, running, lanes, waiting, B, T, fn)
+                w = _Waiting(rid, 0, 0)
+                self._queue.append(w)
+                transaction.add_undo(lambda w=w: self._queue.remove(w))
+            return self._run(parsed, running, lanes, waiting, B, T, fn, transaction)
         except BaseException:
-            for rid in started:  # a failed step leaves no request it started
-                self.cache.remove_request(rid)
-                self._free_lanes.append(self._requests.pop(rid).lane)
-            self._free_lanes.sort()
-            for w in [w for w in self._queue if w.request_id in deferred]:
-                self._queue.remove(w)
+            transaction.abort()  # a failed step leaves no request it started
             raise
 
     def _check_new_state(self, result, state_leaves: List[torch.Tensor], state_spec) -> Any:
@@ -553,7 +563,7 @@ class StreamSession:
             )
         return outputs, new_state
 
-    def _run(self, parsed, running, lanes, waiting, B, T, fn) -> StepResult:
+    def _run(self, parsed, running, lanes, waiting, B, T, fn, transaction: StepTransaction) -> StepResult:
         spec = parsed[running[0]].spec
         template = parsed[running[0]].leaves
         if self.compile and (fn, B, T) not in self._warm:
@@ -570,7 +580,7 @@ class StreamSession:
             segments.append(Segment(rid, parsed[rid].span))
             positions[rid] = StreamPosition(req.source_len, req.written, req.source)
         step = BoundedKVStep(tuple(segments), positions, tokens=T)
-        plan = self.context.begin(step)
+        plan = self.context.begin(step, transaction)
         plan_s = time.perf_counter() - t0
         inputs = unflatten(spec, pad_by_lane({lanes[r]: parsed[r].leaves for r in running}, template, B, T))
         run = self._runner(fn)
@@ -620,13 +630,13 @@ class StreamSession:
         for B in self.batch_sizes:
             for T in self.token_sizes:
                 step = BoundedKVStep(tuple(Segment(None, 0) for _ in range(B)), {}, tokens=T)
-                plan = self.cache.plan(step)
-                self.context.step, self.context.plan = step, plan
-                inputs = unflatten(spec, pad_by_lane({}, template, B, T))
-                with torch.no_grad():
-                    if state_leaves is None:
-                        run(plan, inputs)
-                    else:
-                        run(plan, inputs, unflatten(state_spec, pad_by_lane({}, state_leaves, B, None)))
+                # A step of padding alone: it reads and writes nothing a request holds, and commits nothing.
+                with self.context.stepping(step) as plan:
+                    inputs = unflatten(spec, pad_by_lane({}, template, B, T))
+                    with torch.no_grad():
+                        if state_leaves is None:
+                            run(plan, inputs)
+                        else:
+                            run(plan, inputs, unflatten(state_spec, pad_by_lane({}, state_leaves, B, None)))
                 self._warm.add((fn, B, T))
         return time.perf_counter() - t0

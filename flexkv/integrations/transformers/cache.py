@@ -14,6 +14,7 @@ from ...config import BoundedKVConfig, SinkWindow, is_int
 from ...cache.groups import GroupedKVManager
 from ...cache.rotary import ROPE_POSITIONS
 from ...cache.slots import SlotsExhausted
+from ...cache.transaction import StepTransaction
 from ...step import BoundedKVStep, Segment, StreamPosition
 from .cache_positions import CachePositions
 from .hooks import check_model, enable, switch
@@ -506,10 +507,12 @@ class FlexKVCache(CacheShim):
 
         m = self.manager
         known = set(m.requests)
-        # Admits the new streams (atomically over every group); the later chunks continue the same
-        # streams, planned at the positions they will have. Nothing is committed before the forward returns.
+        # One step transaction for the whole forward: it admits the new streams; the later chunks continue
+        # the same streams, planned at the positions they will have. Nothing is committed before the
+        # forward returns, and a forward that fails is taken back whole (`rollback`).
+        transaction = StepTransaction(m)
         try:
-            m.admit(steps[0])
+            transaction.admit(steps[0])
         except SlotsExhausted as exc:
             fresh = [sid for sid in rows if sid not in known]
             raise SlotsExhausted(
@@ -519,7 +522,7 @@ class FlexKVCache(CacheShim):
             ) from exc
         new = [sid for sid in rows if sid not in known]
         try:
-            plans = [m.plan(step) for step in steps]
+            plans = [transaction.plan(step) for step in steps]
             gather = scatter = None
             if real is not None:
                 g, s = [], []
@@ -544,13 +547,14 @@ class FlexKVCache(CacheShim):
                 state_slots = self._to_device([slot_of(sid) for sid in rows])
                 if new:
                     self._recurrent.clear(self._to_device([slot_of(sid) for sid in new]))
+            fwd = FlexKVForward(self, steps, plans, gather, scatter, position_ids, state_slots,
+                                continues=any(written))
+            columns, selection = self._columns, self._selection
+            transaction.add_undo(lambda: self._restore(fwd, columns, selection))
         except BaseException:
-            for sid in new:
-                m.remove_request(sid)
+            transaction.abort()
             raise
-        fwd = FlexKVForward(self, steps, plans, gather, scatter, position_ids, state_slots,
-                            continues=any(written))
-        self._pending = Pending(fwd, new, self._columns, self._selection, state)
+        self._pending = Pending(fwd, transaction, state)
         self._selection = rows
         self._columns += T
         switch(state, on=True)
@@ -581,8 +585,7 @@ class FlexKVCache(CacheShim):
         p = self._pending
         if p is None:
             raise ValueError("commit(): no planned forward is pending (cache.prepare() plans one)")
-        for step in p.forward.steps:
-            self.manager.commit(step)
+        p.transaction.commit()
         if self._recurrent is not None:
             self._recurrent.commit(p.forward)
         self._pending = None
@@ -594,14 +597,16 @@ class FlexKVCache(CacheShim):
         p = self._pending
         if p is None:
             raise ValueError("rollback(): no planned forward is pending (cache.prepare() plans one)")
-        for sid in p.new_streams:
-            if sid in self.manager.requests:
-                self.manager.remove_request(sid)
-        p.forward.staged = {}
-        self._columns = p.columns
-        self._selection = p.selection
+        p.transaction.abort()
         self._pending = None
         switch(p.state, on=False)
+
+    def _restore(self, forward: FlexKVForward, columns: int, selection) -> None:
+        """The integration's share of a failed forward's undo: its staged recurrent states, the
+        columns `get_seq_length()` counts and the selection return to where they were."""
+        forward.staged = {}
+        self._columns = columns
+        self._selection = selection
 
     def _to_device(self, rows: List[list]) -> torch.Tensor:
         t = torch.tensor(rows, dtype=torch.long)

@@ -112,12 +112,11 @@ class FlexKVForward:
 
 
 class Pending:
-    """A planned forward not yet committed, and what to restore if it fails."""
+    """A planned forward not yet committed: its step transaction undoes it if it fails."""
 
-    def __init__(self, forward: FlexKVForward, new_streams, columns: int, selection, state):
+    def __init__(self, forward: FlexKVForward, transaction, state):
         self.forward = forward
-        self.new_streams = tuple(new_streams)
-        self.columns = columns
-        self.selection = selection
+        #: the forward's `flexkv.cache.transaction.StepTransaction` (its new streams, selection and columns)
+        self.transaction = transaction
         #: the model's hook state whose attention switch this forward turned on (`hooks.ModelState`)
         self.state = state
