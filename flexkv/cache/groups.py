@@ -35,10 +35,11 @@ from ..config import BoundedKVConfig, check_config, check_layer_index, is_int, R
 from .manager import BoundedKVManager
 from .planner import BoundedPlan
 from .slots import Admission, SlotTable
+from .sources import split_source
 from ..step import BoundedKVStep, StreamPosition
 
-__all__ = ["LayerGroup", "GroupedKVManager", "GroupedPlan", "layer_group_configs", "split_source", "per_layer_groups",
-           "as_layer_groups", "build_cache"]
+__all__ = ["LayerGroup", "GroupedKVManager", "GroupedPlan", "layer_group_configs", "per_layer_groups", "as_layer_groups",
+           "build_cache"]
 
 
 
@@ -267,37 +268,6 @@ class GroupRotation(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, plan: "GroupedPlan"):
         return self.rotation(q, k, plan.plans[self.group])
-
-
-def split_source(what: str, config: BoundedKVConfig, groups: Sequence[LayerGroup], configs: Sequence[BoundedKVConfig],
-                 keys, values) -> list:
-    """All-layer source tensors as each group's share: `[(keys, values)]` per group, its layers in order.
-
-    `keys`, `values` as for `BoundedKVManager.add_source` with all
-    `config.num_layers` layers; refused when the groups' heads differ in size
-    (one tensor cannot hold them). Checks the all-layer shape only: each
-    group's store checks its share.
-    """
-    c = config
-    shapes = {(cfg.num_heads, cfg.head_dim, cfg.value_head_dim) for cfg in configs}
-    if len(shapes) > 1:
-        raise ValueError(
-            f"{what}: the groups hold heads of different sizes {sorted(shapes)} (kv heads, head_dim, "
-            f"value_head_dim), so one all-layer tensor cannot carry a source; a cache whose groups differ in "
-            f"head sizes takes no sources (give every group the config's heads to use them)"
-        )
-    for name, t in (("keys", keys), ("values", values)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 5 or t.shape[0] != c.num_layers:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(
-                f"{what}: {name} must be [num_layers={c.num_layers}, rows_per_request, num_heads, L, head_dim], "
-                f"got {got}"
-            )
-    out = []
-    for g in groups:
-        idx = torch.tensor(g.layers, device=keys.device)
-        out.append((keys.index_select(0, idx), values.index_select(0, idx)))
-    return out
 
 
 class GroupedKVManager(nn.Module):

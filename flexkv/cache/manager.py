@@ -32,38 +32,10 @@ from .rotary import SinkRotation, stream_positions
 from .row_attention import attend_rows, gather_width, row_geometry
 from .sinks import apply_learned_sinks, check_sinks
 from .slots import Admission, SlotsExhausted, SlotTable, SourcesExhausted
+from .sources import check_source_shapes
 from ..step import BoundedKVStep, StreamPosition
 
-__all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted", "check_source_shapes"]
-
-
-def check_source_shapes(config: BoundedKVConfig, what: str, keys, values) -> int:
-    """Raise unless `keys`, `values` are a source of `config`'s shape; returns its length `L`.
-
-    Keys `[num_layers, rows_per_request, num_heads, L, head_dim]`, values the
-    same with `value_head_dim`, `L <= max_source_len` (dtype and device are
-    the store's to check).
-    """
-    c = config
-    for name, t, dim, width in (("keys", keys, "head_dim", c.head_dim),
-                                ("values", values, "value_head_dim", c.value_head_dim)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
-        if t.dim() != 5:
-            raise ValueError(
-                f"{what}: {name} must be [num_layers, rows_per_request, num_heads, L, {dim}] "
-                f"= [{c.num_layers}, {c.rows_per_request}, {c.num_heads}, L, {width}], got {tuple(t.shape)}"
-            )
-        want = (c.num_layers, c.rows_per_request, c.num_heads, t.shape[3], width)
-        if tuple(t.shape) != want:
-            raise ValueError(f"{what}: {name} shape expected {want}, got {tuple(t.shape)}")
-        if t.shape[3] > c.max_source_len:
-            raise ValueError(
-                f"{what}: source length {t.shape[3]} exceeds max_source_len={c.max_source_len}"
-            )
-    if keys.shape[:4] != values.shape[:4]:
-        raise ValueError(f"{what}: keys {tuple(keys.shape)} and values {tuple(values.shape)} differ")
-    return keys.shape[3]
+__all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted"]
 
 
 def _apart_from_kernel(out: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import threading
 import time
@@ -23,6 +22,7 @@ from ..model.wrap import StepContext
 from ..step import BoundedKVStep, Segment, StreamPosition
 from .feeds import Chunk, flatten, map_tensors, pad_by_lane, parse_feed, unflatten
 from .result import StepResult
+from .state import check_new_state, state_factory
 
 __all__ = ["StreamSession", "WHEN_FULL"]
 
@@ -74,22 +74,6 @@ class _Waiting:
     source: int
     source_len: int
     blocked: Optional[str] = None  # why it could not take a lane that freed up (its declaration broke)
-
-
-def _state_factory(initial_state: Callable) -> Callable[[Hashable], Any]:
-    """`initial_state` as a function of the request id: it may take the id, or nothing."""
-    try:
-        params = [p for p in inspect.signature(initial_state).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
-    except (TypeError, ValueError):  # a builtin without a signature: called without arguments
-        params = []
-    if len(params) > 1:
-        raise ValueError(
-            f"initial_state must take no argument or one (the request id), got {initial_state!r} taking {len(params)}"
-        )
-    if params:
-        return initial_state
-    return lambda request_id: initial_state()
 
 
 class StreamSession:
@@ -180,7 +164,7 @@ class StreamSession:
         self.when_full = when_full
         self.compile = compile
         self.initial_state = initial_state
-        self._new_state = None if initial_state is None else _state_factory(initial_state)
+        self._new_state = None if initial_state is None else state_factory(initial_state)
         # Whether padding a row's tokens would be attended: a per-step window in some layer
         # attends every token of the step (a causal one never reads a token after the query).
         self._fill_tokens = any(cache.layer_config(i).query_window is None and not cache.layer_config(i).causal_step
@@ -542,27 +526,6 @@ class StreamSession:
             transaction.abort()  # a failed step leaves no request it started
             raise
 
-    def _check_new_state(self, result, state_leaves: List[torch.Tensor], state_spec) -> Any:
-        """`fn`'s `(outputs, new_state)`, with `new_state` checked against the state it was given."""
-        if not isinstance(result, (tuple, list)) or len(result) != 2:
-            raise ValueError("with initial_state, fn must return (outputs, new_state)")
-        outputs, new_state = result
-        try:
-            leaves, spec = flatten(new_state, "the new_state fn returned")
-        except ValueError:
-            leaves, spec = None, None
-        given = [(tuple(t.shape), t.dtype) for t in state_leaves]
-        got = None if leaves is None else [(tuple(t.shape), t.dtype) for t in leaves]
-        if spec != state_spec or got != given:
-            what = type(new_state).__name__ if leaves is None else [s for s, _ in got]
-            raise ValueError(
-                f"with initial_state, fn must return (outputs, new_state) with new_state shaped like the state it "
-                f"was given (every request's state stacked by lane: {[s for s, _ in given]}, dtypes "
-                f"{[d for _, d in given]}); the second item it returned is {what}. A model without state must not "
-                f"be given initial_state; one whose outputs are a pair must return ((out1, out2), new_state)"
-            )
-        return outputs, new_state
-
     def _run(self, parsed, running, lanes, waiting, B, T, fn, transaction: StepTransaction) -> StepResult:
         spec = parsed[running[0]].spec
         template = parsed[running[0]].leaves
@@ -591,7 +554,7 @@ class StreamSession:
                 states = {lanes[r]: flatten(self._requests[r].state, f"the state of request {r!r}") for r in running}
                 s_leaves, s_spec = states[lanes[running[0]]]
                 stacked = pad_by_lane({l: lv for l, (lv, _) in states.items()}, s_leaves, B, None)
-                outputs, new_state = self._check_new_state(run(plan, inputs, unflatten(s_spec, stacked)),
+                outputs, new_state = check_new_state(run(plan, inputs, unflatten(s_spec, stacked)),
                                                            stacked, s_spec)
         # Everything that can fail comes before the commit; after it, only plain assignments.
         kept = {}

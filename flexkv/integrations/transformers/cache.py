@@ -15,12 +15,11 @@ from ...cache.groups import GroupedKVManager
 from ...cache.rotary import ROPE_POSITIONS
 from ...cache.slots import SlotsExhausted
 from ...cache.transaction import StepTransaction
-from ...step import BoundedKVStep, Segment, StreamPosition
 from .cache_positions import CachePositions
 from .hooks import check_model, enable, switch
 from .model_config import RECURRENT_TYPES, absolute_positions, layer_groups, read_layers, softcap_of
-from .plan import FlexKVForward, Pending
-from .recurrent import RecurrentStates, probe_states
+from .plan import FlexKVForward, Pending, chunk_steps
+from .recurrent import RecurrentStates, check_recurrent_forward, probe_states
 from .shim import AttentionLayerView, CacheShim, HybridLayerView, RecurrentLayerView
 
 __all__ = ["FlexKVCache"]
@@ -396,32 +395,6 @@ class FlexKVCache(CacheShim):
             )
         return rows
 
-    def _check_recurrent(self, rows, written, real, T: int) -> None:
-        """Refuse a forward the recurrent layers cannot compute exactly (before anything changes)."""
-        layers = [s.index for s in self.layer_specs if s.recurrent]
-        if real is not None:
-            for sid, w, r in zip(rows, written, real):
-                if len(r) == T:
-                    continue
-                leading = r == list(range(T - len(r), T))
-                if w == 0 and leading:
-                    continue
-                where = "continues a stream that holds {} tokens".format(w) if w else "comes after its tokens"
-                raise ValueError(
-                    f"stream {sid!r}: this forward has {T - len(r)} padding column(s) for it and its padding {where}; "
-                    f"the recurrent layers {layers} advance their state on every column, so padding is exact only "
-                    f"before the first token of a new stream (left padding of new streams). Feed a continuing "
-                    f"stream without padding: one stream per call (cache.select([{sid!r}])), or streams whose new "
-                    f"tokens have the same length"
-                )
-        if self._restarts and T > 1:
-            going = [sid for sid, w in zip(rows, written) if w]
-            if going:
-                raise ValueError(
-                    f"streams {going} continue with {T} tokens in one forward, but {self._restarts[0]} (layers "
-                    f"{layers}): continue a stream one token per forward (its prompt may be any length)"
-                )
-
     def prepare(self, input_ids=None, attention_mask=None, *, inputs_embeds=None) -> dict:
         """Plan the next forward on the host; returns the keywords to pass to it.
 
@@ -482,25 +455,11 @@ class FlexKVCache(CacheShim):
                         f"stream (cache.finish({sid!r}) and select it again), or use a model with rotary positions"
                     )
         if self._recurrent is not None:
-            self._check_recurrent(rows, written, real, T)
+            check_recurrent_forward([s.index for s in self.layer_specs if s.recurrent], self._restarts, rows, written,
+                                    real, T)
 
-        C = self.manager.config.max_step_tokens
         longest = max(lengths)
-        steps = []
-        start = 0
-        while start < longest or not steps:
-            tokens = max(1, min(C, longest - start))
-            if self._rotary is not None:
-                tokens = self._rotary.chunk_limit(tokens, [w + min(start, L) for w, L in zip(written, lengths)])
-            spans = [max(0, min(tokens, L - start)) for L in lengths]
-            steps.append(
-                BoundedKVStep(
-                    segments=tuple(Segment(sid, s) for sid, s in zip(rows, spans)),
-                    positions={sid: StreamPosition(0, w + min(start, L)) for sid, w, L in zip(rows, written, lengths)},
-                    tokens=tokens,
-                )
-            )
-            start += tokens
+        steps = chunk_steps(rows, written, lengths, self.manager.config.max_step_tokens, self._rotary)
         if self._rotary is not None:
             for step in steps:
                 self._rotary.check_step(step)

@@ -1,4 +1,4 @@
-"""One planned forward pass through a `FlexKVCache`: `FlexKVForward`, and what a failed one restores.
+"""One planned forward through a `FlexKVCache`: its chunks (`chunk_steps`), `FlexKVForward`, `Pending`.
 
 `FlexKVCache.prepare` plans a forward on the host: the flexkv steps of its
 chunks, their plans, how the forward's columns map to stream tokens, the
@@ -14,7 +14,9 @@ from typing import Optional
 
 import torch
 
-__all__ = ["FlexKVForward", "Pending"]
+from ...step import BoundedKVStep, Segment, StreamPosition
+
+__all__ = ["FlexKVForward", "Pending", "chunk_steps"]
 
 _SOFTCAP_MODS: dict = {}
 
@@ -120,3 +122,30 @@ class Pending:
         self.transaction = transaction
         #: the model's hook state whose attention switch this forward turned on (`hooks.ModelState`)
         self.state = state
+
+
+def chunk_steps(rows, written, lengths, chunk: int, rotary=None) -> list:
+    """The flexkv steps of one forward: its columns in chunks of at most `chunk` tokens per row.
+
+    `rows`: each batch row's stream id, `written` its length before the forward, `lengths` its new
+    tokens. Each step continues every stream where the chunk before left it (planned at the positions
+    it will have); `rotary` (in-cache rotary positions) may shorten a chunk so its queries share one
+    eviction count.
+    """
+    longest = max(lengths)
+    steps = []
+    start = 0
+    while start < longest or not steps:
+        tokens = max(1, min(chunk, longest - start))
+        if rotary is not None:
+            tokens = rotary.chunk_limit(tokens, [w + min(start, L) for w, L in zip(written, lengths)])
+        spans = [max(0, min(tokens, L - start)) for L in lengths]
+        steps.append(
+            BoundedKVStep(
+                segments=tuple(Segment(sid, s) for sid, s in zip(rows, spans)),
+                positions={sid: StreamPosition(0, w + min(start, L)) for sid, w, L in zip(rows, written, lengths)},
+                tokens=tokens,
+            )
+        )
+        start += tokens
+    return steps

@@ -28,7 +28,7 @@ from typing import Dict, Tuple
 
 import torch
 
-__all__ = ["RecurrentStates", "probe_states"]
+__all__ = ["RecurrentStates", "probe_states", "check_recurrent_forward"]
 
 StateKey = Tuple[int, str, int]  # (model layer, kind, state index)
 
@@ -172,3 +172,34 @@ class RecurrentStates:
             out.append(dict(name=name, layers=tuple(layers), states=states, slot_bytes=slot,
                             memory_bytes=slot * self.max_streams))
         return tuple(out)
+
+
+def check_recurrent_forward(layers, restarts, rows, written, real, T: int) -> None:
+    """Refuse a forward the recurrent `layers` cannot compute exactly (before anything changes).
+
+    `rows`: each batch row's stream, `written` its length, `real` each row's token columns (None:
+    no padding), `T` the forward's columns; `restarts`: why a multi-token forward would restart a
+    mixer's state (empty: none does).
+    """
+    if real is not None:
+        for sid, w, r in zip(rows, written, real):
+            if len(r) == T:
+                continue
+            leading = r == list(range(T - len(r), T))
+            if w == 0 and leading:
+                continue
+            where = "continues a stream that holds {} tokens".format(w) if w else "comes after its tokens"
+            raise ValueError(
+                f"stream {sid!r}: this forward has {T - len(r)} padding column(s) for it and its padding {where}; "
+                f"the recurrent layers {layers} advance their state on every column, so padding is exact only "
+                f"before the first token of a new stream (left padding of new streams). Feed a continuing "
+                f"stream without padding: one stream per call (cache.select([{sid!r}])), or streams whose new "
+                f"tokens have the same length"
+            )
+    if restarts and T > 1:
+        going = [sid for sid, w in zip(rows, written) if w]
+        if going:
+            raise ValueError(
+                f"streams {going} continue with {T} tokens in one forward, but {restarts[0]} (layers "
+                f"{layers}): continue a stream one token per forward (its prompt may be any length)"
+            )
