@@ -102,7 +102,7 @@ class SessionMachine(RuleBasedStateMachine):
     def observed(self):
         s = self.session
         return (s.requests, {r: (s.lane(r), s.written(r)) for r in s.requests}, s.waiting, s.cache.free_slots,
-                s.cache.sources, s.cache.private_sources)
+                s.cache.sources, s.cache.private_sources, s.cache.slots.snapshot())
 
     @invariant()
     def matches_the_model(self):
@@ -241,6 +241,23 @@ class SessionMachine(RuleBasedStateMachine):
         self.ref.commit(res.step)
         for rid in running:
             m.written[rid] += fed[rid]
+
+    @rule(fed=st.dictionaries(st.sampled_from(IDS), st.integers(1, 2), min_size=1, max_size=4),
+          error=st.sampled_from([RuntimeError, KeyboardInterrupt]))
+    def failed_step(self, fed, error):
+        """A model function that raises after its first layer attended: the step's transaction takes it
+        back whole (new requests not started, nothing committed, the slot table as it was)."""
+        m = self.m
+        new = [r for r in fed if r not in m.lanes and m.waiting(r) is None]
+        if any(m.waiting(r) for r in fed) or any(r in m.private for r in new) or len(new) > len(m.free_lanes()):
+            return  # the model function would not run (or not for every fed request): see `step`
+        feeds = {rid: self.tensors(n, 3, H, D) for rid, n in fed.items()}
+
+        def failing(attn, x):
+            attn(0, *(x[:, :, i].transpose(1, 2) for i in range(3)))
+            raise error("the model failed")
+
+        self.refused(error, lambda: self.session.step(feeds, failing))
 
 
 SessionMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
