@@ -28,6 +28,7 @@ from .masks import POSITION_MODES, make_mask_mod, make_score_mod
 from .kernel_options import flex_kernel_options
 from .kernel_sharing import layer_region, shares_flex_kernel
 from .planner import BoundedPlan, build_plan, table_views
+from .relative_position import RelativePositionScores
 from .rotary import SinkRotation, stream_positions
 from .row_attention import attend_rows, gather_width, row_geometry
 from .sinks import apply_learned_sinks, check_sinks
@@ -528,9 +529,30 @@ class BoundedKVManager(nn.Module):
             check_sinks(sinks, q.shape[1], self.device)
         if positions not in POSITION_MODES:
             raise ValueError(f"attend: positions must be one of {POSITION_MODES}, got {positions!r}")
+        relative = isinstance(score_mod, RelativePositionScores)
+        if relative and positions != "stream":
+            raise ValueError(f"attend: a RelativePositionScores score_mod reads stream positions; got "
+                             f"positions={positions!r}: pass positions='stream'")
         c, lay = self.config, self.layout
-        kc, vc = self._layer_kv(layer_idx)
         N, H, T, D = k.shape
+        # Learned sinks need each query's log-sum-exp, which the compiled CPU FlexAttention kernel
+        # does not return: on the CPU they take the rows path, which computes it.
+        compiling = torch.compiler.is_compiling()
+        path = self.path_for(T, compiling)
+        cpu_kernel = compiling and self.device.type == "cpu"
+        if (sinks is not None or (relative and cpu_kernel)) and self.device.type == "cpu" \
+                and self.attention_path == "auto":
+            path = "rows"
+        if relative and cpu_kernel and path == "flex":
+            # torch 2.13's CPU FlexAttention template reads the plan's tensors wrongly inside a
+            # score_mod (a score_mod adding q_pos alone is off once a stream is past its first step),
+            # and the distances are computed from them: such steps take the rows path.
+            raise ValueError(
+                "attend: relative positions on the compiled CPU FlexAttention kernel are wrong on torch "
+                f"{torch.__version__} (its score_mod reads the plan's stream positions wrongly); set "
+                "attention_path='auto' or 'rows' (the rows path computes them exactly)"
+            )
+        kc, vc = self._layer_kv(layer_idx)
         cells = plan.write_index.view(1, N * T).long()
         index = (self._zero_index, self._head_index, cells)
         kc.index_put_(index, k.transpose(0, 1).reshape(H, N * T, D))
@@ -539,12 +561,6 @@ class BoundedKVManager(nn.Module):
 
         Hq = q.shape[1]
         group = Hq // H
-        # Learned sinks need each query's log-sum-exp, which the compiled CPU FlexAttention kernel
-        # does not return: on the CPU they take the rows path, which computes it.
-        compiling = torch.compiler.is_compiling()
-        path = self.path_for(T, compiling)
-        if sinks is not None and self.device.type == "cpu" and self.attention_path == "auto":
-            path = "rows"
         # On the CPU, fold each GQA group into the query axis: every KV head then meets its
         # group's queries in one pass over its keys instead of one pass per query head.
         pack_gqa = group > 1 and (self.pack_gqa or path == "rows")
@@ -554,9 +570,9 @@ class BoundedKVManager(nn.Module):
             mask_mod = self._mask_mod(plan, T, pack_gqa)
         sm = None
         if score_mod is not None:
-            sm = make_score_mod(
-                plan, lay.ring_len, T, score_mod, positions, c.reverse_step_order, c.query_window, group=g
-            )
+            # A relative-position table is read at the query's own token (`RelativePositionScores.at`).
+            sm = make_score_mod(plan, lay.ring_len, T, score_mod.at if relative else score_mod, positions,
+                                c.reverse_step_order, c.query_window, group=g, query_index=relative)
         # The scale is applied to q here rather than inside flex_attention: the product is a fresh
         # buffer, and inductor's CPU FlexAttention fails to lower a q that is only a view of another
         # tensor (a slice of a stacked 5-D tensor, or a projection's view + transpose).
@@ -574,7 +590,7 @@ class BoundedKVManager(nn.Module):
                     plan, (g * T, T, pack_gqa, q.dtype),
                     lambda: row_geometry(lay, plan, self._mask_mod(plan, T, pack_gqa), g * T, q.dtype, width))
             out = attend_rows(qr, kc, vc, lay, plan, mask_mod, sm, width=width, return_lse=sinks is not None,
-                              geometry=geometry)
+                              geometry=geometry, additive=relative)
             if sinks is not None:
                 out, lse = out
         else:

@@ -113,11 +113,13 @@ def make_score_mod(
     reverse: bool,
     query_window: Optional[int],
     group: int = 1,
+    query_index: bool = False,
 ):
     """Wrap `user(score, b, h, q_pos, kv_pos)` so it receives positions, not cells.
 
     `group > 1`: queries are packed (`pack_gqa` in `make_mask_mod`); the user still sees the
-    query head `h * group + q_idx // tokens`.
+    query head `h * group + q_idx // tokens`. `query_index`: call `user(score, b, h, t, q_pos,
+    kv_pos)` with the query's token `t` in the step as well (`RelativePositionScores.at`).
     """
     if positions not in POSITION_MODES:
         raise ValueError(f"positions must be one of {POSITION_MODES}, got {positions!r}")
@@ -137,6 +139,8 @@ def make_score_mod(
                 evicted = torch.where(e > 0, e, 0)
             j = torch.where(j < s, j, j - evicted)
             qp = torch.where(qp < s, qp, qp - evicted)
+        if query_index:
+            return user(score, b, h, q_idx, qp, j)
         return user(score, b, h, qp, j)
 
     return score_mod

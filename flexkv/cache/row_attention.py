@@ -144,14 +144,22 @@ def row_geometry(layout: Layout, plan, mask_mod: Callable, q_len: int, dtype: to
     return RowGeometry(in_place, q_len, batch_rows, cells, bias, reads, row_reads, to_batch, back)
 
 
-def _dense(q, keys, values, geo: RowGeometry, score_mod, want_lse):
+def _dense(q, keys, values, geo: RowGeometry, score_mod, want_lse, additive=False):
     """Attention of q `[B, H, Q, D]` over keys `[B, H, W, D]` and values `[B, H, W, Dv]` with the
     geometry's bias. Returns the output and, with `want_lse`, each query's natural-log sum of exp
-    of its scores (`[B, H, Q]`, at least float32; else None)."""
-    if score_mod is None and not want_lse:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=geo.bias, scale=1.0), None
+    of its scores (`[B, H, Q]`, at least float32; else None). `additive`: `score_mod` only adds a
+    term to the score; in float32 or float64 it is then evaluated once on zero scores and added
+    to the mask, and the fused kernel runs."""
     B, H, Q, _ = q.shape
     dev = q.device
+    if score_mod is not None and additive and not want_lse and q.dtype in (torch.float32, torch.float64):
+        q_idx = torch.arange(Q, device=dev).view(1, 1, Q, 1)
+        heads = torch.arange(H, device=dev).view(1, H, 1, 1)
+        term = score_mod(torch.zeros((), dtype=q.dtype, device=dev), geo.batch_rows.view(B, 1, 1, 1), heads, q_idx,
+                         geo.cells.view(B, 1, 1, -1))
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=geo.bias + term.to(q.dtype), scale=1.0), None
+    if score_mod is None and not want_lse:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=geo.bias, scale=1.0), None
     work = torch.promote_types(q.dtype, torch.float32)
     scores = torch.matmul(q.to(work), keys.to(work).transpose(-1, -2))
     if score_mod is not None:
@@ -178,6 +186,7 @@ def attend_rows(
     width: Optional[int] = None,
     return_lse: bool = False,
     geometry: Optional[RowGeometry] = None,
+    additive: bool = False,
 ):
     """Attention of `q` (`[N, H, Q, D]`, already scaled; `Q` may hold a folded GQA group) over the
     cells each row may read, with the mask and score modifications of the FlexAttention path.
@@ -188,7 +197,8 @@ def attend_rows(
     several calls on the same plan (else built here). Queries that read nothing (padding rows)
     return zeros, as in FlexAttention. Returns `[N, H, Q, Dv]` (`Dv` the values' head size); with
     `return_lse`, `(out, lse)`: each query's natural-log sum of exp of its scores (`[N, H, Q]`,
-    float32; -inf where it reads nothing), as FlexAttention's log-sum-exp.
+    float32; -inf where it reads nothing), as FlexAttention's log-sum-exp. `additive`: `score_mod`
+    only adds a term to each score (`RelativePositionScores`); see `_dense`.
     """
     N, H, Q, D = q.shape
     Dv = v_cache.shape[-1]  # values may be narrower or wider than keys
@@ -203,7 +213,7 @@ def attend_rows(
         q_slots = q.index_select(0, geo.batch_rows)
         keys = k_cache[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, D).transpose(0, 1)
         values = v_cache[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, Dv).transpose(0, 1)
-        out, lse = _dense(q_slots, keys, values, geo, score_mod, return_lse)
+        out, lse = _dense(q_slots, keys, values, geo, score_mod, return_lse, additive)
         out = out.index_select(0, geo.back)
         lse = lse.index_select(0, geo.back) if lse is not None else None
     else:
@@ -211,7 +221,7 @@ def attend_rows(
         flat = geo.cells.view(-1)
         keys = k_cache[0].index_select(1, flat).view(H, N, W, D).transpose(0, 1)
         values = v_cache[0].index_select(1, flat).view(H, N, W, Dv).transpose(0, 1)
-        out, lse = _dense(q, keys, values, geo, score_mod, return_lse)
+        out, lse = _dense(q, keys, values, geo, score_mod, return_lse, additive)
     reads = geo.row_reads
     out = torch.where(reads.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=dev))
     if return_lse:
