@@ -25,6 +25,7 @@ from .cache.groups import GroupedKVManager, GroupedPlan, LayerGroup, build_cache
 from .cache.manager import BoundedKVManager, SlotsExhausted, SourcesExhausted
 from .cache.planner import BoundedPlan
 from .cache.protocol import StreamCache
+from .cache.relative_position import RelativePosition, RelativePositionScores
 from .cache.rotary import Rotary
 from .compiling import RecompileError, RecompileWarning, warn_if_untested
 from .config import BoundedKVConfig, SinkWindow
@@ -54,6 +55,8 @@ __all__ = [
     "StepContext",
     "CacheAttention",
     "Rotary",
+    "RelativePosition",
+    "RelativePositionScores",
     "UncachedHistory",
     "RecompileError",
     "RecompileWarning",
