@@ -10,7 +10,7 @@ other jobs share the machine.
 
 Cases:
 
-- `model-flexkv`: a 4-layer decode step of `flexkv.cli.stream_model.StreamModel`
+- `model-flexkv`: a decode step (4 layers, `--layers` to change) of `flexkv.cli.stream_model.StreamModel`
   (8 streams, 16 query / 8 KV heads x 64, 4 sinks + window 252) on a
   `StreamSession` (the whole model step compiled as one graph);
 - `model-ring`: the same model over a ring cache + SDPA per layer, compiled
@@ -24,6 +24,7 @@ Cases:
 
     python -m benchmarks.cold_compile                      # every case, cold then warm
     python -m benchmarks.cold_compile --cases model-flexkv,model-ring
+    python -m benchmarks.cold_compile --cases model-flexkv,model-ring --layers 40
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ CASES = ("model-flexkv", "model-ring", "session-2-buckets", "flexkv-run", "examp
 def _decode_workload():
     from flexkv.cli.workload import Workload
 
-    return Workload(name="decode", layers=4, kv_heads=8, q_heads=16, head_dim=64, sink=4, window=252, span=1,
+    layers = int(os.environ.get("FLEXKV_BENCH_LAYERS", "4"))
+    return Workload(name="decode", layers=layers, kv_heads=8, q_heads=16, head_dim=64, sink=4, window=252, span=1,
                     requests=8, stream_len=(100, 1000))
 
 
@@ -167,8 +169,8 @@ def child(case: str) -> None:
 # ----------------------------------------------------------------- parent side
 
 
-def run_case(case: str, cache_dir: str) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+def run_case(case: str, cache_dir: str, layers: int = 4) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, FLEXKV_BENCH_LAYERS=str(layers))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "benchmarks.cold_compile", "--child", case], env=env,
@@ -188,6 +190,8 @@ def main(argv=None) -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--json", help="write the figures to this file")
+    ap.add_argument("--layers", type=int, default=4,
+                    help="layers of the model cases (model-flexkv, model-ring, session-2-buckets); default 4")
     args = ap.parse_args(argv)
     if args.child:
         child(args.child)
@@ -195,14 +199,15 @@ def main(argv=None) -> None:
     rows = {}
     for case in args.cases.split(","):
         with tempfile.TemporaryDirectory(prefix="inductor-cold-") as d:
-            cold = run_case(case, d)
-            warm = run_case(case, d)
+            cold = run_case(case, d, args.layers)
+            warm = run_case(case, d, args.layers)
         rows[case] = dict(cold=cold, warm=warm)
         print(f"  {case}: cold {cold['compile_s']:.1f} s ({cold['cpu_s']:.0f} CPU s), "
               f"warm {warm['compile_s']:.1f} s ({warm['cpu_s']:.0f} CPU s)", flush=True)
     import torch
 
-    print(f"torch {torch.__version__}, one torch thread per child, {os.cpu_count()} CPUs")
+    print(f"torch {torch.__version__}, one torch thread per child, {os.cpu_count()} CPUs, "
+          f"{args.layers} layers in the model cases")
     head = ("case", "cold compile s", "cold CPU s", "warm compile s", "warm CPU s")
     body = [(c, f"{r['cold']['compile_s']:.1f}", f"{r['cold']['cpu_s']:.0f}", f"{r['warm']['compile_s']:.1f}",
              f"{r['warm']['cpu_s']:.0f}") for c, r in rows.items()]

@@ -179,35 +179,20 @@ def test_uncached_twin_matches_the_model(model):
     assert stream_and_compare(cache, lambda x, plan: model.stream_step(cache, 0, x, plan, rel), model) < TOL
 
 
-def test_compiled_matches_the_model(model):
-    """The table is computed inside the compiled step from the step's queries (rows path, the CPU
-    default for chunks); one graph per batch shape for every step."""
+@pytest.mark.parametrize("path", ["rows", "flex"])
+def test_compiled_matches_the_model(model, path):
+    """The table is computed inside the compiled step from the step's queries and read by the score_mod
+    (FlexAttention's compiled CPU kernel, or the rows path's mask); one graph per batch shape."""
     from torch._dynamo.utils import counters
 
-    cache = BoundedKVManager(CFG, block_size=8)
+    cache = BoundedKVManager(CFG)
+    cache.attention_path = path
     rel = RelativePosition(CFG)
     torch._dynamo.reset()
     compiled = torch.compile(lambda x, plan: model.stream_step(cache, 0, x, plan, rel), fullgraph=True)
     before = counters["stats"]["unique_graphs"]
     assert stream_and_compare(cache, compiled, model) < TOL
     assert counters["stats"]["unique_graphs"] - before <= 2  # one per batch shape (rows 2 and 3)
-
-
-def test_compiled_cpu_flex_kernel_is_refused_not_wrong(model):
-    """torch 2.13's compiled CPU FlexAttention kernel reads the plan's positions wrongly in a score_mod:
-    relative positions there are refused before anything is written (the default path takes rows)."""
-    cache = BoundedKVManager(CFG, block_size=8)
-    cache.attention_path = "flex"
-    rel = RelativePosition(CFG)
-    step = BoundedKVStep((Segment("a", C),), {"a": StreamPosition(0, 0)}, tokens=T)
-    cache.admit(step)
-    plan = cache.plan(step)
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda x, plan: model.stream_step(cache, 0, x, plan, rel), fullgraph=True)
-    before = cache.k_cache_0.clone()
-    with pytest.raises(Exception, match="relative positions on the compiled CPU FlexAttention kernel"):
-        compiled(torch.randn(1, T, DIM), plan)
-    assert torch.equal(cache.k_cache_0, before)
 
 
 def test_reverse_step_order_reads_each_query_at_its_stream_position():

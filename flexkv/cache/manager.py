@@ -539,19 +539,8 @@ class BoundedKVManager(nn.Module):
         # does not return: on the CPU they take the rows path, which computes it.
         compiling = torch.compiler.is_compiling()
         path = self.path_for(T, compiling)
-        cpu_kernel = compiling and self.device.type == "cpu"
-        if (sinks is not None or (relative and cpu_kernel)) and self.device.type == "cpu" \
-                and self.attention_path == "auto":
+        if sinks is not None and self.device.type == "cpu" and self.attention_path == "auto":
             path = "rows"
-        if relative and cpu_kernel and path == "flex":
-            # torch 2.13's CPU FlexAttention template reads the plan's tensors wrongly inside a
-            # score_mod (a score_mod adding q_pos alone is off once a stream is past its first step),
-            # and the distances are computed from them: such steps take the rows path.
-            raise ValueError(
-                "attend: relative positions on the compiled CPU FlexAttention kernel are wrong on torch "
-                f"{torch.__version__} (its score_mod reads the plan's stream positions wrongly); set "
-                "attention_path='auto' or 'rows' (the rows path computes them exactly)"
-            )
         kc, vc = self._layer_kv(layer_idx)
         cells = plan.write_index.view(1, N * T).long()
         index = (self._zero_index, self._head_index, cells)

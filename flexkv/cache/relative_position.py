@@ -29,9 +29,9 @@ either attention path, eager or compiled, a `GroupedKVManager`, the
 uncached twin). `BoundedKVManager` recognises it as additive: on the rows
 path it is gathered once per call into the dense attention's additive mask,
 so the fused SDPA kernel still runs; on the FlexAttention path it is the
-kernel's score_mod, reading `bd` (a tensor computed inside the compiled
-step: torch 2.13's CPU and CUDA lowerings both take a score_mod that
-captures one).
+kernel's score_mod, reading `bd` at the query's token (`at`): a tensor
+computed inside the compiled step, which torch 2.13's compiled CPU kernel
+takes when it is a buffer of its own (a matmul's output).
 
 Sinks sit at the start of the stream, so a stream distance to them grows
 without bound: a cache whose retention keeps sinks (or a source as sinks)
@@ -137,6 +137,8 @@ class RelativePosition:
                              f"got {tuple(stream_positions.shape)}")
         scale = D ** -0.5 if scale is None else scale
         p = pos.reshape(self.size, Hq, D).to(query.dtype).permute(1, 2, 0)  # [Hq, D, R]
+        # The table is a matmul's output, a buffer of its own: torch 2.13's compiled CPU
+        # FlexAttention cannot lower a score_mod that captures an unmaterialised expression.
         bd = torch.matmul(query * scale, p)  # [N, Hq, T, R]
         # A row's own tokens hold T consecutive stream indices (in either step order): the token
         # at stream index q_pos is row[b, q_pos % T] of the step.
