@@ -13,9 +13,11 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-__all__ = ["SinkWindow", "BoundedKVConfig", "SUPPORTED_DTYPES", "is_int", "check_config", "check_layer_index"]
+__all__ = ["SinkWindow", "BoundedKVConfig", "SUPPORTED_DTYPES", "SLOT_DTYPES", "is_int", "check_config", "check_layer_index"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+#: Cell dtypes of a quantized cache (`BoundedKVConfig.slot_dtype`; `flexkv.cache.quantized` stores them).
+SLOT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 def is_int(x) -> bool:
@@ -126,6 +128,11 @@ class BoundedKVConfig:
     query attends the step's shared window (sinks and the entries from
     `window_start`) and the step's own tokens up to itself, none after it
     (contract section 2). It needs stream order and a per-step window.
+
+    `slot_dtype` stores the cache's key and value cells quantized: `torch.int8`
+    or `torch.float8_e4m3fn`, each cell with a float32 scale per head
+    (`flexkv.cache.quantized`); None (the default) keeps cells in `dtype`.
+    Queries, keys and values still enter and leave `attend` in `dtype`.
     """
 
     num_layers: int
@@ -143,6 +150,7 @@ class BoundedKVConfig:
     max_sources: int = 1
     v_head_dim: Optional[int] = None
     causal_step: bool = False
+    slot_dtype: Optional[torch.dtype] = None
     _policies: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -169,6 +177,13 @@ class BoundedKVConfig:
             )
         if self.dtype is not None and self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES} or None, got {self.dtype!r}")
+        if self.slot_dtype is not None and self.slot_dtype not in SLOT_DTYPES:
+            names = ", ".join(f"torch.{str(d).split('.')[-1]}" for d in SLOT_DTYPES)
+            raise ValueError(
+                f"slot_dtype must be one of {names} (cells quantized with a scale per cell and head) or None "
+                f"(cells in the cache's dtype), got {self.slot_dtype!r}; use dtype= for an unquantized cache in "
+                f"another floating type"
+            )
         for name in ("reverse_step_order", "causal_step"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -1,5 +1,11 @@
-"""Random configs and random workloads through the public API, against the dense reference (eager)."""
+"""Random configs and random workloads through the public API, against the dense reference (eager).
 
+Caches with quantized slots (`slot_dtype`) are drawn too: the reference then runs on what the
+cache reads back for every key and value (`flexkv.cache.quantized.round_trip`), and must agree
+as closely as for an unquantized cache.
+"""
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -8,6 +14,16 @@ from flexkv import BoundedKVConfig, SinkWindow
 from flexkv.model.random_workload import RandomWorkload, score_bias
 
 TOL = 1e-4
+#: Norm-relative agreement with the reference (on the dequantized cells for quantized slots).
+REL_TOL = 1e-5
+
+
+def soft_cap(score, b, h, q_pos, kv_pos):
+    """Gemma-style logit soft-capping."""
+    return 4.0 * torch.tanh(score / 4.0)
+
+
+SCORE_MODS = {None: None, "stream": score_bias, "cache": score_bias, "softcap": soft_cap}
 
 
 @st.composite
@@ -46,6 +62,7 @@ def configs(draw):
         causal_step=causal,
         max_step_tokens=draw(st.integers(1, 4)),
         max_sources=draw(st.integers(1, 2)),
+        slot_dtype=draw(st.sampled_from([None, torch.int8, torch.float8_e4m3fn])),
     )
     q_heads = heads * draw(st.sampled_from([1, 2]))
     return cfg, q_heads
@@ -56,13 +73,15 @@ def configs(draw):
     configs(),
     st.integers(0, 2**16),
     st.sampled_from([8, 16]),
-    st.sampled_from([None, "stream", "cache"]),
+    st.sampled_from([None, "stream", "cache", "softcap"]),
     st.sampled_from(["auto", "flex", "rows"]),
     st.sampled_from([3, 1]),
+    st.booleans(),
 )
-def test_random_workloads_match_reference(cfg_q, seed, block_size, positions, path, segments):
+def test_random_workloads_match_reference(cfg_q, seed, block_size, positions, path, segments, learned_sinks):
     """Every attention path agrees with the reference: FlexAttention, and the rows path both in place
-    (the step uses most of the pool's slot rows) and gathered (one segment against up to 4 slots)."""
+    (the step uses most of the pool's slot rows) and gathered (one segment against up to 4 slots),
+    with a score_mod on either position mode or soft-capping, and with learned sinks."""
     cfg, q_heads = cfg_q
     work = RandomWorkload(
         cfg,
@@ -70,26 +89,50 @@ def test_random_workloads_match_reference(cfg_q, seed, block_size, positions, pa
         segments=segments,
         seed=seed,
         block_size=block_size,
-        score_mod=None if positions is None else score_bias,
-        positions=positions or "stream",
+        score_mod=SCORE_MODS[positions],
+        positions="cache" if positions == "cache" else "stream",
+        sinks=torch.linspace(-1.0, 1.5, q_heads) if learned_sinks else None,
     )
     work.manager.attention_path = path
     for _ in range(10):
         work.step()
     assert work.worst < TOL, f"max error {work.worst} for {cfg}"
+    assert work.worst_relative < REL_TOL, f"relative error {work.worst_relative} for {cfg}"
 
 
-def test_long_streams_wrap_the_ring_many_times():
-    """Streams of ~80 steps through a window of 5: the ring wraps over and over, slots get reused."""
+@pytest.mark.parametrize("slot_dtype", [None, torch.int8, torch.float8_e4m3fn])
+def test_long_streams_wrap_the_ring_many_times(slot_dtype):
+    """Streams of ~80 steps through a window of 5: the ring wraps over and over, slots get reused
+    (quantized slots too: a cell keeps the value of its one write however often the ring wraps)."""
     cfg = BoundedKVConfig(
         num_layers=1, num_heads=2, head_dim=8, rows_per_request=2, max_source_len=4,
         retention=lambda n: SinkWindow(2 + n % 3, 5), max_slots=3, max_step_tokens=3, max_sources=2,
+        slot_dtype=slot_dtype,
     )
     work = RandomWorkload(cfg, q_heads=4, segments=3, seed=7, churn=0.05)
     for _ in range(80):
         work.step()
     assert max(s[2] for s in work.state.values()) > 5 * cfg.window_capacity
     assert work.worst < TOL
+    assert work.worst_relative < REL_TOL
+
+
+def test_quantized_slots_store_8_bit_cells_that_differ_from_the_inputs():
+    """The quantized cache really stores its cells in 8 bits: against the reference on the
+    unquantized inputs it is off by about the quantization step, against the reference on the
+    dequantized cells it agrees."""
+    for slot_dtype, lo, hi in ((torch.int8, 1e-3, 5e-2), (torch.float8_e4m3fn, 5e-3, 2e-1)):
+        cfg = BoundedKVConfig(num_layers=1, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=3,
+                              retention=SinkWindow(2, 6), max_slots=2, max_step_tokens=2, slot_dtype=slot_dtype)
+        work = RandomWorkload(cfg, q_heads=4, segments=2, seed=3)
+        assert work.manager.k_cache_0.dtype == slot_dtype and work.manager.v_cache_0.dtype == slot_dtype
+        raw = RandomWorkload(cfg, q_heads=4, segments=2, seed=3)
+        raw.stored = lambda x: x  # the reference on the unquantized keys and values
+        for _ in range(12):
+            work.step()
+            raw.step()
+        assert work.worst_relative < REL_TOL
+        assert lo < raw.worst_relative < hi, (slot_dtype, raw.worst_relative)
 
 
 def test_padding_rows_return_zeros_and_write_nothing():

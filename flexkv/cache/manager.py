@@ -29,6 +29,7 @@ from .kernel_options import flex_kernel_options
 from .kernel_sharing import layer_region, shares_flex_kernel
 from .planner import BoundedPlan, build_plan, table_views
 from .relative_position import RelativePositionScores
+from . import quantized
 from .rotary import SinkRotation, stream_positions
 from .row_attention import attend_rows, gather_width, row_geometry
 from .sinks import apply_learned_sinks, check_sinks
@@ -83,9 +84,15 @@ class BoundedKVManager(nn.Module):
         self.layout = Layout.for_config(config, block_size, self.device.type)
         shape = (1, config.num_heads, self.layout.total_len, config.head_dim)
         v_shape = shape[:3] + (config.value_head_dim,)
+        # Quantized slots (flexkv.cache.quantized): cells in slot_dtype, plus a scale per cell and head.
+        cells = config.dtype if config.slot_dtype is None else config.slot_dtype
         for i in range(config.num_layers):
-            self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=config.dtype, device=self.device))
-            self.register_buffer(f"v_cache_{i}", torch.zeros(v_shape, dtype=config.dtype, device=self.device))
+            self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=cells, device=self.device))
+            self.register_buffer(f"v_cache_{i}", torch.zeros(v_shape, dtype=cells, device=self.device))
+            if config.slot_dtype is not None:
+                for kv in "kv":
+                    self.register_buffer(f"{kv}_scale_{i}", torch.ones(shape[:3] + (1,), dtype=quantized.SCALE_DTYPE,
+                                                                      device=self.device))
         self.register_buffer("_zero_index", torch.zeros(1, 1, dtype=torch.long, device=self.device), persistent=False)
         self.register_buffer(
             "_head_index", torch.arange(config.num_heads, device=self.device).view(-1, 1), persistent=False
@@ -116,7 +123,7 @@ class BoundedKVManager(nn.Module):
         #: `torch.compile`) always rows, since uncompiled FlexAttention forms every score of the
         #: whole layer tensor; compiled, rows for chunked steps (T > 1) on the CPU, where the
         #: gather is cheap next to the chunk's attention and FlexAttention's CPU kernel is slow for
-        #: short query blocks, and FlexAttention everywhere else.
+        #: short query blocks, and FlexAttention everywhere else (quantized slots on the CPU: always rows).
         self.attention_path = "auto"
         #: Compiled FlexAttention calls of every layer share one kernel (`flexkv.cache.kernel_sharing`):
         #: on by default on the CPU with the torch releases it is tested on.
@@ -211,21 +218,35 @@ class BoundedKVManager(nn.Module):
                 return getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
         raise ValueError(f"layer_idx must be an int in [0, {self.config.num_layers}), got {layer_idx!r}")
 
+    def _layer_scales(self, layer_idx):
+        """Layer `layer_idx`'s key and value scales `[1, num_heads, S, 1]` (quantized slots), else (None, None)."""
+        if self.config.slot_dtype is None:
+            return None, None
+        for i in range(self.config.num_layers):
+            if layer_idx == i:
+                return getattr(self, f"k_scale_{i}"), getattr(self, f"v_scale_{i}")
+        raise ValueError(f"layer_idx must be an int in [0, {self.config.num_layers}), got {layer_idx!r}")
+
     def _cache_buffers(self):
         for i in range(self.config.num_layers):
             yield from self._layer_kv(i)
+            if self.config.slot_dtype is not None:
+                yield from self._layer_scales(i)
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes held by every layer's key and value tensors (sources, slots, scratch, padding)."""
+        """Bytes held by every layer's key and value tensors (sources, slots, scratch, padding), and their
+        scales when the slots are quantized."""
         return sum(b.numel() * b.element_size() for b in self._cache_buffers())
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes one slot holds over all layers, rows, keys and values: the memory of one request."""
+        """Bytes one slot holds over all layers, rows, keys and values (and their scales when quantized):
+        the memory of one request."""
         c = self.config
-        itemsize = torch.empty((), dtype=c.dtype).element_size()
-        return c.num_layers * c.num_heads * (c.head_dim + c.value_head_dim) * itemsize * self.layout.slot_cells()
+        per_cell = (quantized.cell_bytes(c.head_dim, c.dtype, c.slot_dtype)
+                    + quantized.cell_bytes(c.value_head_dim, c.dtype, c.slot_dtype))
+        return c.num_layers * c.num_heads * per_cell * self.layout.slot_cells()
 
     # ---------------------------------------------------------------- sources
 
@@ -249,10 +270,18 @@ class BoundedKVManager(nn.Module):
         with torch.no_grad():
             for layer in range(c.num_layers):
                 kc, vc = self._layer_kv(layer)
+                ks, vs = self._layer_scales(layer)
                 for r in range(c.rows_per_request):
                     base = self.layout.source_row(index, r)
-                    kc[0, :, base:base + length].copy_(keys[layer, r])
-                    vc[0, :, base:base + length].copy_(values[layer, r])
+                    cells = slice(base, base + length)
+                    if c.slot_dtype is None:
+                        kc[0, :, cells].copy_(keys[layer, r])
+                        vc[0, :, cells].copy_(values[layer, r])
+                        continue
+                    for buf, scale, x in ((kc, ks, keys[layer, r]), (vc, vs, values[layer, r])):
+                        q, sc = quantized.quantize(x, c.slot_dtype)
+                        buf[0, :, cells].copy_(q)
+                        scale[0, :, cells].copy_(sc)
 
     def _own_sources(self, what: str) -> None:
         if self._shared:
@@ -409,7 +438,10 @@ class BoundedKVManager(nn.Module):
         """The attention path (`"rows"` or `"flex"`) a step of `tokens` tokens takes, compiled or
         eagerly (see `attention_path`)."""
         if self.attention_path == "auto":
-            rows = not compiled or (self.device.type == "cpu" and tokens > 1)
+            # Quantized slots on the CPU: the rows path dequantizes only the cells a row reads, where
+            # FlexAttention would read a dequantized copy of the whole layer tensor.
+            quantized_cpu = self.config.slot_dtype is not None and self.device.type == "cpu"
+            rows = not compiled or (self.device.type == "cpu" and tokens > 1) or quantized_cpu
         else:
             rows = self.attention_path == "rows"
         return "rows" if rows else "flex"
@@ -544,9 +576,15 @@ class BoundedKVManager(nn.Module):
         kc, vc = self._layer_kv(layer_idx)
         cells = plan.write_index.view(1, N * T).long()
         index = (self._zero_index, self._head_index, cells)
-        kc.index_put_(index, k.transpose(0, 1).reshape(H, N * T, D))
         Dv = v.shape[3]
-        vc.index_put_(index, v.transpose(0, 1).reshape(H, N * T, Dv))
+        k_in, v_in = k.transpose(0, 1).reshape(H, N * T, D), v.transpose(0, 1).reshape(H, N * T, Dv)
+        ks, vs = self._layer_scales(layer_idx)
+        if ks is not None:  # quantized slots: quantize on write, cells and scales side by side
+            (k_in, k_sc), (v_in, v_sc) = (quantized.quantize(x, c.slot_dtype) for x in (k_in, v_in))
+            ks.index_put_(index, k_sc)
+            vs.index_put_(index, v_sc)
+        kc.index_put_(index, k_in)
+        vc.index_put_(index, v_in)
 
         Hq = q.shape[1]
         group = Hq // H
@@ -579,10 +617,13 @@ class BoundedKVManager(nn.Module):
                     plan, (g * T, T, pack_gqa, q.dtype),
                     lambda: row_geometry(lay, plan, self._mask_mod(plan, T, pack_gqa), g * T, q.dtype, width))
             out = attend_rows(qr, kc, vc, lay, plan, mask_mod, sm, width=width, return_lse=sinks is not None,
-                              geometry=geometry, additive=relative)
+                              geometry=geometry, additive=relative,
+                              scales=None if ks is None else (ks, vs))
             if sinks is not None:
                 out, lse = out
         else:
+            if ks is not None:  # quantized slots: FlexAttention reads a dequantized copy of the layer
+                kc, vc = quantized.dequantize(kc, ks, q.dtype), quantized.dequantize(vc, vs, q.dtype)
             options = flex_kernel_options(
                 self.device.type, g * T, H, H if pack_gqa else Hq, D, q.dtype, lay.block_size,
                 q_block_size=lay.q_block_size, capability=self._capability)

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from .layout import Layout
 from .planner import INTERVALS
+from .quantized import dequantize
 
 __all__ = ["attend_rows", "reads_in_place", "gather_width", "row_geometry", "RowGeometry"]
 
@@ -187,6 +188,7 @@ def attend_rows(
     return_lse: bool = False,
     geometry: Optional[RowGeometry] = None,
     additive: bool = False,
+    scales: Optional[tuple] = None,
 ):
     """Attention of `q` (`[N, H, Q, D]`, already scaled; `Q` may hold a folded GQA group) over the
     cells each row may read, with the mask and score modifications of the FlexAttention path.
@@ -199,6 +201,8 @@ def attend_rows(
     `return_lse`, `(out, lse)`: each query's natural-log sum of exp of its scores (`[N, H, Q]`,
     float32; -inf where it reads nothing), as FlexAttention's log-sum-exp. `additive`: `score_mod`
     only adds a term to each score (`RelativePositionScores`); see `_dense`.
+    `scales`: `(k_scale, v_scale)`, `[1, H, S, 1]` each, for quantized cells
+    (`flexkv.cache.quantized`): the cells a row reads are dequantized as they are read, into `q`'s dtype.
     """
     N, H, Q, D = q.shape
     Dv = v_cache.shape[-1]  # values may be narrower or wider than keys
@@ -213,6 +217,9 @@ def attend_rows(
         q_slots = q.index_select(0, geo.batch_rows)
         keys = k_cache[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, D).transpose(0, 1)
         values = v_cache[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, Dv).transpose(0, 1)
+        if scales is not None:
+            keys, values = (dequantize(x, s[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, 1).transpose(0, 1),
+                                       q.dtype) for x, s in ((keys, scales[0]), (values, scales[1])))
         out, lse = _dense(q_slots, keys, values, geo, score_mod, return_lse, additive)
         out = out.index_select(0, geo.back)
         lse = lse.index_select(0, geo.back) if lse is not None else None
@@ -221,6 +228,9 @@ def attend_rows(
         flat = geo.cells.view(-1)
         keys = k_cache[0].index_select(1, flat).view(H, N, W, D).transpose(0, 1)
         values = v_cache[0].index_select(1, flat).view(H, N, W, Dv).transpose(0, 1)
+        if scales is not None:
+            keys, values = (dequantize(x, s[0].index_select(1, flat).view(H, N, W, 1).transpose(0, 1), q.dtype)
+                            for x, s in ((keys, scales[0]), (values, scales[1])))
         out, lse = _dense(q, keys, values, geo, score_mod, return_lse, additive)
     reads = geo.row_reads
     out = torch.where(reads.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=dev))

@@ -22,6 +22,7 @@ import torch
 from ..compiling import fresh_function, graphs_compiled
 from ..cache.manager import BoundedKVManager
 from ..model.reference import ReferenceCache
+from ..cache.quantized import round_trip
 from ..session import Chunk, StreamSession
 from ..step import BoundedKVStep, Segment
 from .stream_model import StreamModel
@@ -119,6 +120,7 @@ class _Tracker:
         self.w = workload
         self.limit = limit
         self.hist: Dict[int, tuple] = {}  # rid -> (keys per layer: list of chunks, values per layer)
+        self.slot_dtype = workload.config().slot_dtype
 
     def offer(self, rid: int) -> None:
         """Track `rid` if there is room; longer-lived requests are preferred by the caller's order."""
@@ -134,8 +136,9 @@ class _Tracker:
             kk, vv = k[rows, :, :span], v[rows, :, :span]
             if self.w.reverse_step_order:  # token t < span sits at n + span - 1 - t
                 kk, vv = kk.flip(2), vv.flip(2)
-            keys[l].append(kk.detach().to("cpu", copy=True))
-            values[l].append(vv.detach().to("cpu", copy=True))
+            # What a quantized cache reads back for them (the same values when unquantized).
+            keys[l].append(round_trip(kk.detach(), self.slot_dtype).to("cpu", copy=True))
+            values[l].append(round_trip(vv.detach(), self.slot_dtype).to("cpu", copy=True))
 
     def stream(self, rid: int):
         w = self.w
@@ -243,15 +246,16 @@ class _WorkloadRun:
         R = self.w.rows
         seg, pos = st.segments[lane], st.positions[rid]
         ref = ReferenceCache(self.cfg)
+        sd = self.cfg.slot_dtype
         for idx, k, v in self.sources:
-            ref.add_source(idx, k, v)
+            ref.add_source(idx, round_trip(k, sd), round_trip(v, sd))
         keys, values = self.tracker.stream(rid)
         ref.load_stream(rid, keys, values)
         sub = BoundedKVStep((Segment(rid, seg.span),), {rid: pos}, tokens=st.step_tokens)
         rows = slice(lane * R, lane * R + R)
         err = 0.0
         for l, (q, k, v, o) in enumerate(records):
-            want = ref.attend(l, q[rows].cpu(), k[rows].cpu(), v[rows].cpu(), sub,
+            want = ref.attend(l, q[rows].cpu(), round_trip(k[rows], sd).cpu(), round_trip(v[rows], sd).cpu(), sub,
                               score_mod=self.model.score_mod(l, device="cpu"), positions=self.model.positions)
             err = max(err, float((o[rows].double().cpu() - want).abs().max()))
         self.checks.append({

@@ -16,6 +16,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..cache.quantized import SLOT_DTYPE_NAMES, cell_bytes, slot_dtype_named
 from ..config import BoundedKVConfig, SinkWindow, is_int
 
 __all__ = [
@@ -55,7 +56,9 @@ class Workload:
     `steps` model steps; `seed`; `block_size` (FlexAttention KV block; omit it and flexkv picks one);
     `compile` (`layer`: one compiled function per layer, `graph`: the whole
     step as one graph); `check_steps` steps checked against the float64
-    reference for up to `check_requests` tracked requests.
+    reference for up to `check_requests` tracked requests. `dtype`: the
+    model's; `slot_dtype`: how the cache stores its cells (`none`, or `int8` /
+    `fp8` for quantized slots, `flexkv.cache.quantized`).
     """
 
     name: str
@@ -87,6 +90,7 @@ class Workload:
     check_steps: int = 3
     check_requests: int = 2
     dtype: str = "float32"
+    slot_dtype: str = "none"
 
     def __post_init__(self):
         _check_fields(self)
@@ -119,8 +123,8 @@ class Workload:
     @property
     def entry_bytes(self) -> int:
         """Bytes one stream entry takes over every layer and row, keys and values."""
-        item = torch.empty((), dtype=self.torch_dtype).element_size()
-        return 2 * self.layers * self.rows * self.kv_heads * self.head_dim * item
+        cell = cell_bytes(self.head_dim, self.torch_dtype, slot_dtype_named(self.slot_dtype))
+        return 2 * self.layers * self.rows * self.kv_heads * cell
 
     def retention(self) -> SinkWindow:
         return SinkWindow(self.sink, self.window, self.window_includes_step)
@@ -141,6 +145,7 @@ class Workload:
             query_window=self.query_window,
             max_step_tokens=self.max_tokens,
             max_sources=self.sources if self.source_len else 0,
+            slot_dtype=slot_dtype_named(self.slot_dtype),
         )
 
     def replace(self, **changes) -> "Workload":
@@ -160,6 +165,7 @@ class Workload:
             f"span {self.span}, T {self.step_tokens}"
             + (f", last chunk T {self.final_tokens} span {self.final_span}" if self.final_tokens else ""),
             "relative bias" if self.score_bias == "relative" else "",
+            f"{self.slot_dtype} slots" if self.slot_dtype != "none" else "",
             f"{self.requests} requests",
         ]
         return "; ".join(p for p in parts if p)
@@ -207,6 +213,8 @@ def _check_fields(w: Workload) -> None:
         _fail("compile", w.compile, f"expected one of {', '.join(COMPILE_MODES)}")
     if w.dtype not in DTYPES:
         _fail("dtype", w.dtype, f"expected one of {', '.join(DTYPES)}")
+    if w.slot_dtype != "none" and w.slot_dtype not in SLOT_DTYPE_NAMES:
+        _fail("slot_dtype", w.slot_dtype, f"expected one of none, {', '.join(SLOT_DTYPE_NAMES)}")
     if isinstance(w.arrival, bool) or not isinstance(w.arrival, (int, float)) or not 0 <= w.arrival <= 1:
         _fail("arrival", w.arrival, "expected a probability in [0, 1]")
     sl = w.stream_len

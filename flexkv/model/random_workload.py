@@ -4,7 +4,8 @@ Requests join, leave and reset between steps; segments go padding and come
 back; spans vary (look-ahead tokens when `span < T`, read-only steps when
 `span == 0`); requests start on random sources and lengths. Every step's
 outputs are compared with `flexkv.model.reference.ReferenceCache` on the same
-inputs, and the worst difference is kept. The test suite drives its property
+inputs (for a cache with quantized slots, on what the cache reads back for
+them: `flexkv.cache.quantized.round_trip`), and the worst difference is kept. The test suite drives its property
 and compiled tests with it, and `benchmarks/cuda_check.py` its checks on a
 GPU: run it on a new device or torch release before trusting either.
 """
@@ -17,6 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from ..cache.manager import BoundedKVManager
+from ..cache.quantized import round_trip
 from ..config import BoundedKVConfig
 from ..step import BoundedKVStep, Segment, StreamPosition
 from .reference import ReferenceCache
@@ -109,13 +111,17 @@ class RandomWorkload:
         draw = torch.float64 if self.cfg.dtype == torch.float64 else torch.float32
         return torch.randn(*shape, generator=self.gen, dtype=draw).to(self.cfg.dtype).to(self.device)
 
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """What the cache reads back for keys or values `x`: `x`, or its quantized round trip."""
+        return round_trip(x, self.cfg.slot_dtype)
+
     def add_source(self, length: int) -> int:
         """Register a random source of `length` entries with the cache and the reference; returns its index."""
         c = self.cfg
         shape = (c.num_layers, c.rows_per_request, c.num_heads, length, c.head_dim)
         k, v = self.randn(*shape), self.randn(*shape[:4], c.value_head_dim)
         idx = self.manager.add_source(k, v)
-        self.ref.add_source(idx, k, v)
+        self.ref.add_source(idx, self.stored(k), self.stored(v))
         self.sources[idx] = length
         return idx
 
@@ -182,7 +188,7 @@ class RandomWorkload:
             else:
                 outs = self.attend_fn(self.manager, plan, qs, ks, vs)
         for l in range(c.num_layers):
-            want = self.ref.attend(l, qs[l], ks[l], vs[l], step, **kw)
+            want = self.ref.attend(l, qs[l], self.stored(ks[l]), self.stored(vs[l]), step, **kw)
             if check:
                 if tuple(outs[l].shape) != tuple(want.shape):
                     raise AssertionError(f"layer {l}: output {tuple(outs[l].shape)}, reference {tuple(want.shape)}")

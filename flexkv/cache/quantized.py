@@ -1,0 +1,111 @@
+"""Quantized slots: key and value cells stored in 8 bits, each with its own scale.
+
+A cache whose config sets `slot_dtype` (`torch.int8` or `torch.float8_e4m3fn`)
+keeps every cell of its layer tensors (sources, sinks, ring and scratch alike)
+in that dtype, next to one float32 scale per cell and KV head, for keys and
+values separately:
+
+- **write** (`quantize`): a token's key (or value) of one head, `x` of
+  `head_dim` numbers, is stored as `round(x / s)` (int8, in [-127, 127]) or
+  `x / s` rounded to float8 e4m3 (in [-448, 448]), with `s = max|x| / 127`
+  (int8) or `max|x| / 448` (float8) and `s = 1` for an all-zero `x`. The
+  scale is per cell and head because that is what a write produces: a step
+  writes whole tokens, so every stored number is a function of the token's
+  own vector alone. Nothing is ever re-quantized: a cell keeps the error of
+  its one write however often the ring wraps past it, and the largest entry
+  of every vector (an outlier included) is stored exactly at the top of the
+  range rather than clipped.
+- **read** (`dequantize`): `cells.float() * scale`, cast to the cache's
+  `dtype`, where a path reads cells: the rows path (eager and compiled CPU)
+  as it gathers a row's cells; the FlexAttention path on a dequantized copy
+  of the layer tensor (a value scale per cell cannot be applied inside one
+  softmax, and FlexAttention's CPU kernel and eager mode take no mixed
+  dtypes).
+
+Since quantization is a pure function of each written vector, the dense
+reference runs on `round_trip(x)` of every key and value it is given and the
+cache must agree with it as closely as with an unquantized cache
+(`flexkv.model.random_workload`, `flexkv.model.uncached`).
+
+Sources are quantized too, once, when registered (they are read-only, so
+their error never grows): a source is the same kind of cell as any other and
+a cache's savings cover them. Memory per cell and head is `head_dim` bytes
+plus 4 for the scale (`cell_bytes`): 0.52x of bfloat16 at `head_dim = 128`,
+0.53x at 64.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..config import SLOT_DTYPES
+
+__all__ = ["SLOT_DTYPES", "SLOT_DTYPE_NAMES", "SCALE_DTYPE", "slot_dtype_named", "quantize", "dequantize",
+           "round_trip", "cell_bytes", "key_scale_score_mod"]
+
+#: The largest magnitude each cell dtype holds after scaling.
+_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+#: Names for configuration files and the command line.
+SLOT_DTYPE_NAMES = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
+#: Every scale is float32: it spans any magnitude a key or value of any cache dtype can have.
+SCALE_DTYPE = torch.float32
+
+
+def slot_dtype_named(name) -> Optional[torch.dtype]:
+    """The slot dtype of a name in a configuration file (`"int8"`, `"fp8"`, `"float8_e4m3fn"`; None or
+    `"none"`: unquantized)."""
+    if name is None or name == "none":
+        return None
+    if name not in SLOT_DTYPE_NAMES:
+        raise ValueError(f"slot_dtype must be one of none, {', '.join(SLOT_DTYPE_NAMES)}, got {name!r}")
+    return SLOT_DTYPE_NAMES[name]
+
+
+def quantize(x: torch.Tensor, slot_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`x [..., D]` -> `(cells [..., D] in slot_dtype, scale [..., 1] float32)`, one scale per vector."""
+    qmax = _QMAX[slot_dtype]
+    xf = x.to(SCALE_DTYPE)
+    top = xf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(top > 0, top / qmax, torch.ones((), dtype=SCALE_DTYPE, device=x.device))
+    y = (xf / scale).clamp(-qmax, qmax)
+    if slot_dtype == torch.int8:
+        y = torch.round(y)
+    return y.to(slot_dtype), scale
+
+
+def dequantize(cells: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stored cells back to numbers: `cells * scale` (in float32), cast to `dtype`."""
+    return (cells.to(SCALE_DTYPE) * scale).to(dtype)
+
+
+def round_trip(x: torch.Tensor, slot_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """What a cache with `slot_dtype` reads back for `x` (x itself when unquantized)."""
+    if slot_dtype is None:
+        return x
+    return dequantize(*quantize(x, slot_dtype), x.dtype)
+
+
+def cell_bytes(width: int, dtype: torch.dtype, slot_dtype: Optional[torch.dtype]) -> int:
+    """Bytes one cell of one head holds for a vector of `width` numbers (its scale included)."""
+    if slot_dtype is None:
+        return width * torch.empty((), dtype=dtype).element_size()
+    return width * torch.empty((), dtype=slot_dtype).element_size() + torch.empty((), dtype=SCALE_DTYPE).element_size()
+
+
+def key_scale_score_mod(k_scale: torch.Tensor, group: int, inner=None):
+    """A `score_mod` that multiplies a score by its key's scale, then runs `inner` (if any).
+
+    For FlexAttention reading quantized key cells directly: `k_scale` is the
+    layer's `[1, H, S, 1]` scale buffer; `group` how many query heads share a
+    KV head in the call's `h` (1 when GQA groups are folded into the query axis
+    or there is no GQA; the ratio when `enable_gqa` maps query heads).
+    """
+    ks = k_scale[0, :, :, 0]
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        score = score * ks[h // group if group > 1 else h, kv_idx]
+        return score if inner is None else inner(score, b, h, q_idx, kv_idx)
+
+    return score_mod
