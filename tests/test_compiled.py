@@ -195,3 +195,34 @@ def test_gqa_decode_with_one_block_per_slot_row():
             work.step()
     assert max(s[2] for s in work.state.values()) > 129  # rings wrapped
     assert work.worst < TOL, work.worst
+
+
+def test_quantized_slots_compiled_with_sources_cfg_rows_and_gqa():
+    """Quantized slots compiled on the CPU default path (rows, dequantizing what each row reads),
+    through ring wraps and slot reuse, with no recompiles, against the reference on the dequantized
+    cells."""
+    cfg = BoundedKVConfig(
+        num_layers=2, num_heads=2, head_dim=16, rows_per_request=2, max_source_len=6,
+        retention=lambda n: SinkWindow(1 + n % 4, 8 + n % 3), max_slots=4, max_step_tokens=3, max_sources=2,
+        slot_dtype=torch.int8,
+    )
+    work = compiled_workload(cfg, q_heads=4, tokens=3, seed=13, score_mod=score_bias, churn=0.08)
+    assert work.manager.path_for(3) == "rows" and work.manager.path_for(1) == "rows"
+    run_without_recompiles(work, 60)
+    assert work.worst_relative < 1e-5
+    assert max(work.ref.streams[r][0][0].shape[2] for r in work.ref.streams) > 2 * cfg.window_capacity
+
+
+def test_quantized_slots_refuse_compiled_flex_attention_on_the_cpu():
+    """attention_path="flex" with quantized slots, compiled on the CPU, is refused with the fix named
+    (torch's CPU FlexAttention misread the dequantized layer in testing), never run wrong."""
+    cfg = BoundedKVConfig(
+        num_layers=1, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=3,
+        retention=SinkWindow(2, 6), max_step_tokens=3, max_slots=3, max_sources=1, slot_dtype=torch.float8_e4m3fn,
+    )
+    work = compiled_workload(cfg, q_heads=4, tokens=1, seed=4, score_mod=score_bias, segments=2, full_blocks=False)
+    work.manager.attention_path = "flex"
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"attention_path='flex' with quantized slots compiled on the CPU.*"
+                                        r"set attention_path='auto'"):
+        work.step()

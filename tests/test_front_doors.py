@@ -30,6 +30,7 @@ from flexkv import (
     StreamSession,
 )
 from flexkv.cache.protocol import StreamCache, check_cache
+from flexkv.cache.quantized import round_trip
 from flexkv.model.reference import ReferenceCache
 from flexkv.cache.rotary import Rotary
 from flexkv.model.uncached import UncachedHistory
@@ -55,12 +56,13 @@ class LayerReference:
     """One `ReferenceCache` per layer, each with its layer's group retention."""
 
     def __init__(self, cfg, groups):
+        self.slot_dtype = cfg.slot_dtype  # quantized slots: the reference runs on the dequantized cells
         by_layer = {layer: g for g in groups for layer in g.layers}
         self.refs = [ReferenceCache(cfg.replace(num_layers=1, retention=by_layer[i].retention,
                                                 query_window=by_layer[i].query_window)) for i in range(cfg.num_layers)]
 
     def attend(self, layer, q, k, v, step):
-        return self.refs[layer].attend(0, q, k, v, step)
+        return self.refs[layer].attend(0, q, round_trip(k, self.slot_dtype), round_trip(v, self.slot_dtype), step)
 
     def commit(self, step):
         for ref in self.refs:
@@ -146,6 +148,59 @@ def test_a_config_is_not_a_cache_and_the_error_says_what_is_missing():
 def test_session_attends_each_layer_by_its_groups_retention(make):
     cfg = config()
     assert run_schedule(make(cfg), LayerReference(cfg, GROUPS)) < 1e-5
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("make", [
+    lambda cfg: StreamSession(cfg, groups=GROUPS, compile=False, block_size=8),
+    lambda cfg: StreamSession(UncachedHistory(cfg, GROUPS), compile=False),
+], ids=["grouped", "uncached-grouped"])
+def test_quantized_slots_through_the_session_and_its_twin(make, slot_dtype):
+    """A session over a grouped cache with quantized slots (and over its uncached twin) computes the
+    per-layer reference on the dequantized cells; on the raw inputs it would be off by far more."""
+    cfg = config(slot_dtype=slot_dtype)
+    assert run_schedule(make(cfg), LayerReference(cfg, GROUPS)) < 1e-5
+    assert run_schedule(make(cfg), LayerReference(config(), GROUPS)) > 1e-3
+
+
+def test_compiled_session_with_quantized_slots_compiles_once_and_matches_the_reference():
+    cfg = config(slot_dtype=torch.int8)
+    session = StreamSession(cfg, groups=GROUPS, token_sizes=(1, 3), block_size=8)
+    assert all(m.k_cache_0.dtype == torch.int8 for m in session.cache.managers)
+    torch._dynamo.reset()
+    counters.clear()
+    session.warmup(model, feed(1, 0))
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 2
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        worst = run_schedule(session, LayerReference(cfg, GROUPS))
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert worst < 1e-4
+
+
+def test_wrap_on_a_quantized_grouped_cache_computes_what_the_quantized_twin_computes():
+    cfg = config(query_window=None, slot_dtype=torch.float8_e4m3fn)
+    groups = (LayerGroup((0, 2), SinkWindow(0, 3), name="local"), LayerGroup((1,), SinkWindow(2, 4), name="global"))
+    contexts = [StepContext(GroupedKVManager(cfg, groups, block_size=8)), StepContext(UncachedHistory(cfg, groups))]
+    cores = [[attention(ctx, i) for i in range(LAYERS)] for ctx in contexts]
+    g = torch.Generator().manual_seed(4)
+    for s in range(12):
+        step = BoundedKVStep((Segment("a", 1), Segment(None, 0)), {"a": StreamPosition(0, s)})
+        qkv = [(torch.randn(2, HQ, 1, D, generator=g), torch.randn(2, H, 1, D, generator=g),
+                torch.randn(2, H, 1, D, generator=g)) for _ in range(LAYERS)]
+        outs = []
+        for ctx, layers in zip(contexts, cores):
+            ctx.bind(ctx.begin(step))
+            outs.append([layer(*qkv[i]) for i, layer in enumerate(layers)])
+            ctx.commit()
+        for got, want in zip(*outs):
+            torch.testing.assert_close(got[:1], want[:1], rtol=0, atol=1e-5)
+
+
+def test_quantized_twin_refuses_rotary_it_cannot_mirror():
+    cfg = config(query_window=None, slot_dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"quantized slots \(slot_dtype=torch.int8\) stores rotated keys quantized"):
+        UncachedHistory(cfg).rotation(0, Rotary(D), "stream")
 
 
 def test_session_from_one_retention_per_layer():

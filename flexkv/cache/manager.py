@@ -106,6 +106,8 @@ class BoundedKVManager(nn.Module):
         #: Host bookkeeping: slots, requests, source places (`flexkv.cache.slots`), under its lock.
         self.slots = SlotTable(config) if slots is None else slots
         self._lock = self.slots.lock
+        # Quantized slots on the FlexAttention path: dequantized copies of one layer (`_ensure_scratch`).
+        self._scratch_k = self._scratch_v = None
         #: Fold GQA groups into the query axis (on by default on the CPU; see `attend`).
         self.pack_gqa = self.device.type == "cpu"
         #: Keep a compiled step's elementwise ops on the attention output (`o * 2`, a gate, a mean
@@ -226,6 +228,28 @@ class BoundedKVManager(nn.Module):
             if layer_idx == i:
                 return getattr(self, f"k_scale_{i}"), getattr(self, f"v_scale_{i}")
         raise ValueError(f"layer_idx must be an int in [0, {self.config.num_layers}), got {layer_idx!r}")
+
+    def _dequantized_layer(self, kc, ks, vc, vs, dtype):
+        """Quantized slots on the FlexAttention path: the layer's cells dequantized into scratch tensors
+        of the cache's dtype, allocated once and shared by every layer (FlexAttention takes no
+        per-cell value scale, and its CPU kernel no 8-bit input). Written with `copy_`: inductor's
+        CPU FlexAttention template read a dequantize computed inside the graph wrongly."""
+        if self._scratch_k is None:
+            raise RuntimeError("quantized slots on the FlexAttention path need the scratch tensors plan() allocates; "
+                               "call plan(step) before attend")
+        self._scratch_k.copy_(quantized.dequantize(kc, ks, dtype))
+        self._scratch_v.copy_(quantized.dequantize(vc, vs, dtype))
+        return self._scratch_k, self._scratch_v
+
+    def _ensure_scratch(self) -> None:
+        """Host side, before a step: allocate the FlexAttention path's dequantized scratch (once) when a
+        quantized cache may take that path (attention_path "flex", or "auto" off the CPU)."""
+        if self.config.slot_dtype is None or self._scratch_k is not None:
+            return
+        if self.attention_path == "flex" or (self.attention_path == "auto" and self.device.type != "cpu"):
+            c, S = self.config, self.layout.total_len
+            self._scratch_k = torch.empty(1, c.num_heads, S, c.head_dim, dtype=c.dtype, device=self.device)
+            self._scratch_v = torch.empty(1, c.num_heads, S, c.value_head_dim, dtype=c.dtype, device=self.device)
 
     def _cache_buffers(self):
         for i in range(self.config.num_layers):
@@ -386,6 +410,7 @@ class BoundedKVManager(nn.Module):
 
     def _plan_from(self, step: BoundedKVStep, slots: dict, private: dict) -> BoundedPlan:
         """This store's plan of a checked step, from the table's slots and private places."""
+        self._ensure_scratch()
         return build_plan(self.config, self.layout, step, slots.__getitem__, self.device,
                           self._full_blocks_at(len(step.segments) * self.config.rows_per_request, step.step_tokens),
                           private_source=private.get)
@@ -622,8 +647,14 @@ class BoundedKVManager(nn.Module):
             if sinks is not None:
                 out, lse = out
         else:
+            if ks is not None and compiling and self.device.type == "cpu":
+                raise ValueError(
+                    "attention_path='flex' with quantized slots compiled on the CPU: torch's CPU FlexAttention "
+                    "kernel read the dequantized layer wrongly in testing (torch 2.13); set attention_path='auto' "
+                    "(the rows path, which dequantizes what each row reads), or slot_dtype=None"
+                )
             if ks is not None:  # quantized slots: FlexAttention reads a dequantized copy of the layer
-                kc, vc = quantized.dequantize(kc, ks, q.dtype), quantized.dequantize(vc, vs, q.dtype)
+                kc, vc = self._dequantized_layer(kc, ks, vc, vs, q.dtype)
             options = flex_kernel_options(
                 self.device.type, g * T, H, H if pack_gqa else Hq, D, q.dtype, lay.block_size,
                 q_block_size=lay.q_block_size, capability=self._capability)

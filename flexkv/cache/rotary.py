@@ -209,6 +209,13 @@ class SinkRotation(nn.Module):
             raise ValueError(f"SinkRotation: mode must be one of {ROPE_POSITIONS}, got {mode!r}")
         if mode == "cache":
             check_cache_config(c)
+            if c.slot_dtype is not None and c.sink_capacity:
+                # Quantized slots: the sink keys would be rotated again and written back at every step.
+                raise ValueError(
+                    f"rotary positions mode='cache' re-rotates the sink keys in place at every step, which "
+                    f"quantized slots (slot_dtype={c.slot_dtype}) cannot store without re-quantizing them; use "
+                    f"mode='stream', or slot_dtype=None for 'cache' positions"
+                )
         # Not registered as submodules: the manager and the Rotary belong to the model.
         object.__setattr__(self, "manager", manager)
         object.__setattr__(self, "rotary", rotary)

@@ -23,6 +23,13 @@ Rotary embeddings are applied there, from un-rotated keys, in either
 position mode: ``"stream"`` rotates each entry at its stream index;
 ``"cache"`` rotates every attended key at its in-cache position and the
 query at its own, at every step, the way StreamingLLM's reference code does.
+
+With quantized slots (`config.slot_dtype`), it keeps what the bounded cache
+reads back for every key and value (`flexkv.cache.quantized.round_trip`) and
+attends over that: a quantized cache and its twin then agree as closely as
+unquantized ones do. (Rotary embeddings applied here are refused with
+quantized slots: the bounded cache quantizes rotated keys, which the twin,
+rotating at every step, never holds.)
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from ..config import BoundedKVConfig, check_config, check_layer_index
 from ..cache.groups import as_layer_groups, layer_group_configs
 from ..cache.sources import check_source_shapes, split_source
 from ..cache.masks import POSITION_MODES
+from ..cache.quantized import round_trip
 from .reference import ReferenceCache, own_stream_indices
 from ..cache.rotary import ROPE_POSITIONS, Rotary, check_cache_config, check_cache_step
 from ..cache.slots import Admission, SlotTable
@@ -171,7 +179,9 @@ class UncachedHistory:
         length = None
         for cfg, (k, v) in zip(self._configs, shares):
             length = check_source_shapes(cfg, what, k, v)
-        return [(k.detach().double().cpu(), v.detach().double().cpu()) for k, v in shares], length
+        # Quantized slots: what the bounded cache reads back for the source (itself when unquantized).
+        return [(round_trip(k.detach(), cfg.slot_dtype).double().cpu(), round_trip(v.detach(), cfg.slot_dtype).double().cpu())
+                for cfg, (k, v) in zip(self._configs, shares)], length
 
     def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Register a source `[num_layers, rows_per_request, num_heads, L, head_dim]` (un-rotated keys)."""
@@ -268,6 +278,12 @@ class UncachedHistory:
         if mode not in ROPE_POSITIONS:
             raise ValueError(f"rotation: mode must be one of {ROPE_POSITIONS}, got {mode!r}")
         cfg = self.layer_config(layer_idx)
+        if cfg.slot_dtype is not None:
+            raise ValueError(
+                f"rotation: UncachedHistory rotates un-rotated keys at every step, but a cache with quantized "
+                f"slots (slot_dtype={cfg.slot_dtype}) stores rotated keys quantized, which the twin never holds; "
+                f"rotate q and k in the model before attend (as transformers models do), or use slot_dtype=None"
+            )
         if rotary.head_dim != cfg.head_dim:
             raise ValueError(f"rotation: rotary.head_dim={rotary.head_dim} differs from the cache's head_dim={cfg.head_dim}")
         if mode == "cache":
@@ -304,6 +320,8 @@ class UncachedHistory:
             raise ValueError(f"attend: positions must be one of {POSITION_MODES}, got {positions!r}")
         rotary, rope_positions = self._rotary.get(layer_idx, (None, "stream"))
         g, local = self._route[check_layer_index(layer_idx, self.config.num_layers)]
+        sd = self._configs[g].slot_dtype
+        k, v = round_trip(k, sd), round_trip(v, sd)  # quantized slots: what the bounded cache reads back
         out = self._history[g].attend(local, q, k, v, step, scale=scale, score_mod=score_mod, positions=positions,
                                       sinks=sinks, rotary=rotary, rope_positions=rope_positions)
         return out.to(dtype=q.dtype, device=q.device)
