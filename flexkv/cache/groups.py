@@ -413,7 +413,8 @@ class GroupedKVManager(nn.Module):
 
     def memory_report(self) -> tuple:
         """One dict per group: its name, layers, retention, query window, KV heads, key and value
-        widths, cells per slot row, bytes per slot (over its layers, keys and values) and bytes held."""
+        widths, slot dtype (None: unquantized), cells per slot row, bytes per slot (over its layers,
+        keys and values, scales included) and bytes held."""
         out = []
         for g, m in zip(self.groups, self._mgrs):
             out.append(
@@ -426,6 +427,7 @@ class GroupedKVManager(nn.Module):
                     head_dim=m.config.head_dim,
                     v_head_dim=m.config.value_head_dim,
                     causal_step=g.causal_step,
+                    slot_dtype=m.config.slot_dtype,
                     slot_cells=m.layout.slot_row_len,
                     slot_bytes=m.slot_bytes,
                     memory_bytes=m.memory_bytes,

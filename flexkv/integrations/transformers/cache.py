@@ -114,6 +114,7 @@ class FlexKVCache(CacheShim):
         device=None,
         dtype: Optional[torch.dtype] = None,
         positions: Optional[str] = None,
+        slot_dtype: Optional[torch.dtype] = None,
     ):
         if positions is not None:  # the keyword's first name
             if rope_positions is not None and rope_positions != positions:
@@ -190,6 +191,7 @@ class FlexKVCache(CacheShim):
                 dtype=dtype,
                 query_window=retention.window,
                 max_step_tokens=prefill_chunk,
+                slot_dtype=slot_dtype,  # quantized slots (flexkv.cache.quantized); None: the model's dtype
             ),
             groups,
             device=device,

@@ -1,0 +1,93 @@
+"""Quantized slots (`BoundedKVConfig(slot_dtype=...)`, `flexkv.cache.quantized`): what is refused,
+what a cell stores, and what the memory accounting counts. Attention against the reference runs in
+tests/test_properties.py, tests/test_front_doors.py and tests/test_compiled.py."""
+
+import pytest
+import torch
+
+from flexkv import BoundedKVConfig, BoundedKVManager, GroupedKVManager, LayerGroup, SinkWindow
+from flexkv.cache import quantized
+from flexkv.cache.rotary import Rotary
+from flexkv.cli.workload import WorkloadError, parse_workload
+
+
+def config(**kw):
+    base = dict(num_layers=2, num_heads=8, head_dim=128, rows_per_request=1, max_source_len=0, max_sources=0,
+                retention=SinkWindow(4, 1020), max_slots=4, dtype=torch.bfloat16)
+    base.update(kw)
+    return BoundedKVConfig(**base)
+
+
+@pytest.mark.parametrize("bad", [torch.uint8, torch.float8_e5m2, torch.float16, "int8"])
+def test_a_slot_dtype_no_path_reads_is_refused_naming_the_allowed_ones(bad):
+    with pytest.raises(ValueError, match=r"slot_dtype must be one of torch.int8, torch.float8_e4m3fn .* or None"):
+        config(slot_dtype=bad)
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_a_streams_memory_at_the_same_window_is_at_most_055_of_bfloat16(slot_dtype):
+    full, small = BoundedKVManager(config(), "meta"), BoundedKVManager(config(slot_dtype=slot_dtype), "meta")
+    assert small.slot_bytes <= 0.55 * full.slot_bytes
+    # Cells of one byte plus a float32 scale per cell and head, for keys and values.
+    cells = small.layout.slot_cells() * 2 * 8 * 2
+    assert small.slot_bytes == cells * (128 + 4)
+    # memory_bytes counts every buffer the cache holds, scales included.
+    held = sum(b.numel() * b.element_size() for b in small.buffers() if b.dtype in (slot_dtype, torch.float32))
+    assert small.memory_bytes == held
+    assert small.memory_bytes <= 0.55 * full.memory_bytes
+
+
+def test_memory_report_counts_scales_per_group():
+    groups = (LayerGroup((0,), SinkWindow(0, 64), name="local"), LayerGroup((1,), SinkWindow(4, 1020), name="global"))
+    g = GroupedKVManager(config(slot_dtype=torch.int8), groups, "meta")
+    for report, m in zip(g.memory_report(), g.managers):
+        assert report["slot_bytes"] == m.slot_bytes == m.layout.slot_cells() * 2 * 8 * (128 + 4)
+        assert report["slot_dtype"] == torch.int8
+    assert g.slot_bytes == sum(m.slot_bytes for m in g.managers)
+
+
+def test_quantize_keeps_each_vectors_largest_entry_and_bounds_the_error():
+    x = torch.randn(3, 5, 64) * torch.logspace(-3, 3, 5).view(1, 5, 1)
+    x[0, 0, 7] = 1e4  # an outlier: its own vector's scale takes it
+    for sd, rel in ((torch.int8, 0.5 / 127), (torch.float8_e4m3fn, 2 ** -4)):
+        cells, scale = quantized.quantize(x, sd)
+        assert cells.dtype == sd and scale.shape == (3, 5, 1) and scale.dtype == torch.float32
+        back = quantized.dequantize(cells, scale, x.dtype)
+        top = x.abs().amax(-1, keepdim=True)
+        assert torch.all((back - x).abs() <= rel * top * 1.001 + 1e-30)
+        torch.testing.assert_close(back.abs().amax(-1), x.abs().amax(-1), rtol=1e-6, atol=0)
+    zero = torch.zeros(2, 8)
+    assert torch.equal(quantized.round_trip(zero, torch.int8), zero)
+
+
+def test_the_cache_stores_what_quantize_gives_for_a_written_token():
+    cfg = config(num_layers=1, num_heads=2, head_dim=16, retention=SinkWindow(1, 4), dtype=torch.float32,
+                 slot_dtype=torch.int8, max_slots=2)
+    from flexkv import BoundedKVStep, Segment, StreamPosition
+
+    m = BoundedKVManager(cfg, block_size=8)
+    step = BoundedKVStep((Segment("a", 1),), {"a": StreamPosition(0, 0)})
+    m.admit(step)
+    plan = m.plan(step)
+    k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
+    m.attend(0, torch.randn(1, 2, 1, 16), k, v, plan)
+    cell = int(plan.write_index.view(-1)[0])
+    want, scale = quantized.quantize(k[0, :, 0], torch.int8)
+    assert torch.equal(m.k_cache_0[0, :, cell], want) and torch.equal(m.k_scale_0[0, :, cell], scale)
+
+
+def test_cache_rotary_positions_are_refused_with_quantized_sinks():
+    m = BoundedKVManager(config(num_heads=2, head_dim=8, retention=SinkWindow(2, 6), slot_dtype=torch.int8,
+                                dtype=torch.float32), block_size=8)
+    with pytest.raises(ValueError, match=r"mode='cache' re-rotates the sink keys.*use mode='stream'"):
+        m.rotation(0, Rotary(8), "cache")
+    m.rotation(0, Rotary(8), "stream")  # stream positions rotate before the write: fine
+
+
+def test_the_workload_key_sets_the_slot_dtype_and_a_bad_one_names_the_choices():
+    base = dict(name="w", layers=1, kv_heads=2, head_dim=8, window=8, stream_len=[4, 8])
+    assert parse_workload(dict(base, slot_dtype="int8")).config().slot_dtype == torch.int8
+    assert parse_workload(dict(base, slot_dtype="fp8")).config().slot_dtype == torch.float8_e4m3fn
+    assert parse_workload(base).config().slot_dtype is None
+    with pytest.raises(WorkloadError, match=r"slot_dtype: got 'int4'; expected one of none, int8, float8_e4m3fn, fp8"):
+        parse_workload(dict(base, slot_dtype="int4"))
