@@ -40,6 +40,13 @@ the timing and the fp32 rows after it; the time budget for optional variants
    whose options equal the shipped ones is not run).
 4. Host planning (`manager.plan`) and a whole step (admit, plan, every
    layer, commit) are timed with `torch.utils.benchmark.Timer`.
+5. Quantized slots (after everything above, `--skip-quantized` to leave it
+   out): decode at the bench shape with float8 e4m3 cells (a float32 scale
+   per cell and head) against bf16 cells, one compiled layer each: as
+   shipped (FlexAttention over the dequantized layer) and with
+   `quantized_keys_in_kernel` (key cells read by the kernel as stored, their
+   scale in `score_mod`). Time, bytes the step must read over time, and the
+   norm-relative error against a bf16 cache holding the dequantized cells.
 
 The kernel options each compiled `flex_attention` call received are printed
 once per distinct call. Without a CUDA device (or with `--cpu`) the same
@@ -72,6 +79,7 @@ from flexkv.cache.kernel_options import decode_split_kv, flex_kernel_options
 from flexkv.model.random_workload import RandomWorkload, relative_error, score_bias
 from flexkv.cache.layout import entry_cell
 from flexkv.compiling import fresh_function
+from flexkv.cache import quantized
 
 #: Norm-relative tolerances, `||out - ref|| / ||ref||`: an absolute bound on bf16 outputs of a few
 #: thousand keys (values of order 1e-2) would not see a missing block.
@@ -405,12 +413,14 @@ def gpu_ms(fn: Callable, device: torch.device, iters: int = 20, warmup: int = 3)
 class Decode:
     """Every request far past its window (rings wrapped), random cache content, one decode step."""
 
-    def __init__(self, device: torch.device, shape: dict, *, full_blocks: Optional[bool] = None, seed: int = 0):
+    def __init__(self, device: torch.device, shape: dict, *, full_blocks: Optional[bool] = None, seed: int = 0,
+                 slot_dtype: Optional[torch.dtype] = None):
         s = shape
         self.device, self.s = device, s
         self.cfg = BoundedKVConfig(num_layers=s["layers"], num_heads=s["kv_heads"], head_dim=s["head_dim"],
                                    rows_per_request=1, max_source_len=0, retention=SinkWindow(s["sink"], s["window"]),
-                                   max_slots=s["requests"], max_step_tokens=1, max_sources=0, dtype=s["dtype"])
+                                   max_slots=s["requests"], max_step_tokens=1, max_sources=0, dtype=s["dtype"],
+                                   slot_dtype=slot_dtype)
         self.m = m = BoundedKVManager(self.cfg, device, block_size=s["block"])
         if full_blocks is not None:
             m.full_blocks = full_blocks
@@ -418,7 +428,13 @@ class Decode:
         with torch.no_grad():
             for name, buf in m.named_buffers():
                 if name.startswith(("k_cache_", "v_cache_")):
-                    buf.copy_(torch.randn(buf.shape, generator=g, device=device, dtype=buf.dtype))
+                    x = torch.randn(buf.shape, generator=g, device=device, dtype=s["dtype"])
+                    if slot_dtype is None:
+                        buf.copy_(x)
+                    else:  # quantized slots: the cells and scales of that content
+                        cells, scale = quantized.quantize(x, slot_dtype)
+                        buf.copy_(cells)
+                        getattr(m, name.replace("_cache_", "_scale_")).copy_(scale)
         B, ring = s["requests"], s["window"] + 1
         base = s["sink"] + 3 * ring
         self.written = [base + (7 * i) % 11 for i in range(B)]  # staggered ring offsets
@@ -467,6 +483,59 @@ class Decode:
         idx = torch.tensor(cells, device=self.device)
         kc, vc = getattr(self.m, f"k_cache_{layer}")[0], getattr(self.m, f"v_cache_{layer}")[0]
         return kc[:, idx].permute(1, 0, 2, 3).contiguous(), vc[:, idx].permute(1, 0, 2, 3).contiguous()
+
+
+def quantized_decode(device: torch.device, report: dict, save: Callable[[], None]) -> None:
+    """Section 5: float8 cells against bf16 cells at the bench shape, one compiled layer each."""
+    cuda = device.type == "cuda"
+    s = bench_shape(cuda)
+    t = report.setdefault("quantized", {})
+    rows = t.setdefault("rows", [])
+    torch._dynamo.reset()
+    fp8 = Decode(device, s, slot_dtype=torch.float8_e4m3fn)
+    # The bf16 twin holds exactly what the float8 cells read back, and steps the same inputs.
+    twin = Decode(device, s)
+    with torch.no_grad():
+        for l in range(s["layers"]):
+            for i, buf in enumerate(twin.m._layer_kv(l)):
+                buf.copy_(quantized.dequantize(fp8.m._layer_kv(l)[i], fp8.m._layer_scales(l)[i], s["dtype"]))
+    k = quantized.round_trip(fp8.k[0], torch.float8_e4m3fn)
+    v = quantized.round_trip(fp8.v[0], torch.float8_e4m3fn)
+    q = fp8.q
+    kept = fp8.kept
+    N, H, D = s["requests"], s["kv_heads"], s["head_dim"]
+    bf16_bytes = twin.read_bytes()
+    fp8_bytes = 2 * N * H * kept * (D * 1 + 4)  # one byte a number, a float32 scale per cell and head
+    t["read_bytes_per_layer"] = dict(bf16=bf16_bytes, fp8=fp8_bytes)
+    want = None
+    try:
+        f = twin.layer_fn(0, "q-bf16")
+        plan = twin.m.plan(twin.step())
+        with torch.no_grad():
+            want = f(plan, q, k, v).clone()
+        rows.append(_row(f"{str(s['dtype']).split('.')[-1]} cells, 1 layer", gpu_ms(lambda: f(plan, q, k, v), device), bf16_bytes))
+    except Exception as e:
+        _section_error(report, "quantized/bf16", e)
+    save()
+    for name, in_kernel in (("fp8 cells (dequantized layer), 1 layer", False),
+                            ("fp8 cells (keys in the kernel), 1 layer", True)):
+        if in_kernel and not cuda:
+            continue
+        try:
+            fp8.m.quantized_keys_in_kernel = in_kernel
+            f = fp8.layer_fn(0, f"q-fp8-{int(in_kernel)}")
+            plan = fp8.m.plan(fp8.step())
+            with torch.no_grad():
+                got = f(plan, q, k, v).clone()
+            err = relative_error(got, want) if want is not None else None
+            row = _row(name, gpu_ms(lambda: f(plan, q, k, v), device), fp8_bytes, rel_err=err,
+                       ok=err is not None and err < 1e-2)
+            print(f"    norm-relative error against bf16 cells holding the dequantized values: {err}")
+            rows.append(row)
+        except Exception as e:
+            _section_error(report, f"quantized/{name}", e)
+            rows.append(dict(name=name, ok=False, error=_first_line(e)))
+        save()
 
 
 def _row(name, ms, nbytes=None, copy_gbs=None, **extra):
@@ -761,6 +830,7 @@ def _failures(report: dict) -> list:
     if scale is not None and not scale["ok"]:
         failed.append("flexkv vs SDPA at the bench shape")
     failed += [f"variant {v}" for v in report.get("variant_failures", [])]
+    failed += [f"quantized: {r['name']}" for r in report.get("quantized", {}).get("rows", []) if r.get("ok") is False]
     return failed
 
 
@@ -775,6 +845,7 @@ def main(argv=None) -> int:
                     help="seconds from the first timing after which optional variants are skipped "
                          "(default 240 on CUDA, 0 on CPU)")
     ap.add_argument("--skip-timing", action="store_true", help="correctness and recompiles only")
+    ap.add_argument("--skip-quantized", action="store_true", help="leave out section 5 (quantized slots)")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds from the start after which no further check or timing starts "
                          "(default 500 on CUDA, none on the CPU)")
@@ -830,6 +901,13 @@ def main(argv=None) -> int:
             correctness(device, report, save, recorder, first=False, deadline=deadline)
         except Exception as e:
             _section_error(report, "correctness (second pass)", e)
+        save()
+        if not args.skip_quantized and (deadline is None or time.monotonic() < deadline):
+            print("quantized slots: float8 cells against bf16 cells at the decode shape (one compiled layer):")
+            try:
+                quantized_decode(device, report, save)
+            except Exception as e:
+                _section_error(report, "quantized", e)
     save()
     failed = report["failed"]
     print(f"done in {report['wall_s']:.0f} s; correctness failures: {failed or 'none'}")

@@ -130,6 +130,10 @@ class BoundedKVManager(nn.Module):
         #: Compiled FlexAttention calls of every layer share one kernel (`flexkv.cache.kernel_sharing`):
         #: on by default on the CPU with the torch releases it is tested on.
         self.share_flex_kernel = shares_flex_kernel(self.device.type)
+        #: Quantized float8 slots, compiled on CUDA: FlexAttention reads the key cells as stored, their
+        #: scales applied in `score_mod` (values still from the dequantized copy). Off by default until
+        #: `benchmarks/cuda_check.py`'s quantized section has shown it correct and faster on a device.
+        self.quantized_keys_in_kernel = False
         # Eagerly, the rows path's per-plan work (cells, mask bias) is done once per plan and
         # reused by every layer: the last plan seen (weakly) and its geometries by shape, dropped
         # at commit.
@@ -229,7 +233,7 @@ class BoundedKVManager(nn.Module):
                 return getattr(self, f"k_scale_{i}"), getattr(self, f"v_scale_{i}")
         raise ValueError(f"layer_idx must be an int in [0, {self.config.num_layers}), got {layer_idx!r}")
 
-    def _dequantized_layer(self, kc, ks, vc, vs, dtype):
+    def _dequantized_layer(self, kc, ks, vc, vs, dtype):  # quantized slots
         """Quantized slots on the FlexAttention path: the layer's cells dequantized into scratch tensors
         of the cache's dtype, allocated once and shared by every layer (FlexAttention takes no
         per-cell value scale, and its CPU kernel no 8-bit input). Written with `copy_`: inductor's
@@ -653,7 +657,15 @@ class BoundedKVManager(nn.Module):
                     "kernel read the dequantized layer wrongly in testing (torch 2.13); set attention_path='auto' "
                     "(the rows path, which dequantizes what each row reads), or slot_dtype=None"
                 )
-            if ks is not None:  # quantized slots: FlexAttention reads a dequantized copy of the layer
+            if (ks is not None and compiling and self.quantized_keys_in_kernel and self.device.type == "cuda"
+                    and c.slot_dtype == torch.float8_e4m3fn):
+                # The compiled CUDA kernels take float8 keys with higher-precision queries: keys as
+                # stored, each score times its key's scale; values (whose per-cell scale cannot be
+                # applied inside one softmax) from the dequantized copy.
+                self._scratch_v.copy_(quantized.dequantize(vc, vs, q.dtype))
+                vc = self._scratch_v
+                sm = quantized.key_scale_score_mod(ks, 1 if pack_gqa else group, sm)
+            elif ks is not None:  # quantized slots: FlexAttention reads a dequantized copy of the layer
                 kc, vc = self._dequantized_layer(kc, ks, vc, vs, q.dtype)
             options = flex_kernel_options(
                 self.device.type, g * T, H, H if pack_gqa else Hq, D, q.dtype, lay.block_size,

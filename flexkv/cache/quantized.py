@@ -76,8 +76,14 @@ def quantize(x: torch.Tensor, slot_dtype: torch.dtype) -> Tuple[torch.Tensor, to
 
 
 def dequantize(cells: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Stored cells back to numbers: `cells * scale` (in float32), cast to `dtype`."""
-    return (cells.to(SCALE_DTYPE) * scale).to(dtype)
+    """Stored cells back to numbers: `cells * scale` (in float32), cast to `dtype`.
+
+    int8 cells take one multiply with type promotion (widened inside the same pass, no float32
+    copy first); float8 cells, which torch does not promote, are widened first."""
+    if cells.dtype != torch.int8:
+        cells = cells.to(SCALE_DTYPE)
+    out = torch.mul(cells, scale)
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def round_trip(x: torch.Tensor, slot_dtype: Optional[torch.dtype]) -> torch.Tensor:
