@@ -91,3 +91,32 @@ def test_the_workload_key_sets_the_slot_dtype_and_a_bad_one_names_the_choices():
     assert parse_workload(base).config().slot_dtype is None
     with pytest.raises(WorkloadError, match=r"slot_dtype: got 'int4'; expected one of none, int8, float8_e4m3fn, fp8"):
         parse_workload(dict(base, slot_dtype="int4"))
+
+
+def test_the_shipped_streaming_llm_config_has_an_int8_size_equal_to_small_but_for_the_slots():
+    from pathlib import Path
+
+    from flexkv.cli.workload import load_workload
+
+    path = str(Path(__file__).resolve().parents[1] / "configs" / "streaming-llm.yaml")
+    small, int8 = load_workload(path, "small"), load_workload(path, "int8")
+    assert small.config().slot_dtype is None and int8.config().slot_dtype == torch.int8
+    assert int8.replace(slot_dtype="none") == small
+
+
+def test_flexkv_run_with_quantized_slots_matches_the_reference_on_the_dequantized_cells(tmp_path):
+    """`flexkv run` on the tiny CLI workload with fp8 slots: sources, sinks past the source, GQA, two
+    rows, reverse order and a relative bias, checked after the ring wrapped."""
+    import json
+    from pathlib import Path
+
+    from flexkv.cli import main
+
+    text = (Path(__file__).resolve().parent / "data" / "tiny-run.yaml").read_text() + "slot_dtype: fp8\n"
+    cfg, out = tmp_path / "w.yaml", tmp_path / "r.json"
+    cfg.write_text(text)
+    assert main(["run", str(cfg), "--quiet", "--threads", "1", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    checks = rep["reference"]["checks"]
+    assert len(checks) == 4 and all(c["max_abs_error"] < 1e-4 for c in checks)
+    assert any(c["written"] > 15 for c in checks)  # past the ring's 15 cells
