@@ -134,6 +134,7 @@ class BoundedKVManager(nn.Module):
         #: scales applied in `score_mod` (values still from the dequantized copy). Off by default until
         #: `benchmarks/cuda_check.py`'s quantized section has shown it correct and faster on a device.
         self.quantized_keys_in_kernel = False
+        self._ensure_scratch()  # quantized slots off the CPU: FlexAttention's dequantized scratch, now
         # Eagerly, the rows path's per-plan work (cells, mask bias) is done once per plan and
         # reused by every layer: the last plan seen (weakly) and its geometries by shape, dropped
         # at commit.
@@ -263,9 +264,11 @@ class BoundedKVManager(nn.Module):
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes held by every layer's key and value tensors (sources, slots, scratch, padding), and their
-        scales when the slots are quantized."""
-        return sum(b.numel() * b.element_size() for b in self._cache_buffers())
+        """Bytes held by every layer's key and value tensors (sources, slots, scratch, padding); with
+        quantized slots their scales too, and the one layer of dequantized scratch the FlexAttention
+        path reads (allocated with the cache off the CPU, at the first plan with attention_path="flex")."""
+        scratch = [t for t in (self._scratch_k, self._scratch_v) if t is not None]  # quantized slots, flex path
+        return sum(b.numel() * b.element_size() for b in (*self._cache_buffers(), *scratch))
 
     @property
     def slot_bytes(self) -> int:
