@@ -26,7 +26,7 @@ def test_a_slot_dtype_no_path_reads_is_refused_naming_the_allowed_ones(bad):
 
 @pytest.mark.parametrize("slot_dtype", [torch.int8, torch.float8_e4m3fn])
 def test_a_streams_memory_at_the_same_window_is_at_most_055_of_bfloat16(slot_dtype):
-    full, small = BoundedKVManager(config(), "meta"), BoundedKVManager(config(slot_dtype=slot_dtype), "meta")
+    full, small = BoundedKVManager(config(), "cpu"), BoundedKVManager(config(slot_dtype=slot_dtype), "cpu")
     assert small.slot_bytes <= 0.55 * full.slot_bytes
     # Cells of one byte plus a float32 scale per cell and head, for keys and values.
     cells = small.layout.slot_cells() * 2 * 8 * 2
@@ -35,6 +35,10 @@ def test_a_streams_memory_at_the_same_window_is_at_most_055_of_bfloat16(slot_dty
     held = sum(b.numel() * b.element_size() for b in small.buffers() if b.dtype in (slot_dtype, torch.float32))
     assert small.memory_bytes == held
     assert small.memory_bytes <= 0.55 * full.memory_bytes
+    # Off the CPU ("meta" plans as CUDA) FlexAttention reads a dequantized copy of one layer: counted too.
+    cuda_like = BoundedKVManager(config(slot_dtype=slot_dtype), "meta")
+    one_layer = full.memory_bytes // 2
+    assert cuda_like.memory_bytes == small.memory_bytes + one_layer
 
 
 def test_memory_report_counts_scales_per_group():
