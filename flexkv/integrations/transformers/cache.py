@@ -83,6 +83,8 @@ class FlexKVCache(CacheShim):
             holds this many cells beyond what its layers keep.
         block_size: FlexAttention's KV block size (None: flexkv picks one for the config and device).
         device, dtype: default to the model's.
+        slot_dtype: how the cache stores keys and values: None (in `dtype`), or `torch.int8` /
+            `torch.float8_e4m3fn` for quantized slots (`flexkv.cache.quantized`).
         positions: the first name of `rope_positions`, still accepted.
 
     Building the cache for a model with recurrent layers runs the model once
