@@ -163,3 +163,27 @@ def test_tensor_parallel_shards_of_a_quantized_cache_gather_to_the_whole_cache()
     assert worst == 0.0
     assert work.worst_relative < 1e-5
     assert sum(s.slot_bytes for s in shards) == m.slot_bytes
+
+
+def test_flexkv_cache_generates_with_quantized_slots_close_to_unquantized():
+    """`FlexKVCache(model, ..., slot_dtype=torch.int8)` on a transformers family: every group stores
+    int8 cells, a stream holds about half the bytes (plus scales), and greedy generate() over a
+    stream 4x the window stays close to the unquantized cache (figures per family: docs/benchmarks.md)."""
+    from hf_models import CHUNK, LENGTHS, NEW, SINK, WINDOW, left_pad, make_model, prompts
+
+    from flexkv.integrations.transformers import FlexKVCache
+
+    model = make_model("gemma2")
+    ids, mask = left_pad(prompts(LENGTHS))
+    outs, caches = [], []
+    for sd in (None, torch.int8):
+        cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=3, prefill_chunk=CHUNK, block_size=16,
+                            slot_dtype=sd)
+        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=NEW, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+        outs.append(out)
+        caches.append(cache)
+    assert all(m.k_cache_0.dtype == torch.int8 for m in caches[1].manager.managers)
+    assert caches[1].manager.slot_bytes < caches[0].manager.slot_bytes
+    first = torch.stack(outs[0].logits, 1)[:, :4], torch.stack(outs[1].logits, 1)[:, :4]
+    assert 0 < float((first[0] - first[1]).abs().max()) < 0.05 * float(first[0].abs().max())
