@@ -62,9 +62,12 @@ def test_context_and_core_errors():
         BoundedAttention(ctx, 0, rotary=Rotary(D), rope_positions="absolute")
     # the cache-position check runs in begin(), before anything is planned
     qctx = StepContext(BoundedKVManager(_config(query_window=5), block_size=16))
-    BoundedAttention(qctx, 0, rotary=Rotary(D), rope_positions="cache")
+    rope_core = BoundedAttention(qctx, 0, rotary=Rotary(D), rope_positions="cache")
+    q, kv = torch.zeros(R, HQ, 2, D), torch.zeros(R, H, 2, D)
     for n in range(0, 8, 2):  # the last query is at n + 1 <= query_window + sink = 8: one eviction count
         qctx.begin(BoundedKVStep((Segment("a", 2),), {"a": StreamPosition(0, n)}))
+        rope_core(q, kv, kv)
+        qctx.attend(1, q, kv, kv)
         qctx.commit()
     with pytest.raises(ValueError, match="one eviction count per step"):
         qctx.begin(BoundedKVStep((Segment("a", 2),), {"a": StreamPosition(0, 8)}))

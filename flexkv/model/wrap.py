@@ -50,6 +50,7 @@ from ..cache.transaction import StepTransaction
 from ..config import check_layer_index
 from ..cache.rotary import ROPE_POSITIONS, Rotary
 from ..step import BoundedKVStep
+from .attendance import AttendanceRecord
 
 __all__ = ["StepContext", "CacheAttention", "BoundedAttention", "UncachedAttention", "attention"]
 
@@ -73,6 +74,10 @@ class StepContext:
         #: The step begun last (`flexkv.cache.transaction.StepTransaction`), None before the first.
         self.transaction: Optional[StepTransaction] = None
         self._checks: List[Callable[[BoundedKVStep], None]] = []
+        #: attend calls per cache layer in the current step; `commit` refuses a step that did not attend
+        #: every layer exactly once (`flexkv.model.attendance`)
+        self.attendance = AttendanceRecord(self.cache.config.num_layers)
+        self._commit_where = "StepContext.commit"  # who commits, for the attendance error (a session says so)
 
     @property
     def config(self):
@@ -101,6 +106,9 @@ class StepContext:
             raise ValueError("StepContext.begin: the transaction is over another cache than this context's")
         plan = txn.begin(step)
         self.transaction, self.step, self.plan = txn, step, plan
+        self.attendance.start()
+        # Before anything commits: every declared cache layer attended exactly once.
+        txn.add_commit_check(lambda _txn: self.check_attendance(self._commit_where))
         return plan
 
     def bind(self, plan) -> None:
@@ -113,6 +121,7 @@ class StepContext:
         same: `context(layer_idx, q, k, v)`."""
         if self.plan is None:
             raise ValueError("StepContext.attend: no step; call begin(step) (and bind(plan) when compiled) first")
+        self.attendance.attended(layer_idx)
         return self.cache.attend(layer_idx, q, k, v, self.plan, **kwargs)
 
     __call__ = attend
@@ -129,8 +138,28 @@ class StepContext:
             raise ValueError("StepContext.stream_positions: no step; call begin(step) first")
         return self.cache.stream_positions(self.plan, tokens)
 
+    def stream_offsets(self) -> torch.Tensor:
+        """Stream index of each row's first own token of the bound step, `[N]` int64: the row offset a
+        position encoding that adds `arange(T)` itself takes (`stream_positions()` is
+        `stream_offsets()[:, None] + arange(T)`). Refused with `reverse_step_order`, whose positions
+        count down inside a step."""
+        if self.plan is None:
+            raise ValueError("StepContext.stream_offsets: no step; call begin(step) first")
+        if self.config.reverse_step_order:
+            raise ValueError(
+                "stream_offsets(): with reverse_step_order=True a step's tokens sit at n + span - 1 - t (they "
+                "count down), which no row offset + arange(T) gives; use stream_positions() [N, T]"
+            )
+        return self.cache.stream_positions(self.plan, 1)[:, 0]
+
+    def check_attendance(self, where: str = "StepContext.commit") -> None:
+        """Raise `flexkv.model.attendance.AttendanceError` unless the bound step attended every cache layer
+        exactly once (`commit` does it before committing anything)."""
+        self.attendance.check(where)
+
     def commit(self) -> None:
-        """Commit the step begun last (its transaction's commit checks first)."""
+        """Commit the step begun last (its transaction's commit checks first); refused (nothing
+        committed, the step aborted) when the step did not attend every cache layer exactly once."""
         if self.transaction is None:
             raise ValueError("StepContext.commit: no step was begun; call begin(step) first")
         self.transaction.commit()
@@ -219,6 +248,7 @@ class CacheAttention(nn.Module):
         if self.rope is not None:
             q, k = self.rope(q, k, plan)
         kw = {} if self.sinks is None else {"sinks": self.sinks}
+        self.context.attendance.attended(self.layer_idx)
         # `attend` gives q a buffer of its own (it folds the scale into q), so a q that is a view
         # of a projection's output lowers in compiled CPU FlexAttention.
         return self.context.cache.attend(
@@ -229,6 +259,11 @@ class CacheAttention(nn.Module):
         """Stream index of each own token of the bound step, `[N, T]` (`StepContext.stream_positions`):
         what a model that applies its own position encoding rotates `q` and `k` at."""
         return self.context.stream_positions(tokens)
+
+    def stream_offsets(self) -> torch.Tensor:
+        """Stream index of each row's first own token, `[N]` (`StepContext.stream_offsets`): for a position
+        encoding that takes one offset per row and adds `arange(T)` itself."""
+        return self.context.stream_offsets()
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, positions={self.positions!r}, rope_positions={self.rope_positions!r}"

@@ -557,6 +557,7 @@ class StreamSession:
                 outputs, new_state = check_new_state(run(plan, inputs, unflatten(s_spec, stacked)),
                                                            stacked, s_spec)
         # Everything that can fail comes before the commit; after it, only plain assignments.
+        self.context.check_attendance(f"StreamSession.step (B={B}, T={T})")
         kept = {}
         if self.initial_state is not None:
             kept = {rid: map_tensors(lambda t, lane=lanes[rid]: t[lane], new_state) for rid in running}
@@ -601,5 +602,8 @@ class StreamSession:
                             run(plan, inputs)
                         else:
                             run(plan, inputs, unflatten(state_spec, pad_by_lane({}, state_leaves, B, None)))
+                    # The graph attends what every later step of this shape will: refuse it here, on a
+                    # padding step that changed nothing a request holds.
+                    self.context.check_attendance(f"StreamSession warm-up of the model step (B={B}, T={T})")
                 self._warm.add((fn, B, T))
         return time.perf_counter() - t0
