@@ -209,3 +209,28 @@ def test_a_hand_driven_step_context_refuses_a_layer_attended_twice_or_never():
     ctx.attend(1, q, q, q)
     ctx.commit()
     assert cache.written("a") == T
+
+
+def test_a_transformers_forward_that_skips_an_attention_layer_commits_nothing():
+    """FlexKVCache: a layer whose attention never reached flexkv (here: replaced by hand) fails the forward
+    and leaves every stream where it was; the same generate() afterwards is the cache's usual one."""
+    hf_models = pytest.importorskip("hf_models")
+    from flexkv.integrations.transformers import FlexKVCache
+
+    model = hf_models.make_model("qwen3", seed=5)
+    ids, mask = hf_models.left_pad(hf_models.prompts((6, 11), seed=6))
+    kw = dict(max_streams=3, prefill_chunk=hf_models.CHUNK, block_size=16)
+    gen = dict(attention_mask=mask, max_new_tokens=3, do_sample=False)
+    window = SinkWindow(hf_models.SINK, hf_models.WINDOW)
+    want = model.generate(ids, cache=FlexKVCache(model, window, **kw), **gen)
+    cache = FlexKVCache(model, window, **kw)
+    attn = model.model.layers[1].self_attn
+    attn.forward = lambda hidden_states, *a, **k: (torch.zeros_like(hidden_states), None)
+    try:
+        with pytest.raises(AttendanceError, match=r"FlexKVCache.commit: .*attention layers 1 \(of 2\) were never "
+                                                  r"attended"):
+            model.generate(ids, cache=cache, **gen)
+    finally:
+        del attn.forward
+    assert cache.streams == () and cache.get_seq_length() == 0
+    assert model.generate(ids, cache=cache, **gen).tolist() == want.tolist()

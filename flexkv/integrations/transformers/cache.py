@@ -510,6 +510,9 @@ class FlexKVCache(CacheShim):
                                 continues=any(written))
             columns, selection = self._columns, self._selection
             transaction.add_undo(lambda: self._restore(fwd, columns, selection))
+            # A forward that skipped (or repeated) an attention layer commits nothing.
+            attending = [s.index for s in self.layer_specs if s.attends]
+            transaction.add_commit_check(lambda _txn: fwd.attendance.check("FlexKVCache.commit", attending))
         except BaseException:
             transaction.abort()
             raise
@@ -544,7 +547,11 @@ class FlexKVCache(CacheShim):
         p = self._pending
         if p is None:
             raise ValueError("commit(): no planned forward is pending (cache.prepare() plans one)")
-        p.transaction.commit()
+        try:  # the commit checks (every attention layer attended once) abort it when they fail
+            p.transaction.commit()
+        except BaseException:
+            self.rollback()
+            raise
         if self._recurrent is not None:
             self._recurrent.commit(p.forward)
         self._pending = None
