@@ -87,7 +87,14 @@ class SinkWindow(_SinkWindowFields):
                 f"SinkWindow.keys: context must be an int >= 1 (keys a query attends, itself included), "
                 f"got {context!r}"
             )
-        return cls(sink, context, True)
+        return _RingKeys(sink, context, True)
+
+    @property
+    def ring_keys(self) -> Optional[int]:
+        """`C` for a policy built as `SinkWindow.keys(C, sink)` (a ring of `C` keys, the query included),
+        else None. A cache that feeds such a policy chunks must attend them causally, as a ring does
+        (`causal_step=True`); `BoundedKVConfig` refuses chunks attended whole under it."""
+        return None
 
     @classmethod
     def _make(cls, iterable) -> "SinkWindow":
@@ -103,6 +110,21 @@ class SinkWindow(_SinkWindowFields):
         """
         w = self.window - span if self.window_includes_step else self.window
         return max(self.sink, n - max(w, 0))
+
+
+class _RingKeys(SinkWindow):
+    """What `SinkWindow.keys(C, sink)` returns: the same tuple, remembering that it is a ring of `C` keys."""
+
+    __slots__ = ()
+
+    @property
+    def ring_keys(self) -> Optional[int]:
+        return self.window if self.window_includes_step else None
+
+    def __repr__(self):
+        if not self.window_includes_step:
+            return f"SinkWindow(sink={self.sink}, window={self.window})"
+        return f"SinkWindow.keys({self.window}, sink={self.sink})"
 
 
 Retention = Union[SinkWindow, Callable[[int], SinkWindow]]
@@ -197,6 +219,20 @@ class BoundedKVConfig:
         object.__setattr__(self, "_policies", tuple(policies))
 
         qw = self.query_window
+        if qw is None and not self.causal_step and self.max_step_tokens > 1:
+            for length, pol in self._resolved():
+                C = pol.ring_keys
+                if C is not None:
+                    raise ValueError(
+                        f"retention {pol!r} (source_len={length}) is a ring of {C} keys, the query included, but "
+                        f"max_step_tokens={self.max_step_tokens} with a per-step window attends each chunk whole: "
+                        f"every frame of a chunk would see the chunk's later frames and keys a ring of {C} has "
+                        f"already overwritten (against a ring cache it is silently off). Give causal_step=True "
+                        f"(chunks written into the ring, then attended causally: what a ring cache does), or "
+                        f"query_window={C - 1} with SinkWindow({pol.sink}, {C - 1}) (each frame attends what it would "
+                        f"alone); if each chunk really attends the whole window and the whole chunk, write the "
+                        f"policy as SinkWindow({pol.sink}, {C}, window_includes_step=True)"
+                    )
         if qw is not None:
             _int("query_window", qw, 0, " (or None for a per-step window)")
             if self.reverse_step_order:

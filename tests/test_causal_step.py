@@ -134,7 +134,8 @@ def test_session_pads_short_feeds_for_causal_layers(make):
 
 
 def test_session_still_refuses_short_feeds_for_a_non_causal_per_step_window():
-    session = StreamSession(config(causal_step=False), compile=False, block_size=8)
+    session = StreamSession(config(causal_step=False, retention=SinkWindow(1, 5, window_includes_step=True)),
+                            compile=False, block_size=8)
     x = torch.zeros(1, 3, HQ, D)
     with pytest.raises(ValueError, match="feeds 1 tokens in a step of T=3; with a per-step window"):
         session.step({"a": x.expand(3, -1, -1, -1), "b": x}, _attention_model)

@@ -188,3 +188,21 @@ def test_stream_position_is_a_named_tuple():
     assert (source_len, written, source) == (3, 5, 0) and pos.length == 8 and pos[1] == 5
     later = pos._replace(written=9)
     assert isinstance(later, StreamPosition) and later.length == 12 and pos.written == 5
+
+
+def test_a_ring_of_keys_fed_chunks_attended_whole_is_refused_with_the_fix():
+    """`SinkWindow.keys(C)` records that it is a ring; chunks under it need causal_step (or a per-query
+    window). The literal spelling of chunks attended whole is still allowed."""
+    C = 8
+    ring = SinkWindow.keys(C, sink=1)
+    assert ring.ring_keys == C and SinkWindow(1, C, window_includes_step=True).ring_keys is None
+    assert ring == SinkWindow(1, C, window_includes_step=True) and repr(ring) == "SinkWindow.keys(8, sink=1)"
+    with pytest.raises(ValueError, match=r"SinkWindow.keys\(8, sink=1\) .* is a ring of 8 keys.*causal_step=True.*"
+                                         r"query_window=7 with SinkWindow\(1, 7\).*SinkWindow\(1, 8, "
+                                         r"window_includes_step=True\)"):
+        make(retention=ring, max_step_tokens=4)
+    with pytest.raises(ValueError, match="is a ring of 8 keys"):
+        make(retention=lambda L: SinkWindow.keys(C, sink=L), max_source_len=2, max_step_tokens=4)
+    make(retention=ring, max_step_tokens=4, causal_step=True)
+    make(retention=ring, max_step_tokens=1)  # decode: a ring of C keys is exactly this
+    make(retention=SinkWindow(1, C, window_includes_step=True), max_step_tokens=4)
