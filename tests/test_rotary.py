@@ -246,3 +246,45 @@ def test_cache_mode_rejects_what_it_cannot_serve():
     with pytest.raises(ValueError, match="one eviction count per step"):
         layer.check_step(past)
     SinkRotation(BoundedKVManager(cfg, block_size=16), 0, rot, "stream").check_step(past)  # stream mode: any step
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_float32_angles_are_the_common_float32_implementation_bit_for_bit(layout):
+    """`Rotary(angle_dtype=torch.float32)` computes what the usual float32 RoPE code computes, written out
+    here literally, far into a stream (positions 500 and 50,000), in both pair layouts."""
+    dim, base = 64, 10000
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim))
+    t = torch.tensor([500, 50_000, 7]).float()
+    freqs = torch.outer(t, inv_freq)  # angles t * inv_freq, in float32
+    emb = torch.cat((freqs, freqs), dim=-1) if layout == "half" else torch.repeat_interleave(freqs, 2, dim=-1)
+    x = torch.randn(1, 2, 3, dim, generator=torch.Generator().manual_seed(0))
+    if layout == "half":
+        rotated = torch.cat((-x[..., dim // 2:], x[..., :dim // 2]), dim=-1)
+    else:
+        rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    want = x * emb.cos() + rotated * emb.sin()
+    rot = Rotary(dim, base, angle_dtype=torch.float32, layout=layout)
+    assert torch.equal(rot.inv_freq, inv_freq)
+    assert torch.equal(rot.rotate(x, torch.tensor([[500, 50_000, 7]])), want)
+    # float64 angles are another rounding: visibly so at 50,000
+    f64 = Rotary(dim, base, layout=layout).rotate(x, torch.tensor([[500, 50_000, 7]]))
+    assert (f64 - want)[..., 1, :].abs().max() > 1e-4
+
+
+def test_a_models_own_frequencies_reproduce_its_rope_exactly():
+    """A model that computes its frequencies as `exp(-arange * 2 log(base) / D)` (the ring transformer of
+    examples/) is reproduced bit for bit with `inv_freq=` its own frequencies."""
+    from examples.ring_transformer import apply_rope
+
+    D, base = 32, 10000.0
+    own = torch.exp(torch.arange(D // 2, dtype=torch.float32) * (-2 * math.log(base) / D))
+    q = torch.randn(1, 3, 2, D, generator=torch.Generator().manual_seed(1))  # [B, T, H, D]
+    pos = torch.tensor([[500, 50_000, 3]])
+    want, _ = apply_rope(q, q, pos, base)
+    rot = Rotary(D, base, angle_dtype=torch.float32, layout="interleaved", inv_freq=own)
+    assert torch.equal(rot.rotate(q.transpose(1, 2), pos).transpose(1, 2), want)
+    # the pow formula rounds differently: another model at 50,000
+    other = Rotary(D, base, angle_dtype=torch.float32, layout="interleaved").rotate(q.transpose(1, 2), pos)
+    assert (other.transpose(1, 2) - want).abs().max() > 1e-5
+    with pytest.raises(ValueError, match=r"inv_freq must be a float tensor of shape \[head_dim / 2\] = \[16\]"):
+        Rotary(D, inv_freq=torch.ones(D))

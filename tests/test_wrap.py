@@ -71,3 +71,31 @@ def test_context_and_core_errors():
         qctx.commit()
     with pytest.raises(ValueError, match="one eviction count per step"):
         qctx.begin(BoundedKVStep((Segment("a", 2),), {"a": StreamPosition(0, 8)}))
+
+
+def test_stream_offsets_are_each_rows_first_stream_index():
+    """`stream_offsets()` `[N]`: a RoPE that takes one offset per row and adds arange(T) itself gets the
+    positions `stream_positions()` gives, on chunks at different stream lengths, a padding row included."""
+    cfg = _config(max_step_tokens=3)
+    for cache in (BoundedKVManager(cfg, block_size=16), UncachedHistory(cfg)):
+        ctx = StepContext(cache)
+        written = {"a": 0, "b": 0}
+        for s in range(4):
+            segs = (Segment("a", 3), Segment(None, 0), Segment("b", 1))
+            ctx.bind(ctx.begin(BoundedKVStep(segs, {r: StreamPosition(0, w) for r, w in written.items()}, tokens=3)))
+            offsets, positions = ctx.stream_offsets(), ctx.stream_positions()
+            assert offsets.shape == (3 * R,)
+            assert torch.equal(offsets[:, None] + torch.arange(3), positions)
+            assert offsets.view(3, R)[:, 0].tolist() == [written["a"], 0, written["b"]]
+            q, kv = torch.zeros(3 * R, HQ, 3, D), torch.zeros(3 * R, H, 3, D)
+            core = attention(ctx, 0)
+            assert torch.equal(core.stream_offsets(), offsets)
+            core(q, kv, kv)
+            ctx.attend(1, q, kv, kv)
+            ctx.commit()
+            written["a"] += 3
+            written["b"] += 1
+    rev = StepContext(BoundedKVManager(_config(reverse_step_order=True), block_size=16))
+    rev.begin(BoundedKVStep((Segment("a", 2),), {"a": StreamPosition(0, 0)}, tokens=2))
+    with pytest.raises(ValueError, match=r"reverse_step_order=True .* count down.*use stream_positions\(\)"):
+        rev.stream_offsets()
