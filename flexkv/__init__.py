@@ -33,7 +33,7 @@ from .model.port import SwappedAttention, swap_attention
 from .model.uncached import UncachedHistory
 from .model.wrap import CacheAttention, StepContext
 from .serving.engine import BoundedKVResource, BoundedKVSpec, EngineResourceInfo, load_deployment
-from .session import Chunk, StepResult, StreamSession
+from .session import Chunk, PerRequest, StepResult, StreamSession
 from .step import BoundedKVStep, Segment, StreamPosition
 
 __version__ = "0.1.0"
@@ -49,6 +49,7 @@ __all__ = [
     # streaming a model: the step loop, and putting flexkv under its attention
     "StreamSession",
     "Chunk",
+    "PerRequest",
     "StepResult",
     "swap_attention",
     "SwappedAttention",

@@ -21,7 +21,7 @@ from ..compiling import RecompileWarning, fresh_function, watch_recompiles
 from ..config import BoundedKVConfig, is_int
 from ..model.wrap import StepContext
 from ..step import BoundedKVStep, Segment, StreamPosition
-from .feeds import Chunk, flatten, map_tensors, pad_by_lane, parse_feed, unflatten
+from .feeds import Chunk, feed_leaves, flatten, map_tensors, pad_by_lane, parse_feed, unflatten
 from .result import StepResult
 from .state import check_new_state, state_factory
 from .step_functions import closure_difference, step_key
@@ -557,8 +557,9 @@ class StreamSession:
     def _run(self, parsed, running, lanes, waiting, B, T, fn, transaction: StepTransaction) -> StepResult:
         spec = parsed[running[0]].spec
         template = parsed[running[0]].leaves
+        per_request = parsed[running[0]].per_request
         if self.compile and (step_key(fn), B, T) not in self._warm:
-            self._warm_up(fn, template, spec)
+            self._warm_up(fn, template, spec, per_request)
         t0 = time.perf_counter()
         by_lane = {lanes[rid]: rid for rid in running}
         segments, positions = [], {}
@@ -573,7 +574,8 @@ class StreamSession:
         step = BoundedKVStep(tuple(segments), positions, tokens=T)
         plan = self.context.begin(step, transaction)
         plan_s = time.perf_counter() - t0
-        inputs = unflatten(spec, pad_by_lane({lanes[r]: parsed[r].leaves for r in running}, template, B, T))
+        inputs = unflatten(spec, pad_by_lane({lanes[r]: parsed[r].leaves for r in running}, template, B, T,
+                                             per_request))
         run = self._runner(fn)
         with torch.no_grad(), self._watch_recompiles(fn, B, T):
             if self.initial_state is None:
@@ -610,10 +612,10 @@ class StreamSession:
         """
         with self._exclusive("warmup"):
             inputs = example.inputs if isinstance(example, Chunk) else example
-            template, spec = flatten(inputs, "warmup's example")
-            return self._warm_up(fn, template, spec)
+            template, spec, per_request = feed_leaves(inputs, "warmup's example")
+            return self._warm_up(fn, template, spec, per_request)
 
-    def _warm_up(self, fn, template, spec) -> float:
+    def _warm_up(self, fn, template, spec, per_request=()) -> float:
         t0 = time.perf_counter()
         run = self._runner(fn)
         state_leaves = state_spec = None
@@ -624,7 +626,7 @@ class StreamSession:
                 step = BoundedKVStep(tuple(Segment(None, 0) for _ in range(B)), {}, tokens=T)
                 # A step of padding alone: it reads and writes nothing a request holds, and commits nothing.
                 with self.context.stepping(step) as plan:
-                    inputs = unflatten(spec, pad_by_lane({}, template, B, T))
+                    inputs = unflatten(spec, pad_by_lane({}, template, B, T, per_request))
                     with torch.no_grad():
                         if state_leaves is None:
                             run(plan, inputs)
