@@ -82,8 +82,8 @@ def feed_leaves(x, where: str) -> Tuple[List[torch.Tensor], Any, Tuple[bool, ...
         value = leaf.value if whole else leaf
         if not isinstance(value, torch.Tensor):
             raise ValueError(
-                f"{where}{pytree.keystr(path)} must be a tensor (or PerRequest(tensor)) or a tuple, list or dict of "
-                f"them, got {type(value).__name__}"
+                f"{where}{pytree.keystr(path)} must be a tensor or a tuple, list or dict of tensors (a tensor "
+                f"without tokens as PerRequest(tensor)), got {type(value).__name__}"
             )
         leaves.append(value)
         per_request.append(whole)
