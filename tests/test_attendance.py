@@ -167,7 +167,7 @@ def test_a_module_called_several_times_per_step_gets_a_cache_layer_per_call(comp
 
 def test_calls_that_do_not_match_the_declaration_are_refused_naming_the_calls():
     m = model(loops=3)
-    with pytest.raises(ValueError, match=r"2 modules match .* 2 attention calls, but the cache has num_layers=6.*"
+    with pytest.raises(ValueError, match=r"2 modules match .* 2 attention calls per step, but the cache has num_layers=6.*"
                                          r"pass calls_per_step=3"):
         swap_attention(m, StreamSession(config(6), compile=False).context, ChunkAttention, flexkv_attention,
                        methods="forward_chunk")

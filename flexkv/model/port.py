@@ -267,8 +267,8 @@ def swap_attention(
             hint = (f", or, if the model calls each of them {layers // len(found)} times in a step (solver steps, "
                     f"looped or weight-tied layers), pass calls_per_step={layers // len(found)}")
         raise ValueError(
-            f"swap_attention: {len(found)} modules match {match!r} ({', '.join(names) or 'none'}), called {per} "
-            f"times each in a step: {total} attention calls, but the cache has num_layers={layers}; each "
+            f"swap_attention: {len(found)} modules match {match!r} ({', '.join(names) or 'none'}); with {per} "
+            f"that is {total} attention calls per step, but the cache has num_layers={layers}; each "
             f"attention call of a step needs a cache layer of its own: build the cache with num_layers={total}"
             f"{hint}, or match exactly the attention modules"
         )
