@@ -203,7 +203,7 @@ def test_a_hand_driven_step_context_refuses_a_layer_attended_twice_or_never():
             ctx.attend(layer, q, q, q)
         with pytest.raises(AttendanceError, match=match):
             ctx.commit()
-        assert cache.written("a") == 0  # nothing committed
+        assert cache.requests == ()  # nothing committed, and the step's admission taken back
     ctx.begin(BoundedKVStep((Segment("a", T),), {"a": StreamPosition(0, 0)}, tokens=T))
     ctx.attend(0, q, q, q)
     ctx.attend(1, q, q, q)
