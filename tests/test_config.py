@@ -3,15 +3,8 @@
 import pytest
 import torch
 
-from flexkv import (
-    BoundedKVConfig,
-    BoundedKVManager,
-    BoundedKVResource,
-    BoundedKVSpec,
-    EngineResourceInfo,
-    SinkWindow,
-    load_deployment,
-)
+from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
+from flexkv.serving import BoundedKVResource, BoundedKVSpec, EngineResourceInfo, load_deployment
 
 
 def make(**kw):

@@ -31,14 +31,12 @@ import torch.multiprocessing as mp
 from flexkv import (
     BoundedKVConfig,
     BoundedKVManager,
-    BoundedKVResource,
-    BoundedKVSpec,
     BoundedKVStep,
-    EngineResourceInfo,
     Segment,
     SinkWindow,
     StreamPosition,
 )
+from flexkv.serving import BoundedKVResource, BoundedKVSpec, EngineResourceInfo
 from flexkv.model.reference import ReferenceCache
 
 LAYERS, HEADS, QUERY_HEADS, HEAD_DIM, ROWS = 2, 4, 8, 8, 2

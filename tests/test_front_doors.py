@@ -18,10 +18,7 @@ from torch._dynamo.utils import counters
 from flexkv import (
     BoundedKVConfig,
     BoundedKVManager,
-    BoundedKVResource,
-    BoundedKVSpec,
     BoundedKVStep,
-    EngineResourceInfo,
     GroupedKVManager,
     LayerGroup,
     Segment,
@@ -29,6 +26,7 @@ from flexkv import (
     StreamPosition,
     StreamSession,
 )
+from flexkv.serving import BoundedKVResource, BoundedKVSpec, EngineResourceInfo
 from flexkv.cache.protocol import StreamCache, check_cache
 from flexkv.model.reference import ReferenceCache
 from flexkv.cache.rotary import Rotary

@@ -15,14 +15,13 @@ from flexkv import (
     BoundedKVManager,
     BoundedKVStep,
     GroupedKVManager,
-    GroupedPlan,
     LayerGroup,
     Segment,
     SinkWindow,
     SlotsExhausted,
     StreamPosition,
 )
-from flexkv.cache.groups import layer_group_configs
+from flexkv.cache.groups import GroupedPlan, layer_group_configs
 from flexkv.model.reference import ReferenceCache
 from single_thread import one_thread  # noqa: F401
 

@@ -13,14 +13,12 @@ import torch
 from flexkv import (
     BoundedKVConfig,
     BoundedKVManager,
-    BoundedKVResource,
-    BoundedKVSpec,
     BoundedKVStep,
-    EngineResourceInfo,
     Segment,
     SinkWindow,
     StreamPosition,
 )
+from flexkv.serving import BoundedKVResource, BoundedKVSpec, EngineResourceInfo
 from flexkv.serving.distributed import HeadShard, ShardedKVManager, plan_digest, resolve_rank
 from flexkv.model.reference import ReferenceCache
 
