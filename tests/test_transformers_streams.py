@@ -394,13 +394,5 @@ def test_finish_ends_a_stream_and_frees_its_slot():
     model.generate(ids, attention_mask=mask, cache=cache.select(["a", "b"]), max_new_tokens=2, do_sample=False)
     cache.finish("a")
     assert cache.streams == ("b",) and cache.stream_length("a") == 0
-    cache.drop("b")  # the method's first name
+    cache.finish("b")
     assert cache.streams == () and cache.manager.free_slots == 2
-
-
-def test_the_rotary_mode_keyword_and_its_first_name_agree():
-    model = make_model("llama", seed=3)
-    assert FlexKVCache(model, SinkWindow(SINK, WINDOW), rope_positions="cache", **KW).rope_positions == "cache"
-    assert FlexKVCache(model, SinkWindow(SINK, WINDOW), positions="cache", **KW).rope_positions == "cache"
-    with pytest.raises(ValueError, match="rope_positions='stream' and positions='cache' disagree"):
-        FlexKVCache(model, SinkWindow(SINK, WINDOW), rope_positions="stream", positions="cache", **KW)

@@ -51,7 +51,7 @@ from ..config import check_layer_index
 from ..cache.rotary import ROPE_POSITIONS, Rotary
 from ..step import BoundedKVStep
 
-__all__ = ["StepContext", "CacheAttention", "BoundedAttention", "UncachedAttention", "attention"]
+__all__ = ["StepContext", "CacheAttention", "attention"]
 
 
 class StepContext:
@@ -232,11 +232,6 @@ class CacheAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, positions={self.positions!r}, rope_positions={self.rope_positions!r}"
-
-
-#: The names this core had when bounded and uncached caches had one each; both are `CacheAttention`.
-BoundedAttention = CacheAttention
-UncachedAttention = CacheAttention
 
 
 def attention(context: StepContext, layer_idx: int, **kwargs) -> CacheAttention:

@@ -83,7 +83,6 @@ class FlexKVCache(CacheShim):
             holds this many cells beyond what its layers keep.
         block_size: FlexAttention's KV block size (None: flexkv picks one for the config and device).
         device, dtype: default to the model's.
-        positions: the first name of `rope_positions`, still accepted.
 
     Building the cache for a model with recurrent layers runs the model once
     on one token to read their states' shapes. `memory_bytes` is what the
@@ -113,13 +112,7 @@ class FlexKVCache(CacheShim):
         block_size: Optional[int] = None,
         device=None,
         dtype: Optional[torch.dtype] = None,
-        positions: Optional[str] = None,
     ):
-        if positions is not None:  # the keyword's first name
-            if rope_positions is not None and rope_positions != positions:
-                raise ValueError(f"rope_positions={rope_positions!r} and positions={positions!r} disagree; "
-                                 f"give rope_positions only")
-            rope_positions = positions
         positions = "stream" if rope_positions is None else rope_positions
         _check_retention("retention", retention)
         if sliding_retention is not None:
@@ -317,9 +310,6 @@ class FlexKVCache(CacheShim):
         if stream_id not in self.manager.requests:
             raise ValueError(f"finish(): no stream {stream_id!r}; the cache holds {list(self.manager.requests)}")
         self.manager.remove_request(stream_id)
-
-    #: The first name of `finish`.
-    drop = finish
 
     def reset(self) -> None:
         """Forget every stream and the selection (transformers' `Cache.reset`)."""
