@@ -35,14 +35,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from flexkv import (
-    BoundedKVConfig,
-    BoundedKVManager,
-    BoundedKVStep,
-    Segment,
-    SinkWindow,
-    StreamPosition,
-)
+from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.serving import BoundedKVResource, BoundedKVSpec, EngineResourceInfo
 from flexkv.serving.distributed import HeadShard
 

@@ -24,8 +24,8 @@ from flexkv import (
     StreamSession,
 )
 from flexkv.cache.groups import per_layer_groups
-from flexkv.model.reference import ReferenceCache
 from flexkv.cache.rotary import Rotary
+from flexkv.model.reference import ReferenceCache
 from flexkv.model.uncached import UncachedHistory
 from flexkv.model.wrap import StepContext, attention
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)

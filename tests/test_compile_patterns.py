@@ -13,8 +13,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
-from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 from flexkv.model.random_workload import RandomWorkload
+from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 LAYERS = 3
 CFG = BoundedKVConfig(

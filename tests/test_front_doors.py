@@ -26,12 +26,12 @@ from flexkv import (
     StreamPosition,
     StreamSession,
 )
-from flexkv.serving import BoundedKVResource, BoundedKVSpec, EngineResourceInfo
 from flexkv.cache.protocol import StreamCache, check_cache
-from flexkv.model.reference import ReferenceCache
 from flexkv.cache.rotary import Rotary
+from flexkv.model.reference import ReferenceCache
 from flexkv.model.uncached import UncachedHistory
 from flexkv.model.wrap import StepContext, attention
+from flexkv.serving import BoundedKVResource, BoundedKVSpec, EngineResourceInfo
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 H, HQ, D, LAYERS = 2, 4, 8, 3

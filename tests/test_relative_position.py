@@ -16,7 +16,15 @@ import pytest
 import torch
 from torch import nn
 
-from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition, UncachedHistory
+from flexkv import (
+    BoundedKVConfig,
+    BoundedKVManager,
+    BoundedKVStep,
+    Segment,
+    SinkWindow,
+    StreamPosition,
+    UncachedHistory,
+)
 from flexkv.cache.relative_position import RelativePosition, RelativePositionScores, distance_range
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.model.reference import ReferenceCache, own_stream_indices
 from flexkv.cache.rotary import Rotary, SinkRotation, apply_rotary, rotate_half, stream_positions
-from streamingllm import StreamingLLM
+from flexkv.model.reference import ReferenceCache, own_stream_indices
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
+from streamingllm import StreamingLLM
 
 D = 16
 

@@ -13,7 +13,7 @@ import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition, StreamSession
 from flexkv.model.reference import ReferenceCache
-from session_models import D, H, LAYERS, feed, model, worst_difference
+from session_models import LAYERS, D, H, feed, model, worst_difference
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 

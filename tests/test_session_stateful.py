@@ -19,7 +19,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow, SlotsExhausted, SourcesExhausted, StreamSession
+from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow, SourcesExhausted, StreamSession
 from flexkv.model.reference import ReferenceCache
 
 H, D, LAYERS, SLOTS, PLACES, MAX_SOURCE = 1, 4, 2, 2, 2, 4

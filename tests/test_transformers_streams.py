@@ -12,14 +12,25 @@ import warnings
 import pytest
 import torch
 
-from hf_models import (  # noqa: E402  (skips this module without the transformers extra)
-    CHUNK, SINK, WINDOW, FailOnce, eager_and_compiled_greedy, layer_masks, left_pad, make_model, prompts,
+from hf_models import (
+    CHUNK,
+    SINK,
+    WINDOW,
+    FailOnce,
+    eager_and_compiled_greedy,
+    layer_masks,
+    left_pad,
+    make_model,
+    prompts,
     reference_greedy,
 )
-from single_thread import one_thread  # noqa: E402,F401
+from single_thread import one_thread  # noqa: F401
 
-from flexkv import SinkWindow  # noqa: E402
-from flexkv.integrations.transformers import FlexKVCache  # noqa: E402
+# hf_models above skips this module without the transformers extra: it imports before transformers, flexkv
+# isort: split
+
+from flexkv import SinkWindow
+from flexkv.integrations.transformers import FlexKVCache
 
 KW = dict(max_streams=4, prefill_chunk=CHUNK, block_size=16)
 GREEDY = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)

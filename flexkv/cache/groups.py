@@ -31,12 +31,12 @@ from typing import Callable, Hashable, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..config import BoundedKVConfig, check_config, check_layer_index, is_int, Retention, SinkWindow
+from ..config import BoundedKVConfig, Retention, SinkWindow, check_config, check_layer_index, is_int
+from ..step import BoundedKVStep, StreamPosition
 from .manager import BoundedKVManager
 from .planner import BoundedPlan
 from .slots import Admission, SlotTable
 from .sources import split_source
-from ..step import BoundedKVStep, StreamPosition
 
 __all__ = ["LayerGroup", "GroupedKVManager", "GroupedPlan", "layer_group_configs", "per_layer_groups", "as_layer_groups",
            "build_cache"]

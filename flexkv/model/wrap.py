@@ -46,9 +46,9 @@ from torch import nn
 
 from ..cache.masks import POSITION_MODES
 from ..cache.protocol import check_cache
+from ..cache.rotary import ROPE_POSITIONS, Rotary
 from ..cache.transaction import StepTransaction
 from ..config import check_layer_index
-from ..cache.rotary import ROPE_POSITIONS, Rotary
 from ..step import BoundedKVStep
 
 __all__ = ["StepContext", "CacheAttention", "attention"]

@@ -46,10 +46,10 @@ from typing import Any, Hashable, Optional
 
 import torch
 
-from ..config import BoundedKVConfig, check_config, is_int
 from ..cache.manager import BoundedKVManager
 from ..cache.planner import BoundedPlan
 from ..cache.slots import SlotTable
+from ..config import BoundedKVConfig, check_config, is_int
 from ..step import BoundedKVStep
 
 __all__ = ["HeadShard", "ShardedKVManager", "resolve_rank", "all_gather_heads", "plan_digest"]

@@ -10,11 +10,11 @@ import torch
 from transformers.cache_utils import Cache
 from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
 
-from ...config import BoundedKVConfig, SinkWindow, is_int
 from ...cache.groups import GroupedKVManager
 from ...cache.rotary import ROPE_POSITIONS
 from ...cache.slots import SlotsExhausted
 from ...cache.transaction import StepTransaction
+from ...config import BoundedKVConfig, SinkWindow, is_int
 from .cache_positions import CachePositions
 from .hooks import check_model, enable, switch
 from .model_config import RECURRENT_TYPES, absolute_positions, layer_groups, read_layers, softcap_of

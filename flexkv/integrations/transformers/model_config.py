@@ -17,8 +17,8 @@ from typing import List, Optional
 
 import torch
 
-from ...config import SinkWindow
 from ...cache.groups import LayerGroup
+from ...config import SinkWindow
 
 __all__ = ["LayerSpec", "read_layers", "layer_windows", "layer_groups", "text_config", "absolute_positions",
            "softcap_of", "ATTENTION_TYPES", "RECURRENT_TYPES", "HYBRID_TYPES"]
