@@ -122,7 +122,7 @@ def test_values_of_another_width_than_keys():
     and compiled chunks on the rows path both match the reference."""
     for tokens in (1, 3):
         cfg = BoundedKVConfig(
-            num_layers=2, num_heads=2, head_dim=16, v_head_dim=8, rows_per_request=1, max_source_len=3,
+            num_layers=2, num_heads=2, head_dim=16, value_head_dim=8, rows_per_request=1, max_source_len=3,
             retention=SinkWindow(2, 6), max_step_tokens=3, max_slots=3, max_sources=1,
         )
         work = compiled_workload(cfg, q_heads=4, tokens=tokens, seed=3 + tokens, score_mod=score_bias, segments=2,

@@ -244,7 +244,7 @@ def test_groups_with_their_own_head_sizes_attend_as_the_grouped_twin():
     """Per-group KV heads, key and value widths (a Gemma 4 / latent-attention shape) through both caches."""
     cfg = config(query_window=None, num_heads=2, head_dim=8)
     groups = (LayerGroup((0, 2), SinkWindow(0, 3), name="local"),
-              LayerGroup((1,), SinkWindow(2, 4), name="global", num_heads=1, head_dim=16, v_head_dim=4))
+              LayerGroup((1,), SinkWindow(2, 4), name="global", num_heads=1, head_dim=16, value_head_dim=4))
     contexts = [StepContext(GroupedKVManager(cfg, groups, block_size=8)), StepContext(UncachedHistory(cfg, groups))]
     g = torch.Generator().manual_seed(5)
     shapes = {0: (2, 8, 8), 1: (1, 16, 4), 2: (2, 8, 8)}  # layer -> (KV heads, key width, value width)

@@ -35,7 +35,7 @@ def configs(draw):
         num_layers=draw(st.integers(1, 2)),
         num_heads=heads,
         head_dim=draw(st.sampled_from([4, 8])),
-        v_head_dim=draw(st.sampled_from([None, None, 6])),  # values narrower or wider than keys too
+        value_head_dim=draw(st.sampled_from([None, None, 6])),  # values narrower or wider than keys too
         rows_per_request=draw(st.integers(1, 2)),
         max_source_len=max_source_len,
         retention=retention,

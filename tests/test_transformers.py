@@ -145,7 +145,7 @@ def test_each_layer_group_keeps_its_own_window(generated):
         else:
             assert group["retention"] == SinkWindow(SINK, WINDOW)
         heads, dim, vdim = HEAD_SIZES.get(g.family, {}).get(group["name"], (2, 8, 8))
-        assert (group["num_heads"], group["head_dim"], group["v_head_dim"]) == (heads, dim, vdim)
+        assert (group["num_heads"], group["head_dim"], group["value_head_dim"]) == (heads, dim, vdim)
         keep = group["retention"]
         assert group["slot_cells"] == keep.sink + keep.window + CHUNK
         assert group["slot_bytes"] == len(group["layers"]) * heads * (dim + vdim) * size * group["slot_cells"]

@@ -174,7 +174,7 @@ class FlexKVCache(CacheShim):
                 num_layers=len(self._kv_owner),
                 num_heads=first.num_heads,
                 head_dim=first.head_dim,
-                v_head_dim=first.v_head_dim,
+                value_head_dim=first.value_head_dim,
                 rows_per_request=1,
                 max_source_len=0,
                 max_sources=0,
@@ -240,7 +240,7 @@ class FlexKVCache(CacheShim):
         `layers` (the model layers whose keys and values the group holds),
         `shared_by` (layers that attend those keys and values without holding
         their own), `retention` (what a stream keeps there), `query_window`,
-        `num_heads`, `head_dim`, `v_head_dim`, `slot_cells` (cells per slot
+        `num_heads`, `head_dim`, `value_head_dim`, `slot_cells` (cells per slot
         and layer, including `prefill_chunk` cells of headroom), `slot_bytes`
         (one stream, over the group's layers) and `memory_bytes` (the
         group's tensors). Recurrent groups: `kind="recurrent"`, `name`,
@@ -570,7 +570,7 @@ class FlexKVCache(CacheShim):
             if r["kind"] == "attention":
                 parts.append(
                     f"{r['name']} layers {list(r['layers'])}: {r['retention']}, {r['num_heads']} KV heads of "
-                    f"{r['head_dim']}/{r['v_head_dim']}, {r['slot_cells']} cells per stream and layer"
+                    f"{r['head_dim']}/{r['value_head_dim']}, {r['slot_cells']} cells per stream and layer"
                 )
             else:
                 states = ", ".join(f"{k} {list(shape)}" for k, _, shape, _ in r["states"])
