@@ -130,7 +130,8 @@ def swap_attention(
             `context.config.num_layers` of them.
         forward: the new forward, `forward(module, attn, *args, **kwargs)`:
             the model's own module, the layer's flexkv core `attn` (call it
-            `attn(q, k, v)` with `q [N, Hq, T, D]`, `k, v [N, H, T, D]`;
+            `attn(q, k, v)` with `q [N, Hq, T, D]`, `k [N, H, T, D]`,
+            `v [N, H, T, Dv]` (`Dv = value_head_dim`), returning `[N, Hq, T, Dv]`;
             `attn.stream_positions()` gives each own token's stream index,
             `[N, T]`, on every cache) and whatever the module was called with.
         core: builds layer `i`'s core from `(i, module)` (per-layer options

@@ -1,8 +1,10 @@
 """Put a bounded cache under an existing attention module.
 
 A model's attention computes `q, k, v` and hands them to a core
-`(q, k, v) -> out` (the SDPA layout: `q [N, Hq, T, D]`, `k, v [N, H, T,
-D]`, `out [N, Hq, T, D]`). `CacheAttention(context, layer)` is that core for
+`(q, k, v) -> out` (the SDPA layout: `q [N, Hq, T, D]`, `k [N, H, T, D]`,
+`v [N, H, T, Dv]`, `out [N, Hq, T, Dv]`, with `D = head_dim` and
+`Dv = value_head_dim`, the same unless the config sets it).
+`CacheAttention(context, layer)` is that core for
 one layer of any flexkv cache (`flexkv.cache.protocol.StreamCache`): a
 `BoundedKVManager`, a `GroupedKVManager` whose layer groups keep retention
 of their own, or the uncached twin `flexkv.model.uncached.UncachedHistory` that
@@ -171,8 +173,9 @@ class CacheAttention(nn.Module):
             in-cache positions; see `flexkv.cache.rotary`).
         scale, score_mod, positions, sinks: as `BoundedKVManager.attend`.
 
-    `forward(q, k, v)`: `q [N, Hq, T, D]`, `k, v [N, H, T, D]` ->
-    `[N, Hq, T, D]`, where `N` is the step's rows.
+    `forward(q, k, v)`: `q [N, Hq, T, D]`, `k [N, H, T, D]`,
+    `v [N, H, T, Dv]` -> `[N, Hq, T, Dv]`, where `N` is the step's rows,
+    `D` the config's `head_dim` and `Dv` its `value_head_dim`.
     """
 
     def __init__(
