@@ -33,7 +33,7 @@ def run(attend, warm_steps, steps=14, seed=3):
     torch._dynamo.reset()
     manager = BoundedKVManager(CFG, "cpu", block_size=16)
     work = RandomWorkload(CFG, q_heads=4, segments=3, seed=seed, manager=manager, fixed_tokens=2, churn=0.2,
-                    attend=attend(manager))
+                          attend=attend(manager), tolerance=TOL)
     before = graphs()
     for _ in range(warm_steps):
         work.step()
@@ -42,7 +42,6 @@ def run(attend, warm_steps, steps=14, seed=3):
         for _ in range(steps):
             work.step()
     assert graphs() - before == warm
-    assert work.worst < TOL, work.worst
     # the run reached past the window and saw requests come and go
     assert max(r[2] for r in work.state.values()) > 9 or work.next_id > 3
     return warm, work
