@@ -54,8 +54,8 @@ _PUBLIC = {
     "GroupedKVManager": "cache.groups",
     "StreamCache": "cache.protocol",
     "build_cache": "cache.groups",
-    "SlotsExhausted": "cache.manager",
-    "SourcesExhausted": "cache.manager",
+    "SlotsExhausted": "cache.slots",
+    "SourcesExhausted": "cache.slots",
     # one step, as a caller describes it to a cache
     "BoundedKVStep": "step",
     "Segment": "step",
