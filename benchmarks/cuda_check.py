@@ -69,9 +69,9 @@ from torch.utils.benchmark import Timer
 import flexkv.cache.manager as manager_module
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache.kernel_options import decode_split_kv, flex_kernel_options
-from flexkv.model.random_workload import RandomWorkload, relative_error, score_bias
 from flexkv.cache.layout import entry_cell
 from flexkv.compiling import fresh_function
+from flexkv.model.random_workload import RandomWorkload, relative_error, score_bias
 
 #: Norm-relative tolerances, `||out - ref|| / ||ref||`: an absolute bound on bf16 outputs of a few
 #: thousand keys (values of order 1e-2) would not see a missing block.
@@ -508,7 +508,7 @@ def timing(device: torch.device, report: dict, budget_s: float, save: Callable[[
         ms = gpu_ms(lambda: dst.copy_(src), device)
         copy_gbs = 2 * nbytes / (ms * 1e-3) / 1e9
         rows.append(_row("copy (read+write)", ms, 2 * nbytes))
-        del src, dst
+        src = dst = None  # free them (a closure above reads them, so not `del`)
     except Exception as e:
         _section_error(report, "timing/copy", e)
     save()
@@ -549,7 +549,7 @@ def timing(device: torch.device, report: dict, budget_s: float, save: Callable[[
                   f"{'ok' if rel <= tol else 'FAIL'}")
         rows.append(_row("SDPA enable_gqa, contiguous", gpu_ms(
             lambda: F.scaled_dot_product_attention(q, Kc, Vc, enable_gqa=True), device), nbytes, copy_gbs))
-        del Kc, Vc
+        Kc = Vc = None  # free them (a closure above reads them, so not `del`)
     except Exception as e:
         _section_error(report, "timing/sdpa", e)
     save()
@@ -601,7 +601,6 @@ def variant_runs(d: "Decode") -> tuple:
     m, s = d.m, d.s
     group = s["q_heads"] // s["kv_heads"]
     packed = group > 1 and m.pack_gqa
-    plan = m.plan(d.step())
     shipped = flex_kernel_options(
         d.device.type, group if packed else 1, s["kv_heads"], s["kv_heads"] if packed else s["q_heads"],
         s["head_dim"], s["dtype"], m.layout.block_size,

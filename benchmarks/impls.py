@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from flexkv import BoundedKVManager, BoundedKVStep, Segment, StreamPosition
-from flexkv.model.reference import attended_indices
 from flexkv.cache.layout import entry_cell
 from flexkv.cli.stream_model import StreamModel
 from flexkv.cli.workload import Workload
 from flexkv.compiling import fresh_function
+from flexkv.model.reference import attended_indices
 
 __all__ = ["Steady", "FlexKV", "Gather", "CatSlice", "LaidOut", "Unbounded", "Floor", "IMPLS", "check"]
 

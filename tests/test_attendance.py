@@ -14,8 +14,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 
-from flexkv import BoundedKVConfig, BoundedKVStep, Segment, SinkWindow, StepContext, StreamPosition, StreamSession
-from flexkv import BoundedKVManager, swap_attention
+from flexkv import (
+    BoundedKVConfig,
+    BoundedKVManager,
+    BoundedKVStep,
+    Segment,
+    SinkWindow,
+    StepContext,
+    StreamPosition,
+    StreamSession,
+    swap_attention,
+)
 from flexkv.model.attendance import AttendanceError
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.model.reference import attended_indices, own_stream_indices
 from flexkv.cache.layout import entry_cell
+from flexkv.model.reference import attended_indices, own_stream_indices
 
 CONFIGS = {
     # Source longer than the sinks, ring of 13 cells over blocks of 8: slot rows start mid-block.

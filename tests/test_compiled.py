@@ -53,6 +53,7 @@ def compiled_workload(cfg, *, q_heads, tokens, seed, score_mod=None, positions="
         score_mod=score_mod,
         positions=positions,
         churn=churn,
+        tolerance=TOL,
     )
     work.full_blocks = full_blocks
     return work
@@ -66,7 +67,6 @@ def run_without_recompiles(work, steps):
         for _ in range(steps - 1):
             work.step()
     assert counters["stats"]["unique_graphs"] - graphs == 1
-    assert work.worst < TOL, work.worst
     # Blocks every query reads whole (no mask evaluated) occurred exactly when asked for.
     assert (sum(work.full_blocks) > 0) == work.manager.full_blocks
 
@@ -122,7 +122,7 @@ def test_values_of_another_width_than_keys():
     and compiled chunks on the rows path both match the reference."""
     for tokens in (1, 3):
         cfg = BoundedKVConfig(
-            num_layers=2, num_heads=2, head_dim=16, v_head_dim=8, rows_per_request=1, max_source_len=3,
+            num_layers=2, num_heads=2, head_dim=16, value_head_dim=8, rows_per_request=1, max_source_len=3,
             retention=SinkWindow(2, 6), max_step_tokens=3, max_slots=3, max_sources=1,
         )
         work = compiled_workload(cfg, q_heads=4, tokens=tokens, seed=3 + tokens, score_mod=score_bias, segments=2,
@@ -162,13 +162,12 @@ def test_layers_of_one_graph_share_one_flex_attention_region(tokens, pack_gqa, f
 
     compiled = torch.compile(model_step, fullgraph=True, backend=_inspecting_backend(seen))
     work = RandomWorkload(cfg, q_heads=4, segments=3, seed=2, manager=manager, fixed_tokens=tokens, churn=0.2,
-                    attend=lambda m, plan, qs, ks, vs: compiled(qs, ks, vs, plan))
+                          attend=lambda m, plan, qs, ks, vs: compiled(qs, ks, vs, plan), tolerance=TOL)
     torch._dynamo.reset()
     work.step()
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(24):
             work.step()
-    assert work.worst < TOL, work.worst
     assert len(seen) == 1 and len(seen[0]) == cfg.num_layers and len(set(seen[0])) == 1, seen
 
 
@@ -187,11 +186,10 @@ def test_gqa_decode_with_one_block_per_slot_row():
 
     compiled = torch.compile(model_step, fullgraph=True)
     work = RandomWorkload(cfg, q_heads=4, segments=12, seed=6, manager=manager, fixed_tokens=1, churn=0.02,
-                    attend=lambda m, plan, qs, ks, vs: compiled(qs, ks, vs, plan))
+                          attend=lambda m, plan, qs, ks, vs: compiled(qs, ks, vs, plan), tolerance=TOL)
     torch._dynamo.reset()
     work.step()
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(300):
             work.step()
     assert max(s[2] for s in work.state.values()) > 129  # rings wrapped
-    assert work.worst < TOL, work.worst

@@ -3,15 +3,8 @@
 import pytest
 import torch
 
-from flexkv import (
-    BoundedKVConfig,
-    BoundedKVManager,
-    BoundedKVResource,
-    BoundedKVSpec,
-    EngineResourceInfo,
-    SinkWindow,
-    load_deployment,
-)
+from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
+from flexkv.serving import BoundedKVResource, BoundedKVSpec, EngineResourceInfo, load_deployment
 
 
 def make(**kw):
@@ -104,6 +97,18 @@ def test_derived_sizes_over_source_lengths():
     assert c.slot_tokens == 19
     with pytest.raises(ValueError, match=r"source_len must be an int in \[min_source_len=2, max_source_len=5\], got 1"):
         c.retention_for(1)
+
+
+def test_value_head_dim_resolves_to_the_key_width_and_follows_it_through_replace():
+    same = make()
+    assert same.value_head_dim == 8 and same == make(value_head_dim=8)  # None and 8 describe one cache
+    assert same.replace(head_dim=16).value_head_dim == 16  # given no value width: values as wide as keys
+    narrow = make(value_head_dim=4)
+    assert narrow.value_head_dim == 4 and narrow.replace(head_dim=16).value_head_dim == 4  # given: kept
+    assert same.replace(value_head_dim=6).replace(head_dim=32).value_head_dim == 6
+    with pytest.raises(ValueError, match=r"value_head_dim must be >= 1, got 0 \(or None for the same width as "
+                                         r"head_dim\)"):
+        make(value_head_dim=0)
 
 
 def test_sink_inside_the_source_needs_no_sink_capacity():

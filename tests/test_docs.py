@@ -101,6 +101,7 @@ def _public() -> Dict[str, Callable[[], object]]:
     """Names a doc may state a signature of -> how to get the object (lazily: the transformers extra is optional)."""
     found = {name: (lambda obj=getattr(flexkv, name): obj) for name in flexkv.__all__
              if callable(getattr(flexkv, name))}
+    found.update({name: (lambda obj=getattr(flexkv.serving, name): obj) for name in flexkv.serving.__all__})
     manager = flexkv.BoundedKVManager
     for method in ("attend", "admit", "plan", "commit", "check_start", "add_source", "add_private_source",
                    "reset_request", "remove_request", "remove_source", "remove_private_source"):

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.model.reference import ReferenceCache, own_stream_indices
 from flexkv.cache.rotary import Rotary, SinkRotation, apply_rotary, rotate_half, stream_positions
-from streamingllm import StreamingLLM
+from flexkv.model.random_workload import check_close
+from flexkv.model.reference import ReferenceCache, own_stream_indices
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
+from streamingllm import StreamingLLM
 
 D = 16
 
@@ -116,7 +117,8 @@ def test_interleaved_layout_is_gptj_rope():
 def _run_against_streamingllm(cfg, steps, step_fn, seed, layout="half"):
     """Decode `steps` steps for a churning batch; compare every live row with StreamingLLM.
 
-    Returns the largest deviation and the length `r2` (the longest stream) reached. With
+    The first step, layer and request further than 2e-5 from it fails there; returns the length `r2`
+    (the longest stream) reached. With
     `layout="interleaved"` the reference rotates with `GPTJRotary`, written apart from flexkv's.
     """
     torch.manual_seed(seed)
@@ -126,7 +128,6 @@ def _run_against_streamingllm(cfg, steps, step_fn, seed, layout="half"):
     ref = StreamingLLM(GPTJRotary(D, 100.0) if layout == "interleaved" else rot, SINK, WINDOW, D ** -0.5)
     live = ["r0", "r1", None]
     written = {}
-    worst = 0.0
     for step_no in range(steps):
         segs = tuple(Segment(rid, 1) if rid else Segment(None, 0) for rid in live)
         pos = {rid: StreamPosition(0, written.setdefault(rid, 0)) for rid in live if rid}
@@ -146,7 +147,7 @@ def _run_against_streamingllm(cfg, steps, step_fn, seed, layout="half"):
                     assert outs[li][rows].abs().max() == 0
                     continue
                 exp = ref.attend(li, rid, qs[li][rows], ks[li][rows], vs[li][rows])
-                worst = max(worst, (outs[li][rows].double() - exp).abs().max().item())
+                check_close(outs[li][rows], exp, 2e-5, f"step {step_no}, layer {li}, request {rid!r} (segment {si})")
         m.commit(step)
         for rid in live:
             if rid:
@@ -161,7 +162,7 @@ def _run_against_streamingllm(cfg, steps, step_fn, seed, layout="half"):
             live[0] = "r3"
         elif step_no == 18:
             m.reset_request("r1"); ref.drop("r1"); written["r1"] = 0
-    return worst, written["r2"]
+    return written["r2"]
 
 
 def _eager_step(m, layers, plan, qs, ks, vs):
@@ -175,10 +176,8 @@ def _eager_step(m, layers, plan, qs, ks, vs):
 @pytest.mark.parametrize("query_window,steps,layout", [(None, 30, "half"), (WINDOW, 26, "half"),
                                                        (None, 30, "interleaved")])
 def test_cache_positions_match_streamingllm_eager(query_window, steps, layout):
-    worst, longest = _run_against_streamingllm(_cache_config(query_window), steps, _eager_step, seed=1,
-                                               layout=layout)
+    longest = _run_against_streamingllm(_cache_config(query_window), steps, _eager_step, seed=1, layout=layout)
     assert longest >= SINK + WINDOW + 8  # past the window, so sinks have been re-rotated several times
-    assert worst < 2e-5, worst
 
 
 @pytest.fixture(scope="module")
@@ -192,9 +191,8 @@ def test_cache_positions_match_streamingllm_compiled_without_recompiles(compiled
 
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
-    worst, longest = _run_against_streamingllm(_cache_config(), 34, compiled_step, seed=2)
+    longest = _run_against_streamingllm(_cache_config(), 34, compiled_step, seed=2)
     assert longest >= SINK + WINDOW + 12
-    assert worst < 2e-5, worst
     assert counters["stats"]["unique_graphs"] - before == 1
 
 

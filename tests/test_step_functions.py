@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 from flexkv import BoundedKVConfig, BoundedKVManager, RecompileWarning, SinkWindow, StreamSession
 from flexkv.session.step_functions import step_key
-from session_models import D, H, LAYERS, feed, model
+from session_models import LAYERS, D, H, feed, model
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 

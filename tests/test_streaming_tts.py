@@ -5,9 +5,7 @@ tensor code) computes: every frame of every chunk of every request."""
 
 import torch
 
-from examples.streaming_tts import (
-    Runner, TTSConfig, make_prompts, make_utterances, pipeline_deviation, stream,
-)
+from examples.streaming_tts import Runner, TTSConfig, make_prompts, make_utterances, pipeline_deviation, stream
 from flexkv import BoundedKVManager, SinkWindow
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 

@@ -17,21 +17,34 @@ import types
 import pytest
 import torch
 
-import hf_models  # noqa: E402
-from hf_models import (  # noqa: E402  (skips this module without the transformers extra)
-    CHUNK, LENGTHS, NEW, SINK, SW, VOCAB, WINDOW, held_bytes, layer_masks, left_pad, logit_tolerance, make_model,
-    prompts, reference_greedy, RecordBytes,
+import hf_models
+from hf_models import (
+    CHUNK,
+    LENGTHS,
+    NEW,
+    SINK,
+    SW,
+    WINDOW,
+    RecordBytes,
+    held_bytes,
+    layer_masks,
+    left_pad,
+    logit_tolerance,
+    make_model,
+    prompts,
+    reference_greedy,
 )
-from single_thread import one_thread  # noqa: E402,F401
-from transformers import DynamicCache  # noqa: E402
-from transformers.generation.stopping_criteria import StoppingCriteriaList  # noqa: E402
+from single_thread import one_thread  # noqa: F401
 
-import flexkv.integrations.transformers as fkt  # noqa: E402
-from flexkv import (  # noqa: E402
-    BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, SlotsExhausted, StreamPosition,
-)
-from flexkv.integrations.transformers import FlexKVCache  # noqa: E402
-from flexkv.integrations.transformers.model_config import HYBRID_TYPES, layer_windows  # noqa: E402
+# hf_models above skips this module without the transformers extra: it imports before transformers, flexkv
+# isort: split
+from transformers import DynamicCache
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+import flexkv.integrations.transformers as fkt
+from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, SlotsExhausted, StreamPosition
+from flexkv.integrations.transformers import FlexKVCache
+from flexkv.integrations.transformers.model_config import HYBRID_TYPES, layer_windows
 
 
 def own_cache(model):
@@ -132,7 +145,7 @@ def test_each_layer_group_keeps_its_own_window(generated):
         else:
             assert group["retention"] == SinkWindow(SINK, WINDOW)
         heads, dim, vdim = HEAD_SIZES.get(g.family, {}).get(group["name"], (2, 8, 8))
-        assert (group["num_heads"], group["head_dim"], group["v_head_dim"]) == (heads, dim, vdim)
+        assert (group["num_heads"], group["head_dim"], group["value_head_dim"]) == (heads, dim, vdim)
         keep = group["retention"]
         assert group["slot_cells"] == keep.sink + keep.window + CHUNK
         assert group["slot_bytes"] == len(group["layers"]) * heads * (dim + vdim) * size * group["slot_cells"]

@@ -14,16 +14,27 @@ import sys
 import pytest
 import torch
 
-import hf_models  # noqa: E402
-from hf_models import (  # noqa: E402  (skips this module without the transformers extra)
-    CHUNK, SINK, WINDOW, FailOnce, eager_and_compiled_greedy, left_pad, logit_tolerance, make_model, prompts,
+import hf_models
+from hf_models import (
+    CHUNK,
+    SINK,
+    WINDOW,
+    FailOnce,
+    eager_and_compiled_greedy,
+    left_pad,
+    logit_tolerance,
+    make_model,
+    prompts,
     reference_greedy,
 )
-from single_thread import one_thread  # noqa: E402,F401
-from transformers import DynamicCache  # noqa: E402
+from single_thread import one_thread  # noqa: F401
 
-from flexkv import SinkWindow  # noqa: E402
-from flexkv.integrations.transformers import FlexKVCache  # noqa: E402
+# hf_models above skips this module without the transformers extra: it imports before transformers, flexkv
+# isort: split
+from transformers import DynamicCache
+
+from flexkv import SinkWindow
+from flexkv.integrations.transformers import FlexKVCache
 
 KW = dict(max_streams=4, prefill_chunk=CHUNK, block_size=16)
 

@@ -12,14 +12,25 @@ import warnings
 import pytest
 import torch
 
-from hf_models import (  # noqa: E402  (skips this module without the transformers extra)
-    CHUNK, SINK, WINDOW, FailOnce, eager_and_compiled_greedy, layer_masks, left_pad, make_model, prompts,
+from hf_models import (
+    CHUNK,
+    SINK,
+    WINDOW,
+    FailOnce,
+    eager_and_compiled_greedy,
+    layer_masks,
+    left_pad,
+    make_model,
+    prompts,
     reference_greedy,
 )
-from single_thread import one_thread  # noqa: E402,F401
+from single_thread import one_thread  # noqa: F401
 
-from flexkv import SinkWindow  # noqa: E402
-from flexkv.integrations.transformers import FlexKVCache  # noqa: E402
+# hf_models above skips this module without the transformers extra: it imports before transformers, flexkv
+# isort: split
+
+from flexkv import SinkWindow
+from flexkv.integrations.transformers import FlexKVCache
 
 KW = dict(max_streams=4, prefill_chunk=CHUNK, block_size=16)
 GREEDY = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -394,13 +405,5 @@ def test_finish_ends_a_stream_and_frees_its_slot():
     model.generate(ids, attention_mask=mask, cache=cache.select(["a", "b"]), max_new_tokens=2, do_sample=False)
     cache.finish("a")
     assert cache.streams == ("b",) and cache.stream_length("a") == 0
-    cache.drop("b")  # the method's first name
+    cache.finish("b")
     assert cache.streams == () and cache.manager.free_slots == 2
-
-
-def test_the_rotary_mode_keyword_and_its_first_name_agree():
-    model = make_model("llama", seed=3)
-    assert FlexKVCache(model, SinkWindow(SINK, WINDOW), rope_positions="cache", **KW).rope_positions == "cache"
-    assert FlexKVCache(model, SinkWindow(SINK, WINDOW), positions="cache", **KW).rope_positions == "cache"
-    with pytest.raises(ValueError, match="rope_positions='stream' and positions='cache' disagree"):
-        FlexKVCache(model, SinkWindow(SINK, WINDOW), rope_positions="stream", positions="cache", **KW)

@@ -23,10 +23,11 @@ from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from ..config import BoundedKVConfig, check_config, check_layer_index
-from .layout import Layout
-from .masks import POSITION_MODES, make_mask_mod, make_score_mod
+from ..step import BoundedKVStep, StreamPosition
 from .kernel_options import flex_kernel_options
 from .kernel_sharing import layer_region, shares_flex_kernel
+from .layout import Layout
+from .masks import POSITION_MODES, make_mask_mod, make_score_mod
 from .planner import BoundedPlan, build_plan, table_views
 from .relative_position import RelativePositionScores
 from .rotary import SinkRotation, stream_positions
@@ -34,7 +35,6 @@ from .row_attention import attend_rows, gather_width, row_geometry
 from .sinks import apply_learned_sinks, check_sinks
 from .slots import Admission, SlotsExhausted, SlotTable, SourcesExhausted
 from .sources import check_source_shapes
-from ..step import BoundedKVStep, StreamPosition
 
 __all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted"]
 

@@ -64,9 +64,9 @@ from typing import Callable, Hashable, Optional
 import torch
 
 from ..config import BoundedKVConfig
+from ..step import BoundedKVStep
 from .layout import Layout
 from .masks import MASK_INTERVALS
-from ..step import BoundedKVStep
 
 __all__ = ["BoundedPlan", "ROW_FIELDS", "INTERVALS", "build_plan", "table_views"]
 

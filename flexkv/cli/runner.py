@@ -12,15 +12,15 @@ plain dict (`report`), ready for JSON.
 
 from __future__ import annotations
 
-import statistics
 import platform
+import statistics
 import time
 from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ..compiling import fresh_function, graphs_compiled
 from ..cache.manager import BoundedKVManager
+from ..compiling import fresh_function, graphs_compiled
 from ..model.reference import ReferenceCache
 from ..session import Chunk, StreamSession
 from ..step import BoundedKVStep, Segment

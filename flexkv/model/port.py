@@ -198,7 +198,8 @@ def swap_attention(
         forward: the replacement, `forward(module, attn, *args, **kwargs)`:
             the model's own module, the flexkv core `attn` of the call's
             cache layer (call it `attn(q, k, v)` with `q [N, Hq, T, D]`,
-            `k, v [N, H, T, D]`; `attn.stream_positions()` gives each own
+            `k [N, H, T, D]`,
+            `v [N, H, T, Dv]` (`Dv = value_head_dim`), returning `[N, Hq, T, Dv]`; `attn.stream_positions()` gives each own
             token's stream index, `[N, T]`, on every cache) and whatever the
             method was called with. A mapping `{method: replacement}` gives
             each method its own.

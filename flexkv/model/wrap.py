@@ -1,8 +1,10 @@
 """Put a bounded cache under an existing attention module.
 
 A model's attention computes `q, k, v` and hands them to a core
-`(q, k, v) -> out` (the SDPA layout: `q [N, Hq, T, D]`, `k, v [N, H, T,
-D]`, `out [N, Hq, T, D]`). `CacheAttention(context, layer)` is that core for
+`(q, k, v) -> out` (the SDPA layout: `q [N, Hq, T, D]`, `k [N, H, T, D]`,
+`v [N, H, T, Dv]`, `out [N, Hq, T, Dv]`, with `D = head_dim` and
+`Dv = value_head_dim`, the same unless the config sets it).
+`CacheAttention(context, layer)` is that core for
 one layer of any flexkv cache (`flexkv.cache.protocol.StreamCache`): a
 `BoundedKVManager`, a `GroupedKVManager` whose layer groups keep retention
 of their own, or the uncached twin `flexkv.model.uncached.UncachedHistory` that
@@ -46,13 +48,13 @@ from torch import nn
 
 from ..cache.masks import POSITION_MODES
 from ..cache.protocol import check_cache
+from ..cache.rotary import ROPE_POSITIONS, Rotary
 from ..cache.transaction import StepTransaction
 from ..config import check_layer_index
-from ..cache.rotary import ROPE_POSITIONS, Rotary
 from ..step import BoundedKVStep
 from .attendance import AttendanceRecord
 
-__all__ = ["StepContext", "CacheAttention", "BoundedAttention", "UncachedAttention", "attention", "ROW_ORDERS",
+__all__ = ["StepContext", "CacheAttention", "attention", "ROW_ORDERS",
            "rows_by_request", "rows_stacked"]
 
 #: How a model orders a step's `N = B * R` attention rows (`R = rows_per_request`): request by request
@@ -226,8 +228,9 @@ class CacheAttention(nn.Module):
             `torch.cat([x_cond, x_uncond])`). `q, k, v`, the output and
             `stream_positions()` are in the model's order.
 
-    `forward(q, k, v)`: `q [N, Hq, T, D]`, `k, v [N, H, T, D]` ->
-    `[N, Hq, T, D]`, where `N` is the step's rows.
+    `forward(q, k, v)`: `q [N, Hq, T, D]`, `k [N, H, T, D]`,
+    `v [N, H, T, Dv]` -> `[N, Hq, T, Dv]`, where `N` is the step's rows,
+    `D` the config's `head_dim` and `Dv` its `value_head_dim`.
     """
 
     def __init__(
@@ -305,11 +308,6 @@ class CacheAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, positions={self.positions!r}, rope_positions={self.rope_positions!r}"
-
-
-#: The names this core had when bounded and uncached caches had one each; both are `CacheAttention`.
-BoundedAttention = CacheAttention
-UncachedAttention = CacheAttention
 
 
 def attention(context: StepContext, layer_idx: int, **kwargs) -> CacheAttention:

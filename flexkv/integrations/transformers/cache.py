@@ -10,11 +10,11 @@ import torch
 from transformers.cache_utils import Cache
 from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
 
-from ...config import BoundedKVConfig, SinkWindow, is_int
 from ...cache.groups import GroupedKVManager
 from ...cache.rotary import ROPE_POSITIONS
 from ...cache.slots import SlotsExhausted
 from ...cache.transaction import StepTransaction
+from ...config import BoundedKVConfig, SinkWindow, is_int
 from .cache_positions import CachePositions
 from .hooks import check_model, enable, switch
 from .model_config import RECURRENT_TYPES, absolute_positions, layer_groups, read_layers, softcap_of
@@ -83,7 +83,6 @@ class FlexKVCache(CacheShim):
             holds this many cells beyond what its layers keep.
         block_size: FlexAttention's KV block size (None: flexkv picks one for the config and device).
         device, dtype: default to the model's.
-        positions: the first name of `rope_positions`, still accepted.
 
     Building the cache for a model with recurrent layers runs the model once
     on one token to read their states' shapes. `memory_bytes` is what the
@@ -113,13 +112,7 @@ class FlexKVCache(CacheShim):
         block_size: Optional[int] = None,
         device=None,
         dtype: Optional[torch.dtype] = None,
-        positions: Optional[str] = None,
     ):
-        if positions is not None:  # the keyword's first name
-            if rope_positions is not None and rope_positions != positions:
-                raise ValueError(f"rope_positions={rope_positions!r} and positions={positions!r} disagree; "
-                                 f"give rope_positions only")
-            rope_positions = positions
         positions = "stream" if rope_positions is None else rope_positions
         _check_retention("retention", retention)
         if sliding_retention is not None:
@@ -181,7 +174,7 @@ class FlexKVCache(CacheShim):
                 num_layers=len(self._kv_owner),
                 num_heads=first.num_heads,
                 head_dim=first.head_dim,
-                v_head_dim=first.v_head_dim,
+                value_head_dim=first.value_head_dim,
                 rows_per_request=1,
                 max_source_len=0,
                 max_sources=0,
@@ -247,7 +240,7 @@ class FlexKVCache(CacheShim):
         `layers` (the model layers whose keys and values the group holds),
         `shared_by` (layers that attend those keys and values without holding
         their own), `retention` (what a stream keeps there), `query_window`,
-        `num_heads`, `head_dim`, `v_head_dim`, `slot_cells` (cells per slot
+        `num_heads`, `head_dim`, `value_head_dim`, `slot_cells` (cells per slot
         and layer, including `prefill_chunk` cells of headroom), `slot_bytes`
         (one stream, over the group's layers) and `memory_bytes` (the
         group's tensors). Recurrent groups: `kind="recurrent"`, `name`,
@@ -317,9 +310,6 @@ class FlexKVCache(CacheShim):
         if stream_id not in self.manager.requests:
             raise ValueError(f"finish(): no stream {stream_id!r}; the cache holds {list(self.manager.requests)}")
         self.manager.remove_request(stream_id)
-
-    #: The first name of `finish`.
-    drop = finish
 
     def reset(self) -> None:
         """Forget every stream and the selection (transformers' `Cache.reset`)."""
@@ -587,7 +577,7 @@ class FlexKVCache(CacheShim):
             if r["kind"] == "attention":
                 parts.append(
                     f"{r['name']} layers {list(r['layers'])}: {r['retention']}, {r['num_heads']} KV heads of "
-                    f"{r['head_dim']}/{r['v_head_dim']}, {r['slot_cells']} cells per stream and layer"
+                    f"{r['head_dim']}/{r['value_head_dim']}, {r['slot_cells']} cells per stream and layer"
                 )
             else:
                 states = ", ".join(f"{k} {list(shape)}" for k, _, shape, _ in r["states"])
