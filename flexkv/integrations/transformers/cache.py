@@ -16,10 +16,11 @@ from ...cache.rotary import ROPE_POSITIONS
 from ...cache.slots import SlotsExhausted
 from ...cache.transaction import StepTransaction
 from .cache_positions import CachePositions
-from .hooks import check_model, enable, switch
+from .hooks import attention_configs, check_model, enable, switch
 from .model_config import RECURRENT_TYPES, absolute_positions, layer_groups, read_layers, softcap_of
 from .plan import FlexKVForward, Pending, chunk_steps
 from .recurrent import RecurrentStates, check_recurrent_forward, probe_states
+from .routing import probe_attention, reconcile
 from .shim import AttentionLayerView, CacheShim, HybridLayerView, RecurrentLayerView
 
 __all__ = ["FlexKVCache"]
@@ -139,6 +140,8 @@ class FlexKVCache(CacheShim):
                 f"its own cache already keeps a fixed-size state per stream, and a sink + window has nothing to bound"
             )
         check_model(model, attention)
+        # One one-token forward: the plan reaches every attention layer, with the head sizes it says.
+        specs = reconcile(model, specs, probe_attention(model, attention_configs(model)))
         groups, kv_layer = layer_groups(specs, retention, sliding_retention)
         if dtype is None:
             dtype = model.dtype

@@ -26,7 +26,7 @@ from .plan import FlexKVForward
 from .registration import ATTN_IMPLEMENTATION, register
 from .shim import CacheShim
 
-__all__ = ["enable", "disable", "switch", "ModelState", "check_model", "SUPPORTED_MODES"]
+__all__ = ["enable", "disable", "switch", "ModelState", "check_model", "attention_configs", "SUPPORTED_MODES"]
 
 #: The `generate()` decoding modes a FlexKVCache serves: one sequence per stream, never reordered.
 SUPPORTED_MODES = ("greedy_search", "sample")
@@ -161,7 +161,7 @@ def _post_forward(state: ModelState, module, args, kwargs, result):
     return None
 
 
-def _attention_configs(model) -> list:
+def attention_configs(model) -> list:
     """The config objects the model's attention layers and mask builders read `_attn_implementation` from."""
     found = {}
     for cfg in (model.config, text_config(model.config)):
@@ -236,7 +236,7 @@ def enable(model) -> None:
     register()
     if getattr(model, "_flexkv_state", None) is not None:
         return
-    state = ModelState(_attention_configs(model))
+    state = ModelState(attention_configs(model))
     mods = [model]
     base = getattr(model, "base_model", None)
     if isinstance(base, torch.nn.Module) and base is not model:
