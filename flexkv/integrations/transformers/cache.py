@@ -59,6 +59,30 @@ def _own_cache_class(model):
 _WITH_OWN_CLASS: dict = {}
 
 
+def _check_used(name: str, specs, retention, sliding_retention) -> None:
+    """Refuse a retention no layer would keep, and a missing one some layer needs."""
+    full = [s.index for s in specs if s.attends and s.window is None]
+    sliding = [s.index for s in specs if s.attends and s.window is not None]
+    if retention is None and full:
+        raise ValueError(
+            f"retention=None, but {name}'s layers {full} are full-attention layers: pass retention=SinkWindow(sink, "
+            f"window), what a stream keeps there (None is for models whose every attention layer slides)"
+        )
+    if retention is not None and not full:
+        windows = sorted({s.window for s in specs if s.attends})
+        raise ValueError(
+            f"every attention layer of {name} slides (sliding_window={windows[0] if len(windows) == 1 else windows}), "
+            f"so retention={retention} would be used nowhere: pass retention=None to keep the model's own window "
+            f"there, or keep something else with sliding_retention=SinkWindow(sink, window), window <= "
+            f"{windows[0] - 1}"
+        )
+    if sliding_retention is not None and not sliding:
+        raise ValueError(
+            f"{name} has no sliding-window layer, so sliding_retention={sliding_retention} would be used nowhere; "
+            f"drop it (retention= is what its full-attention layers keep)"
+        )
+
+
 class FlexKVCache(CacheShim):
     """A bounded cache for a transformers causal LM, one stream per batch row.
 
@@ -69,12 +93,16 @@ class FlexKVCache(CacheShim):
             device size the cache; hooks are installed on it (see `enable`).
         retention: `SinkWindow(sink, window)` for the model's full-attention
             layers: each stream keeps its first `sink` and its last `window`
-            tokens there, and each token attends those plus itself.
+            tokens there, and each token attends those plus itself. None for
+            a model without full-attention layers (every layer slides, as in
+            Mistral), and only there: a retention that no layer would use is
+            refused, as is None where full-attention layers need one.
         sliding_retention: what the model's sliding-window layers keep.
             None (default): exactly the model's window (`SinkWindow(0,
             sliding_window - 1)`). A `SinkWindow` replaces it (e.g. to add
             sinks); its window is at most `sliding_window - 1` (what the model's
-            own layer reads before the query).
+            own layer reads before the query). Refused for a model without
+            sliding-window layers (it would be used nowhere).
         max_streams: streams the cache holds at once (slots); memory is
             allocated for all of them up front.
         rope_positions: `"stream"` (None, the default) or `"cache"`: where
@@ -105,7 +133,7 @@ class FlexKVCache(CacheShim):
     def __init__(
         self,
         model,
-        retention: SinkWindow,
+        retention: Optional[SinkWindow],
         *,
         sliding_retention: Optional[SinkWindow] = None,
         max_streams: int = 8,
@@ -122,7 +150,8 @@ class FlexKVCache(CacheShim):
                                  f"give rope_positions only")
             rope_positions = positions
         positions = "stream" if rope_positions is None else rope_positions
-        _check_retention("retention", retention)
+        if retention is not None:
+            _check_retention("retention", retention)
         if sliding_retention is not None:
             _check_retention("sliding_retention", sliding_retention)
         if positions not in ROPE_POSITIONS:
@@ -140,6 +169,7 @@ class FlexKVCache(CacheShim):
                 f"its own cache already keeps a fixed-size state per stream, and a sink + window has nothing to bound"
             )
         check_model(model, attention)
+        _check_used(type(model).__name__, specs, retention, sliding_retention)
         # One one-token forward: the plan reaches every attention layer, with the head sizes it says.
         specs = reconcile(model, specs, probe_attention(model, attention_configs(model)))
         groups, kv_layer = layer_groups(specs, retention, sliding_retention)
@@ -188,10 +218,10 @@ class FlexKVCache(CacheShim):
                 rows_per_request=1,
                 max_source_len=0,
                 max_sources=0,
-                retention=retention,
+                retention=first.retention,
                 max_slots=max_streams,
                 dtype=dtype,
-                query_window=retention.window,
+                query_window=first.retention.window,
                 max_step_tokens=prefill_chunk,
             ),
             groups,
