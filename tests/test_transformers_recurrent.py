@@ -86,10 +86,10 @@ def test_recurrent_streams_continue_across_calls(family):
                          do_sample=False)
     for i, sid in enumerate(first):
         history[sid] = torch.cat([first[sid], out[i, ids.shape[1]:]])
-    # Call 2: continue c and a with 4 tokens each (the last generated token fed back, then 3 new)
-    # and start d with 2 (left-padded: new streams may be padded before their first token).
+    # Call 2: continue c and a with 3 new tokens each (the cache feeds the last token call 1 returned
+    # first) and start d with 2 (left-padded: new streams may be padded before their first token).
     msgs = dict(zip("cad", prompts((3, 3, 2), seed=6)))
-    new = {sid: (torch.cat([history[sid][-1:], msgs[sid]]) if sid in history else msgs[sid]) for sid in msgs}
+    new = msgs
     ids, mask = left_pad(list(new.values()))
     cache.select(list(new))
     out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=n, do_sample=False,

@@ -242,6 +242,8 @@ class FlexKVCache(CacheShim):
         self._selection: Optional[tuple] = None
         self._columns = 0
         self._pending: Optional[Pending] = None
+        #: stream id -> the token generate() returned last for it and never fed (see `turns`)
+        self._owed: dict = {}
         # Every check passed: only now touch the model.
         enable(model)
         # The model's hook state is read when needed, not kept: disable(model) and enable(model)
@@ -350,6 +352,7 @@ class FlexKVCache(CacheShim):
         if stream_id not in self.manager.requests:
             raise ValueError(f"finish(): no stream {stream_id!r}; the cache holds {list(self.manager.requests)}")
         self.manager.remove_request(stream_id)
+        self._owed.pop(stream_id, None)
 
     #: The first name of `finish`.
     drop = finish
@@ -578,6 +581,10 @@ class FlexKVCache(CacheShim):
         if p is None:
             raise ValueError("commit(): no planned forward is pending (cache.prepare() plans one)")
         p.transaction.commit()
+        for step in p.forward.steps:
+            for seg in step.segments:
+                if seg.span:  # fed: a token generate() returned before is in the stream now, or never will be
+                    self._owed.pop(seg.request_id, None)
         if self._recurrent is not None:
             self._recurrent.commit(p.forward)
         self._pending = None

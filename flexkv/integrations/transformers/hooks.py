@@ -25,6 +25,7 @@ from .model_config import text_config
 from .plan import FlexKVForward
 from .registration import ATTN_IMPLEMENTATION, register
 from .shim import CacheShim
+from .turns import record_owed_tokens, strip_first_column, with_owed_tokens
 
 __all__ = ["enable", "disable", "switch", "ModelState", "check_model", "attention_configs", "SUPPORTED_MODES"]
 
@@ -216,11 +217,24 @@ def _guarded_generate(state: ModelState, model, generate, *args, **kwargs):
     mode = _generation_mode(model, args, kwargs)
     if mode not in SUPPORTED_MODES:
         cache._unsupported(f"generate() in {mode.replace('_', ' ')} mode")
+    # A stream continued with only new tokens first attends the token generate() returned last (turns.py).
+    columns = cache._columns
+    owed = with_owed_tokens(cache, model, args, kwargs)
+    if owed is not None:
+        args, kwargs = owed
     try:
-        return generate(*args, **kwargs)
+        result = generate(*args, **kwargs)
     except BaseException:
         state.recover()  # an interrupted forward (e.g. Ctrl-C) is undone now, not at the next forward
+        if owed is not None and cache._columns > columns:
+            cache._columns -= 1
         raise
+    if owed is not None:
+        result = strip_first_column(result)
+        if cache._columns > columns:
+            cache._columns -= 1  # get_seq_length() counts the caller's columns
+    record_owed_tokens(cache, result, columns)
+    return result
 
 
 def enable(model) -> None:
