@@ -253,6 +253,30 @@ def test_learned_sinks_compiled_on_cpu_match_eager_flex_attention():
         m.attend(0, q, k, v, plan, sinks=torch.zeros(2))
 
 
+def test_a_compiled_float64_decode_on_the_cpu_takes_the_rows_path():
+    """torch's compiled CPU FlexAttention lowers float32/16/bf16 only ("torch.float, torch.float16 and
+    torch.bfloat16 are supported in FlexAttention for CPU device"): a float64 cache (the transformers tests'
+    dtype) decodes compiled on the rows path, equal to eager attention."""
+    cfg = BoundedKVConfig(num_layers=1, num_heads=2, head_dim=8, rows_per_request=1, max_source_len=0,
+                          max_sources=0, retention=SinkWindow(2, 6), max_slots=2, dtype=torch.float64,
+                          max_step_tokens=3)
+    m = BoundedKVManager(cfg, block_size=16)
+    assert m.path_for(1, compiled=True) == "rows"
+    compiled = torch.compile(lambda q, k, v, plan: m.attend(0, q, k, v, plan), fullgraph=True, dynamic=False)
+    torch.manual_seed(2)
+    written = 0
+    for T in (3, 1, 1, 1, 1, 1, 1):  # past the window: evicting
+        step = BoundedKVStep((Segment("a", T), Segment(None, 0)), {"a": StreamPosition(0, written)}, tokens=T)
+        m.admit(step)
+        plan = m.plan(step)
+        q, k, v = (torch.randn(2, n, T, 8, dtype=torch.float64) for n in (4, 2, 2))
+        got = compiled(q, k, v, plan) if T == 1 else m.attend(0, q, k, v, plan)
+        want = m.attend(0, q, k, v, plan)  # eager, rewrites the same cells
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        m.commit(step)
+        written += T
+
+
 # ------------------------------------------------------- silent changes
 
 
