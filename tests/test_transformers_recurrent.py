@@ -16,7 +16,7 @@ import torch
 
 import hf_models  # noqa: E402
 from hf_models import (  # noqa: E402  (skips this module without the transformers extra)
-    CHUNK, SINK, WINDOW, FailOnce, eager_and_compiled_greedy, left_pad, logit_tolerance, make_model, prompts,
+    CHUNK, LENGTHS, SINK, WINDOW, FailOnce, eager_and_compiled_greedy, left_pad, logit_tolerance, make_model, prompts,
     reference_greedy,
 )
 from single_thread import one_thread  # noqa: E402,F401
@@ -224,3 +224,23 @@ def test_a_model_without_attention_layers_is_refused_with_that_reason():
                                          r"state per stream"):
         FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
     assert getattr(model, "_flexkv_state", None) is None
+
+
+def test_minimax_left_padding_stays_out_of_the_lightning_state_with_flexkv_only():
+    """MiniMax's own cache lets left padding into its lightning-attention state (a padded row's greedy
+    tokens differ from the same prompt run alone); through flexkv each row equals its prompt run alone."""
+    model = make_model("minimax")
+    ps = prompts(LENGTHS)
+    ids, mask = left_pad(ps)
+    W, n = ids.shape[1], 16
+    own_class = getattr(sys.modules[type(model).__module__], "MiniMaxCache")
+    own = model.generate(ids, attention_mask=mask, cache=own_class(), max_new_tokens=n, do_sample=False)[:, W:]
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
+    flex = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=n, do_sample=False)[:, W:]
+    own_differs = []
+    for b, p in enumerate(ps):
+        alone = model.generate(p[None], cache=own_class(), max_new_tokens=n, do_sample=False)[0, len(p):]
+        own_differs.append(not torch.equal(own[b], alone))
+        one = FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
+        assert torch.equal(flex[b], model.generate(p[None], cache=one, max_new_tokens=n, do_sample=False)[0, len(p):])
+    assert own_differs == [len(p) < W for p in ps]  # exactly the padded rows
