@@ -159,8 +159,9 @@ def row_geometry(layout: Layout, plan, mask_mod: Callable, q_len: int, dtype: to
     (`gather_width(config)`; needed unless the step reads in place).
     """
     dev = plan.write_index.device
-    if dev.type == "cpu" and plan.tokens == 1 and reads_in_place(layout, plan.rows) and hasattr(plan, "cell_intervals"):
-        return _one_token_in_place(layout, plan, q_len, dtype)
+    if (dev.type == "cpu" and plan.tokens == 1 and not torch.compiler.is_compiling()
+            and reads_in_place(layout, plan.rows) and hasattr(plan, "cell_intervals")):
+        return _one_token_in_place(layout, plan, q_len, dtype)  # eager: reads the host table
     return mask_geometry(layout, plan, mask_mod, q_len, dtype, width)
 
 
