@@ -63,6 +63,8 @@ FAMILIES = (
     # attention and recurrent layers
     "qwen3_next", "granitemoehybrid", "bamba", "jamba", "falcon_h1", "lfm2", "minimax", "kimi_linear",
 )
+#: Families whose every attention layer slides (no full-attention layer for a retention).
+ALL_SLIDING = ("mistral",)
 #: (KV heads, key width, value width) of each attention layer type where they are not the config's 2 x 8.
 HEAD_SIZES = {
     "gemma4": {"sliding_attention": (2, 8, 8), "full_attention": (2, 16, 16)},
@@ -79,7 +81,9 @@ def generated(request):
     ids, mask = left_pad(ps)
     with torch.no_grad():
         plain_before = model(input_ids=ids, attention_mask=mask).logits
-    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=4, prefill_chunk=CHUNK, block_size=16)
+    # Mistral's every layer slides: it keeps the model's own window and takes no retention.
+    retention = None if family in ALL_SLIDING else SinkWindow(SINK, WINDOW)
+    cache = FlexKVCache(model, retention, max_streams=4, prefill_chunk=CHUNK, block_size=16)
     rec = RecordBytes(cache)
     out = model.generate(
         ids, attention_mask=mask, cache=cache, max_new_tokens=NEW, do_sample=False,
@@ -262,6 +266,30 @@ def test_learned_sinks_compiled_on_cpu_match_eager_flex_attention():
         m.attend(0, q, k, v, plan, sinks=torch.zeros(2))
 
 
+def test_a_compiled_float64_decode_on_the_cpu_takes_the_rows_path():
+    """torch's compiled CPU FlexAttention lowers float32/16/bf16 only ("torch.float, torch.float16 and
+    torch.bfloat16 are supported in FlexAttention for CPU device"): a float64 cache (the transformers tests'
+    dtype) decodes compiled on the rows path, equal to eager attention."""
+    cfg = BoundedKVConfig(num_layers=1, num_heads=2, head_dim=8, rows_per_request=1, max_source_len=0,
+                          max_sources=0, retention=SinkWindow(2, 6), max_slots=2, dtype=torch.float64,
+                          max_step_tokens=3)
+    m = BoundedKVManager(cfg, block_size=16)
+    assert m.path_for(1, compiled=True) == "rows"
+    compiled = torch.compile(lambda q, k, v, plan: m.attend(0, q, k, v, plan), fullgraph=True, dynamic=False)
+    torch.manual_seed(2)
+    written = 0
+    for T in (3, 1, 1, 1, 1, 1, 1):  # past the window: evicting
+        step = BoundedKVStep((Segment("a", T), Segment(None, 0)), {"a": StreamPosition(0, written)}, tokens=T)
+        m.admit(step)
+        plan = m.plan(step)
+        q, k, v = (torch.randn(2, n, T, 8, dtype=torch.float64) for n in (4, 2, 2))
+        got = compiled(q, k, v, plan) if T == 1 else m.attend(0, q, k, v, plan)
+        want = m.attend(0, q, k, v, plan)  # eager, rewrites the same cells
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        m.commit(step)
+        written += T
+
+
 # ------------------------------------------------------- silent changes
 
 
@@ -408,8 +436,26 @@ def test_model_layer_types_are_read_or_refused():
         layer_windows(cfg, 1)
     model = make_model("mistral")
     with pytest.raises(ValueError, match="more than the model's sliding_window=6; use window <= 5"):
-        FlexKVCache(model, SinkWindow(4, 8), sliding_retention=SinkWindow(4, 6))
-    cache = FlexKVCache(model, SinkWindow(4, 8), sliding_retention=SinkWindow(2, 5), block_size=16)
+        FlexKVCache(model, None, sliding_retention=SinkWindow(4, 6))
+    cache = FlexKVCache(model, None, sliding_retention=SinkWindow(2, 5), block_size=16)
     assert [r["retention"] for r in cache.memory_report()] == [SinkWindow(2, 5)]
     with pytest.raises(ValueError, match="layer 0 passes sliding_window=7 to its attention"):
         cache._check_layer(0, 7, None)
+
+
+@pytest.mark.parametrize("family, args, kw, match", [
+    ("mistral", (SinkWindow(4, 8),), {},
+     r"every attention layer of MistralForCausalLM slides \(sliding_window=6\), so retention=SinkWindow\(sink=4, "
+     r"window=8.*\) would be used nowhere: pass retention=None .* or .* sliding_retention=SinkWindow\(sink, window\), "
+     r"window <= 5"),
+    ("mistral", (SinkWindow(4, 8),), dict(sliding_retention=SinkWindow(2, 5)), r"so retention=.* would be used nowhere"),
+    ("llama", (None,), {}, r"retention=None, but LlamaForCausalLM's layers \[0, 1\] are full-attention layers"),
+    ("llama", (SinkWindow(4, 8),), dict(sliding_retention=SinkWindow(2, 5)),
+     r"LlamaForCausalLM has no sliding-window layer, so sliding_retention=SinkWindow\(sink=2, window=5.*\) would be "
+     r"used nowhere"),
+], ids=["all-sliding", "all-sliding-with-sliding-retention", "none-with-full-layers", "sliding-retention-unused"])
+def test_a_retention_no_layer_would_keep_is_refused(family, args, kw, match):
+    model = make_model(family, seed=11)
+    with pytest.raises(ValueError, match=match):
+        FlexKVCache(model, *args, **kw)
+    assert getattr(model, "_flexkv_state", None) is None and not model._forward_pre_hooks

@@ -17,6 +17,7 @@ import torch
 import hf_models
 from hf_models import (
     CHUNK,
+    LENGTHS,
     SINK,
     WINDOW,
     FailOnce,
@@ -97,10 +98,10 @@ def test_recurrent_streams_continue_across_calls(family):
                          do_sample=False)
     for i, sid in enumerate(first):
         history[sid] = torch.cat([first[sid], out[i, ids.shape[1]:]])
-    # Call 2: continue c and a with 4 tokens each (the last generated token fed back, then 3 new)
-    # and start d with 2 (left-padded: new streams may be padded before their first token).
+    # Call 2: continue c and a with 3 new tokens each (the cache feeds the last token call 1 returned
+    # first) and start d with 2 (left-padded: new streams may be padded before their first token).
     msgs = dict(zip("cad", prompts((3, 3, 2), seed=6)))
-    new = {sid: (torch.cat([history[sid][-1:], msgs[sid]]) if sid in history else msgs[sid]) for sid in msgs}
+    new = msgs
     ids, mask = left_pad(list(new.values()))
     cache.select(list(new))
     out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=n, do_sample=False,
@@ -235,3 +236,23 @@ def test_a_model_without_attention_layers_is_refused_with_that_reason():
                                          r"state per stream"):
         FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
     assert getattr(model, "_flexkv_state", None) is None
+
+
+def test_minimax_left_padding_stays_out_of_the_lightning_state_with_flexkv_only():
+    """MiniMax's own cache lets left padding into its lightning-attention state (a padded row's greedy
+    tokens differ from the same prompt run alone); through flexkv each row equals its prompt run alone."""
+    model = make_model("minimax")
+    ps = prompts(LENGTHS)
+    ids, mask = left_pad(ps)
+    W, n = ids.shape[1], 16
+    own_class = getattr(sys.modules[type(model).__module__], "MiniMaxCache")
+    own = model.generate(ids, attention_mask=mask, cache=own_class(), max_new_tokens=n, do_sample=False)[:, W:]
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
+    flex = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=n, do_sample=False)[:, W:]
+    own_differs = []
+    for b, p in enumerate(ps):
+        alone = model.generate(p[None], cache=own_class(), max_new_tokens=n, do_sample=False)[0, len(p):]
+        own_differs.append(not torch.equal(own[b], alone))
+        one = FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
+        assert torch.equal(flex[b], model.generate(p[None], cache=one, max_new_tokens=n, do_sample=False)[0, len(p):])
+    assert own_differs == [len(p) < W for p in ps]  # exactly the padded rows

@@ -38,6 +38,9 @@ from .sources import check_source_shapes
 
 __all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted"]
 
+#: The dtypes torch 2.13's compiled CPU FlexAttention kernel lowers; others take the rows path there.
+CPU_FLEX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 def _apart_from_kernel(out: torch.Tensor) -> torch.Tensor:
     """`out` itself, read through a gather along its first dimension.
@@ -116,7 +119,8 @@ class BoundedKVManager(nn.Module):
         #: `torch.compile`) always rows, since uncompiled FlexAttention forms every score of the
         #: whole layer tensor; compiled, rows for chunked steps (T > 1) on the CPU, where the
         #: gather is cheap next to the chunk's attention and FlexAttention's CPU kernel is slow for
-        #: short query blocks, and FlexAttention everywhere else.
+        #: short query blocks, and FlexAttention everywhere else, except in a dtype FlexAttention's CPU
+        #: kernel does not lower (`CPU_FLEX_DTYPES`; float64), which the rows path computes.
         self.attention_path = "auto"
         #: Compiled FlexAttention calls of every layer share one kernel (`flexkv.cache.kernel_sharing`):
         #: on by default on the CPU with the torch releases it is tested on.
@@ -409,7 +413,8 @@ class BoundedKVManager(nn.Module):
         """The attention path (`"rows"` or `"flex"`) a step of `tokens` tokens takes, compiled or
         eagerly (see `attention_path`)."""
         if self.attention_path == "auto":
-            rows = not compiled or (self.device.type == "cpu" and tokens > 1)
+            cpu = self.device.type == "cpu"
+            rows = not compiled or (cpu and (tokens > 1 or self.config.dtype not in CPU_FLEX_DTYPES))
         else:
             rows = self.attention_path == "rows"
         return "rows" if rows else "flex"

@@ -165,11 +165,9 @@ def table_views(buf: torch.Tensor, rows: int, tokens: int, width: int, full_widt
     Used by `BoundedPlan` on the table it copies to the device, and inside a compiled graph that
     takes the table as its one plan input.
     """
-    views = {}
-    o = 0
-    for name in ROW_FIELDS:
-        views[name] = buf[o:o + rows]
-        o += rows
+    # The per-row fields in one op (an eager step makes a plan per token, and each slice costs an op).
+    o = len(ROW_FIELDS) * rows
+    views = dict(zip(ROW_FIELDS, buf[:o].view(len(ROW_FIELDS), rows).unbind(0)))
     views["kv_num_blocks"] = buf[o:o + rows].view(rows, 1, 1)
     o += rows
     views["kv_indices"] = buf[o:o + rows * width].view(rows, 1, 1, width)

@@ -16,10 +16,11 @@ from ...cache.slots import SlotsExhausted
 from ...cache.transaction import StepTransaction
 from ...config import BoundedKVConfig, SinkWindow, is_int
 from .cache_positions import CachePositions
-from .hooks import check_model, enable, switch
+from .hooks import attention_configs, check_model, enable, switch
 from .model_config import RECURRENT_TYPES, absolute_positions, layer_groups, read_layers, softcap_of
 from .plan import FlexKVForward, Pending, chunk_steps
 from .recurrent import RecurrentStates, check_recurrent_forward, probe_states
+from .routing import probe_attention, reconcile
 from .shim import AttentionLayerView, CacheShim, HybridLayerView, RecurrentLayerView
 
 __all__ = ["FlexKVCache"]
@@ -58,6 +59,30 @@ def _own_cache_class(model):
 _WITH_OWN_CLASS: dict = {}
 
 
+def _check_used(name: str, specs, retention, sliding_retention) -> None:
+    """Refuse a retention no layer would keep, and a missing one some layer needs."""
+    full = [s.index for s in specs if s.attends and s.window is None]
+    sliding = [s.index for s in specs if s.attends and s.window is not None]
+    if retention is None and full:
+        raise ValueError(
+            f"retention=None, but {name}'s layers {full} are full-attention layers: pass retention=SinkWindow(sink, "
+            f"window), what a stream keeps there (None is for models whose every attention layer slides)"
+        )
+    if retention is not None and not full:
+        windows = sorted({s.window for s in specs if s.attends})
+        raise ValueError(
+            f"every attention layer of {name} slides (sliding_window={windows[0] if len(windows) == 1 else windows}), "
+            f"so retention={retention} would be used nowhere: pass retention=None to keep the model's own window "
+            f"there, or keep something else with sliding_retention=SinkWindow(sink, window), window <= "
+            f"{windows[0] - 1}"
+        )
+    if sliding_retention is not None and not sliding:
+        raise ValueError(
+            f"{name} has no sliding-window layer, so sliding_retention={sliding_retention} would be used nowhere; "
+            f"drop it (retention= is what its full-attention layers keep)"
+        )
+
+
 class FlexKVCache(CacheShim):
     """A bounded cache for a transformers causal LM, one stream per batch row.
 
@@ -68,12 +93,16 @@ class FlexKVCache(CacheShim):
             device size the cache; hooks are installed on it (see `enable`).
         retention: `SinkWindow(sink, window)` for the model's full-attention
             layers: each stream keeps its first `sink` and its last `window`
-            tokens there, and each token attends those plus itself.
+            tokens there, and each token attends those plus itself. None for
+            a model without full-attention layers (every layer slides, as in
+            Mistral), and only there: a retention that no layer would use is
+            refused, as is None where full-attention layers need one.
         sliding_retention: what the model's sliding-window layers keep.
             None (default): exactly the model's window (`SinkWindow(0,
             sliding_window - 1)`). A `SinkWindow` replaces it (e.g. to add
             sinks); its window is at most `sliding_window - 1` (what the model's
-            own layer reads before the query).
+            own layer reads before the query). Refused for a model without
+            sliding-window layers (it would be used nowhere).
         max_streams: streams the cache holds at once (slots); memory is
             allocated for all of them up front.
         rope_positions: `"stream"` (None, the default) or `"cache"`: where
@@ -103,7 +132,7 @@ class FlexKVCache(CacheShim):
     def __init__(
         self,
         model,
-        retention: SinkWindow,
+        retention: Optional[SinkWindow],
         *,
         sliding_retention: Optional[SinkWindow] = None,
         max_streams: int = 8,
@@ -114,7 +143,8 @@ class FlexKVCache(CacheShim):
         dtype: Optional[torch.dtype] = None,
     ):
         positions = "stream" if rope_positions is None else rope_positions
-        _check_retention("retention", retention)
+        if retention is not None:
+            _check_retention("retention", retention)
         if sliding_retention is not None:
             _check_retention("sliding_retention", sliding_retention)
         if positions not in ROPE_POSITIONS:
@@ -132,6 +162,9 @@ class FlexKVCache(CacheShim):
                 f"its own cache already keeps a fixed-size state per stream, and a sink + window has nothing to bound"
             )
         check_model(model, attention)
+        _check_used(type(model).__name__, specs, retention, sliding_retention)
+        # One one-token forward: the plan reaches every attention layer, with the head sizes it says.
+        specs = reconcile(model, specs, probe_attention(model, attention_configs(model)))
         groups, kv_layer = layer_groups(specs, retention, sliding_retention)
         if dtype is None:
             dtype = model.dtype
@@ -178,10 +211,10 @@ class FlexKVCache(CacheShim):
                 rows_per_request=1,
                 max_source_len=0,
                 max_sources=0,
-                retention=retention,
+                retention=first.retention,
                 max_slots=max_streams,
                 dtype=dtype,
-                query_window=retention.window,
+                query_window=first.retention.window,
                 max_step_tokens=prefill_chunk,
             ),
             groups,
@@ -202,6 +235,8 @@ class FlexKVCache(CacheShim):
         self._selection: Optional[tuple] = None
         self._columns = 0
         self._pending: Optional[Pending] = None
+        #: stream id -> the token generate() returned last for it and never fed (see `turns`)
+        self._owed: dict = {}
         # Every check passed: only now touch the model.
         enable(model)
         # The model's hook state is read when needed, not kept: disable(model) and enable(model)
@@ -310,6 +345,7 @@ class FlexKVCache(CacheShim):
         if stream_id not in self.manager.requests:
             raise ValueError(f"finish(): no stream {stream_id!r}; the cache holds {list(self.manager.requests)}")
         self.manager.remove_request(stream_id)
+        self._owed.pop(stream_id, None)
 
     def reset(self) -> None:
         """Forget every stream and the selection (transformers' `Cache.reset`)."""
@@ -542,6 +578,10 @@ class FlexKVCache(CacheShim):
         except BaseException:
             self.rollback()
             raise
+        for step in p.forward.steps:
+            for seg in step.segments:
+                if seg.span:  # fed: a token generate() returned before is in the stream now, or never will be
+                    self._owed.pop(seg.request_id, None)
         if self._recurrent is not None:
             self._recurrent.commit(p.forward)
         self._pending = None
