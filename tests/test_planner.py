@@ -217,3 +217,27 @@ def test_full_blocks_of_a_per_query_window_hold_what_every_query_reads():
     m.full_blocks = False
     plan = m.plan(step)
     assert (plan.blocks(0, full=True), plan.blocks(0)) == ([], [0, 1])
+
+
+def test_table_parts_lie_where_the_one_table_definition_puts_them():
+    """Every part of a plan table is the span `PLAN_TABLE` gives it: the device views, the host
+    readers and the planner's emit order agree, parts in order, nothing between or after them."""
+    from flexkv.cache.planner import PLAN_TABLE, table_spans
+
+    m = manager(cfg(max_slots=2))
+    plan = m.plan(start(m, (Segment("a", 2), Segment(None, 0), Segment("b", 1)),
+                        {"a": StreamPosition(2, 9), "b": StreamPosition(0, 3)}, tokens=2))
+    spans = table_spans(plan.rows, plan.tokens, plan.width, plan.full_width)
+    offsets = [spans[name][0] for name, _, _ in PLAN_TABLE]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    assert spans[None][0] == plan.table.numel() == len(plan.host) // 4
+    base = plan.table.data_ptr()
+    for name, _, _ in PLAN_TABLE:
+        view = getattr(plan, name)
+        assert (view.data_ptr() - base) // 4 == spans[name][0], name
+        o, n, _ = spans[name]
+        assert view.reshape(-1).tolist() == plan.table[o:o + plan.rows * n].tolist(), name
+    for i in range(plan.rows):
+        assert plan.row(i) == {k: int(getattr(plan, k)[i]) for k in plan.row(i)}
+        assert plan.write_cells(i) == plan.write_index.view(plan.rows, plan.tokens)[i].tolist()
+        assert plan.blocks(i) == plan.kv_indices[i, 0, 0, :int(plan.kv_num_blocks[i])].tolist()
