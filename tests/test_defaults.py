@@ -12,6 +12,7 @@ import torch
 import flexkv.cache.manager as manager_module
 import flexkv.cache.row_attention as row_attention
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.layout import Layout, default_block_size
 from flexkv.model.reference import ReferenceCache
 from single_thread import one_thread  # noqa: F401
@@ -35,8 +36,7 @@ def test_default_path_follows_device_step_and_compilation(device, tokens, compil
 
 @pytest.mark.parametrize("forced", ["flex", "rows"])
 def test_a_forced_path_is_taken_compiled_or_not(forced):
-    m = BoundedKVManager(_config(), "cpu")
-    m.attention_path = forced
+    m = BoundedKVManager(_config(), "cpu", options=AttentionOptions.for_cache(_config(), "cpu", path=forced))
     assert {m.path_for(t, compiled=c) for t in (1, 4) for c in (False, True)} == {forced}
 
 
@@ -111,8 +111,7 @@ def test_learned_sinks_match_the_reference_definition(path, tokens):
     """Sinks join each query head's softmax as one extra score with no value (the reference's
     definition), on the eager default path and on eager FlexAttention with its log-sum-exp."""
     cfg = _config(num_layers=1)
-    m = BoundedKVManager(cfg, "cpu")
-    m.attention_path = path
+    m = BoundedKVManager(cfg, "cpu", options=AttentionOptions.for_cache(cfg, "cpu", path=path))
     ref = ReferenceCache(cfg)
     g = torch.Generator().manual_seed(4)
     sinks = torch.randn(4, generator=g) * 2

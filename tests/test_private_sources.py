@@ -18,6 +18,7 @@ from flexkv import (
     SourcesExhausted,
     StreamPosition,
 )
+from flexkv.cache.attention_options import AttentionOptions
 from flexkv.model.reference import ReferenceCache
 
 H, HQ, D, R = 2, 4, 8, 2
@@ -47,9 +48,9 @@ def start(m, rid, source_len, source):
 
 
 @pytest.mark.parametrize("path", ["flex", "rows"])
-def test_private_prefixes_match_the_reference(config, manager, path):
+def test_private_prefixes_match_the_reference(config, path):
     """Two requests with prefixes of their own and one reading a shared source, 12 random steps."""
-    manager.attention_path = path
+    manager = BoundedKVManager(config, block_size=8, options=AttentionOptions.for_cache(config, "cpu", path=path))
     ref = ReferenceCache(config)
     shared = prefix(config, 4, 0)
     ref.add_source(manager.add_source(*shared), *shared)
