@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -68,6 +69,7 @@ from torch.utils.benchmark import Timer
 
 import flexkv.cache.manager as manager_module
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.kernel_options import decode_split_kv, flex_kernel_options
 from flexkv.cache.layout import entry_cell
 from flexkv.compiling import fresh_function
@@ -202,11 +204,11 @@ class Stream:
     def __init__(self, name: str, cfg: BoundedKVConfig, device, *, q_heads: int, tokens: int, segments: int,
                  block_size: int, seed: int, churn: float = 0.2, score_mod=None, positions: str = "stream",
                  compiled: bool = True, sinks: bool = False, full_blocks: bool = False):
-        m = BoundedKVManager(cfg, torch.device(device), block_size=block_size)
+        options = AttentionOptions.for_cache(cfg, device, full_blocks=True) if full_blocks else None
+        m = BoundedKVManager(cfg, torch.device(device), block_size=block_size, options=options)
         if full_blocks:
             # Every step planned with full blocks, whatever the batch (CUDA's default turns them off
             # for small decode batches): the kernels' full-block branch is what this checks.
-            m.full_blocks = True
             m._full_blocks_at = lambda rows, tokens: True
         gen = torch.Generator().manual_seed(seed)
         learned = (torch.randn(q_heads, generator=gen) * 2).to(m.device) if sinks else None
@@ -411,9 +413,8 @@ class Decode:
         self.cfg = BoundedKVConfig(num_layers=s["layers"], num_heads=s["kv_heads"], head_dim=s["head_dim"],
                                    rows_per_request=1, max_source_len=0, retention=SinkWindow(s["sink"], s["window"]),
                                    max_slots=s["requests"], max_step_tokens=1, max_sources=0, dtype=s["dtype"])
-        self.m = m = BoundedKVManager(self.cfg, device, block_size=s["block"])
-        if full_blocks is not None:
-            m.full_blocks = full_blocks
+        options = None if full_blocks is None else AttentionOptions.for_cache(self.cfg, device, full_blocks=full_blocks)
+        self.m = m = BoundedKVManager(self.cfg, device, block_size=s["block"], options=options)
         g = torch.Generator(device).manual_seed(seed)
         with torch.no_grad():
             for name, buf in m.named_buffers():
@@ -600,7 +601,7 @@ def variant_runs(d: "Decode") -> tuple:
     drop the full-block tensors, requests (None: all))."""
     m, s = d.m, d.s
     group = s["q_heads"] // s["kv_heads"]
-    packed = group > 1 and m.pack_gqa
+    packed = group > 1 and m.options.pack_gqa
     shipped = flex_kernel_options(
         d.device.type, group if packed else 1, s["kv_heads"], s["kv_heads"] if packed else s["q_heads"],
         s["head_dim"], s["dtype"], m.layout.block_size,
@@ -643,11 +644,13 @@ def variants(d: Decode, report: dict, deadline: float, copy_gbs, save: Callable[
             report.setdefault("skipped", []).append(f"variant {name}: out of time budget")
             print(f"  (skipped, out of time budget) {name}")
             continue
-        before = getattr(d.m, "full_blocks", None)
+        before = d.m.options
         try:
             torch._dynamo.reset()
             if full is not None:
-                d.m.full_blocks = full
+                # A diagnostic sweep over one filled cache: its options are swapped for the run and
+                # restored below (a cache's options are otherwise fixed when it is built).
+                d.m._options = dataclasses.replace(before, full_blocks=full)
             st = d.step(requests)
             plan = d.m.plan(st)
             if drop and int(plan.full_kv_num_blocks.max()) > 0:
@@ -672,8 +675,7 @@ def variants(d: Decode, report: dict, deadline: float, copy_gbs, save: Callable[
         except Exception as e:
             _section_error(report, f"timing/variant {name}", e)
         finally:
-            if before is not None:
-                d.m.full_blocks = before
+            d.m._options = before
             save()
 
 
@@ -686,8 +688,8 @@ def plan_at_bench_shape(report: dict) -> None:
     cfg = BoundedKVConfig(num_layers=1, num_heads=s["kv_heads"], head_dim=s["head_dim"], rows_per_request=1,
                           max_source_len=0, retention=SinkWindow(s["sink"], s["window"]), max_slots=s["requests"],
                           max_step_tokens=1, max_sources=0, dtype=s["dtype"])
-    m = BoundedKVManager(cfg, "meta", block_size=s["block"])
-    m.full_blocks = True
+    m = BoundedKVManager(cfg, "meta", block_size=s["block"],
+                         options=AttentionOptions.for_cache(cfg, "meta", full_blocks=True))
     rids = range(s["requests"])
     m.admit(BoundedKVStep(tuple(Segment(r, 1) for r in rids), {r: StreamPosition(0, 0) for r in rids}))
     m.commit(BoundedKVStep(tuple(Segment(r, 1) for r in rids), {r: StreamPosition(0, 20000 + r) for r in rids}))

@@ -23,6 +23,7 @@ from flexkv import (
     StreamPosition,
     StreamSession,
 )
+from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.groups import per_layer_groups
 from flexkv.cache.rotary import Rotary
 from flexkv.model.random_workload import check_close
@@ -50,9 +51,9 @@ GROUPS = (
 @pytest.mark.parametrize("path", ["auto", "flex"])
 def test_a_causal_group_next_to_a_per_step_group_matches_the_reference(path):
     cfg = config()
-    cache = GroupedKVManager(cfg, GROUPS, block_size=8)
-    for m in cache.managers:
-        m.attention_path = path
+    options = AttentionOptions.for_cache(cfg, "cpu", path=path)
+    cache = GroupedKVManager(cfg, GROUPS, block_size=8, manager=lambda c, slots: BoundedKVManager(
+        c, "cpu", block_size=8, slots=slots, options=options))
     refs = [ReferenceCache(cfg.replace(num_layers=1, retention=g.retention, causal_step=g.causal_step))
             for g in GROUPS]
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)

@@ -11,6 +11,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
+from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.kernel_sharing import SHARED_KERNEL_TORCH
 from flexkv.model.random_workload import RandomWorkload, score_bias
 
@@ -25,8 +26,9 @@ def compiled_workload(cfg, *, q_heads, tokens, seed, score_mod=None, positions="
     per-layer slices of them (views, not buffers of their own), the case inductor's CPU
     FlexAttention cannot lower as a query unless `attend` materialises it.
     """
-    manager = BoundedKVManager(cfg, "cpu", block_size=block_size)
-    manager.full_blocks = full_blocks  # the CUDA default; the CPU default (all blocks masked) runs elsewhere
+    # full_blocks: the CUDA default; the CPU default (all blocks masked) runs elsewhere
+    manager = BoundedKVManager(cfg, "cpu", block_size=block_size,
+                               options=AttentionOptions.for_cache(cfg, "cpu", full_blocks=full_blocks))
 
     def model_step(qs, ks, vs, plan):
         return [
@@ -68,7 +70,7 @@ def run_without_recompiles(work, steps):
             work.step()
     assert counters["stats"]["unique_graphs"] - graphs == 1
     # Blocks every query reads whole (no mask evaluated) occurred exactly when asked for.
-    assert (sum(work.full_blocks) > 0) == work.manager.full_blocks
+    assert (sum(work.full_blocks) > 0) == work.manager.options.full_blocks
 
 
 def test_sources_cfg_rows_gqa_lookahead_200_steps():
@@ -149,11 +151,9 @@ def test_layers_of_one_graph_share_one_flex_attention_region(tokens, pack_gqa, f
         num_layers=3, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=0, max_sources=0,
         retention=SinkWindow(2, 12), max_slots=3, max_step_tokens=tokens,
     )
-    manager = BoundedKVManager(cfg, "cpu", block_size=8)
-    manager.attention_path = "flex"
-    manager.pack_gqa = pack_gqa
-    manager.full_blocks = full_blocks
-    if not manager.share_flex_kernel:
+    options = AttentionOptions.for_cache(cfg, "cpu", path="flex", pack_gqa=pack_gqa, full_blocks=full_blocks)
+    manager = BoundedKVManager(cfg, "cpu", block_size=8, options=options)
+    if not manager.options.share_flex_kernel:
         pytest.skip(f"layers share a FlexAttention region from torch {SHARED_KERNEL_TORCH} on; this is {torch.__version__}")
     seen = []
 

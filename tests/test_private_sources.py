@@ -18,6 +18,7 @@ from flexkv import (
     SourcesExhausted,
     StreamPosition,
 )
+from flexkv.cache.attention_options import AttentionOptions
 from flexkv.model.random_workload import check_close
 from flexkv.model.reference import ReferenceCache
 
@@ -48,9 +49,9 @@ def start(m, rid, source_len, source):
 
 
 @pytest.mark.parametrize("path", ["flex", "rows"])
-def test_private_prefixes_match_the_reference(config, manager, path):
+def test_private_prefixes_match_the_reference(config, path):
     """Two requests with prefixes of their own and one reading a shared source, 12 random steps."""
-    manager.attention_path = path
+    manager = BoundedKVManager(config, block_size=8, options=AttentionOptions.for_cache(config, "cpu", path=path))
     ref = ReferenceCache(config)
     shared = prefix(config, 4, 0)
     ref.add_source(manager.add_source(*shared), *shared)

@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexkv import BoundedKVConfig, SinkWindow
+from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
+from flexkv.cache.attention_options import AttentionOptions
 from flexkv.model.random_workload import RandomWorkload, score_bias
 
 TOL = 1e-4
@@ -70,12 +71,12 @@ def test_random_workloads_match_reference(cfg_q, seed, block_size, positions, pa
         q_heads=q_heads,
         segments=segments,
         seed=seed,
-        block_size=block_size,
+        manager=BoundedKVManager(cfg, "cpu", block_size=block_size,
+                                 options=AttentionOptions.for_cache(cfg, "cpu", path=path)),
         score_mod=None if positions is None else score_bias,
         positions=positions or "stream",
         tolerance=TOL,
     )
-    work.manager.attention_path = path
     for _ in range(10):
         work.step()
 

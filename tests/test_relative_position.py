@@ -25,6 +25,7 @@ from flexkv import (
     StreamPosition,
     UncachedHistory,
 )
+from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.relative_position import RelativePosition, RelativePositionScores, distance_range
 from flexkv.model.random_workload import check_close
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
@@ -181,8 +182,7 @@ def test_reference_is_not_blind_to_the_position_term(model):
 
 @pytest.mark.parametrize("path", ["rows", "flex"])
 def test_eager_matches_the_model(model, path):
-    cache = BoundedKVManager(CFG, block_size=8)
-    cache.attention_path = path
+    cache = BoundedKVManager(CFG, block_size=8, options=AttentionOptions.for_cache(CFG, "cpu", path=path))
     rel = RelativePosition(CFG)
     stream_and_compare(cache, lambda x, plan: model.stream_step(cache, 0, x, plan, rel), model, tolerance=TOL)
 
@@ -199,8 +199,7 @@ def test_compiled_matches_the_model(model, path):
     (FlexAttention's compiled CPU kernel, or the rows path's mask); one graph per batch shape."""
     from torch._dynamo.utils import counters
 
-    cache = BoundedKVManager(CFG)
-    cache.attention_path = path
+    cache = BoundedKVManager(CFG, options=AttentionOptions.for_cache(CFG, "cpu", path=path))
     rel = RelativePosition(CFG)
     torch._dynamo.reset()
     compiled = torch.compile(lambda x, plan: model.stream_step(cache, 0, x, plan, rel), fullgraph=True)

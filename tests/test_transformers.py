@@ -43,6 +43,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 import flexkv.integrations.transformers as fkt
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, SlotsExhausted, StreamPosition
+from flexkv.cache.attention_options import AttentionOptions
 from flexkv.integrations.transformers import FlexKVCache
 from flexkv.integrations.transformers.model_config import HYBRID_TYPES, layer_windows
 
@@ -216,9 +217,8 @@ def test_learned_sinks_match_gpt_oss_eager_attention(dtype, pack_gqa, path):
     cfg = BoundedKVConfig(num_layers=1, num_heads=H, head_dim=D, rows_per_request=1, max_source_len=0,
                           max_sources=0, retention=SinkWindow(2, 16), max_slots=2, dtype=dtype, query_window=16,
                           max_step_tokens=T)
-    m = BoundedKVManager(cfg, block_size=16)
-    m.pack_gqa = pack_gqa
-    m.attention_path = path
+    m = BoundedKVManager(cfg, block_size=16,
+                         options=AttentionOptions.for_cache(cfg, "cpu", pack_gqa=pack_gqa, path=path))
     step = BoundedKVStep(segments=(Segment("a", T), Segment(None, 0), Segment("b", 4)),
                          positions={"a": StreamPosition(0, 0), "b": StreamPosition(0, 0)}, tokens=T)
     m.admit(step)
@@ -246,6 +246,8 @@ def test_learned_sinks_compiled_on_cpu_match_eager_flex_attention():
     cfg = BoundedKVConfig(num_layers=1, num_heads=2, head_dim=8, rows_per_request=1, max_source_len=0,
                           max_sources=0, retention=SinkWindow(1, 6), max_slots=2, max_step_tokens=3)
     m = BoundedKVManager(cfg, block_size=16)
+    # The same cache content on eager FlexAttention, which returns its log-sum-exp.
+    flex = BoundedKVManager(cfg, block_size=16, options=AttentionOptions.for_cache(cfg, "cpu", path="flex"))
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
     compiled = torch.compile(lambda q, k, v, plan: m.attend(0, q, k, v, plan, sinks=sinks), fullgraph=True)
     torch.manual_seed(1)
@@ -253,14 +255,14 @@ def test_learned_sinks_compiled_on_cpu_match_eager_flex_attention():
     for T in (3, 1, 1):
         step = BoundedKVStep((Segment("a", T), Segment(None, 0)), {"a": StreamPosition(0, written)}, tokens=T)
         m.admit(step)
+        flex.admit(step)
         plan = m.plan(step)
         q, k, v = torch.randn(2, 4, T, 8), torch.randn(2, 2, T, 8), torch.randn(2, 2, T, 8)
         got = compiled(q, k, v, plan)
-        m.attention_path = "flex"
-        want = m.attend(0, q, k, v, plan, sinks=sinks)  # eager FlexAttention with its log-sum-exp
-        m.attention_path = "auto"
+        want = flex.attend(0, q, k, v, flex.plan(step), sinks=sinks)
         torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
         m.commit(step)
+        flex.commit(step)
         written += T
     with pytest.raises(ValueError, match=r"sinks must have shape \[4\]"):
         m.attend(0, q, k, v, plan, sinks=torch.zeros(2))

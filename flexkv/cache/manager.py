@@ -24,8 +24,9 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from ..config import BoundedKVConfig, check_config, check_layer_index
 from ..step import BoundedKVStep, StreamPosition
+from .attention_options import AttentionOptions, Route
 from .kernel_options import flex_kernel_options
-from .kernel_sharing import layer_region, shares_flex_kernel
+from .kernel_sharing import layer_region
 from .layout import Layout
 from .masks import POSITION_MODES, make_mask_mod, make_score_mod
 from .planner import BoundedPlan, build_plan, table_views
@@ -37,10 +38,6 @@ from .slots import Admission, SlotsExhausted, SlotTable, SourcesExhausted
 from .sources import check_source_shapes
 
 __all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted"]
-
-#: The dtypes torch 2.13's compiled CPU FlexAttention kernel lowers; others take the rows path there.
-CPU_FLEX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 def _apart_from_kernel(out: torch.Tensor) -> torch.Tensor:
     """`out` itself, read through a gather along its first dimension.
@@ -54,6 +51,28 @@ def _apart_from_kernel(out: torch.Tensor) -> torch.Tensor:
     output, no extra kernel when something elementwise follows.
     """
     return out.index_select(0, torch.arange(out.shape[0], device=out.device))
+
+
+class _MovedToOptions:
+    """A former attention knob of the manager: settable no more (the options are fixed at build)."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+        self.field = "path" if name == "attention_path" else name
+
+    def _moved(self):
+        return AttributeError(
+            f"BoundedKVManager.{self.name} is fixed when the cache is built: pass "
+            f"options=AttentionOptions.for_cache(config, device, {self.field}=...) to BoundedKVManager "
+            f"and read it as manager.options.{self.field}")
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        raise self._moved()
+
+    def __set__(self, obj, value):
+        raise self._moved()
 
 
 class BoundedKVManager(nn.Module):
@@ -70,10 +89,13 @@ class BoundedKVManager(nn.Module):
         slots: the `SlotTable` to keep the requests in; None (the default) makes one. A
             `GroupedKVManager` passes the table all its groups share; such a manager stores one
             group and refuses sources of its own (the grouped cache writes them in every group).
+        options: how attention is computed (`flexkv.cache.attention_options.AttentionOptions`:
+            path, GQA packing, full blocks, epilogue barrier, kernel sharing), fixed for the cache's
+            life; None (the default) takes `AttentionOptions.for_cache(config, device)`.
     """
 
     def __init__(self, config: BoundedKVConfig, device="cpu", *, block_size: Optional[int] = None,
-                 slots: Optional[SlotTable] = None):
+                 slots: Optional[SlotTable] = None, options: Optional[AttentionOptions] = None):
         super().__init__()
         check_config(config)
         if config.dtype is None:
@@ -102,29 +124,14 @@ class BoundedKVManager(nn.Module):
         #: Host bookkeeping: slots, requests, source places (`flexkv.cache.slots`), under its lock.
         self.slots = SlotTable(config) if slots is None else slots
         self._lock = self.slots.lock
-        #: Fold GQA groups into the query axis (on by default on the CPU; see `attend`).
-        self.pack_gqa = self.device.type == "cpu"
-        #: Keep a compiled step's elementwise ops on the attention output (`o * 2`, a gate, a mean
-        #: over CFG rows) out of the FlexAttention kernel: inductor's CPU FlexAttention template
-        #: cannot take fused epilogues (torch 2.11-2.15), so the output is read through an identity
-        #: gather that inductor does not fuse into it (see `_apart_from_kernel`). On by default on the CPU.
-        self.epilogue_barrier = self.device.type == "cpu"
-        #: Plan blocks every query reads whole as full blocks, skipping the mask there. On by
-        #: default on CUDA (and on "meta", which plans as CUDA does); torch 2.13's compiled CPU
-        #: kernel ran slower with them.
-        self.full_blocks = self.device.type in ("cuda", "meta")
-        #: How `attend` computes attention: `"flex"` (one FlexAttention call over the layer tensor,
-        #: reading every cell in place), `"rows"` (each row's cells read in place or gathered, then
-        #: dense attention; `flexkv.cache.row_attention`) or `"auto"` (`path_for`): eagerly (no
-        #: `torch.compile`) always rows, since uncompiled FlexAttention forms every score of the
-        #: whole layer tensor; compiled, rows for chunked steps (T > 1) on the CPU, where the
-        #: gather is cheap next to the chunk's attention and FlexAttention's CPU kernel is slow for
-        #: short query blocks, and FlexAttention everywhere else, except in a dtype FlexAttention's CPU
-        #: kernel does not lower (`CPU_FLEX_DTYPES`; float64), which the rows path computes.
-        self.attention_path = "auto"
-        #: Compiled FlexAttention calls of every layer share one kernel (`flexkv.cache.kernel_sharing`):
-        #: on by default on the CPU with the torch releases it is tested on.
-        self.share_flex_kernel = shares_flex_kernel(self.device.type)
+        if options is None:
+            options = AttentionOptions.for_cache(config, self.device)
+        elif not isinstance(options, AttentionOptions):
+            raise ValueError(
+                f"options must be a flexkv.cache.attention_options.AttentionOptions or None, got "
+                f"{type(options).__name__}; build one with AttentionOptions.for_cache(config, device, ...)")
+        #: How attention is computed (`AttentionOptions`), fixed for the cache's life.
+        self._options = options
         # Eagerly, the rows path's per-plan work (cells, mask bias) is done once per plan and
         # reused by every layer: the last plan seen (weakly) and its geometries by shape, dropped
         # at commit.
@@ -138,7 +145,20 @@ class BoundedKVManager(nn.Module):
         flex_kernel_options(self.device.type, 1, config.num_heads, config.num_heads, config.head_dim,
                             config.dtype, self.layout.block_size, q_block_size=self.layout.q_block_size)
 
+    # Former knobs, now `options` fields: setting one raises and says how to pass it.
+    pack_gqa = _MovedToOptions()
+    epilogue_barrier = _MovedToOptions()
+    full_blocks = _MovedToOptions()
+    attention_path = _MovedToOptions()
+    share_flex_kernel = _MovedToOptions()
+
     # ------------------------------------------------------------------ views
+
+    @property
+    def options(self) -> AttentionOptions:
+        """How this cache computes attention (`AttentionOptions`), fixed when it was built."""
+        return self._options
+
 
     @property
     def free_slots(self) -> int:
@@ -403,7 +423,7 @@ class BoundedKVManager(nn.Module):
         layer tensor rather than of the row's blocks, so a row's work lands in one or two
         splits. Such steps list every block as masked instead.
         """
-        if not self.full_blocks:
+        if not self._options.full_blocks:
             return False
         if self._sm_count is not None and tokens < self.layout.q_block_size:
             return rows * self.config.num_heads > self._sm_count
@@ -411,13 +431,8 @@ class BoundedKVManager(nn.Module):
 
     def path_for(self, tokens: int, compiled: bool = True) -> str:
         """The attention path (`"rows"` or `"flex"`) a step of `tokens` tokens takes, compiled or
-        eagerly (see `attention_path`)."""
-        if self.attention_path == "auto":
-            cpu = self.device.type == "cpu"
-            rows = not compiled or (cpu and (tokens > 1 or self.config.dtype not in CPU_FLEX_DTYPES))
-        else:
-            rows = self.attention_path == "rows"
-        return "rows" if rows else "flex"
+        eagerly (`AttentionOptions.path_for`)."""
+        return self._options.path_for(self.device.type, tokens, compiled, self.config.dtype)
 
     def _mask_mod(self, plan, tokens: int, pack_gqa: bool) -> Callable:
         """The step's retention `mask_mod` (`flexkv.cache.masks`); the one place every path builds it."""
@@ -525,7 +540,7 @@ class BoundedKVManager(nn.Module):
         Returns `[N, Hq, T, Dv]`. `score_mod(score, b, h, q_pos, kv_pos)` gets
         stream positions (`positions="stream"`) or in-cache positions
         (`positions="cache"`). One attention call (`flex_attention`, or on the
-        rows path `flexkv.cache.row_attention`; see `attention_path`); traceable by
+        rows path `flexkv.cache.row_attention`), chosen by `options.route`; traceable by
         `torch.compile(fullgraph=True)`. `sinks`: learned sink logits `[Hq]`
         (see `flexkv.cache.sinks`), served from the same call's log-sum-exp.
         """
@@ -538,82 +553,82 @@ class BoundedKVManager(nn.Module):
         if relative and positions != "stream":
             raise ValueError(f"attend: a RelativePositionScores score_mod reads stream positions; got "
                              f"positions={positions!r}: pass positions='stream'")
-        c, lay = self.config, self.layout
-        N, H, T, D = k.shape
-        # Learned sinks need each query's log-sum-exp, which the compiled CPU FlexAttention kernel
-        # does not return: on the CPU they take the rows path, which computes it.
+        kc, vc = self._write(layer_idx, k, v, plan)
+        N, Hq, T, D = q.shape
+        H = k.shape[1]
         compiling = torch.compiler.is_compiling()
-        path = self.path_for(T, compiling)
-        if sinks is not None and self.device.type == "cpu" and self.attention_path == "auto":
-            path = "rows"
-        kc, vc = self._layer_kv(layer_idx)
-        cells = plan.write_index.view(1, N * T).long()
-        index = (self._zero_index, self._head_index, cells)
-        kc.index_put_(index, k.transpose(0, 1).reshape(H, N * T, D))
-        Dv = v.shape[3]
-        vc.index_put_(index, v.transpose(0, 1).reshape(H, N * T, Dv))
-
-        Hq = q.shape[1]
-        group = Hq // H
-        # On the CPU, fold each GQA group into the query axis: every KV head then meets its
-        # group's queries in one pass over its keys instead of one pass per query head.
-        pack_gqa = group > 1 and (self.pack_gqa or path == "rows")
-        g = group if pack_gqa else 1
-        mask_mod = None
-        if compiling or path == "flex":
-            mask_mod = self._mask_mod(plan, T, pack_gqa)
+        route = self._options.route(self.device.type, T, Hq // H, compiling, dtype=self.config.dtype,
+                                    score_mod=score_mod is not None, sinks=sinks is not None)
+        g = Hq // H if route.pack_gqa else 1
         sm = None
         if score_mod is not None:
+            c = self.config
             # A relative-position table is read at the query's own token (`RelativePositionScores.at`).
-            sm = make_score_mod(plan, lay.ring_len, T, score_mod.at if relative else score_mod, positions,
+            sm = make_score_mod(plan, self.layout.ring_len, T, score_mod.at if relative else score_mod, positions,
                                 c.reverse_step_order, c.query_window, group=g, query_index=relative)
-        # The scale is applied to q here rather than inside flex_attention: the product is a fresh
-        # buffer, and inductor's CPU FlexAttention fails to lower a q that is only a view of another
-        # tensor (a slice of a stacked 5-D tensor, or a projection's view + transpose).
-        scale = D ** -0.5 if scale is None else scale
-        lse = None
-        if path == "rows":
-            qr = q.reshape(N, H, g * T, D) * scale
-            width = gather_width(c)
-            geometry = None
-            if not compiling:
-                # Eagerly, every layer of the step shares the plan's geometry (cells, mask bias):
-                # built at the first layer, from the same mask_mod. Everything the mask depends on
-                # besides the plan and the cache's config is in the key.
-                geometry = self._eager_geometry(
-                    plan, (g * T, T, pack_gqa, q.dtype),
-                    lambda: row_geometry(lay, plan, self._mask_mod(plan, T, pack_gqa), g * T, q.dtype, width))
-            out = attend_rows(qr, kc, vc, lay, plan, mask_mod, sm, width=width, return_lse=sinks is not None,
-                              geometry=geometry, additive=relative)
-            if sinks is not None:
-                out, lse = out
+        # The scale is applied to q here rather than inside the call (TORCH_WORKAROUNDS["Q_VIEW"]):
+        # the product is a fresh buffer. Packed, query head h * g + i sits at rows i * T .. i * T + T - 1
+        # of KV head h: the same [N, Hq, T] view serves the output and its log-sum-exp.
+        qs = (q.reshape(N, H, g * T, D) if route.pack_gqa else q) * (D ** -0.5 if scale is None else scale)
+        if route.path == "rows":
+            out, lse = self._attend_rows(qs, kc, vc, plan, route, sm, compiling, sinks is not None, relative)
+        elif route.path == "region":
+            out, lse = _flex_layer(qs, kc, vc, plan.table, self, N, T, plan.width, plan.full_width,
+                                   plan.full_blocks, route.pack_gqa, self._kernel_options(qs, H)), None
         else:
-            options = flex_kernel_options(
-                self.device.type, g * T, H, H if pack_gqa else Hq, D, q.dtype, lay.block_size,
-                q_block_size=lay.q_block_size, capability=self._capability)
-            aux = None if sinks is None else AuxRequest(lse=True)
-            if compiling and self.share_flex_kernel and sm is None and sinks is None:
-                # One region per layer call, the same for every layer: its kernel compiles once.
-                qf = (q.reshape(N, H, g * T, D) if pack_gqa else q) * scale
-                out = _flex_layer(qf, kc, vc, plan.table, self, plan.rows, T, plan.width, plan.full_width,
-                                  plan.full_blocks, pack_gqa, options)
-            else:
-                block_mask = self._block_mask(plan, T * g, mask_mod)
-                if pack_gqa:
-                    out = flex_attention(q.reshape(N, H, g * T, D) * scale, kc, vc, score_mod=sm,
-                                         block_mask=block_mask, scale=1.0, kernel_options=options, return_aux=aux)
-                else:
-                    out = flex_attention(q * scale, kc, vc, score_mod=sm, block_mask=block_mask, scale=1.0,
-                                         enable_gqa=Hq != H, kernel_options=options, return_aux=aux)
-                if sinks is not None:
-                    out, lse = out[0], out[1].lse
-            if self.epilogue_barrier and compiling:
-                out = _apart_from_kernel(out)
-        if sinks is None:
-            return out.view(N, Hq, T, Dv)
-        # Packed (or from the rows path), query head h * g + i sits at rows i * T .. i * T + T - 1 of
-        # KV head h: the same [N, Hq, T] view serves the output and its log-sum-exp.
-        return apply_learned_sinks(out.view(N, Hq, T, Dv), lse.reshape(N, Hq, T), sinks)
+            out, lse = self._attend_flex(qs, kc, vc, plan, route, sm, sinks is not None)
+        if route.barrier:
+            out = _apart_from_kernel(out)
+        out = out.view(N, Hq, T, v.shape[3])
+        return out if sinks is None else apply_learned_sinks(out, lse.reshape(N, Hq, T), sinks)
+
+    def _write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan: BoundedPlan):
+        """Write the step's keys and values at the plan's cells of layer `layer_idx`; its buffers."""
+        kc, vc = self._layer_kv(layer_idx)
+        N, H, T, D = k.shape
+        index = (self._zero_index, self._head_index, plan.write_index.view(1, N * T).long())
+        kc.index_put_(index, k.transpose(0, 1).reshape(H, N * T, D))
+        vc.index_put_(index, v.transpose(0, 1).reshape(H, N * T, v.shape[3]))
+        return kc, vc
+
+    def _kernel_options(self, qs: torch.Tensor, H: int) -> dict:
+        """FlexAttention's kernel options for a scaled query `qs` over `H` KV heads."""
+        lay = self.layout
+        return flex_kernel_options(self.device.type, qs.shape[2], H, qs.shape[1], qs.shape[3], qs.dtype,
+                                   lay.block_size, q_block_size=lay.q_block_size, capability=self._capability)
+
+    def _attend_rows(self, qs, kc, vc, plan: BoundedPlan, route: Route, sm, compiling: bool, lse: bool,
+                     additive: bool = False):
+        """The rows path (`flexkv.cache.row_attention`): `(out, log-sum-exp or None)`."""
+        lay, T = self.layout, plan.tokens
+        pack, gT = route.pack_gqa, qs.shape[2]
+        width = gather_width(self.config)
+        geometry = mask_mod = None
+        if compiling:
+            mask_mod = self._mask_mod(plan, T, pack)
+        else:
+            # Eagerly, every layer of the step shares the plan's geometry (cells, mask bias):
+            # built at the first layer. Everything the mask depends on besides the plan and the
+            # cache's config is in the key.
+            geometry = self._eager_geometry(
+                plan, (gT, T, pack, qs.dtype),
+                lambda: row_geometry(lay, plan, self._mask_mod(plan, T, pack), gT, qs.dtype, width))
+        out = attend_rows(qs, kc, vc, lay, plan, mask_mod, sm, width=width, return_lse=lse, geometry=geometry,
+                          additive=additive)
+        return out if lse else (out, None)
+
+    def _attend_flex(self, qs, kc, vc, plan: BoundedPlan, route: Route, sm, lse: bool):
+        """One inline FlexAttention call: `(out, log-sum-exp or None)`."""
+        block_mask = self._block_mask(plan, qs.shape[2], self._mask_mod(plan, plan.tokens, route.pack_gqa))
+        return _flex(qs, kc, vc, block_mask, self._kernel_options(qs, kc.shape[1]), score_mod=sm, lse=lse)
+
+
+def _flex(q, k_cache, v_cache, block_mask: BlockMask, kernel_options: dict, score_mod=None, lse: bool = False):
+    """flexkv's one FlexAttention call (q already scaled): `(out, log-sum-exp or None)`."""
+    out = flex_attention(q, k_cache, v_cache, score_mod=score_mod, block_mask=block_mask, scale=1.0,
+                         enable_gqa=q.shape[1] != k_cache.shape[1], kernel_options=kernel_options,
+                         return_aux=AuxRequest(lse=True) if lse else None)
+    return (out[0], out[1].lse) if lse else (out, None)
 
 
 class _PlanView:
@@ -636,5 +651,4 @@ def _flex_layer(q, k_cache, v_cache, table, manager, rows, tokens, width, full_w
     plan = _PlanView(table, rows, tokens, width, full_width, full_blocks)
     group = q.shape[2] // tokens
     block_mask = manager._block_mask(plan, tokens * group, manager._mask_mod(plan, tokens, pack_gqa), own_buffers=True)
-    return flex_attention(q, k_cache, v_cache, block_mask=block_mask, scale=1.0, kernel_options=options,
-                          enable_gqa=q.shape[1] != k_cache.shape[1])
+    return _flex(q, k_cache, v_cache, block_mask, options)[0]
