@@ -18,7 +18,7 @@ Each shape runs, in one `benchmarks.timing.interleaved` loop (rounds of every va
 
 - `flexkv`: host admit + plan, then one compiled `attend` per layer, then commit, with every
   setting left to flexkv (block size, attention path);
-- `flexkv/flex` (with `--flex`): the same with `attention_path="flex"`;
+- `flexkv/flex` (with `--flex`): the same with `AttentionOptions(path="flex")`;
 - `laid-out`: SDPA over each row's retained entries and the step's tokens already contiguous,
   with the retention mask: no write and no copy, the limit of any layout with this kernel (the
   limit the table divides chunked steps by);
@@ -86,8 +86,7 @@ def run_shape(name: str, rounds: int, flex: bool = False, gather: bool = False) 
     errs = {}
     others = []
     if flex:
-        st2 = Steady(w)
-        st2.manager.attention_path = "flex"
+        st2 = Steady(w, path="flex")
         fk2 = FlexKV(st2, "layer")
         with torch.no_grad():
             errs["flexkv/flex"] = check(expect, fk2.step(first), "flexkv/flex")
@@ -144,7 +143,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds per shape (median reported)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--flex", action="store_true", help="also time attention_path='flex'")
+    ap.add_argument("--flex", action="store_true", help="also time AttentionOptions path='flex'")
     ap.add_argument("--gather", action="store_true", help="also time per-row gather + SDPA")
     args = ap.parse_args(argv)
     if args.threads:

@@ -44,7 +44,7 @@ the timing and the fp32 rows after it; the time budget for optional variants
    out): decode at the bench shape with float8 e4m3 cells (a float32 scale
    per cell and head) against bf16 cells, one compiled layer each: as
    shipped (FlexAttention over the dequantized layer) and with
-   `quantized_keys_in_kernel` (key cells read by the kernel as stored, their
+   `AttentionOptions(quantized_keys_in_kernel=True)` (key cells read by the kernel as stored, their
    scale in `score_mod`). Time, bytes the step must read over time, and the
    norm-relative error against a bf16 cache holding the dequantized cells.
 
@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -75,11 +76,12 @@ from torch.utils.benchmark import Timer
 
 import flexkv.cache.manager as manager_module
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.cache import quantized
+from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.kernel_options import decode_split_kv, flex_kernel_options
-from flexkv.model.random_workload import RandomWorkload, relative_error, score_bias
 from flexkv.cache.layout import entry_cell
 from flexkv.compiling import fresh_function
-from flexkv.cache import quantized
+from flexkv.model.random_workload import RandomWorkload, relative_error, score_bias
 
 #: Norm-relative tolerances, `||out - ref|| / ||ref||`: an absolute bound on bf16 outputs of a few
 #: thousand keys (values of order 1e-2) would not see a missing block.
@@ -210,11 +212,11 @@ class Stream:
     def __init__(self, name: str, cfg: BoundedKVConfig, device, *, q_heads: int, tokens: int, segments: int,
                  block_size: int, seed: int, churn: float = 0.2, score_mod=None, positions: str = "stream",
                  compiled: bool = True, sinks: bool = False, full_blocks: bool = False):
-        m = BoundedKVManager(cfg, torch.device(device), block_size=block_size)
+        options = AttentionOptions.for_cache(cfg, device, full_blocks=True) if full_blocks else None
+        m = BoundedKVManager(cfg, torch.device(device), block_size=block_size, options=options)
         if full_blocks:
             # Every step planned with full blocks, whatever the batch (CUDA's default turns them off
             # for small decode batches): the kernels' full-block branch is what this checks.
-            m.full_blocks = True
             m._full_blocks_at = lambda rows, tokens: True
         gen = torch.Generator().manual_seed(seed)
         learned = (torch.randn(q_heads, generator=gen) * 2).to(m.device) if sinks else None
@@ -414,16 +416,18 @@ class Decode:
     """Every request far past its window (rings wrapped), random cache content, one decode step."""
 
     def __init__(self, device: torch.device, shape: dict, *, full_blocks: Optional[bool] = None, seed: int = 0,
-                 slot_dtype: Optional[torch.dtype] = None):
+                 slot_dtype: Optional[torch.dtype] = None, keys_in_kernel: Optional[bool] = None):
         s = shape
         self.device, self.s = device, s
         self.cfg = BoundedKVConfig(num_layers=s["layers"], num_heads=s["kv_heads"], head_dim=s["head_dim"],
                                    rows_per_request=1, max_source_len=0, retention=SinkWindow(s["sink"], s["window"]),
                                    max_slots=s["requests"], max_step_tokens=1, max_sources=0, dtype=s["dtype"],
                                    slot_dtype=slot_dtype)
-        self.m = m = BoundedKVManager(self.cfg, device, block_size=s["block"])
-        if full_blocks is not None:
-            m.full_blocks = full_blocks
+        changes = {} if full_blocks is None else {"full_blocks": full_blocks}
+        if keys_in_kernel is not None:
+            changes["quantized_keys_in_kernel"] = keys_in_kernel
+        options = AttentionOptions.for_cache(self.cfg, device, **changes) if changes else None
+        self.m = m = BoundedKVManager(self.cfg, device, block_size=s["block"], options=options)
         g = torch.Generator(device).manual_seed(seed)
         with torch.no_grad():
             for name, buf in m.named_buffers():
@@ -522,9 +526,11 @@ def quantized_decode(device: torch.device, report: dict, save: Callable[[], None
         if in_kernel and not cuda:
             continue
         try:
-            fp8.m.quantized_keys_in_kernel = in_kernel
-            f = fp8.layer_fn(0, f"q-fp8-{int(in_kernel)}")
-            plan = fp8.m.plan(fp8.step())
+            # Options are fixed when a cache is built: keys in the kernel is a cache of its own, with the
+            # same seed (the same cells and inputs).
+            d8 = Decode(device, s, slot_dtype=torch.float8_e4m3fn, keys_in_kernel=True) if in_kernel else fp8
+            f = d8.layer_fn(0, f"q-fp8-{int(in_kernel)}")
+            plan = d8.m.plan(d8.step())
             with torch.no_grad():
                 got = f(plan, q, k, v).clone()
             err = relative_error(got, want) if want is not None else None
@@ -577,7 +583,7 @@ def timing(device: torch.device, report: dict, budget_s: float, save: Callable[[
         ms = gpu_ms(lambda: dst.copy_(src), device)
         copy_gbs = 2 * nbytes / (ms * 1e-3) / 1e9
         rows.append(_row("copy (read+write)", ms, 2 * nbytes))
-        del src, dst
+        src = dst = None  # free them (a closure above reads them, so not `del`)
     except Exception as e:
         _section_error(report, "timing/copy", e)
     save()
@@ -618,7 +624,7 @@ def timing(device: torch.device, report: dict, budget_s: float, save: Callable[[
                   f"{'ok' if rel <= tol else 'FAIL'}")
         rows.append(_row("SDPA enable_gqa, contiguous", gpu_ms(
             lambda: F.scaled_dot_product_attention(q, Kc, Vc, enable_gqa=True), device), nbytes, copy_gbs))
-        del Kc, Vc
+        Kc = Vc = None  # free them (a closure above reads them, so not `del`)
     except Exception as e:
         _section_error(report, "timing/sdpa", e)
     save()
@@ -669,8 +675,7 @@ def variant_runs(d: "Decode") -> tuple:
     drop the full-block tensors, requests (None: all))."""
     m, s = d.m, d.s
     group = s["q_heads"] // s["kv_heads"]
-    packed = group > 1 and m.pack_gqa
-    plan = m.plan(d.step())
+    packed = group > 1 and m.options.pack_gqa
     shipped = flex_kernel_options(
         d.device.type, group if packed else 1, s["kv_heads"], s["kv_heads"] if packed else s["q_heads"],
         s["head_dim"], s["dtype"], m.layout.block_size,
@@ -713,11 +718,13 @@ def variants(d: Decode, report: dict, deadline: float, copy_gbs, save: Callable[
             report.setdefault("skipped", []).append(f"variant {name}: out of time budget")
             print(f"  (skipped, out of time budget) {name}")
             continue
-        before = getattr(d.m, "full_blocks", None)
+        before = d.m.options
         try:
             torch._dynamo.reset()
             if full is not None:
-                d.m.full_blocks = full
+                # A diagnostic sweep over one filled cache: its options are swapped for the run and
+                # restored below (a cache's options are otherwise fixed when it is built).
+                d.m._options = dataclasses.replace(before, full_blocks=full)
             st = d.step(requests)
             plan = d.m.plan(st)
             if drop and int(plan.full_kv_num_blocks.max()) > 0:
@@ -742,8 +749,7 @@ def variants(d: Decode, report: dict, deadline: float, copy_gbs, save: Callable[
         except Exception as e:
             _section_error(report, f"timing/variant {name}", e)
         finally:
-            if before is not None:
-                d.m.full_blocks = before
+            d.m._options = before
             save()
 
 
@@ -756,8 +762,8 @@ def plan_at_bench_shape(report: dict) -> None:
     cfg = BoundedKVConfig(num_layers=1, num_heads=s["kv_heads"], head_dim=s["head_dim"], rows_per_request=1,
                           max_source_len=0, retention=SinkWindow(s["sink"], s["window"]), max_slots=s["requests"],
                           max_step_tokens=1, max_sources=0, dtype=s["dtype"])
-    m = BoundedKVManager(cfg, "meta", block_size=s["block"])
-    m.full_blocks = True
+    m = BoundedKVManager(cfg, "meta", block_size=s["block"],
+                         options=AttentionOptions.for_cache(cfg, "meta", full_blocks=True))
     rids = range(s["requests"])
     m.admit(BoundedKVStep(tuple(Segment(r, 1) for r in rids), {r: StreamPosition(0, 0) for r in rids}))
     m.commit(BoundedKVStep(tuple(Segment(r, 1) for r in rids), {r: StreamPosition(0, 20000 + r) for r in rids}))

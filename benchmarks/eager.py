@@ -5,7 +5,7 @@ heads x 64, 4 sinks + window 252, one token per step, fp32, attention only (writ
 every layer; flexkv also admits, plans and commits).
 
 - `flexkv`: `BoundedKVManager.attend` per layer, called eagerly, every setting left to flexkv;
-- `flexkv/flex` (with `--flex`): the same with `attention_path="flex"` (uncompiled FlexAttention,
+- `flexkv/flex` (with `--flex`): the same with `AttentionOptions(path="flex")` (uncompiled FlexAttention,
   which forms every score of the whole layer tensor);
 - `ring`: what a model without flexkv does eagerly: per layer a `[B, H, sink + window + 1, D]`
   key and value tensor, the step's token written at its ring cell (one `index_put_` each), then
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from benchmarks.timing import cycle, interleaved
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.layout import entry_cell
 
 SHAPE = dict(streams=8, layers=4, q_heads=16, kv_heads=8, head_dim=64, sink=4, window=252)
@@ -34,13 +35,13 @@ SHAPE = dict(streams=8, layers=4, q_heads=16, kv_heads=8, head_dim=64, sink=4, w
 class Eager:
     """flexkv and a plain ring cache from the same content, stepping the same inputs."""
 
-    def __init__(self, s: dict, seed: int = 0):
+    def __init__(self, s: dict, seed: int = 0, path: str = "auto"):
         self.s = s
         B, L, H, D = s["streams"], s["layers"], s["kv_heads"], s["head_dim"]
         g = torch.Generator().manual_seed(seed)
         self.cfg = BoundedKVConfig(num_layers=L, num_heads=H, head_dim=D, rows_per_request=1, max_source_len=0,
                                    max_sources=0, retention=SinkWindow(s["sink"], s["window"]), max_slots=B)
-        self.m = m = BoundedKVManager(self.cfg, "cpu")
+        self.m = m = BoundedKVManager(self.cfg, "cpu", options=AttentionOptions.for_cache(self.cfg, "cpu", path=path))
         with torch.no_grad():
             for l in range(L):
                 for buf in m._layer_kv(l):
@@ -107,8 +108,7 @@ def run(rounds: int = 7, flex: bool = False) -> dict:
         raise AssertionError(f"flexkv and the ring cache disagree by {err:.3g} on the first step")
     fns = {"flexkv": cycle(a.flexkv, a.inputs), "ring": cycle(a.ring, a.inputs)}
     if flex:
-        b = Eager(SHAPE)
-        b.m.attention_path = "flex"
+        b = Eager(SHAPE, path="flex")
         with torch.no_grad():
             e2 = max(float((x - y).abs().max()) for x, y in zip(b.flexkv(b.inputs[0]), fo))
         if not e2 < 1e-4:
@@ -121,7 +121,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--flex", action="store_true", help="also time attention_path='flex' (slow)")
+    ap.add_argument("--flex", action="store_true", help="also time AttentionOptions path='flex' (slow)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

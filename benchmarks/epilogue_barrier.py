@@ -14,7 +14,7 @@ process:
 ``projection, barrier``
     the default: the gather runs between the attention and the projection;
 ``projection, no barrier``
-    `epilogue_barrier = False`: the same model builds without it (the
+    `AttentionOptions(epilogue_barrier=False)`: the same model builds without it (the
     projection is a matmul, never fused into the kernel), so the difference
     is the barrier's whole cost;
 ``gated, barrier``
@@ -32,13 +32,13 @@ import torch
 
 from benchmarks.timing import decode_shape_args, round_robin
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.cache.attention_options import AttentionOptions
 
 
 def bench(args, barrier: bool, gated: bool):
     B, L, H, Hq, D = args.batch, args.layers, args.heads, args.q_heads, args.head_dim
     cfg = BoundedKVConfig(L, H, D, 1, 0, SinkWindow(args.sink, args.window), max_slots=B)
-    m = BoundedKVManager(cfg)
-    m.epilogue_barrier = barrier
+    m = BoundedKVManager(cfg, options=AttentionOptions.for_cache(cfg, "cpu", epilogue_barrier=barrier))
     g = torch.Generator().manual_seed(0)
     q = [torch.randn(B, Hq, 1, D, generator=g) for _ in range(L)]
     k = [torch.randn(B, H, 1, D, generator=g) for _ in range(L)]

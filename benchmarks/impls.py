@@ -33,11 +33,12 @@ import torch
 import torch.nn.functional as F
 
 from flexkv import BoundedKVManager, BoundedKVStep, Segment, StreamPosition
-from flexkv.model.reference import attended_indices
+from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.layout import entry_cell
 from flexkv.cli.stream_model import StreamModel
 from flexkv.cli.workload import Workload
 from flexkv.compiling import fresh_function
+from flexkv.model.reference import attended_indices
 
 __all__ = ["Steady", "FlexKV", "Gather", "CatSlice", "LaidOut", "Unbounded", "Floor", "IMPLS", "check"]
 
@@ -47,12 +48,13 @@ class Steady:
 
     ROUND_SETS = 2  # distinct q/k/v sets, cycled over rounds
 
-    def __init__(self, w: Workload, seed: int = 0):
+    def __init__(self, w: Workload, seed: int = 0, path: str = "auto"):
         self.w = w
         self.cfg = cfg = w.config()
         g = torch.Generator().manual_seed(seed)
         self.model = StreamModel(w, seed=seed)
-        self.manager = m = BoundedKVManager(cfg, "cpu", block_size=w.block_size)
+        self.manager = m = BoundedKVManager(cfg, "cpu", block_size=w.block_size,
+                                            options=AttentionOptions.for_cache(cfg, "cpu", path=path))
         dt = w.torch_dtype
         B, R, H, D, Hq = w.requests, w.rows, w.kv_heads, w.head_dim, w.num_q_heads
         self.B, self.R, self.N, self.H, self.D, self.Hq = B, R, B * R, H, D, Hq

@@ -19,6 +19,7 @@ import timeit
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.cache.attention_options import AttentionOptions
 
 ROWS = (1, 16, 64, 256)
 WINDOWS = (1020, 4092, 16380)
@@ -31,8 +32,7 @@ def plan_time(rows: int, window: int, *, full_blocks: bool = True, repeats: int 
         num_layers=32, num_heads=8, head_dim=128, rows_per_request=1, max_source_len=0, max_sources=0,
         retention=SinkWindow(4, window), max_slots=rows, max_step_tokens=1, dtype=torch.bfloat16,
     )
-    m = BoundedKVManager(cfg, "meta")
-    m.full_blocks = full_blocks
+    m = BoundedKVManager(cfg, "meta", options=AttentionOptions.for_cache(cfg, "meta", full_blocks=full_blocks))
     ids = list(range(rows))
     m.admit(BoundedKVStep(tuple(Segment(r, 1) for r in ids), {r: StreamPosition(0, 0) for r in ids}))
     # Streams far past the window, at different ring phases.

@@ -87,10 +87,9 @@ def run_shape(name: str, slot_dtypes, modes, rounds: int, paths: bool) -> dict:
         variants, runners, errs = {}, {}, {}
         for sd in slot_dtypes:
             for path in (("auto", "rows", "flex") if paths and mode == "compiled" and sd != "none" else ("auto",)):
-                st, twin = Steady(base.replace(slot_dtype=sd)), Steady(base)
+                st, twin = Steady(base.replace(slot_dtype=sd), path=path), Steady(base)
                 _fill(st, twin, 0)
                 st.inputs = twin.inputs = _stored_inputs(st, st.inputs)
-                st.manager.attention_path = path
                 runner = Eager(st) if mode == "eager" else FlexKV(st, "layer")
                 with torch.no_grad():
                     # The unquantized twin holds what the quantized cells read back: the same attention.
@@ -117,7 +116,7 @@ def main(argv=None) -> None:
                     help="comma-separated subset of " + ",".join(SHAPES))
     ap.add_argument("--slot-dtypes", default="none,int8,fp8", help="comma-separated: none, int8, fp8")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
-    ap.add_argument("--paths", action="store_true", help="compiled quantized caches: also time attention_path "
+    ap.add_argument("--paths", action="store_true", help="compiled quantized caches: also time options path "
                                                           "'rows' and 'flex'")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--markdown", action="store_true")

@@ -22,11 +22,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from hf_models import CHUNK, LENGTHS, NEW, SINK, WINDOW, left_pad, make_model, prompts  # noqa: E402
 from test_transformers import FAMILIES  # noqa: E402
 
 from flexkv import SinkWindow  # noqa: E402
 from flexkv.integrations.transformers import FlexKVCache  # noqa: E402
+from hf_models import CHUNK, LENGTHS, NEW, SINK, WINDOW, left_pad, make_model, prompts  # noqa: E402
 
 SLOT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 

@@ -53,8 +53,8 @@ class Shape:
         self.u = torch.randn(self.H, self.D, generator=g) * 0.3
         self.v = torch.randn(self.H, self.D, generator=g) * 0.3
 
-    def config(self, head_dim=None, v_head_dim=None):
-        return BoundedKVConfig(num_layers=1, num_heads=self.H, head_dim=head_dim or self.D, v_head_dim=v_head_dim,
+    def config(self, head_dim=None, value_head_dim=None):
+        return BoundedKVConfig(num_layers=1, num_heads=self.H, head_dim=head_dim or self.D, value_head_dim=value_head_dim,
                                rows_per_request=1, max_source_len=0, max_sources=0,
                                retention=SinkWindow(0, self.window), max_slots=self.B, max_step_tokens=self.T,
                                dtype=torch.float32)
@@ -84,7 +84,7 @@ def folded(s: Shape):
     """`(q + v) . W pe(i - j)` as a dot product: with `a_f, b_f` the query's weights on the sin and cos of
     frequency `w_f`, `a sin((i-j)w) + b cos((i-j)w) = (a sin iw + b cos iw) cos jw + (b sin iw - a cos iw) sin jw`."""
     F_ = s.dim // 2
-    cache = BoundedKVManager(s.config(head_dim=s.D + 2 * F_, v_head_dim=s.D))
+    cache = BoundedKVManager(s.config(head_dim=s.D + 2 * F_, value_head_dim=s.D))
     w = frequencies(s.dim).float()
     Wh = s.w_pos.view(s.H, s.D, F_, 2)  # rows of head h, columns (f, sin|cos)
     scale = s.D ** -0.5

@@ -122,5 +122,5 @@ def test_step(benchmark, workload, impl):
                     memory_bytes=st.manager.memory_bytes, max_slots=st.cfg.max_slots)
     if impl == "unbounded":
         info.update(stream_len=obj.n)
-    del obj
+    obj = None  # free it (`one` reads it, so not `del`)
     gc.collect()

@@ -4,32 +4,39 @@ The acoustic model is a small diffusion transformer (adaLN-zero blocks,
 random weights) trained - in spirit - with flow matching: a chunk of
 `chunk` mel frames starts as noise and `solver_steps` Euler steps move it
 along the model's velocity field, conditioned per frame on speech tokens.
-Streaming works as in chunk-aware flow-matching decoders: when chunk `c`
-is solved, its frames attend
+Streaming works as in chunk-aware flow-matching decoders, whose attention
+cache (one per solver step and block) follows the pipeline's own rule,
+written as such pipelines write it (`PipelineCacheAttention` below):
 
-- the voice prompt: a speaker's reference mel, encoded once, registered as a
-  flexkv *source* and shared by every request in that voice (it is the
-  sink: `SinkWindow(sink=source_len, window)`, a retention that depends on
-  the prompt's length);
-- the frames of earlier chunks, up to `window` of them, *at the same solver
-  step and block*: each (solver step, block) pair is its own cache layer,
-  so `num_layers = solver_steps * blocks`;
-- the chunk's own frames.
+    kv = torch.cat([kv_chunk, cache], dim=time)          # the new chunk goes in front
+    out = attention(q_chunk, kv)
+    cache = kv if len(kv) <= L + sink else torch.cat([kv[:L], kv[-sink:]])
+
+The cache starts as the voice prompt's keys (`L` frames, a speaker's
+reference mel encoded once); it keeps its newest `L` frames and its oldest
+`sink` (100): the prompt's last frames. In flexkv's terms
+(docs/models.md, "Conventions"): front insertion is `reverse_step_order=True`;
+"the last `sink` of the prompt as the sink" is the prompt registered back to
+front as a *source* shared by every request in that voice, with
+`SinkWindow(sink, L)`, a retention that depends on the prompt's length; each
+(solver step, block) pair is its own cache layer, so
+`num_layers = solver_steps * blocks`.
 
 Classifier-free guidance runs two rows per request (conditional and with
 the speech tokens dropped) that share a stream position but hold different
 keys (`rows_per_request=2`); the velocity is `v_u + w (v_c - v_u)`.
 
 Attention carries no positions (the frames' order reaches the model through
-its conditioning only), so a chunk may join its stream last-first
-(`reverse_step_order=True`): within the window the chunk's first frames are
-the last to be evicted. A request's final chunk is fed as
-`Chunk(inputs, span=0)`: its frames are attended as look-ahead and never
-written, since nothing will read them.
+its conditioning only), so the stream is the pipeline's cache read back to
+front: the prompt reversed, then each chunk written last-first. A request's
+final chunk is fed as `Chunk(inputs, span=0)`: its frames are attended as
+look-ahead and never written, since nothing will read them.
 
-The same model runs without a bounded cache (`flexkv.model.uncached`) for
-checking; `python examples/streaming_tts.py` streams both and prints frames
-per second, the cache's memory and the largest deviation.
+`pipeline_stream` runs the pipeline's own rule above in plain tensor code,
+one request at a time, and the same model runs without a bounded cache
+(`flexkv.model.uncached`); `python examples/streaming_tts.py` streams flexkv
+and the uncached twin, checks flexkv against the pipeline's own cache, and
+prints frames per second, the cache's memory and the largest deviations.
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ class TTSConfig:
     ffn: int = 128
     vocab: int = 64  # speech tokens, one per frame
     chunk: int = 50
-    window: int = 100
+    sink: int = 100  # the cache keeps its oldest `sink` frames (the prompt's last) and its newest L (prompt length)
     max_prompt: int = 80
     max_prompts: int = 2
     guidance: float = 2.0
@@ -75,14 +82,16 @@ class TTSConfig:
         return self.solver_steps * self.blocks
 
     def cache_config(self) -> BoundedKVConfig:
-        window = self.window
+        sink = self.sink
         return BoundedKVConfig(
             num_layers=self.layers,
             num_heads=self.heads,
             head_dim=self.head_dim,
             rows_per_request=2,  # conditional, unconditional
             max_source_len=self.max_prompt,
-            retention=lambda prompt_len: SinkWindow(prompt_len, window),  # keep the whole voice prompt
+            # `cache[:L] + cache[-sink:]` of a cache the chunks enter at the front: the stream (that cache
+            # back to front) keeps its first `sink` entries (the prompt's last frames) and its last L
+            retention=lambda prompt_len: SinkWindow(sink, prompt_len),
             max_slots=self.max_requests,
             reverse_step_order=True,
             max_step_tokens=self.chunk,
@@ -202,6 +211,49 @@ def encode_prompt(model: FlowDiT, mel: torch.Tensor, tokens: torch.Tensor):
     return ks.contiguous(), vs.contiguous()
 
 
+class PipelineCacheAttention(nn.Module):
+    """One layer's attention cache as the streaming pipeline writes it, for one request (its two rows).
+
+    `reset(k, v)` starts it on the voice prompt's keys and values `[2, heads, L, head_dim]`; each call puts
+    the chunk in front of the cache, attends it, and keeps the newest `L` and oldest `sink` frames.
+    """
+
+    def __init__(self, sink: int):
+        super().__init__()
+        self.sink = sink
+        self.kv = None
+        self.prompt_len = 0
+
+    def reset(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.kv = (k, v)
+        self.prompt_len = k.shape[2]
+
+    def forward(self, q, k, v):
+        k = torch.cat([k, self.kv[0]], dim=2)  # the new chunk in front of the cache
+        v = torch.cat([v, self.kv[1]], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v)
+        L, sink = self.prompt_len, self.sink
+        if k.shape[2] > L + sink:
+            k = torch.cat([k[:, :, :L], k[:, :, -sink:]], dim=2)
+            v = torch.cat([v[:, :, :L], v[:, :, -sink:]], dim=2)
+        self.kv = (k, v)
+        return out
+
+
+@torch.no_grad()
+def pipeline_stream(model: FlowDiT, prompt_kv, tokens: torch.Tensor, noises: List[torch.Tensor]) -> torch.Tensor:
+    """One request spoken with the pipeline's own caches (`PipelineCacheAttention`), chunk by chunk:
+    `prompt_kv` as `encode_prompt` gives it, `tokens [frames]`, the noise of each chunk -> mel `[frames, mel]`."""
+    cfg = model.cfg
+    own = FlowDiT(cfg, lambda i: PipelineCacheAttention(cfg.sink)).eval()
+    own.load_state_dict(model.state_dict())
+    for i, blk in enumerate(own.blocks):
+        blk.core.reset(prompt_kv[0][i], prompt_kv[1][i])
+    T = cfg.chunk
+    mels = [own(noise.unsqueeze(0), tokens[c * T:(c + 1) * T].unsqueeze(0))[0] for c, noise in enumerate(noises)]
+    return torch.cat(mels)
+
+
 class Runner:
     """A DiT on a `StreamSession` over one cache (bounded or uncached), compiled or not."""
 
@@ -247,19 +299,22 @@ def stream(cfg: TTSConfig, runners: List[Runner], prompts, utterances: List[Utte
     encoded once and registered as a source on every runner. Returns
     `steps`, `frames` (generated), `seconds` per runner, `max_dev` (largest
     mel difference of each runner from the last one over every frame),
-    `max_abs` (largest mel value, for scale) and `mels` (the first runner's
-    output per request).
+    `max_abs` (largest mel value, for scale), `mels` (the first runner's
+    output per request), `noise` (each request's noise per chunk) and
+    `sources` (each prompt's keys and values, in the prompt's order).
     """
     T = cfg.chunk
     sources = [encode_prompt(runners[0].model, mel, tok) for mel, tok in prompts]
     index = []
     for run in runners:
-        index.append([run.session.add_source(k, v) for k, v in sources])
+        # the stream is the pipeline's cache back to front: the prompt registered last frame first
+        index.append([run.session.add_source(k.flip(-2), v.flip(-2)) for k, v in sources])
     lengths = [mel.shape[0] for mel, _ in prompts]
     g = torch.Generator().manual_seed(seed)
     seconds = [0.0] * len(runners)
     max_dev, max_abs = [0.0] * len(runners), 0.0
     mels = {u.rid: [] for u in utterances}
+    noises = {u.rid: [] for u in utterances}
     steps = frames = 0
     while any(u.done_chunks < u.chunks(T) for u in utterances):
         feeds = {}
@@ -271,6 +326,7 @@ def stream(cfg: TTSConfig, runners: List[Runner], prompts, utterances: List[Utte
                     run.session.start(u.rid, source=index[k][u.prompt], source_len=lengths[u.prompt])
             last = u.done_chunks == u.chunks(T) - 1
             noise = torch.randn(T, cfg.mel, generator=g)
+            noises[u.rid].append(noise)
             tokens = u.tokens[u.done_chunks * T:(u.done_chunks + 1) * T]
             feeds[u.rid] = Chunk((noise, tokens), span=0 if last else T)  # the last chunk is read, never written
         outs = []
@@ -292,7 +348,17 @@ def stream(cfg: TTSConfig, runners: List[Runner], prompts, utterances: List[Utte
                     run.session.finish(u.rid)
         steps += 1
     return {"steps": steps, "frames": frames, "seconds": seconds, "max_dev": max_dev, "max_abs": max_abs,
-            "mels": {rid: torch.cat(m) for rid, m in mels.items()}}
+            "mels": {rid: torch.cat(m) for rid, m in mels.items()}, "noise": noises, "sources": sources}
+
+
+def pipeline_deviation(cfg: TTSConfig, model: FlowDiT, utterances: List["Utterance"], res: dict) -> float:
+    """Largest mel difference of `res["mels"]` (a `stream` run) from each request spoken alone with the
+    pipeline's own caches (`pipeline_stream`)."""
+    worst = 0.0
+    for u in utterances:
+        own = pipeline_stream(model, res["sources"][u.prompt], u.tokens, res["noise"][u.rid])
+        worst = max(worst, (res["mels"][u.rid] - own).abs().max().item())
+    return worst
 
 
 def make_prompts(cfg: TTSConfig, lengths, seed: int = 0):
@@ -335,7 +401,8 @@ def main(argv=None):
     m = bounded.session.cache
     print(f"streaming TTS flow-matching DiT: {cfg.solver_steps} Euler steps x {cfg.blocks} blocks = {cfg.layers} "
           f"cache layers, {cfg.heads} heads x {cfg.head_dim}, chunk {cfg.chunk} frames, CFG w={cfg.guidance}, "
-          f"voice prompt (sink) + window {cfg.window}, {'eager' if args.eager else 'compiled'}, "
+          f"keeps the newest L (prompt length) and oldest {cfg.sink} frames, "
+          f"{'eager' if args.eager else 'compiled'}, "
           f"{torch.get_num_threads()} threads")
     print(f"  {len(utts)} utterances, {res['steps']} steps, {res['frames']} frames "
           f"({res['frames'] // len(utts)} per utterance on average)")
@@ -346,6 +413,9 @@ def main(argv=None):
     if not args.no_check:
         print(f"  largest |mel| deviation from the uncached model: {res['max_dev'][0]:.2e} "
               f"(largest |mel| value {res['max_abs']:.1f})")
+        res["pipeline_dev"] = pipeline_deviation(cfg, bounded.model, utts, res)
+        print(f"  largest |mel| deviation from the pipeline's own caches (new chunk in front, "
+              f"cache[:L] + cache[-{cfg.sink}:]): {res['pipeline_dev']:.2e}")
     return res
 
 

@@ -35,17 +35,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from flexkv import (
-    BoundedKVConfig,
-    BoundedKVManager,
-    BoundedKVResource,
-    BoundedKVSpec,
-    BoundedKVStep,
-    EngineResourceInfo,
-    Segment,
-    SinkWindow,
-    StreamPosition,
-)
+from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.serving import BoundedKVResource, BoundedKVSpec, EngineResourceInfo
 from flexkv.serving.distributed import HeadShard
 
 LAYERS, KV_HEADS, QUERY_HEADS, HEAD_DIM, VOCAB = 4, 4, 8, 32, 1000

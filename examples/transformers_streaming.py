@@ -137,8 +137,8 @@ def main():
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=252)
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens per flexkv step)")
-    p.add_argument("--rope-positions", "--positions", dest="rope_positions", choices=("stream", "cache"), default="stream",
-                   help="rotary position mode of the cache (--positions: its first name)")
+    p.add_argument("--rope-positions", choices=("stream", "cache"), default="stream",
+                   help="rotary position mode of the cache")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)

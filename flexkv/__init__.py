@@ -16,83 +16,90 @@ The package in layers, each importing only its own layer or below:
 4. `flexkv.session`: the step loop;
 5. `flexkv.cli` (`flexkv run`, `flexkv show`), `flexkv.serving` (engine
    seams, tensor parallelism) and `flexkv.integrations` (transformers).
+
+`import flexkv` loads this module and `compiling` only; each name of
+`__all__` imports its module the first time it is used.
 """
 
 import importlib as _importlib
-import sys as _sys
+import warnings as _warnings
 
-from .cache.groups import GroupedKVManager, GroupedPlan, LayerGroup, build_cache, per_layer_groups
-from .cache.manager import BoundedKVManager, SlotsExhausted, SourcesExhausted
-from .cache.planner import BoundedPlan
-from .cache.protocol import StreamCache
-from .cache.relative_position import RelativePosition, RelativePositionScores
-from .cache.rotary import Rotary
-from .compiling import RecompileError, RecompileWarning, warn_if_untested
-from .config import BoundedKVConfig, SinkWindow
-from .model.port import SwappedAttention, swap_attention
-from .model.uncached import UncachedHistory
-from .model.wrap import CacheAttention, StepContext
-from .serving.engine import BoundedKVResource, BoundedKVSpec, EngineResourceInfo, load_deployment
-from .session import Chunk, StepResult, StreamSession
-from .step import BoundedKVStep, Segment, StreamPosition
+from .compiling import warn_if_untested as _warn_if_untested
 
 __version__ = "0.1.0"
 
-warn_if_untested()
-
-__all__ = [
+#: What a user writes, grouped as it is used, each with the module that defines it. `import flexkv`
+#: loads none of them (and so neither the CLI nor the serving seams): `flexkv.StreamSession` and
+#: `from flexkv import StreamSession` import the session and what it needs the first time.
+_PUBLIC = {
     # what a cache keeps
-    "BoundedKVConfig",
-    "SinkWindow",
-    "LayerGroup",
-    "per_layer_groups",
+    "BoundedKVConfig": "config",
+    "SinkWindow": "config",
+    "LayerGroup": "cache.groups",
+    "per_layer_groups": "cache.groups",
     # streaming a model: the step loop, and putting flexkv under its attention
-    "StreamSession",
-    "Chunk",
-    "StepResult",
-    "swap_attention",
-    "SwappedAttention",
-    "StepContext",
-    "CacheAttention",
-    "Rotary",
-    "RelativePosition",
-    "RelativePositionScores",
-    "UncachedHistory",
-    "RecompileError",
-    "RecompileWarning",
+    "StreamSession": "session",
+    "Chunk": "session",
+    "PerRequest": "session",
+    "swap_attention": "model.port",
+    "StepContext": "model.wrap",
+    "CacheAttention": "model.wrap",
+    "Rotary": "cache.rotary",
+    "RelativePosition": "cache.relative_position",
+    "RelativePositionScores": "cache.relative_position",
+    "UncachedHistory": "model.uncached",
+    "RecompileError": "compiling",
+    "RecompileWarning": "compiling",
     # the caches
-    "BoundedKVManager",
-    "GroupedKVManager",
-    "StreamCache",
-    "build_cache",
-    "SlotsExhausted",
-    "SourcesExhausted",
-    # one step, as an engine describes it
-    "BoundedKVStep",
-    "Segment",
-    "StreamPosition",
-    "BoundedPlan",
-    "GroupedPlan",
-    # building caches inside a serving engine
-    "BoundedKVResource",
-    "BoundedKVSpec",
-    "EngineResourceInfo",
-    "load_deployment",
-]
-
-#: Module paths from before the package was laid out in sub-packages; `import flexkv.manager`
-#: and `from flexkv.wrap import StepContext` keep working and name the same modules.
-MOVED_MODULES = {
-    "layout": "cache.layout", "planner": "cache.planner", "masks": "cache.masks",
-    "row_attention": "cache.row_attention", "sinks": "cache.sinks", "kernel_options": "cache.kernel_options",
-    "kernel_sharing": "cache.kernel_sharing", "rotary": "cache.rotary", "manager": "cache.manager",
-    "groups": "cache.groups", "protocol": "cache.protocol",
-    "reference": "model.reference", "uncached": "model.uncached", "wrap": "model.wrap", "port": "model.port",
-    "workload": "cli.workload", "stream_model": "cli.stream_model", "traffic": "cli.traffic", "show": "cli.show",
-    "runner": "cli.runner", "engine": "serving.engine", "distributed": "serving.distributed",
+    "BoundedKVManager": "cache.manager",
+    "GroupedKVManager": "cache.groups",
+    "StreamCache": "cache.protocol",
+    "build_cache": "cache.groups",
+    "SlotsExhausted": "cache.slots",
+    "SourcesExhausted": "cache.slots",
+    # one step, as a caller describes it to a cache
+    "BoundedKVStep": "step",
+    "Segment": "step",
+    "StreamPosition": "step",
 }
-for _old, _new in MOVED_MODULES.items():
-    _module = _importlib.import_module(f"{__name__}.{_new}")
-    _sys.modules[f"{__name__}.{_old}"] = _module
-    globals()[_old] = _module
-del _old, _new, _module
+
+__all__ = list(_PUBLIC)
+
+#: Names `flexkv` exported before 0.2 that are not what a user writes (what a call returns, a plan
+#: callers never look inside, the serving engine's seams): they still resolve, with a
+#: DeprecationWarning naming their module, until 0.3.
+_DEPRECATED = {
+    "StepResult": "session",
+    "SwappedAttention": "model.port",
+    "BoundedPlan": "cache.planner",
+    "GroupedPlan": "cache.groups",
+    "BoundedKVResource": "serving",
+    "BoundedKVSpec": "serving",
+    "EngineResourceInfo": "serving",
+    "load_deployment": "serving",
+}
+
+#: The sub-packages, imported on first use as attributes too (`flexkv.serving.BoundedKVSpec`).
+_SUBPACKAGES = ("config", "step", "compiling", "cache", "model", "session", "cli", "serving", "integrations")
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(_importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+        globals()[name] = value
+        return value
+    if name in _DEPRECATED:
+        home = f"{__name__}.{_DEPRECATED[name]}"
+        _warnings.warn(f"flexkv.{name} is deprecated and goes in flexkv 0.3; import it from {home}",
+                       DeprecationWarning, stacklevel=2)
+        return getattr(_importlib.import_module(home), name)
+    if name in _SUBPACKAGES:
+        return _importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__) | set(_SUBPACKAGES))
+
+
+_warn_if_untested()

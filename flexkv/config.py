@@ -89,7 +89,14 @@ class SinkWindow(_SinkWindowFields):
                 f"SinkWindow.keys: context must be an int >= 1 (keys a query attends, itself included), "
                 f"got {context!r}"
             )
-        return cls(sink, context, True)
+        return _RingKeys(sink, context, True)
+
+    @property
+    def ring_keys(self) -> Optional[int]:
+        """`C` for a policy built as `SinkWindow.keys(C, sink)` (a ring of `C` keys, the query included),
+        else None. A cache that feeds such a policy chunks must attend them causally, as a ring does
+        (`causal_step=True`); `BoundedKVConfig` refuses chunks attended whole under it."""
+        return None
 
     @classmethod
     def _make(cls, iterable) -> "SinkWindow":
@@ -107,6 +114,21 @@ class SinkWindow(_SinkWindowFields):
         return max(self.sink, n - max(w, 0))
 
 
+class _RingKeys(SinkWindow):
+    """What `SinkWindow.keys(C, sink)` returns: the same tuple, remembering that it is a ring of `C` keys."""
+
+    __slots__ = ()
+
+    @property
+    def ring_keys(self) -> Optional[int]:
+        return self.window if self.window_includes_step else None
+
+    def __repr__(self):
+        if not self.window_includes_step:
+            return f"SinkWindow(sink={self.sink}, window={self.window})"
+        return f"SinkWindow.keys({self.window}, sink={self.sink})"
+
+
 Retention = Union[SinkWindow, Callable[[int], SinkWindow]]
 
 
@@ -119,10 +141,12 @@ class BoundedKVConfig:
     `[min_source_len, max_source_len]`. Construction validates every field and
     raises `ValueError` naming the offending value and the allowed range.
 
-    `head_dim` is the width of a key (and of each query head); `v_head_dim`
-    the width of a value, None (the default) meaning the same. They differ in
-    multi-head latent attention (DeepSeek-V2/V3: keys carry a rotary part
-    that values do not). `value_head_dim` is the resolved value width.
+    `head_dim` is the width of a key (and of each query head);
+    `value_head_dim` the width of a value, None (the default) meaning the
+    same: the config resolves it to `head_dim` when built, so
+    `config.value_head_dim` is always an int, and `replace(head_dim=...)` on a
+    config given no value width moves both. They differ in multi-head latent
+    attention (DeepSeek-V2/V3: keys carry a rotary part that values do not).
 
     `causal_step=True` makes a per-step window causal inside the step: every
     query attends the step's shared window (sinks and the entries from
@@ -148,17 +172,21 @@ class BoundedKVConfig:
     query_window: Optional[int] = None
     max_step_tokens: int = 1
     max_sources: int = 1
-    v_head_dim: Optional[int] = None
+    value_head_dim: Optional[int] = None
     causal_step: bool = False
     slot_dtype: Optional[torch.dtype] = None
     _policies: tuple = field(default=(), init=False, repr=False, compare=False)
+    #: True when no value width was given: values are as wide as keys, through `replace` too
+    _values_as_keys: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         _int("num_layers", self.num_layers, 1)
         _int("num_heads", self.num_heads, 1)
         _int("head_dim", self.head_dim, 1)
-        if self.v_head_dim is not None:
-            _int("v_head_dim", self.v_head_dim, 1, " (or None for the same width as head_dim)")
+        if self.value_head_dim is None:
+            object.__setattr__(self, "_values_as_keys", True)
+            object.__setattr__(self, "value_head_dim", self.head_dim)
+        _int("value_head_dim", self.value_head_dim, 1, " (or None for the same width as head_dim)")
         _int("rows_per_request", self.rows_per_request, 1)
         _int("max_source_len", self.max_source_len, 0)
         _int("max_slots", self.max_slots, 1)
@@ -212,6 +240,20 @@ class BoundedKVConfig:
         object.__setattr__(self, "_policies", tuple(policies))
 
         qw = self.query_window
+        if qw is None and not self.causal_step and self.max_step_tokens > 1:
+            for length, pol in self._resolved():
+                C = pol.ring_keys
+                if C is not None:
+                    raise ValueError(
+                        f"retention {pol!r} (source_len={length}) is a ring of {C} keys, the query included, but "
+                        f"max_step_tokens={self.max_step_tokens} with a per-step window attends each chunk whole: "
+                        f"every frame of a chunk would see the chunk's later frames and keys a ring of {C} has "
+                        f"already overwritten (against a ring cache it is silently off). Give causal_step=True "
+                        f"(chunks written into the ring, then attended causally: what a ring cache does), or "
+                        f"query_window={C - 1} with SinkWindow({pol.sink}, {C - 1}) (each frame attends what it would "
+                        f"alone); if each chunk really attends the whole window and the whole chunk, write the "
+                        f"policy as SinkWindow({pol.sink}, {C}, window_includes_step=True)"
+                    )
         if qw is not None:
             _int("query_window", qw, 0, " (or None for a per-step window)")
             if self.reverse_step_order:
@@ -246,11 +288,6 @@ class BoundedKVConfig:
         return self._policies[source_len - self.min_source_len]
 
     @property
-    def value_head_dim(self) -> int:
-        """The width of a value: `v_head_dim`, or `head_dim` when that is None."""
-        return self.head_dim if self.v_head_dim is None else self.v_head_dim
-
-    @property
     def sink_capacity(self) -> int:
         """Written entries a slot's sink region holds: max(sink - source_len, 0) over lengths."""
         return max(max(p.sink - length, 0) for length, p in self._resolved())
@@ -271,7 +308,10 @@ class BoundedKVConfig:
         return self.sink_capacity + self.window_capacity
 
     def replace(self, **changes) -> "BoundedKVConfig":
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again). A config built without a value width
+        keeps values as wide as keys: `replace(head_dim=32)` makes both 32."""
+        if self._values_as_keys and "value_head_dim" not in changes:
+            changes["value_head_dim"] = None
         return dataclasses.replace(self, **changes)
 
 

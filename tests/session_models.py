@@ -27,11 +27,18 @@ def feed(n, seed):
     return torch.randn(n, 3, H, D, generator=torch.Generator().manual_seed(seed))
 
 
-def worst_difference(ref, res, feeds, outputs=None) -> float:
-    """Attend `res.step` (a session step that ran `model`) through the dense reference `ref` and
-    return the largest difference from what the session returned for each request; commits the
-    step to `ref`. `outputs(res, rid)` picks a request's attention output (default `res[rid]`)."""
+#: The largest difference from the float64 reference a float32 session step may show.
+TOLERANCE = 1e-5
+
+
+def check_step(ref, res, feeds, outputs=None, where: str = "", tolerance: float = TOLERANCE) -> float:
+    """Attend `res.step` (a session step that ran `model`) through the dense reference `ref`, compare
+    each layer of each request's output with it and commit the step to `ref`. The first layer and
+    request further than `tolerance` from the reference fails there, named after `where` (the
+    caller's step). Returns the largest difference. `outputs(res, rid)` picks a request's attention
+    output (default `res[rid]`)."""
     from flexkv import Chunk
+    from flexkv.model.random_workload import check_close
 
     B, T = len(res.step.segments), res.step.step_tokens
     x = torch.zeros(B, T, 3, H, D)
@@ -44,6 +51,8 @@ def worst_difference(ref, res, feeds, outputs=None) -> float:
         want = ref.attend(layer, q, k, v, res.step).transpose(1, 2)
         for rid, lane in res.lanes.items():
             got = (res[rid] if outputs is None else outputs(res, rid))[:, layer]
-            worst = max(worst, (got.double() - want[lane, :res.tokens[rid]]).abs().max().item())
+            worst = max(worst, check_close(got, want[lane, :res.tokens[rid]], tolerance,
+                                           f"{where + ', ' if where else ''}layer {layer}, request {rid!r} "
+                                           f"(lane {lane})"))
     ref.commit(res.step)
     return worst

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.model.reference import attended_indices, own_stream_indices
+from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.layout import entry_cell
+from flexkv.model.reference import attended_indices, own_stream_indices
 
 CONFIGS = {
     # Source longer than the sinks, ring of 13 cells over blocks of 8: slot rows start mid-block.
@@ -45,8 +46,8 @@ BLOCK = 8
 
 def _manager(name, full_blocks):
     cfg = BoundedKVConfig(num_layers=1, num_heads=1, head_dim=4, **CONFIGS[name])
-    m = BoundedKVManager(cfg, "meta", block_size=BLOCK)
-    m.full_blocks = full_blocks
+    m = BoundedKVManager(cfg, "meta", block_size=BLOCK,
+                         options=AttentionOptions.for_cache(cfg, "meta", full_blocks=full_blocks))
     return m
 
 

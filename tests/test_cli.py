@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexkv import BoundedKVConfig, SinkWindow, Segment, BoundedKVStep, StreamPosition
+from flexkv import BoundedKVConfig, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cli import main
-from flexkv.model.reference import ReferenceCache
 from flexkv.cli.traffic import Traffic
 from flexkv.cli.workload import load_workload
+from flexkv.model.reference import ReferenceCache
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"

@@ -3,15 +3,8 @@
 import pytest
 import torch
 
-from flexkv import (
-    BoundedKVConfig,
-    BoundedKVManager,
-    BoundedKVResource,
-    BoundedKVSpec,
-    EngineResourceInfo,
-    SinkWindow,
-    load_deployment,
-)
+from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
+from flexkv.serving import BoundedKVResource, BoundedKVSpec, EngineResourceInfo, load_deployment
 
 
 def make(**kw):
@@ -106,6 +99,18 @@ def test_derived_sizes_over_source_lengths():
         c.retention_for(1)
 
 
+def test_value_head_dim_resolves_to_the_key_width_and_follows_it_through_replace():
+    same = make()
+    assert same.value_head_dim == 8 and same == make(value_head_dim=8)  # None and 8 describe one cache
+    assert same.replace(head_dim=16).value_head_dim == 16  # given no value width: values as wide as keys
+    narrow = make(value_head_dim=4)
+    assert narrow.value_head_dim == 4 and narrow.replace(head_dim=16).value_head_dim == 4  # given: kept
+    assert same.replace(value_head_dim=6).replace(head_dim=32).value_head_dim == 6
+    with pytest.raises(ValueError, match=r"value_head_dim must be >= 1, got 0 \(or None for the same width as "
+                                         r"head_dim\)"):
+        make(value_head_dim=0)
+
+
 def test_sink_inside_the_source_needs_no_sink_capacity():
     c = make(max_source_len=8, min_source_len=4, retention=SinkWindow(4, 6))
     assert c.sink_capacity == 0 and c.slot_tokens == 6
@@ -188,3 +193,21 @@ def test_stream_position_is_a_named_tuple():
     assert (source_len, written, source) == (3, 5, 0) and pos.length == 8 and pos[1] == 5
     later = pos._replace(written=9)
     assert isinstance(later, StreamPosition) and later.length == 12 and pos.written == 5
+
+
+def test_a_ring_of_keys_fed_chunks_attended_whole_is_refused_with_the_fix():
+    """`SinkWindow.keys(C)` records that it is a ring; chunks under it need causal_step (or a per-query
+    window). The literal spelling of chunks attended whole is still allowed."""
+    C = 8
+    ring = SinkWindow.keys(C, sink=1)
+    assert ring.ring_keys == C and SinkWindow(1, C, window_includes_step=True).ring_keys is None
+    assert ring == SinkWindow(1, C, window_includes_step=True) and repr(ring) == "SinkWindow.keys(8, sink=1)"
+    with pytest.raises(ValueError, match=r"SinkWindow.keys\(8, sink=1\) .* is a ring of 8 keys.*causal_step=True.*"
+                                         r"query_window=7 with SinkWindow\(1, 7\).*SinkWindow\(1, 8, "
+                                         r"window_includes_step=True\)"):
+        make(retention=ring, max_step_tokens=4)
+    with pytest.raises(ValueError, match="is a ring of 8 keys"):
+        make(retention=lambda L: SinkWindow.keys(C, sink=L), max_source_len=2, max_step_tokens=4)
+    make(retention=ring, max_step_tokens=4, causal_step=True)
+    make(retention=ring, max_step_tokens=1)  # decode: a ring of C keys is exactly this
+    make(retention=SinkWindow(1, C, window_includes_step=True), max_step_tokens=4)

@@ -17,9 +17,8 @@ if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not
     sys.path.insert(0, str(ROOT))
 
 import flexkv.cache.manager  # noqa: E402
+from benchmarks.cuda_check import Decode, bench_shape, run_workload, save_report, variant_runs, workload_specs  # noqa: E402
 from flexkv.model.random_workload import relative_error  # noqa: E402
-from benchmarks.cuda_check import (  # noqa: E402
-    Decode, bench_shape, run_workload, save_report, variant_runs, workload_specs)
 from single_thread import one_thread  # noqa: E402,F401
 
 

@@ -12,7 +12,9 @@ import torch
 import flexkv.cache.manager as manager_module
 import flexkv.cache.row_attention as row_attention
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.layout import Layout, default_block_size
+from flexkv.model.random_workload import check_close
 from flexkv.model.reference import ReferenceCache
 from single_thread import one_thread  # noqa: F401
 
@@ -35,17 +37,17 @@ def test_default_path_follows_device_step_and_compilation(device, tokens, compil
 
 @pytest.mark.parametrize("forced", ["flex", "rows"])
 def test_a_forced_path_is_taken_compiled_or_not(forced):
-    m = BoundedKVManager(_config(), "cpu")
-    m.attention_path = forced
+    m = BoundedKVManager(_config(), "cpu", options=AttentionOptions.for_cache(_config(), "cpu", path=forced))
     assert {m.path_for(t, compiled=c) for t in (1, 4) for c in (False, True)} == {forced}
 
 
 def _stream(m, ref, steps, tokens, monkeypatch, counts):
-    """Steps of two requests (one padding segment), every layer attended eagerly; returns the worst error."""
+    """Steps of two requests (one padding segment), every layer attended eagerly and checked against
+    `ref`: the first step, layer and request that differs fails there."""
     c = m.config
     g = torch.Generator().manual_seed(0)
-    worst, written = 0.0, 0
-    for _ in range(steps):
+    written = 0
+    for s in range(steps):
         step = BoundedKVStep((Segment("a", tokens), Segment(None, 0), Segment("b", tokens)),
                              {"a": StreamPosition(0, written), "b": StreamPosition(0, written)}, tokens=tokens)
         m.admit(step)
@@ -56,13 +58,14 @@ def _stream(m, ref, steps, tokens, monkeypatch, counts):
             k, v = (torch.randn(3, 2, tokens, c.head_dim, generator=g) for _ in range(2))
             out = m.attend(layer, q, k, v, plan)
             want = ref.attend(layer, q, k, v, step)
-            worst = max(worst, (out.double() - want).abs().max().item())
+            for row, rid in enumerate(("a", None, "b")):  # one row per request
+                check_close(out[row], want[row], 1e-5, f"step {s}, layer {layer}, "
+                            + ("the padding segment" if rid is None else f"request {rid!r}"))
         # One geometry per plan, whatever the number of layers.
         assert counts["geometry"] - before == 1
         m.commit(step)
         ref.commit(step)
         written += tokens
-    return worst
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
@@ -84,8 +87,7 @@ def test_eager_default_never_runs_flex_attention_and_shares_the_plan_geometry(to
     monkeypatch.setattr(manager_module, "row_geometry", counting)
     cfg = _config()
     m = BoundedKVManager(cfg, "cpu")
-    worst = _stream(m, ReferenceCache(cfg), 8, tokens, monkeypatch, counts)
-    assert worst < 1e-5
+    _stream(m, ReferenceCache(cfg), 8, tokens, monkeypatch, counts)
 
 
 def test_eager_geometry_is_rebuilt_for_a_new_plan_of_the_same_step():
@@ -111,8 +113,7 @@ def test_learned_sinks_match_the_reference_definition(path, tokens):
     """Sinks join each query head's softmax as one extra score with no value (the reference's
     definition), on the eager default path and on eager FlexAttention with its log-sum-exp."""
     cfg = _config(num_layers=1)
-    m = BoundedKVManager(cfg, "cpu")
-    m.attention_path = path
+    m = BoundedKVManager(cfg, "cpu", options=AttentionOptions.for_cache(cfg, "cpu", path=path))
     ref = ReferenceCache(cfg)
     g = torch.Generator().manual_seed(4)
     sinks = torch.randn(4, generator=g) * 2
@@ -166,3 +167,36 @@ def test_cpu_block_is_one_slot_row_when_its_padding_is_small():
 
 def test_cuda_block_stays_128():
     assert default_block_size(_decode_config(32), "cuda") == default_block_size(_decode_config(32), "meta") == 128
+
+
+def test_attention_options_are_fixed_when_the_cache_is_built():
+    """The former knobs cannot be set on a built cache (the error names the way that works), and
+    options that would be ignored or are misspelled are refused, changing nothing."""
+    cfg = _config()
+    m = BoundedKVManager(cfg, "cpu")
+    assert m.options == AttentionOptions.for_cache(cfg, "cpu")
+    for name, field in (("attention_path", "path"), ("pack_gqa", "pack_gqa"), ("full_blocks", "full_blocks"),
+                        ("epilogue_barrier", "epilogue_barrier"), ("share_flex_kernel", "share_flex_kernel")):
+        with pytest.raises(AttributeError, match=rf"options=AttentionOptions.for_cache\(config, device, {field}="):
+            setattr(m, name, False)
+    assert m.options == AttentionOptions.for_cache(cfg, "cpu")
+    with pytest.raises(ValueError, match=r"path must be one of \('auto', 'rows', 'flex'\), got 'row'"):
+        AttentionOptions.for_cache(cfg, "cpu", path="row")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['attention_path'\]"):
+        AttentionOptions.for_cache(cfg, "cpu", attention_path="rows")
+    with pytest.raises(ValueError, match="options must be a flexkv.cache.attention_options.AttentionOptions"):
+        BoundedKVManager(cfg, "cpu", options={"path": "rows"})
+    assert AttentionOptions.for_cache(cfg, "meta").full_blocks and not AttentionOptions.for_cache(cfg, "cpu").full_blocks
+
+
+@pytest.mark.parametrize("device, tokens, compiled, score_mod, sinks, route", [
+    ("cpu", 1, True, False, False, ("region", True, True)),   # compiled CPU decode: the shared kernel
+    ("cpu", 1, True, True, False, ("flex", True, True)),      # a score_mod is traced inline
+    ("cpu", 1, True, False, True, ("rows", True, False)),     # no log-sum-exp from the CPU kernel
+    ("cpu", 4, True, False, False, ("rows", True, False)),    # compiled CPU chunk
+    ("cpu", 1, False, False, False, ("rows", True, False)),   # eager
+    ("meta", 1, True, False, True, ("flex", False, False)),   # CUDA's defaults: inline, unpacked
+])
+def test_one_route_per_call(device, tokens, compiled, score_mod, sinks, route):
+    opts = AttentionOptions.for_cache(_config(), device)
+    assert tuple(opts.route(device, tokens, 2, compiled, score_mod=score_mod, sinks=sinks)) == route

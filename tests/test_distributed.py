@@ -28,18 +28,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from flexkv import (
-    BoundedKVConfig,
-    BoundedKVManager,
-    BoundedKVResource,
-    BoundedKVSpec,
-    BoundedKVStep,
-    EngineResourceInfo,
-    Segment,
-    SinkWindow,
-    StreamPosition,
-)
+from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.model.reference import ReferenceCache
+from flexkv.serving import BoundedKVResource, BoundedKVSpec, EngineResourceInfo
 
 LAYERS, HEADS, QUERY_HEADS, HEAD_DIM, ROWS = 2, 4, 8, 8, 2
 SLOTS, BATCH, STEPS, SEED = 4, 3, 24, 1234

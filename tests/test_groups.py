@@ -15,14 +15,13 @@ from flexkv import (
     BoundedKVManager,
     BoundedKVStep,
     GroupedKVManager,
-    GroupedPlan,
     LayerGroup,
     Segment,
     SinkWindow,
     SlotsExhausted,
     StreamPosition,
 )
-from flexkv.cache.groups import layer_group_configs
+from flexkv.cache.groups import GroupedPlan, layer_group_configs
 from flexkv.model.reference import ReferenceCache
 from single_thread import one_thread  # noqa: F401
 
@@ -97,10 +96,10 @@ def test_each_layer_attends_as_its_groups_reference():
 def test_groups_with_their_own_head_sizes():
     """Sliding layers with 2 KV heads of 8, full layers with 1 KV head whose keys are 16 wide and
     values 12 (per-layer head sizes as in Gemma 4, key and value widths as in latent attention)."""
-    wide = LayerGroup((1, 3), SinkWindow(2, 6), query_window=6, name="full", num_heads=1, head_dim=16, v_head_dim=12)
+    wide = LayerGroup((1, 3), SinkWindow(2, 6), query_window=6, name="full", num_heads=1, head_dim=16, value_head_dim=12)
     m = attend_against_references((GROUPS[0], wide))
     report = m.memory_report()
-    assert [(r["num_heads"], r["head_dim"], r["v_head_dim"]) for r in report] == [(H, D, D), (1, 16, 12)]
+    assert [(r["num_heads"], r["head_dim"], r["value_head_dim"]) for r in report] == [(H, D, D), (1, 16, 12)]
     cell = 8  # float64
     assert report[0]["slot_bytes"] == 2 * 7 * H * (D + D) * cell
     assert report[1]["slot_bytes"] == 2 * 12 * 1 * (16 + 12) * cell
@@ -113,8 +112,8 @@ def test_groups_with_their_own_head_sizes():
     keys = torch.zeros(4, 1, H, 3, D, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"add_source: the groups hold heads of different sizes"):
         mixed.add_source(keys, keys)
-    with pytest.raises(ValueError, match=r"LayerGroup.v_head_dim must be an int >= 1"):
-        LayerGroup((0,), SinkWindow(1, 2), v_head_dim=0)
+    with pytest.raises(ValueError, match=r"LayerGroup.value_head_dim must be an int >= 1"):
+        LayerGroup((0,), SinkWindow(1, 2), value_head_dim=0)
 
 
 def test_memory_follows_each_groups_window():

@@ -9,7 +9,13 @@ import to the top of its module. Only modules of the package are nodes;
 """
 
 import ast
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import flexkv
 
@@ -105,10 +111,47 @@ def test_public_names_are_exported_and_internals_are_not():
     assert set(flexkv.__all__) >= {"StreamSession", "Chunk", "BoundedKVManager", "BoundedKVConfig", "SinkWindow",
                                    "BoundedKVStep", "Segment", "StreamPosition", "SlotsExhausted", "UncachedHistory",
                                    "StepContext", "CacheAttention", "Rotary", "swap_attention", "GroupedKVManager"}
+    # internals, plans callers never look inside, return types and the serving engine's seams
     assert not set(flexkv.__all__) & {"Layout", "ResourceStep", "Resource", "NodeResourceSpec", "apply_deployment",
-                                      "warn_if_untested"}
+                                      "warn_if_untested", "BoundedPlan", "GroupedPlan", "StepResult",
+                                      "SwappedAttention", "BoundedKVSpec", "BoundedKVResource", "EngineResourceInfo",
+                                      "load_deployment"}
     for name in flexkv.__all__:
         assert getattr(flexkv, name).__module__.startswith("flexkv."), name
+    assert set(flexkv.__all__) <= set(dir(flexkv))
+
+
+def _modules_after(code: str) -> list:
+    """The flexkv modules a fresh interpreter holds after running `code`."""
+    script = f"import sys\n{code}\nprint(sorted(m for m in sys.modules if m.startswith('flexkv')))"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent, env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    return ast.literal_eval(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_flexkv_loads_no_layer_until_a_name_is_used():
+    """`import flexkv` is two modules; a name loads its own module and what it needs, never the CLI."""
+    assert _modules_after("import flexkv") == ["flexkv", "flexkv.compiling"]
+    session = _modules_after("from flexkv import StreamSession")
+    assert "flexkv.session" in session and "flexkv.cache.manager" in session
+    assert not [m for m in session if m.startswith(("flexkv.cli", "flexkv.serving", "flexkv.integrations"))], session
+    everything = _modules_after("from flexkv import *")
+    assert not [m for m in everything if m.startswith(("flexkv.cli", "flexkv.serving", "flexkv.integrations"))]
+    assert "flexkv.serving.distributed" not in _modules_after("from flexkv.serving import BoundedKVSpec")
+
+
+def test_a_name_that_left_the_top_level_warns_and_names_its_module():
+    from flexkv.cache.planner import BoundedPlan
+    from flexkv.serving import load_deployment
+
+    for name, obj, home in (("BoundedPlan", BoundedPlan, "flexkv.cache.planner"),
+                            ("load_deployment", load_deployment, "flexkv.serving")):
+        with pytest.warns(DeprecationWarning, match=rf"flexkv\.{name} is deprecated and goes in flexkv 0\.3; "
+                                                    rf"import it from {re.escape(home)}"):
+            assert getattr(flexkv, name) is obj
+    with pytest.raises(AttributeError, match="has no attribute 'manager'"):
+        flexkv.manager  # the flat module paths from before the sub-packages are gone
+    assert flexkv.serving.BoundedKVSpec.__module__ == "flexkv.serving.engine"  # a sub-package loads on first use
 
 
 #: The package in layers, bottom up, as the tree lays it out: a layer is a few top-level modules or
@@ -135,17 +178,6 @@ def test_every_module_sits_in_the_folder_of_its_layer():
     top = sorted(name for name in MODULES if name.count(".") == 1)
     assert top == ["flexkv.__main__", "flexkv.cache", "flexkv.cli", "flexkv.compiling", "flexkv.config",
                    "flexkv.integrations", "flexkv.model", "flexkv.serving", "flexkv.session", "flexkv.step"]
-
-
-def test_module_paths_from_before_the_sub_packages_still_import():
-    import importlib
-
-    for old, new in flexkv.MOVED_MODULES.items():
-        assert importlib.import_module(f"flexkv.{old}") is importlib.import_module(f"flexkv.{new}"), old
-    from flexkv.wrap import StepContext
-    from flexkv.manager import BoundedKVManager
-
-    assert StepContext is flexkv.StepContext and BoundedKVManager is flexkv.BoundedKVManager
 
 
 def test_modules_import_only_their_layer_or_below():

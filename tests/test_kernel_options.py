@@ -3,12 +3,7 @@
 import pytest
 import torch
 
-from flexkv.cache.kernel_options import (
-    decode_block_m,
-    decode_split_kv,
-    flex_kernel_options,
-    uses_decode_kernel,
-)
+from flexkv.cache.kernel_options import decode_block_m, decode_split_kv, flex_kernel_options, uses_decode_kernel
 
 BF16 = torch.bfloat16
 

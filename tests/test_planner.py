@@ -11,6 +11,7 @@ most 4 entries, 2 slots, SinkWindow(3, 4), max_step_tokens 2):
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.masks import make_mask_mod
 
 
@@ -23,8 +24,9 @@ def cfg(**kw):
     return BoundedKVConfig(**base)
 
 
-def manager(config, source_len=4):
-    m = BoundedKVManager(config, "cpu", block_size=8)
+def manager(config, source_len=4, full_blocks=False):
+    m = BoundedKVManager(config, "cpu", block_size=8,
+                         options=AttentionOptions.for_cache(config, "cpu", full_blocks=full_blocks))
     if config.max_source_len:
         shape = (config.num_layers, config.rows_per_request, config.num_heads, source_len, config.head_dim)
         m.add_source(torch.zeros(shape), torch.zeros(shape))
@@ -160,8 +162,7 @@ def test_planning_on_meta_device_never_touches_device_data():
     m.admit(step)
     plan = m.plan(step)
     assert plan.kv_indices.device.type == "meta" and plan.n.device.type == "meta"
-    ref = manager(config)
-    ref.full_blocks = True  # meta plans as CUDA does: with full blocks
+    ref = manager(config, full_blocks=True)  # meta plans as CUDA does: with full blocks
     ref.admit(step)
     assert plan == ref.plan(step)
 
@@ -175,7 +176,7 @@ def test_meta_plans_with_the_cuda_defaults():
     """
     config = cfg(max_source_len=0, max_sources=0, retention=SinkWindow(4, 300), max_step_tokens=1, max_slots=3)
     m = BoundedKVManager(config, "meta")
-    assert m.layout.block_size == 128 and m.full_blocks
+    assert m.layout.block_size == 128 and m.options.full_blocks
     step = start(m, [Segment("a", 1), Segment("b", 1)], {"a": StreamPosition(0, 900), "b": StreamPosition(0, 41)})
     plan = m.plan(step)
     assert plan.full_blocks
@@ -188,8 +189,7 @@ def test_meta_plans_with_the_cuda_defaults():
 def test_blocks_every_query_reads_whole_skip_the_mask():
     """Window 16, no sink, T 1: ring of 17 cells (slot 0 at 0-16). At n=20 the row attends stream
     4..20, i.e. every cell 0-16: blocks 0 and 1 are full, block 2 (cell 16, then slot 1) is masked."""
-    m = manager(cfg(max_source_len=0, max_sources=0, retention=SinkWindow(0, 16), max_step_tokens=1))
-    m.full_blocks = True
+    m = manager(cfg(max_source_len=0, max_sources=0, retention=SinkWindow(0, 16), max_step_tokens=1), full_blocks=True)
     step = start(m, [Segment("g", 1)], {"g": StreamPosition(0, 20)}, tokens=1)
     plan = m.plan(step)
     assert plan.blocks(0, full=True) == [0, 1]
@@ -205,8 +205,8 @@ def test_blocks_every_query_reads_whole_skip_the_mask():
 def test_full_blocks_of_a_per_query_window_hold_what_every_query_reads():
     """query_window 9, T 2, no sink, ring 9 + 2 = 11 at cells 0-10 (blocks of 8), n = 30: query 30
     reads 21..30, query 31 reads 22..31; every query reads 22..30 (cells 0..8) -> block 0 is full."""
-    m = manager(cfg(max_source_len=0, max_sources=0, retention=SinkWindow(0, 9), query_window=9))
-    m.full_blocks = True
+    config = cfg(max_source_len=0, max_sources=0, retention=SinkWindow(0, 9), query_window=9)
+    m = manager(config, full_blocks=True)
     step = start(m, [Segment("q", 2)], {"q": StreamPosition(0, 30)}, tokens=2)
     plan = m.plan(step)
     cell = lambda j: j % 11
@@ -214,6 +214,31 @@ def test_full_blocks_of_a_per_query_window_hold_what_every_query_reads():
     assert plan.blocks(0) == [1]
     assert open_cells(m, plan, 0) == [sorted(cell(j) for j in range(21, 31)), sorted(cell(j) for j in range(22, 32))]
     # Without full blocks (the CPU default) the same cells are all left to the mask.
-    m.full_blocks = False
+    m = manager(config)
+    step = start(m, [Segment("q", 2)], {"q": StreamPosition(0, 30)}, tokens=2)
     plan = m.plan(step)
     assert (plan.blocks(0, full=True), plan.blocks(0)) == ([], [0, 1])
+
+
+def test_table_parts_lie_where_the_one_table_definition_puts_them():
+    """Every part of a plan table is the span `PLAN_TABLE` gives it: the device views, the host
+    readers and the planner's emit order agree, parts in order, nothing between or after them."""
+    from flexkv.cache.planner import PLAN_TABLE, table_spans
+
+    m = manager(cfg(max_slots=2))
+    plan = m.plan(start(m, (Segment("a", 2), Segment(None, 0), Segment("b", 1)),
+                        {"a": StreamPosition(2, 9), "b": StreamPosition(0, 3)}, tokens=2))
+    spans = table_spans(plan.rows, plan.tokens, plan.width, plan.full_width)
+    offsets = [spans[name][0] for name, _, _ in PLAN_TABLE]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    assert spans[None][0] == plan.table.numel() == len(plan.host) // 4
+    base = plan.table.data_ptr()
+    for name, _, _ in PLAN_TABLE:
+        view = getattr(plan, name)
+        assert (view.data_ptr() - base) // 4 == spans[name][0], name
+        o, n, _ = spans[name]
+        assert view.reshape(-1).tolist() == plan.table[o:o + plan.rows * n].tolist(), name
+    for i in range(plan.rows):
+        assert plan.row(i) == {k: int(getattr(plan, k)[i]) for k in plan.row(i)}
+        assert plan.write_cells(i) == plan.write_index.view(plan.rows, plan.tokens)[i].tolist()
+        assert plan.blocks(i) == plan.kv_indices[i, 0, 0, :int(plan.kv_num_blocks[i])].tolist()

@@ -22,7 +22,7 @@ from examples.port_ring_transformer import (
 )
 from examples.ring_transformer import StreamingAttention, StreamingTransformer, TransformerArgs
 from flexkv import BoundedKVConfig, SinkWindow, StreamSession, swap_attention
-from flexkv.model.wrap import CacheAttention, StepContext
+from flexkv.model.wrap import CacheAttention
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 ARGS = TransformerArgs(d_in=8, d_model=32, num_heads=2, num_layers=2, dim_feedforward=48, context=10, d_out=8)

@@ -169,9 +169,8 @@ def test_flexkv_cache_generates_with_quantized_slots_close_to_unquantized():
     """`FlexKVCache(model, ..., slot_dtype=torch.int8)` on a transformers family: every group stores
     int8 cells, a stream holds about half the bytes (plus scales), and greedy generate() over a
     stream 4x the window stays close to the unquantized cache (figures per family: docs/benchmarks.md)."""
-    from hf_models import CHUNK, LENGTHS, NEW, SINK, WINDOW, left_pad, make_model, prompts
-
     from flexkv.integrations.transformers import FlexKVCache
+    from hf_models import CHUNK, LENGTHS, NEW, SINK, WINDOW, left_pad, make_model, prompts
 
     model = make_model("gemma2")
     ids, mask = left_pad(prompts(LENGTHS))

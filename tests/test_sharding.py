@@ -10,19 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexkv import (
-    BoundedKVConfig,
-    BoundedKVManager,
-    BoundedKVResource,
-    BoundedKVSpec,
-    BoundedKVStep,
-    EngineResourceInfo,
-    Segment,
-    SinkWindow,
-    StreamPosition,
-)
-from flexkv.serving.distributed import HeadShard, ShardedKVManager, plan_digest, resolve_rank
+from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.model.reference import ReferenceCache
+from flexkv.serving import BoundedKVResource, BoundedKVSpec, EngineResourceInfo
+from flexkv.serving.distributed import HeadShard, ShardedKVManager, plan_digest, resolve_rank
 
 
 def small_config(num_heads=4, **kw) -> BoundedKVConfig:

@@ -17,21 +17,35 @@ import types
 import pytest
 import torch
 
-import hf_models  # noqa: E402
-from hf_models import (  # noqa: E402  (skips this module without the transformers extra)
-    CHUNK, LENGTHS, NEW, SINK, SW, VOCAB, WINDOW, held_bytes, layer_masks, left_pad, logit_tolerance, make_model,
-    prompts, reference_greedy, RecordBytes,
+import hf_models
+from hf_models import (
+    CHUNK,
+    LENGTHS,
+    NEW,
+    SINK,
+    SW,
+    WINDOW,
+    RecordBytes,
+    held_bytes,
+    layer_masks,
+    left_pad,
+    logit_tolerance,
+    make_model,
+    prompts,
+    reference_greedy,
 )
-from single_thread import one_thread  # noqa: E402,F401
-from transformers import DynamicCache  # noqa: E402
-from transformers.generation.stopping_criteria import StoppingCriteriaList  # noqa: E402
+from single_thread import one_thread  # noqa: F401
 
-import flexkv.integrations.transformers as fkt  # noqa: E402
-from flexkv import (  # noqa: E402
-    BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, SlotsExhausted, StreamPosition,
-)
-from flexkv.integrations.transformers import FlexKVCache  # noqa: E402
-from flexkv.integrations.transformers.model_config import HYBRID_TYPES, layer_windows  # noqa: E402
+# hf_models above skips this module without the transformers extra: it imports before transformers, flexkv
+# isort: split
+from transformers import DynamicCache
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+import flexkv.integrations.transformers as fkt
+from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, SlotsExhausted, StreamPosition
+from flexkv.cache.attention_options import AttentionOptions
+from flexkv.integrations.transformers import FlexKVCache
+from flexkv.integrations.transformers.model_config import HYBRID_TYPES, layer_windows
 
 
 def own_cache(model):
@@ -50,6 +64,8 @@ FAMILIES = (
     # attention and recurrent layers
     "qwen3_next", "granitemoehybrid", "bamba", "jamba", "falcon_h1", "lfm2", "minimax", "kimi_linear",
 )
+#: Families whose every attention layer slides (no full-attention layer for a retention).
+ALL_SLIDING = ("mistral",)
 #: (KV heads, key width, value width) of each attention layer type where they are not the config's 2 x 8.
 HEAD_SIZES = {
     "gemma4": {"sliding_attention": (2, 8, 8), "full_attention": (2, 16, 16)},
@@ -66,7 +82,9 @@ def generated(request):
     ids, mask = left_pad(ps)
     with torch.no_grad():
         plain_before = model(input_ids=ids, attention_mask=mask).logits
-    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=4, prefill_chunk=CHUNK, block_size=16)
+    # Mistral's every layer slides: it keeps the model's own window and takes no retention.
+    retention = None if family in ALL_SLIDING else SinkWindow(SINK, WINDOW)
+    cache = FlexKVCache(model, retention, max_streams=4, prefill_chunk=CHUNK, block_size=16)
     rec = RecordBytes(cache)
     out = model.generate(
         ids, attention_mask=mask, cache=cache, max_new_tokens=NEW, do_sample=False,
@@ -132,7 +150,7 @@ def test_each_layer_group_keeps_its_own_window(generated):
         else:
             assert group["retention"] == SinkWindow(SINK, WINDOW)
         heads, dim, vdim = HEAD_SIZES.get(g.family, {}).get(group["name"], (2, 8, 8))
-        assert (group["num_heads"], group["head_dim"], group["v_head_dim"]) == (heads, dim, vdim)
+        assert (group["num_heads"], group["head_dim"], group["value_head_dim"]) == (heads, dim, vdim)
         keep = group["retention"]
         assert group["slot_cells"] == keep.sink + keep.window + CHUNK
         assert group["slot_bytes"] == len(group["layers"]) * heads * (dim + vdim) * size * group["slot_cells"]
@@ -199,9 +217,8 @@ def test_learned_sinks_match_gpt_oss_eager_attention(dtype, pack_gqa, path):
     cfg = BoundedKVConfig(num_layers=1, num_heads=H, head_dim=D, rows_per_request=1, max_source_len=0,
                           max_sources=0, retention=SinkWindow(2, 16), max_slots=2, dtype=dtype, query_window=16,
                           max_step_tokens=T)
-    m = BoundedKVManager(cfg, block_size=16)
-    m.pack_gqa = pack_gqa
-    m.attention_path = path
+    m = BoundedKVManager(cfg, block_size=16,
+                         options=AttentionOptions.for_cache(cfg, "cpu", pack_gqa=pack_gqa, path=path))
     step = BoundedKVStep(segments=(Segment("a", T), Segment(None, 0), Segment("b", 4)),
                          positions={"a": StreamPosition(0, 0), "b": StreamPosition(0, 0)}, tokens=T)
     m.admit(step)
@@ -229,6 +246,8 @@ def test_learned_sinks_compiled_on_cpu_match_eager_flex_attention():
     cfg = BoundedKVConfig(num_layers=1, num_heads=2, head_dim=8, rows_per_request=1, max_source_len=0,
                           max_sources=0, retention=SinkWindow(1, 6), max_slots=2, max_step_tokens=3)
     m = BoundedKVManager(cfg, block_size=16)
+    # The same cache content on eager FlexAttention, which returns its log-sum-exp.
+    flex = BoundedKVManager(cfg, block_size=16, options=AttentionOptions.for_cache(cfg, "cpu", path="flex"))
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
     compiled = torch.compile(lambda q, k, v, plan: m.attend(0, q, k, v, plan, sinks=sinks), fullgraph=True)
     torch.manual_seed(1)
@@ -236,17 +255,41 @@ def test_learned_sinks_compiled_on_cpu_match_eager_flex_attention():
     for T in (3, 1, 1):
         step = BoundedKVStep((Segment("a", T), Segment(None, 0)), {"a": StreamPosition(0, written)}, tokens=T)
         m.admit(step)
+        flex.admit(step)
         plan = m.plan(step)
         q, k, v = torch.randn(2, 4, T, 8), torch.randn(2, 2, T, 8), torch.randn(2, 2, T, 8)
         got = compiled(q, k, v, plan)
-        m.attention_path = "flex"
-        want = m.attend(0, q, k, v, plan, sinks=sinks)  # eager FlexAttention with its log-sum-exp
-        m.attention_path = "auto"
+        want = flex.attend(0, q, k, v, flex.plan(step), sinks=sinks)
         torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
         m.commit(step)
+        flex.commit(step)
         written += T
     with pytest.raises(ValueError, match=r"sinks must have shape \[4\]"):
         m.attend(0, q, k, v, plan, sinks=torch.zeros(2))
+
+
+def test_a_compiled_float64_decode_on_the_cpu_takes_the_rows_path():
+    """torch's compiled CPU FlexAttention lowers float32/16/bf16 only ("torch.float, torch.float16 and
+    torch.bfloat16 are supported in FlexAttention for CPU device"): a float64 cache (the transformers tests'
+    dtype) decodes compiled on the rows path, equal to eager attention."""
+    cfg = BoundedKVConfig(num_layers=1, num_heads=2, head_dim=8, rows_per_request=1, max_source_len=0,
+                          max_sources=0, retention=SinkWindow(2, 6), max_slots=2, dtype=torch.float64,
+                          max_step_tokens=3)
+    m = BoundedKVManager(cfg, block_size=16)
+    assert m.path_for(1, compiled=True) == "rows"
+    compiled = torch.compile(lambda q, k, v, plan: m.attend(0, q, k, v, plan), fullgraph=True, dynamic=False)
+    torch.manual_seed(2)
+    written = 0
+    for T in (3, 1, 1, 1, 1, 1, 1):  # past the window: evicting
+        step = BoundedKVStep((Segment("a", T), Segment(None, 0)), {"a": StreamPosition(0, written)}, tokens=T)
+        m.admit(step)
+        plan = m.plan(step)
+        q, k, v = (torch.randn(2, n, T, 8, dtype=torch.float64) for n in (4, 2, 2))
+        got = compiled(q, k, v, plan) if T == 1 else m.attend(0, q, k, v, plan)
+        want = m.attend(0, q, k, v, plan)  # eager, rewrites the same cells
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        m.commit(step)
+        written += T
 
 
 # ------------------------------------------------------- silent changes
@@ -395,8 +438,26 @@ def test_model_layer_types_are_read_or_refused():
         layer_windows(cfg, 1)
     model = make_model("mistral")
     with pytest.raises(ValueError, match="more than the model's sliding_window=6; use window <= 5"):
-        FlexKVCache(model, SinkWindow(4, 8), sliding_retention=SinkWindow(4, 6))
-    cache = FlexKVCache(model, SinkWindow(4, 8), sliding_retention=SinkWindow(2, 5), block_size=16)
+        FlexKVCache(model, None, sliding_retention=SinkWindow(4, 6))
+    cache = FlexKVCache(model, None, sliding_retention=SinkWindow(2, 5), block_size=16)
     assert [r["retention"] for r in cache.memory_report()] == [SinkWindow(2, 5)]
     with pytest.raises(ValueError, match="layer 0 passes sliding_window=7 to its attention"):
         cache._check_layer(0, 7, None)
+
+
+@pytest.mark.parametrize("family, args, kw, match", [
+    ("mistral", (SinkWindow(4, 8),), {},
+     r"every attention layer of MistralForCausalLM slides \(sliding_window=6\), so retention=SinkWindow\(sink=4, "
+     r"window=8.*\) would be used nowhere: pass retention=None .* or .* sliding_retention=SinkWindow\(sink, window\), "
+     r"window <= 5"),
+    ("mistral", (SinkWindow(4, 8),), dict(sliding_retention=SinkWindow(2, 5)), r"so retention=.* would be used nowhere"),
+    ("llama", (None,), {}, r"retention=None, but LlamaForCausalLM's layers \[0, 1\] are full-attention layers"),
+    ("llama", (SinkWindow(4, 8),), dict(sliding_retention=SinkWindow(2, 5)),
+     r"LlamaForCausalLM has no sliding-window layer, so sliding_retention=SinkWindow\(sink=2, window=5.*\) would be "
+     r"used nowhere"),
+], ids=["all-sliding", "all-sliding-with-sliding-retention", "none-with-full-layers", "sliding-retention-unused"])
+def test_a_retention_no_layer_would_keep_is_refused(family, args, kw, match):
+    model = make_model(family, seed=11)
+    with pytest.raises(ValueError, match=match):
+        FlexKVCache(model, *args, **kw)
+    assert getattr(model, "_flexkv_state", None) is None and not model._forward_pre_hooks

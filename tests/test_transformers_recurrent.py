@@ -14,16 +14,28 @@ import sys
 import pytest
 import torch
 
-import hf_models  # noqa: E402
-from hf_models import (  # noqa: E402  (skips this module without the transformers extra)
-    CHUNK, SINK, WINDOW, FailOnce, eager_and_compiled_greedy, left_pad, logit_tolerance, make_model, prompts,
+import hf_models
+from hf_models import (
+    CHUNK,
+    LENGTHS,
+    SINK,
+    WINDOW,
+    FailOnce,
+    eager_and_compiled_greedy,
+    left_pad,
+    logit_tolerance,
+    make_model,
+    prompts,
     reference_greedy,
 )
-from single_thread import one_thread  # noqa: E402,F401
-from transformers import DynamicCache  # noqa: E402
+from single_thread import one_thread  # noqa: F401
 
-from flexkv import SinkWindow  # noqa: E402
-from flexkv.integrations.transformers import FlexKVCache  # noqa: E402
+# hf_models above skips this module without the transformers extra: it imports before transformers, flexkv
+# isort: split
+from transformers import DynamicCache
+
+from flexkv import SinkWindow
+from flexkv.integrations.transformers import FlexKVCache
 
 KW = dict(max_streams=4, prefill_chunk=CHUNK, block_size=16)
 
@@ -86,10 +98,10 @@ def test_recurrent_streams_continue_across_calls(family):
                          do_sample=False)
     for i, sid in enumerate(first):
         history[sid] = torch.cat([first[sid], out[i, ids.shape[1]:]])
-    # Call 2: continue c and a with 4 tokens each (the last generated token fed back, then 3 new)
-    # and start d with 2 (left-padded: new streams may be padded before their first token).
+    # Call 2: continue c and a with 3 new tokens each (the cache feeds the last token call 1 returned
+    # first) and start d with 2 (left-padded: new streams may be padded before their first token).
     msgs = dict(zip("cad", prompts((3, 3, 2), seed=6)))
-    new = {sid: (torch.cat([history[sid][-1:], msgs[sid]]) if sid in history else msgs[sid]) for sid in msgs}
+    new = msgs
     ids, mask = left_pad(list(new.values()))
     cache.select(list(new))
     out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=n, do_sample=False,
@@ -224,3 +236,23 @@ def test_a_model_without_attention_layers_is_refused_with_that_reason():
                                          r"state per stream"):
         FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
     assert getattr(model, "_flexkv_state", None) is None
+
+
+def test_minimax_left_padding_stays_out_of_the_lightning_state_with_flexkv_only():
+    """MiniMax's own cache lets left padding into its lightning-attention state (a padded row's greedy
+    tokens differ from the same prompt run alone); through flexkv each row equals its prompt run alone."""
+    model = make_model("minimax")
+    ps = prompts(LENGTHS)
+    ids, mask = left_pad(ps)
+    W, n = ids.shape[1], 16
+    own_class = getattr(sys.modules[type(model).__module__], "MiniMaxCache")
+    own = model.generate(ids, attention_mask=mask, cache=own_class(), max_new_tokens=n, do_sample=False)[:, W:]
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
+    flex = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=n, do_sample=False)[:, W:]
+    own_differs = []
+    for b, p in enumerate(ps):
+        alone = model.generate(p[None], cache=own_class(), max_new_tokens=n, do_sample=False)[0, len(p):]
+        own_differs.append(not torch.equal(own[b], alone))
+        one = FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
+        assert torch.equal(flex[b], model.generate(p[None], cache=one, max_new_tokens=n, do_sample=False)[0, len(p):])
+    assert own_differs == [len(p) < W for p in ps]  # exactly the padded rows

@@ -12,14 +12,25 @@ import warnings
 import pytest
 import torch
 
-from hf_models import (  # noqa: E402  (skips this module without the transformers extra)
-    CHUNK, SINK, WINDOW, FailOnce, eager_and_compiled_greedy, layer_masks, left_pad, make_model, prompts,
+from hf_models import (
+    CHUNK,
+    SINK,
+    WINDOW,
+    FailOnce,
+    eager_and_compiled_greedy,
+    layer_masks,
+    left_pad,
+    make_model,
+    prompts,
     reference_greedy,
 )
-from single_thread import one_thread  # noqa: E402,F401
+from single_thread import one_thread  # noqa: F401
 
-from flexkv import SinkWindow  # noqa: E402
-from flexkv.integrations.transformers import FlexKVCache  # noqa: E402
+# hf_models above skips this module without the transformers extra: it imports before transformers, flexkv
+# isort: split
+
+from flexkv import SinkWindow
+from flexkv.integrations.transformers import FlexKVCache
 
 KW = dict(max_streams=4, prefill_chunk=CHUNK, block_size=16)
 GREEDY = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -170,9 +181,10 @@ def test_streams_continue_across_generate_calls():
     for i, sid in enumerate(first):
         history[sid] = torch.cat([first[sid], out[i, ids.shape[1]:]])
     assert cache.stream_length("b") == len(history["b"]) - 1
-    # Call 2: continue c and a (in another order, with the last generated token fed back) and start d.
+    # Call 2: continue c and a (in another order, only their new tokens) and start d; the cache feeds
+    # each continued stream the last token call 1 returned before its new tokens.
     msgs = dict(zip("cad", prompts((6, 2, 9), seed=6)))
-    new = {sid: (torch.cat([history[sid][-1:], msgs[sid]]) if sid in history else msgs[sid]) for sid in msgs}
+    new = msgs
     ids, mask = left_pad(list(new.values()))
     cache.select(list(new))
     assert cache.get_seq_length() == 0
@@ -192,6 +204,36 @@ def test_streams_continue_across_generate_calls():
     for i, sid in enumerate(new):
         want, _ = reference_greedy(model, torch.cat([history[sid], more[i]]), n)
         assert out3[i, ids3.shape[1]:].tolist() == want.tolist(), f"stream {sid}, call 3"
+
+
+@pytest.mark.parametrize("form", ["new-tokens-only", "output-plus-new-tokens"])
+def test_multi_turn_chat_matches_the_whole_history(form):
+    """A chat of 5 turns per stream, two streams, each turn `generate()` of 6 tokens after a 3-token message,
+    evicting from the second turn on: either `select()` and only the new message (the cache feeds the token
+    the previous turn returned last), or the previous output plus the new message (transformers' way).
+    Every turn's tokens equal the model's over the whole history the user saw."""
+    model = make_model("llama", seed=3)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=2, prefill_chunk=CHUNK, block_size=16)
+    n, sids = 6, ["u", "v"]
+    history = {sid: torch.zeros(0, dtype=torch.long) for sid in sids}
+    out = mask = None
+    for turn in range(5):
+        msgs = prompts((3, 3) if form != "new-tokens-only" else (3 + turn % 2, 2), seed=20 + turn)
+        if form == "new-tokens-only" or out is None:
+            ids, m = left_pad(msgs)
+            cache.select(sids)
+        else:
+            ids = torch.cat([out, torch.stack(msgs)], dim=1)
+            m = torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], dim=1)
+        out = model.generate(ids, attention_mask=m, cache=cache, max_new_tokens=n, do_sample=False)
+        assert out.shape == (2, ids.shape[1] + n)  # the caller's columns, whatever the cache fed
+        mask = torch.cat([m, torch.ones(2, n, dtype=torch.long)], dim=1)
+        for i, sid in enumerate(sids):
+            want, _ = reference_greedy(model, torch.cat([history[sid], msgs[i]]), n)
+            assert out[i, ids.shape[1]:].tolist() == want.tolist(), f"{form}, turn {turn}, stream {sid}"
+            history[sid] = torch.cat([history[sid], msgs[i], want])
+            assert cache.stream_length(sid) == len(history[sid]) - 1  # the last token is owed, not fed
+    assert cache.get_seq_length() == out.shape[1] - 1
 
 
 def test_a_forward_planned_by_hand_commits_when_told():
@@ -394,13 +436,19 @@ def test_finish_ends_a_stream_and_frees_its_slot():
     model.generate(ids, attention_mask=mask, cache=cache.select(["a", "b"]), max_new_tokens=2, do_sample=False)
     cache.finish("a")
     assert cache.streams == ("b",) and cache.stream_length("a") == 0
-    cache.drop("b")  # the method's first name
+    cache.finish("b")
     assert cache.streams == () and cache.manager.free_slots == 2
 
 
-def test_the_rotary_mode_keyword_and_its_first_name_agree():
+def test_a_continued_stream_that_cannot_take_its_last_token_first_is_refused():
+    """num_return_sequences repeats one prompt row for several streams, each owed a different token:
+    refused before anything is fed, naming the streams."""
     model = make_model("llama", seed=3)
-    assert FlexKVCache(model, SinkWindow(SINK, WINDOW), rope_positions="cache", **KW).rope_positions == "cache"
-    assert FlexKVCache(model, SinkWindow(SINK, WINDOW), positions="cache", **KW).rope_positions == "cache"
-    with pytest.raises(ValueError, match="rope_positions='stream' and positions='cache' disagree"):
-        FlexKVCache(model, SinkWindow(SINK, WINDOW), rope_positions="stream", positions="cache", **KW)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=2, block_size=16)
+    ids = prompts((4,), seed=5)[0][None]
+    model.generate(ids.repeat(2, 1), cache=cache.select(["a", "b"]), max_new_tokens=3, do_sample=False)
+    lengths = [cache.stream_length(s) for s in "ab"]
+    with pytest.raises(ValueError, match=r"streams \['a', 'b'\] continue after a token generate\(\) returned and "
+                                         r"never fed, but this call has 1 prompt rows for 2 streams"):
+        model.generate(ids, cache=cache.select(["a", "b"]), max_new_tokens=3, do_sample=True, num_return_sequences=2)
+    assert [cache.stream_length(s) for s in "ab"] == lengths and cache.get_seq_length() == 0

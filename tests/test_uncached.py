@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.model.reference import ReferenceCache
 from flexkv.cache.rotary import Rotary
+from flexkv.model.reference import ReferenceCache
 from flexkv.model.uncached import UncachedHistory
-from streamingllm import StreamingLLM
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
+from streamingllm import StreamingLLM
 
 L_, R, H, HQ, D = 2, 2, 2, 4, 8
 

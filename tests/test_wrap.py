@@ -5,8 +5,9 @@ import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache.rotary import Rotary
+from flexkv.model.random_workload import check_close
 from flexkv.model.uncached import UncachedHistory
-from flexkv.model.wrap import BoundedAttention, StepContext, UncachedAttention, attention
+from flexkv.model.wrap import CacheAttention, StepContext, attention
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 H, HQ, D, R = 2, 4, 8, 2
@@ -26,7 +27,6 @@ def test_bounded_matches_uncached_with_rotary_cache_positions_and_multi_token_st
     rot = Rotary(D, base=30.0)
     contexts = [StepContext(BoundedKVManager(cfg, block_size=16)), StepContext(UncachedHistory(cfg))]
     cores = [[attention(ctx, i, rotary=rot, rope_positions="cache") for i in range(2)] for ctx in contexts]
-    assert isinstance(cores[0][0], BoundedAttention) and isinstance(cores[1][0], UncachedAttention)
     written = {"a": 0, "b": 0}
     for s in range(14):
         segs = (Segment("a", 2), Segment("b", 1) if s >= 3 else Segment(None, 0))
@@ -39,9 +39,9 @@ def test_bounded_matches_uncached_with_rotary_cache_positions_and_multi_token_st
             ctx.bind(ctx.begin(step))
             outs.append([layer(*qkv[i]) for i, layer in enumerate(layers)])
             ctx.commit()
-        for got, exp in zip(*outs):
+        for layer, (got, exp) in enumerate(zip(*outs)):
             live = slice(0, 2 * R) if s >= 3 else slice(0, R)
-            assert (got[live] - exp[live]).abs().max() < 2e-5
+            check_close(got[live], exp[live], 2e-5, f"step {s}, layer {layer}")
         written["a"] += 2
         if s >= 3:
             written["b"] += 1
@@ -57,14 +57,45 @@ def test_context_and_core_errors():
     with pytest.raises(ValueError, match="no step was begun"):
         ctx.commit()
     with pytest.raises(ValueError, match=r"layer_idx must be an int in \[0, 2\)"):
-        BoundedAttention(ctx, 2)
+        CacheAttention(ctx, 2)
     with pytest.raises(ValueError, match="rope_positions must be one of"):
-        BoundedAttention(ctx, 0, rotary=Rotary(D), rope_positions="absolute")
+        CacheAttention(ctx, 0, rotary=Rotary(D), rope_positions="absolute")
     # the cache-position check runs in begin(), before anything is planned
     qctx = StepContext(BoundedKVManager(_config(query_window=5), block_size=16))
-    BoundedAttention(qctx, 0, rotary=Rotary(D), rope_positions="cache")
+    rope_core = CacheAttention(qctx, 0, rotary=Rotary(D), rope_positions="cache")
+    q, kv = torch.zeros(R, HQ, 2, D), torch.zeros(R, H, 2, D)
     for n in range(0, 8, 2):  # the last query is at n + 1 <= query_window + sink = 8: one eviction count
         qctx.begin(BoundedKVStep((Segment("a", 2),), {"a": StreamPosition(0, n)}))
+        rope_core(q, kv, kv)
+        qctx.attend(1, q, kv, kv)
         qctx.commit()
     with pytest.raises(ValueError, match="one eviction count per step"):
         qctx.begin(BoundedKVStep((Segment("a", 2),), {"a": StreamPosition(0, 8)}))
+
+
+def test_stream_offsets_are_each_rows_first_stream_index():
+    """`stream_offsets()` `[N]`: a RoPE that takes one offset per row and adds arange(T) itself gets the
+    positions `stream_positions()` gives, on chunks at different stream lengths, a padding row included."""
+    cfg = _config(max_step_tokens=3)
+    for cache in (BoundedKVManager(cfg, block_size=16), UncachedHistory(cfg)):
+        ctx = StepContext(cache)
+        written = {"a": 0, "b": 0}
+        for s in range(4):
+            segs = (Segment("a", 3), Segment(None, 0), Segment("b", 1))
+            ctx.bind(ctx.begin(BoundedKVStep(segs, {r: StreamPosition(0, w) for r, w in written.items()}, tokens=3)))
+            offsets, positions = ctx.stream_offsets(), ctx.stream_positions()
+            assert offsets.shape == (3 * R,)
+            assert torch.equal(offsets[:, None] + torch.arange(3), positions)
+            assert offsets.view(3, R)[:, 0].tolist() == [written["a"], 0, written["b"]]
+            q, kv = torch.zeros(3 * R, HQ, 3, D), torch.zeros(3 * R, H, 3, D)
+            core = attention(ctx, 0)
+            assert torch.equal(core.stream_offsets(), offsets)
+            core(q, kv, kv)
+            ctx.attend(1, q, kv, kv)
+            ctx.commit()
+            written["a"] += 3
+            written["b"] += 1
+    rev = StepContext(BoundedKVManager(_config(reverse_step_order=True), block_size=16))
+    rev.begin(BoundedKVStep((Segment("a", 2),), {"a": StreamPosition(0, 0)}, tokens=2))
+    with pytest.raises(ValueError, match=r"reverse_step_order=True .* count down.*use stream_positions\(\)"):
+        rev.stream_offsets()

@@ -31,12 +31,12 @@ from typing import Callable, Hashable, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..config import BoundedKVConfig, check_config, check_layer_index, is_int, Retention, SinkWindow
+from ..config import BoundedKVConfig, Retention, SinkWindow, check_config, check_layer_index, is_int
+from ..step import BoundedKVStep, StreamPosition
 from .manager import BoundedKVManager
 from .planner import BoundedPlan
 from .slots import Admission, SlotTable
 from .sources import split_source
-from ..step import BoundedKVStep, StreamPosition
 
 __all__ = ["LayerGroup", "GroupedKVManager", "GroupedPlan", "layer_group_configs", "per_layer_groups", "as_layer_groups",
            "build_cache"]
@@ -54,12 +54,12 @@ class LayerGroup:
         query_window: the group's per-query window (see `BoundedKVConfig`),
             or None for a per-step window.
         name: a label for reports (`"sliding_attention"`, ...).
-        num_heads, head_dim, v_head_dim: the group's KV heads, key width and
-            value width where they differ from the shared config's (Gemma 4's
-            full layers have wider heads than its sliding ones); None keeps
-            the config's. A group that sets `head_dim` but not `v_head_dim`
-            has values as wide as its keys, unless the config sets
-            `v_head_dim`.
+        num_heads, head_dim, value_head_dim: the group's KV heads, key width
+            and value width where they differ from the shared config's (Gemma
+            4's full layers have wider heads than its sliding ones); None
+            keeps the config's. A group that sets `head_dim` but not
+            `value_head_dim` has values as wide as its keys, unless the config
+            sets `value_head_dim`.
         causal_step: the group's per-step window is causal inside the step
             (see `BoundedKVConfig.causal_step`).
     """
@@ -70,7 +70,7 @@ class LayerGroup:
     name: str = ""
     num_heads: Optional[int] = None
     head_dim: Optional[int] = None
-    v_head_dim: Optional[int] = None
+    value_head_dim: Optional[int] = None
     causal_step: bool = False
 
     def __post_init__(self):
@@ -94,7 +94,7 @@ class LayerGroup:
             raise ValueError(f"LayerGroup.query_window must be an int >= 0 or None, got {self.query_window!r}")
         if not isinstance(self.name, str):
             raise ValueError(f"LayerGroup.name must be a str, got {self.name!r}")
-        for field_name in ("num_heads", "head_dim", "v_head_dim"):
+        for field_name in ("num_heads", "head_dim", "value_head_dim"):
             value = getattr(self, field_name)
             if value is not None and (not is_int(value) or value < 1):
                 raise ValueError(
@@ -104,8 +104,8 @@ class LayerGroup:
             raise ValueError(f"LayerGroup.causal_step must be a bool, got {self.causal_step!r}")
 
     def shape_overrides(self) -> dict:
-        """The config fields this group sets for itself (`num_heads`, `head_dim`, `v_head_dim`)."""
-        return {k: getattr(self, k) for k in ("num_heads", "head_dim", "v_head_dim") if getattr(self, k) is not None}
+        """The config fields this group sets for itself (`num_heads`, `head_dim`, `value_head_dim`)."""
+        return {k: getattr(self, k) for k in ("num_heads", "head_dim", "value_head_dim") if getattr(self, k) is not None}
 
 
 def _one_per_layer(name: str, value, layers: int, single: str) -> list:
@@ -425,7 +425,7 @@ class GroupedKVManager(nn.Module):
                     query_window=g.query_window,
                     num_heads=m.config.num_heads,
                     head_dim=m.config.head_dim,
-                    v_head_dim=m.config.value_head_dim,
+                    value_head_dim=m.config.value_head_dim,
                     causal_step=g.causal_step,
                     slot_dtype=m.config.slot_dtype,
                     slot_cells=m.layout.slot_row_len,

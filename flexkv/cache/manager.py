@@ -23,22 +23,22 @@ from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from ..config import BoundedKVConfig, check_config, check_layer_index
+from ..step import BoundedKVStep, StreamPosition
+from . import quantized
+from .attention_options import AttentionOptions, Route
+from .kernel_options import flex_kernel_options
+from .kernel_sharing import layer_region
 from .layout import Layout
 from .masks import POSITION_MODES, make_mask_mod, make_score_mod
-from .kernel_options import flex_kernel_options
-from .kernel_sharing import layer_region, shares_flex_kernel
 from .planner import BoundedPlan, build_plan, table_views
 from .relative_position import RelativePositionScores
-from . import quantized
 from .rotary import SinkRotation, stream_positions
 from .row_attention import attend_rows, gather_width, row_geometry
 from .sinks import apply_learned_sinks, check_sinks
 from .slots import Admission, SlotsExhausted, SlotTable, SourcesExhausted
 from .sources import check_source_shapes
-from ..step import BoundedKVStep, StreamPosition
 
 __all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted"]
-
 
 def _apart_from_kernel(out: torch.Tensor) -> torch.Tensor:
     """`out` itself, read through a gather along its first dimension.
@@ -52,6 +52,28 @@ def _apart_from_kernel(out: torch.Tensor) -> torch.Tensor:
     output, no extra kernel when something elementwise follows.
     """
     return out.index_select(0, torch.arange(out.shape[0], device=out.device))
+
+
+class _MovedToOptions:
+    """A former attention knob of the manager: settable no more (the options are fixed at build)."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+        self.field = "path" if name == "attention_path" else name
+
+    def _moved(self):
+        return AttributeError(
+            f"BoundedKVManager.{self.name} is fixed when the cache is built: pass "
+            f"options=AttentionOptions.for_cache(config, device, {self.field}=...) to BoundedKVManager "
+            f"and read it as manager.options.{self.field}")
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        raise self._moved()
+
+    def __set__(self, obj, value):
+        raise self._moved()
 
 
 class BoundedKVManager(nn.Module):
@@ -68,10 +90,13 @@ class BoundedKVManager(nn.Module):
         slots: the `SlotTable` to keep the requests in; None (the default) makes one. A
             `GroupedKVManager` passes the table all its groups share; such a manager stores one
             group and refuses sources of its own (the grouped cache writes them in every group).
+        options: how attention is computed (`flexkv.cache.attention_options.AttentionOptions`:
+            path, GQA packing, full blocks, epilogue barrier, kernel sharing), fixed for the cache's
+            life; None (the default) takes `AttentionOptions.for_cache(config, device)`.
     """
 
     def __init__(self, config: BoundedKVConfig, device="cpu", *, block_size: Optional[int] = None,
-                 slots: Optional[SlotTable] = None):
+                 slots: Optional[SlotTable] = None, options: Optional[AttentionOptions] = None):
         super().__init__()
         check_config(config)
         if config.dtype is None:
@@ -106,35 +131,18 @@ class BoundedKVManager(nn.Module):
         #: Host bookkeeping: slots, requests, source places (`flexkv.cache.slots`), under its lock.
         self.slots = SlotTable(config) if slots is None else slots
         self._lock = self.slots.lock
-        # Quantized slots on the FlexAttention path: dequantized copies of one layer (`_ensure_scratch`).
+        if options is None:
+            options = AttentionOptions.for_cache(config, self.device)
+        elif not isinstance(options, AttentionOptions):
+            raise ValueError(
+                f"options must be a flexkv.cache.attention_options.AttentionOptions or None, got "
+                f"{type(options).__name__}; build one with AttentionOptions.for_cache(config, device, ...)")
+        #: How attention is computed (`AttentionOptions`), fixed for the cache's life.
+        self._options = options
+        # Quantized slots on the FlexAttention path: dequantized copies of one layer, allocated now
+        # when the options let a step take that path (`_allocate_scratch`).
         self._scratch_k = self._scratch_v = None
-        #: Fold GQA groups into the query axis (on by default on the CPU; see `attend`).
-        self.pack_gqa = self.device.type == "cpu"
-        #: Keep a compiled step's elementwise ops on the attention output (`o * 2`, a gate, a mean
-        #: over CFG rows) out of the FlexAttention kernel: inductor's CPU FlexAttention template
-        #: cannot take fused epilogues (torch 2.11-2.15), so the output is read through an identity
-        #: gather that inductor does not fuse into it (see `_apart_from_kernel`). On by default on the CPU.
-        self.epilogue_barrier = self.device.type == "cpu"
-        #: Plan blocks every query reads whole as full blocks, skipping the mask there. On by
-        #: default on CUDA (and on "meta", which plans as CUDA does); torch 2.13's compiled CPU
-        #: kernel ran slower with them.
-        self.full_blocks = self.device.type in ("cuda", "meta")
-        #: How `attend` computes attention: `"flex"` (one FlexAttention call over the layer tensor,
-        #: reading every cell in place), `"rows"` (each row's cells read in place or gathered, then
-        #: dense attention; `flexkv.cache.row_attention`) or `"auto"` (`path_for`): eagerly (no
-        #: `torch.compile`) always rows, since uncompiled FlexAttention forms every score of the
-        #: whole layer tensor; compiled, rows for chunked steps (T > 1) on the CPU, where the
-        #: gather is cheap next to the chunk's attention and FlexAttention's CPU kernel is slow for
-        #: short query blocks, and FlexAttention everywhere else (quantized slots on the CPU: always rows).
-        self.attention_path = "auto"
-        #: Compiled FlexAttention calls of every layer share one kernel (`flexkv.cache.kernel_sharing`):
-        #: on by default on the CPU with the torch releases it is tested on.
-        self.share_flex_kernel = shares_flex_kernel(self.device.type)
-        #: Quantized float8 slots, compiled on CUDA: FlexAttention reads the key cells as stored, their
-        #: scales applied in `score_mod` (values still from the dequantized copy). Off by default until
-        #: `benchmarks/cuda_check.py`'s quantized section has shown it correct and faster on a device.
-        self.quantized_keys_in_kernel = False
-        self._ensure_scratch()  # quantized slots off the CPU: FlexAttention's dequantized scratch, now
+        self._allocate_scratch()
         # Eagerly, the rows path's per-plan work (cells, mask bias) is done once per plan and
         # reused by every layer: the last plan seen (weakly) and its geometries by shape, dropped
         # at commit.
@@ -148,7 +156,20 @@ class BoundedKVManager(nn.Module):
         flex_kernel_options(self.device.type, 1, config.num_heads, config.num_heads, config.head_dim,
                             config.dtype, self.layout.block_size, q_block_size=self.layout.q_block_size)
 
+    # Former knobs, now `options` fields: setting one raises and says how to pass it.
+    pack_gqa = _MovedToOptions()
+    epilogue_barrier = _MovedToOptions()
+    full_blocks = _MovedToOptions()
+    attention_path = _MovedToOptions()
+    share_flex_kernel = _MovedToOptions()
+
     # ------------------------------------------------------------------ views
+
+    @property
+    def options(self) -> AttentionOptions:
+        """How this cache computes attention (`AttentionOptions`), fixed when it was built."""
+        return self._options
+
 
     @property
     def free_slots(self) -> int:
@@ -240,18 +261,19 @@ class BoundedKVManager(nn.Module):
         per-cell value scale, and its CPU kernel no 8-bit input). Written with `copy_`: inductor's
         CPU FlexAttention template read a dequantize computed inside the graph wrongly."""
         if self._scratch_k is None:
-            raise RuntimeError("quantized slots on the FlexAttention path need the scratch tensors plan() allocates; "
-                               "call plan(step) before attend")
+            raise RuntimeError("quantized slots on the FlexAttention path, but the cache's options allocated no "
+                               "dequantized scratch (path='rows'?)")
         self._scratch_k.copy_(quantized.dequantize(kc, ks, dtype))
         self._scratch_v.copy_(quantized.dequantize(vc, vs, dtype))
         return self._scratch_k, self._scratch_v
 
-    def _ensure_scratch(self) -> None:
-        """Host side, before a step: allocate the FlexAttention path's dequantized scratch (once) when a
-        quantized cache may take that path (attention_path "flex", or "auto" off the CPU)."""
-        if self.config.slot_dtype is None or self._scratch_k is not None:
+    def _allocate_scratch(self) -> None:
+        """At construction: allocate the FlexAttention path's dequantized scratch when a quantized
+        cache's options let a step take that path (path "flex", or "auto" off the CPU)."""
+        if self.config.slot_dtype is None:
             return
-        if self.attention_path == "flex" or (self.attention_path == "auto" and self.device.type != "cpu"):
+        path = self._options.path
+        if path == "flex" or (path == "auto" and self.device.type != "cpu"):
             c, S = self.config, self.layout.total_len
             self._scratch_k = torch.empty(1, c.num_heads, S, c.head_dim, dtype=c.dtype, device=self.device)
             self._scratch_v = torch.empty(1, c.num_heads, S, c.value_head_dim, dtype=c.dtype, device=self.device)
@@ -266,7 +288,7 @@ class BoundedKVManager(nn.Module):
     def memory_bytes(self) -> int:
         """Bytes held by every layer's key and value tensors (sources, slots, scratch, padding); with
         quantized slots their scales too, and the one layer of dequantized scratch the FlexAttention
-        path reads (allocated with the cache off the CPU, at the first plan with attention_path="flex")."""
+        path reads (allocated with the cache off the CPU, or on it with options path="flex")."""
         scratch = [t for t in (self._scratch_k, self._scratch_v) if t is not None]  # quantized slots, flex path
         return sum(b.numel() * b.element_size() for b in (*self._cache_buffers(), *scratch))
 
@@ -417,7 +439,6 @@ class BoundedKVManager(nn.Module):
 
     def _plan_from(self, step: BoundedKVStep, slots: dict, private: dict) -> BoundedPlan:
         """This store's plan of a checked step, from the table's slots and private places."""
-        self._ensure_scratch()
         return build_plan(self.config, self.layout, step, slots.__getitem__, self.device,
                           self._full_blocks_at(len(step.segments) * self.config.rows_per_request, step.step_tokens),
                           private_source=private.get)
@@ -460,7 +481,7 @@ class BoundedKVManager(nn.Module):
         layer tensor rather than of the row's blocks, so a row's work lands in one or two
         splits. Such steps list every block as masked instead.
         """
-        if not self.full_blocks:
+        if not self._options.full_blocks:
             return False
         if self._sm_count is not None and tokens < self.layout.q_block_size:
             return rows * self.config.num_heads > self._sm_count
@@ -468,15 +489,9 @@ class BoundedKVManager(nn.Module):
 
     def path_for(self, tokens: int, compiled: bool = True) -> str:
         """The attention path (`"rows"` or `"flex"`) a step of `tokens` tokens takes, compiled or
-        eagerly (see `attention_path`)."""
-        if self.attention_path == "auto":
-            # Quantized slots on the CPU: the rows path dequantizes only the cells a row reads, where
-            # FlexAttention would read a dequantized copy of the whole layer tensor.
-            quantized_cpu = self.config.slot_dtype is not None and self.device.type == "cpu"
-            rows = not compiled or (self.device.type == "cpu" and tokens > 1) or quantized_cpu
-        else:
-            rows = self.attention_path == "rows"
-        return "rows" if rows else "flex"
+        eagerly (`AttentionOptions.path_for`)."""
+        return self._options.path_for(self.device.type, tokens, compiled, self.config.dtype,
+                                      self.config.slot_dtype is not None)
 
     def _mask_mod(self, plan, tokens: int, pack_gqa: bool) -> Callable:
         """The step's retention `mask_mod` (`flexkv.cache.masks`); the one place every path builds it."""
@@ -584,7 +599,7 @@ class BoundedKVManager(nn.Module):
         Returns `[N, Hq, T, Dv]`. `score_mod(score, b, h, q_pos, kv_pos)` gets
         stream positions (`positions="stream"`) or in-cache positions
         (`positions="cache"`). One attention call (`flex_attention`, or on the
-        rows path `flexkv.cache.row_attention`; see `attention_path`); traceable by
+        rows path `flexkv.cache.row_attention`), chosen by `options.route`; traceable by
         `torch.compile(fullgraph=True)`. `sinks`: learned sink logits `[Hq]`
         (see `flexkv.cache.sinks`), served from the same call's log-sum-exp.
         """
@@ -597,105 +612,106 @@ class BoundedKVManager(nn.Module):
         if relative and positions != "stream":
             raise ValueError(f"attend: a RelativePositionScores score_mod reads stream positions; got "
                              f"positions={positions!r}: pass positions='stream'")
-        c, lay = self.config, self.layout
-        N, H, T, D = k.shape
-        # Learned sinks need each query's log-sum-exp, which the compiled CPU FlexAttention kernel
-        # does not return: on the CPU they take the rows path, which computes it.
+        N, Hq, T, D = q.shape
+        H = k.shape[1]
         compiling = torch.compiler.is_compiling()
-        path = self.path_for(T, compiling)
-        if sinks is not None and self.device.type == "cpu" and self.attention_path == "auto":
-            path = "rows"
-        kc, vc = self._layer_kv(layer_idx)
-        cells = plan.write_index.view(1, N * T).long()
-        index = (self._zero_index, self._head_index, cells)
-        Dv = v.shape[3]
-        k_in, v_in = k.transpose(0, 1).reshape(H, N * T, D), v.transpose(0, 1).reshape(H, N * T, Dv)
+        c = self.config
         ks, vs = self._layer_scales(layer_idx)
-        if ks is not None:  # quantized slots: quantize on write, cells and scales side by side
-            (k_in, k_sc), (v_in, v_sc) = (quantized.quantize(x, c.slot_dtype) for x in (k_in, v_in))
-            ks.index_put_(index, k_sc)
-            vs.index_put_(index, v_sc)
-        kc.index_put_(index, k_in)
-        vc.index_put_(index, v_in)
-
-        Hq = q.shape[1]
-        group = Hq // H
-        # On the CPU, fold each GQA group into the query axis: every KV head then meets its
-        # group's queries in one pass over its keys instead of one pass per query head.
-        pack_gqa = group > 1 and (self.pack_gqa or path == "rows")
-        g = group if pack_gqa else 1
-        mask_mod = None
-        if compiling or path == "flex":
-            mask_mod = self._mask_mod(plan, T, pack_gqa)
+        # Quantized float8 slots compiled on CUDA, when the options say so: the kernel reads the key
+        # cells as stored, each score times its key's scale (a score_mod of its own).
+        keys_in_kernel = (ks is not None and compiling and self._options.quantized_keys_in_kernel
+                          and self.device.type == "cuda" and c.slot_dtype == torch.float8_e4m3fn)
+        route = self._options.route(self.device.type, T, Hq // H, compiling, dtype=c.dtype,
+                                    score_mod=score_mod is not None or keys_in_kernel, sinks=sinks is not None,
+                                    quantized=ks is not None)
+        g = Hq // H if route.pack_gqa else 1
+        kc, vc = self._write(layer_idx, k, v, plan)  # after the route, which may refuse the call
         sm = None
         if score_mod is not None:
             # A relative-position table is read at the query's own token (`RelativePositionScores.at`).
-            sm = make_score_mod(plan, lay.ring_len, T, score_mod.at if relative else score_mod, positions,
+            sm = make_score_mod(plan, self.layout.ring_len, T, score_mod.at if relative else score_mod, positions,
                                 c.reverse_step_order, c.query_window, group=g, query_index=relative)
-        # The scale is applied to q here rather than inside flex_attention: the product is a fresh
-        # buffer, and inductor's CPU FlexAttention fails to lower a q that is only a view of another
-        # tensor (a slice of a stacked 5-D tensor, or a projection's view + transpose).
-        scale = D ** -0.5 if scale is None else scale
-        lse = None
-        if path == "rows":
-            qr = q.reshape(N, H, g * T, D) * scale
-            width = gather_width(c)
-            geometry = None
-            if not compiling:
-                # Eagerly, every layer of the step shares the plan's geometry (cells, mask bias):
-                # built at the first layer, from the same mask_mod. Everything the mask depends on
-                # besides the plan and the cache's config is in the key.
-                geometry = self._eager_geometry(
-                    plan, (g * T, T, pack_gqa, q.dtype),
-                    lambda: row_geometry(lay, plan, self._mask_mod(plan, T, pack_gqa), g * T, q.dtype, width))
-            out = attend_rows(qr, kc, vc, lay, plan, mask_mod, sm, width=width, return_lse=sinks is not None,
-                              geometry=geometry, additive=relative,
-                              scales=None if ks is None else (ks, vs))
-            if sinks is not None:
-                out, lse = out
+        # The scale is applied to q here rather than inside the call (TORCH_WORKAROUNDS["Q_VIEW"]):
+        # the product is a fresh buffer. Packed, query head h * g + i sits at rows i * T .. i * T + T - 1
+        # of KV head h: the same [N, Hq, T] view serves the output and its log-sum-exp.
+        qs = (q.reshape(N, H, g * T, D) if route.pack_gqa else q) * (D ** -0.5 if scale is None else scale)
+        if route.path == "rows":
+            out, lse = self._attend_rows(qs, kc, vc, plan, route, sm, compiling, sinks is not None, relative,
+                                         scales=None if ks is None else (ks, vs))
         else:
-            if ks is not None and compiling and self.device.type == "cpu":
-                raise ValueError(
-                    "attention_path='flex' with quantized slots compiled on the CPU: torch's CPU FlexAttention "
-                    "kernel read the dequantized layer wrongly in testing (torch 2.13); set attention_path='auto' "
-                    "(the rows path, which dequantizes what each row reads), or slot_dtype=None"
-                )
-            if (ks is not None and compiling and self.quantized_keys_in_kernel and self.device.type == "cuda"
-                    and c.slot_dtype == torch.float8_e4m3fn):
+            if keys_in_kernel:
                 # The compiled CUDA kernels take float8 keys with higher-precision queries: keys as
                 # stored, each score times its key's scale; values (whose per-cell scale cannot be
                 # applied inside one softmax) from the dequantized copy.
                 self._scratch_v.copy_(quantized.dequantize(vc, vs, q.dtype))
                 vc = self._scratch_v
-                sm = quantized.key_scale_score_mod(ks, 1 if pack_gqa else group, sm)
+                sm = quantized.key_scale_score_mod(ks, 1 if route.pack_gqa else Hq // H, sm)
             elif ks is not None:  # quantized slots: FlexAttention reads a dequantized copy of the layer
                 kc, vc = self._dequantized_layer(kc, ks, vc, vs, q.dtype)
-            options = flex_kernel_options(
-                self.device.type, g * T, H, H if pack_gqa else Hq, D, q.dtype, lay.block_size,
-                q_block_size=lay.q_block_size, capability=self._capability)
-            aux = None if sinks is None else AuxRequest(lse=True)
-            if compiling and self.share_flex_kernel and sm is None and sinks is None:
-                # One region per layer call, the same for every layer: its kernel compiles once.
-                qf = (q.reshape(N, H, g * T, D) if pack_gqa else q) * scale
-                out = _flex_layer(qf, kc, vc, plan.table, self, plan.rows, T, plan.width, plan.full_width,
-                                  plan.full_blocks, pack_gqa, options)
+            if route.path == "region":
+                out, lse = _flex_layer(qs, kc, vc, plan.table, self, N, T, plan.width, plan.full_width,
+                                       plan.full_blocks, route.pack_gqa, self._kernel_options(qs, H)), None
             else:
-                block_mask = self._block_mask(plan, T * g, mask_mod)
-                if pack_gqa:
-                    out = flex_attention(q.reshape(N, H, g * T, D) * scale, kc, vc, score_mod=sm,
-                                         block_mask=block_mask, scale=1.0, kernel_options=options, return_aux=aux)
-                else:
-                    out = flex_attention(q * scale, kc, vc, score_mod=sm, block_mask=block_mask, scale=1.0,
-                                         enable_gqa=Hq != H, kernel_options=options, return_aux=aux)
-                if sinks is not None:
-                    out, lse = out[0], out[1].lse
-            if self.epilogue_barrier and compiling:
-                out = _apart_from_kernel(out)
-        if sinks is None:
-            return out.view(N, Hq, T, Dv)
-        # Packed (or from the rows path), query head h * g + i sits at rows i * T .. i * T + T - 1 of
-        # KV head h: the same [N, Hq, T] view serves the output and its log-sum-exp.
-        return apply_learned_sinks(out.view(N, Hq, T, Dv), lse.reshape(N, Hq, T), sinks)
+                out, lse = self._attend_flex(qs, kc, vc, plan, route, sm, sinks is not None)
+        if route.barrier:
+            out = _apart_from_kernel(out)
+        out = out.view(N, Hq, T, v.shape[3])
+        return out if sinks is None else apply_learned_sinks(out, lse.reshape(N, Hq, T), sinks)
+
+    def _write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan: BoundedPlan):
+        """Write the step's keys and values at the plan's cells of layer `layer_idx` (quantized slots:
+        quantized, cells and scales side by side); its buffers."""
+        kc, vc = self._layer_kv(layer_idx)
+        N, H, T, D = k.shape
+        index = (self._zero_index, self._head_index, plan.write_index.view(1, N * T).long())
+        k_in, v_in = k.transpose(0, 1).reshape(H, N * T, D), v.transpose(0, 1).reshape(H, N * T, v.shape[3])
+        ks, vs = self._layer_scales(layer_idx)
+        if ks is not None:
+            (k_in, k_sc), (v_in, v_sc) = (quantized.quantize(x, self.config.slot_dtype) for x in (k_in, v_in))
+            ks.index_put_(index, k_sc)
+            vs.index_put_(index, v_sc)
+        kc.index_put_(index, k_in)
+        vc.index_put_(index, v_in)
+        return kc, vc
+
+    def _kernel_options(self, qs: torch.Tensor, H: int) -> dict:
+        """FlexAttention's kernel options for a scaled query `qs` over `H` KV heads."""
+        lay = self.layout
+        return flex_kernel_options(self.device.type, qs.shape[2], H, qs.shape[1], qs.shape[3], qs.dtype,
+                                   lay.block_size, q_block_size=lay.q_block_size, capability=self._capability)
+
+    def _attend_rows(self, qs, kc, vc, plan: BoundedPlan, route: Route, sm, compiling: bool, lse: bool,
+                     additive: bool = False, scales=None):
+        """The rows path (`flexkv.cache.row_attention`): `(out, log-sum-exp or None)`."""
+        lay, T = self.layout, plan.tokens
+        pack, gT = route.pack_gqa, qs.shape[2]
+        width = gather_width(self.config)
+        geometry = mask_mod = None
+        if compiling:
+            mask_mod = self._mask_mod(plan, T, pack)
+        else:
+            # Eagerly, every layer of the step shares the plan's geometry (cells, mask bias):
+            # built at the first layer. Everything the mask depends on besides the plan and the
+            # cache's config is in the key.
+            geometry = self._eager_geometry(
+                plan, (gT, T, pack, qs.dtype),
+                lambda: row_geometry(lay, plan, self._mask_mod(plan, T, pack), gT, qs.dtype, width))
+        out = attend_rows(qs, kc, vc, lay, plan, mask_mod, sm, width=width, return_lse=lse, geometry=geometry,
+                          additive=additive, scales=scales)
+        return out if lse else (out, None)
+
+    def _attend_flex(self, qs, kc, vc, plan: BoundedPlan, route: Route, sm, lse: bool):
+        """One inline FlexAttention call: `(out, log-sum-exp or None)`."""
+        block_mask = self._block_mask(plan, qs.shape[2], self._mask_mod(plan, plan.tokens, route.pack_gqa))
+        return _flex(qs, kc, vc, block_mask, self._kernel_options(qs, kc.shape[1]), score_mod=sm, lse=lse)
+
+
+def _flex(q, k_cache, v_cache, block_mask: BlockMask, kernel_options: dict, score_mod=None, lse: bool = False):
+    """flexkv's one FlexAttention call (q already scaled): `(out, log-sum-exp or None)`."""
+    out = flex_attention(q, k_cache, v_cache, score_mod=score_mod, block_mask=block_mask, scale=1.0,
+                         enable_gqa=q.shape[1] != k_cache.shape[1], kernel_options=kernel_options,
+                         return_aux=AuxRequest(lse=True) if lse else None)
+    return (out[0], out[1].lse) if lse else (out, None)
 
 
 class _PlanView:
@@ -718,5 +734,4 @@ def _flex_layer(q, k_cache, v_cache, table, manager, rows, tokens, width, full_w
     plan = _PlanView(table, rows, tokens, width, full_width, full_blocks)
     group = q.shape[2] // tokens
     block_mask = manager._block_mask(plan, tokens * group, manager._mask_mod(plan, tokens, pack_gqa), own_buffers=True)
-    return flex_attention(q, k_cache, v_cache, block_mask=block_mask, scale=1.0, kernel_options=options,
-                          enable_gqa=q.shape[1] != k_cache.shape[1])
+    return _flex(q, k_cache, v_cache, block_mask, options)[0]

@@ -64,11 +64,11 @@ from typing import Callable, Hashable, Optional
 import torch
 
 from ..config import BoundedKVConfig
+from ..step import BoundedKVStep
 from .layout import Layout
 from .masks import MASK_INTERVALS
-from ..step import BoundedKVStep
 
-__all__ = ["BoundedPlan", "ROW_FIELDS", "INTERVALS", "build_plan", "table_views"]
+__all__ = ["BoundedPlan", "ROW_FIELDS", "INTERVALS", "PLAN_TABLE", "build_plan", "table_spans", "table_views"]
 
 #: Cell intervals per row: sinks and window each reach the source, the sink region and the ring,
 #: and the ring splits where it wraps; merged, no row needs more than this.
@@ -79,6 +79,32 @@ SCALAR_FIELDS = (
 )
 ROW_FIELDS = SCALAR_FIELDS + tuple(f"cell_{e}{k}" for k in range(INTERVALS) for e in ("lo", "hi"))
 _FAR = 1 << 30  # a base no cell index can reach: padding rows' regions start here
+
+#: The plan table's one definition, in the order its parts lie: `(name, ints per row, view)`.
+#: Ints per row is 1 or the name of a plan size (`"width"`, `"full_width"`, `"tokens"`); the view
+#: is the shape after the row axis (`"n"` standing for ints per row), or None for one flat run
+#: (row-major) of `rows * ints per row`. The planner emits the parts in this order, `table_views`
+#: cuts them out of the device table and `BoundedPlan`'s host readers find them by `table_spans`.
+PLAN_TABLE = tuple((name, 1, None) for name in ROW_FIELDS) + (
+    ("kv_num_blocks", 1, (1, 1)),
+    ("kv_indices", "width", (1, 1, "n")),
+    ("full_kv_num_blocks", 1, (1, 1)),
+    ("full_kv_indices", "full_width", (1, 1, "n")),
+    ("write_index", "tokens", None),
+)
+
+
+def table_spans(rows: int, tokens: int, width: int, full_width: int) -> dict:
+    """Where each part of a plan table lies: name -> `(offset, ints per row, view)` (`PLAN_TABLE`)."""
+    sizes = {"width": width, "full_width": full_width, "tokens": tokens}
+    spans = {}
+    o = 0
+    for name, per_row, view in PLAN_TABLE:
+        n = sizes.get(per_row, per_row)
+        spans[name] = (o, n, view)
+        o += rows * n
+    spans[None] = (o, 0, None)  # the end: the table's length
+    return spans
 
 
 class BoundedPlan:
@@ -122,17 +148,20 @@ class BoundedPlan:
 
     __hash__ = None
 
+    def _host(self, name: str, i: int) -> list:
+        """Flat row `i`'s ints of table part `name`, read from the host table."""
+        o, n, _ = table_spans(self.rows, self.tokens, self.width, self.full_width)[name]
+        return list(self._table[o + i * n:o + (i + 1) * n])
+
     def row(self, i: int) -> dict:
         """The host values of flat row `i`'s scalar fields, by name (for inspection and tests)."""
-        return {name: self._table[k * self.rows + i] for k, name in enumerate(SCALAR_FIELDS)}
+        return {name: self._host(name, i)[0] for name in SCALAR_FIELDS}
 
     def cell_intervals(self, i: int) -> list:
         """The non-empty cell intervals `(lo, hi)` some query of flat row `i` attends, in order."""
-        t, N = self._table, self.rows
-        base = len(SCALAR_FIELDS) * N
         out = []
         for k in range(INTERVALS):
-            lo, hi = t[base + 2 * k * N + i], t[base + (2 * k + 1) * N + i]
+            lo, hi = self._host(f"cell_lo{k}", i)[0], self._host(f"cell_hi{k}", i)[0]
             if lo < hi:
                 out.append((lo, hi))
         return out
@@ -140,20 +169,13 @@ class BoundedPlan:
     def blocks(self, i: int, full: bool = False) -> list:
         """KV blocks flat row `i` visits: the masked ones, or with `full=True` the ones every
         query attends whole (no mask evaluated)."""
-        t, N = self._table, self.rows
-        o = len(ROW_FIELDS) * N
-        width = self.width
-        if full:
-            o += N * (1 + width)
-            width = self.full_width
-        count = t[o + i]
-        start = o + N + i * width
-        return list(t[start:start + count])
+        prefix = "full_kv" if full else "kv"
+        count = self._host(f"{prefix}_num_blocks", i)[0]
+        return self._host(f"{prefix}_indices", i)[:count]
 
     def write_cells(self, i: int) -> list:
         """Cells the `T` tokens of flat row `i` are written to."""
-        start = len(self._table) - self.rows * self.tokens + i * self.tokens
-        return list(self._table[start:start + self.tokens])
+        return self._host("write_index", i)
 
     def __repr__(self):
         return f"BoundedPlan(rows={self.rows}, tokens={self.tokens}, width={self.width}, device={self.device})"
@@ -163,25 +185,21 @@ def table_views(buf: torch.Tensor, rows: int, tokens: int, width: int, full_widt
     """The named views of a packed plan table `buf` (`BoundedPlan`'s attributes), by name.
 
     Used by `BoundedPlan` on the table it copies to the device, and inside a compiled graph that
-    takes the table as its one plan input.
+    takes the table as its one plan input. The parts and their order are `PLAN_TABLE`'s.
     """
-    views = {}
-    o = 0
-    for name in ROW_FIELDS:
-        views[name] = buf[o:o + rows]
-        o += rows
-    views["kv_num_blocks"] = buf[o:o + rows].view(rows, 1, 1)
-    o += rows
-    views["kv_indices"] = buf[o:o + rows * width].view(rows, 1, 1, width)
-    o += rows * width
-    views["full_kv_num_blocks"] = buf[o:o + rows].view(rows, 1, 1)
-    o += rows
-    views["full_kv_indices"] = buf[o:o + rows * full_width].view(rows, 1, 1, full_width)
-    o += rows * full_width
-    views["write_index"] = buf[o:o + rows * tokens]
-    o += rows * tokens
-    if o != buf.shape[0]:
-        raise AssertionError(f"plan table holds {buf.shape[0]} ints, its views {o}")
+    spans = table_spans(rows, tokens, width, full_width)
+    end = spans.pop(None)[0]
+    if end != buf.shape[0]:
+        raise AssertionError(f"plan table holds {buf.shape[0]} ints, its views {end}")
+    # The per-row fields lie first, one int per row each: cut them in one op (an eager step makes a
+    # plan per token, and each slice costs an op).
+    o = len(ROW_FIELDS) * rows
+    views = dict(zip(ROW_FIELDS, buf[:o].view(len(ROW_FIELDS), rows).unbind(0)))
+    for name, (o, n, view) in spans.items():
+        if name in views:
+            continue
+        part = buf[o:o + rows * n]
+        views[name] = part if view is None else part.view(rows, *(n if d == "n" else d for d in view))
     return views
 
 
@@ -361,12 +379,10 @@ def build_plan(
             writes.extend(base + (j - L) if j < ring_start else ring_base + j % ring for j in own)
             i += 1
 
+    parts = dict(zip(ROW_FIELDS, cols))
+    parts.update(kv_num_blocks=num_blocks, kv_indices=indices, full_kv_num_blocks=full_num,
+                 full_kv_indices=full_indices, write_index=writes)
     table = array("i")
-    for col in cols:
-        table.extend(col)
-    table.extend(num_blocks)
-    table.extend(indices)
-    table.extend(full_num)
-    table.extend(full_indices)
-    table.extend(writes)
+    for name, _, _ in PLAN_TABLE:
+        table.extend(parts[name])
     return BoundedPlan(rows, T, width, table, device, full_blocks)

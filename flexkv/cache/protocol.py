@@ -31,8 +31,8 @@ from typing import Any, Callable, Hashable, Optional, Protocol, runtime_checkabl
 import torch
 
 from ..config import BoundedKVConfig
-from .slots import Admission
 from ..step import BoundedKVStep
+from .slots import Admission
 
 __all__ = ["StreamCache", "check_cache", "PROTOCOL_MEMBERS", "protocol_members"]
 

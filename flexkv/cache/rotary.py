@@ -48,7 +48,7 @@ to it).
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
@@ -104,11 +104,16 @@ class Rotary(nn.Module):
     loses about `p * 6e-8` radians, which at long streams is larger than the
     differences the position modes are tested to. Pass
     `angle_dtype=torch.float32` to reproduce a float32 implementation's
-    rounding, or on a device without float64.
+    rounding, or on a device without float64: the frequencies are then
+    `1.0 / (base ** (torch.arange(0, head_dim, 2).float() / head_dim))` and
+    the angles `positions * inv_freq` in float32, bit for bit what the usual
+    float32 RoPE code computes. A model that computes its frequencies another
+    way (`exp(-arange * 2 log(base) / D)`, a scaled RoPE) passes its own:
+    `inv_freq=` a `[head_dim / 2]` tensor, used as given in `angle_dtype`.
     """
 
     def __init__(self, head_dim: int, base: float = 10000.0, *, angle_dtype: torch.dtype = torch.float64,
-                 layout: str = "half"):
+                 layout: str = "half", inv_freq: Optional[torch.Tensor] = None):
         super().__init__()
         if not is_int(head_dim) or head_dim < 2 or head_dim % 2:
             raise ValueError(f"Rotary: head_dim must be an even int >= 2, got {head_dim!r}")
@@ -125,7 +130,16 @@ class Rotary(nn.Module):
         self.layout = layout
         self.base = float(base)
         self.angle_dtype = angle_dtype
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, head_dim, 2, dtype=angle_dtype) / head_dim))
+        if inv_freq is None:
+            inv_freq = 1.0 / (self.base ** (torch.arange(0, head_dim, 2, dtype=angle_dtype) / head_dim))
+        elif not isinstance(inv_freq, torch.Tensor) or tuple(inv_freq.shape) != (head_dim // 2,) \
+                or not inv_freq.is_floating_point():
+            raise ValueError(
+                f"Rotary: inv_freq must be a float tensor of shape [head_dim / 2] = [{head_dim // 2}] (one frequency "
+                f"per rotated pair), got {inv_freq.shape if isinstance(inv_freq, torch.Tensor) else inv_freq!r}"
+            )
+        else:
+            inv_freq = inv_freq.detach().to(angle_dtype).clone()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -102,6 +102,55 @@ def _interval_cells(plan, width: int, device) -> tuple:
     return torch.where(used, cells, 0), used
 
 
+_SLOT_CELLS: dict = {}
+
+
+def _one_token_in_place(layout: Layout, plan, q_len: int, dtype: torch.dtype) -> RowGeometry:
+    """`row_geometry` of a one-token step that reads in place, from the plan's host table.
+
+    A row's one token attends exactly the cells of its intervals (`BoundedPlan.cell_intervals`,
+    the union over its queries, and it has one), so the mask is laid out on the host with slice
+    assignments instead of evaluating `mask_mod` on every cell: a few tensors made from host
+    buffers in place of some forty small device ops per step. The tests check it equals the
+    general construction.
+    """
+    N = plan.rows
+    Lr = layout.slot_row_len
+    n_slot = layout.max_slots * layout.rows_per_request
+    base = layout.slots_base
+    allowed = bytearray(n_slot * Lr)
+    batch_rows = [0] * n_slot
+    to_batch, live = [], []
+    slot_reads = [False] * n_slot
+    for i in range(N):
+        row = plan.row(i)
+        if row["sink_base"] < 0:  # a padding row: reads nothing
+            to_batch.append(n_slot)
+            live.append(False)
+            continue
+        s = row["slot_row"]
+        to_batch.append(s)
+        live.append(True)
+        batch_rows[s] = i
+        lo_s = base + s * Lr
+        for lo, hi in plan.cell_intervals(i):
+            a, b = max(lo, lo_s) - lo_s, min(hi, lo_s + Lr) - lo_s
+            if a < b:
+                allowed[s * Lr + a:s * Lr + b] = b"\x01" * (b - a)
+                slot_reads[s] = True
+    key = (base, n_slot, Lr)
+    cells = _SLOT_CELLS.get(key)
+    if cells is None:
+        cells = _SLOT_CELLS[key] = base + torch.arange(n_slot * Lr).view(n_slot, Lr)
+    mask = torch.frombuffer(allowed, dtype=torch.bool).view(n_slot, 1, 1, Lr).expand(n_slot, 1, q_len, Lr)
+    bias = torch.where(mask, torch.zeros((), dtype=dtype), torch.full((), _NEG_INF, dtype=dtype))
+    reads = torch.tensor(slot_reads).view(n_slot, 1, 1).expand(n_slot, 1, q_len)
+    back = [min(t, n_slot - 1) for t in to_batch]
+    row_reads = torch.tensor([slot_reads[b] and ok for b, ok in zip(back, live)]).view(N, 1, 1).expand(N, 1, q_len)
+    return RowGeometry(True, q_len, torch.tensor(batch_rows), cells, bias, reads, row_reads, torch.tensor(to_batch),
+                       torch.tensor(back))
+
+
 def row_geometry(layout: Layout, plan, mask_mod: Callable, q_len: int, dtype: torch.dtype,
                  width: Optional[int] = None) -> RowGeometry:
     """The rows path's view of `plan` for queries of length `q_len` (a folded GQA group counts).
@@ -110,6 +159,16 @@ def row_geometry(layout: Layout, plan, mask_mod: Callable, q_len: int, dtype: to
     queries' dtype (the bias is formed in it), `width` the cells per gathered row
     (`gather_width(config)`; needed unless the step reads in place).
     """
+    dev = plan.write_index.device
+    if (dev.type == "cpu" and plan.tokens == 1 and not torch.compiler.is_compiling()
+            and reads_in_place(layout, plan.rows) and hasattr(plan, "cell_intervals")):
+        return _one_token_in_place(layout, plan, q_len, dtype)  # eager: reads the host table
+    return mask_geometry(layout, plan, mask_mod, q_len, dtype, width)
+
+
+def mask_geometry(layout: Layout, plan, mask_mod: Callable, q_len: int, dtype: torch.dtype,
+                  width: Optional[int] = None) -> RowGeometry:
+    """`row_geometry` built by evaluating `mask_mod` on every cell a row may read (any step, any device)."""
     N = plan.rows
     dev = plan.write_index.device
     zero = torch.zeros((), dtype=torch.long, device=dev)

@@ -44,7 +44,7 @@ def check_sinks(sinks, q_heads: int, device) -> None:
 
 
 def apply_learned_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """Rescale attention output `out [N, Hq, T, D]` for learned sink logits `sinks [Hq]`.
+    """Rescale attention output `out [N, Hq, T, Dv]` (`Dv` the value width) for learned sink logits `sinks [Hq]`.
 
     `lse [N, Hq, T]` is the natural-log sum of exp of each query's attended
     scores, laid out like `out` (query head `h` of `out` is `lse[:, h]`).

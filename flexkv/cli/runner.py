@@ -12,17 +12,17 @@ plain dict (`report`), ready for JSON.
 
 from __future__ import annotations
 
-import statistics
 import platform
+import statistics
 import time
 from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ..compiling import fresh_function, graphs_compiled
 from ..cache.manager import BoundedKVManager
-from ..model.reference import ReferenceCache
 from ..cache.quantized import round_trip
+from ..compiling import fresh_function, graphs_compiled
+from ..model.reference import ReferenceCache
 from ..session import Chunk, StreamSession
 from ..step import BoundedKVStep, Segment
 from .stream_model import StreamModel
@@ -41,8 +41,12 @@ def percentile(values: List[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-def _attend_with(manager: BoundedKVManager, model: StreamModel, plan) -> Callable:
+def _attend_with(manager: BoundedKVManager, model: StreamModel, plan, attendance=None) -> Callable:
+    # The plan is an argument (a graph input), so the layers call the manager directly; they count their
+    # calls on the session's attendance record, which refuses a step that missed a layer.
     def attend(l, q, k, v):
+        if attendance is not None:
+            attendance.attended(l)
         return manager.attend(
             l, q, k, v, plan, score_mod=model.score_mod(l), positions=model.positions
         )
@@ -50,9 +54,9 @@ def _attend_with(manager: BoundedKVManager, model: StreamModel, plan) -> Callabl
     return attend
 
 
-def _layer_step(manager, model, l):
+def _layer_step(manager, model, l, attendance=None):
     def layer_step(x, plan):
-        return model.layer(l, x, _attend_with(manager, model, plan))
+        return model.layer(l, x, _attend_with(manager, model, plan, attendance))
 
     return layer_step
 
@@ -76,13 +80,13 @@ class CompiledStep:
     (`cur_kvSplitSize` undeclared).
     """
 
-    def __init__(self, manager: BoundedKVManager, model: StreamModel, mode: str = "layer"):
+    def __init__(self, manager: BoundedKVManager, model: StreamModel, mode: str = "layer", attendance=None):
         self.mode = mode
         layers = model.workload.layers
         if mode == "graph":
 
             def whole_step(x, plan):
-                attend = _attend_with(manager, model, plan)
+                attend = _attend_with(manager, model, plan, attendance)
                 records = []
                 for l in range(layers):
                     x, q, k, v, o = model.layer(l, x, attend)
@@ -92,7 +96,8 @@ class CompiledStep:
             self._step = torch.compile(whole_step, fullgraph=True, dynamic=False)
         elif mode == "layer":
             self._layers = [
-                torch.compile(fresh_function(_layer_step(manager, model, l), f"layer{l}"), fullgraph=True, dynamic=False)
+                torch.compile(fresh_function(_layer_step(manager, model, l, attendance), f"layer{l}"), fullgraph=True,
+                              dynamic=False)
                 for l in range(layers)
             ]
         else:
@@ -192,7 +197,7 @@ class _WorkloadRun:
             k = torch.randn(shape, generator=self.gen).to(w.torch_dtype)
             v = torch.randn(shape, generator=self.gen).to(w.torch_dtype)
             self.sources.append((self.session.add_source(k.to(device), v.to(device)), k, v))
-        self.stepper = CompiledStep(self.manager, self.model, w.compile)
+        self.stepper = CompiledStep(self.manager, self.model, w.compile, self.session.context.attendance)
         self.traffic = Traffic(w)
         self.tracker = _Tracker(w, w.check_requests)
         self.checks: List[dict] = []

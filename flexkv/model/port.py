@@ -34,10 +34,12 @@ parameters stay exactly as they were.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
+from ..config import is_int
+from .attendance import explain_calls
 from .wrap import CacheAttention, StepContext
 
 __all__ = ["swap_attention", "SwappedAttention"]
@@ -61,38 +63,69 @@ def _matcher(match: Match) -> Callable[[str, nn.Module], bool]:
 
 
 class SwappedAttention:
-    """What `swap_attention` returns: the swapped modules in layer order, and the way back.
+    """What `swap_attention` returns: the swapped modules, the cache layers of their calls, and the way back.
 
-    `modules[i]` (named `names[i]` in the model) is cache layer `i`, attending
-    through `cores[i]`. `restore()` gives every module its own forward back;
-    used as a context manager, the swap is undone on exit.
+    `modules[i]` (named `names[i]` in the model) attends, at its `c`-th call
+    of a step, through cache layer `layers[i][c]`; `cores[l]` is layer `l`'s
+    core. `restore()` gives every module its own methods back; used as a
+    context manager, the swap is undone on exit.
     """
 
     def __init__(self, names: Sequence[str], modules: Sequence[nn.Module], cores: Sequence[CacheAttention],
-                 previous: Sequence[object]):
+                 previous: Sequence[Dict[str, object]], layers: Sequence[Tuple[int, ...]], methods: Sequence[str],
+                 context: StepContext):
         self.names = tuple(names)
         self.modules = tuple(modules)
         self.cores = tuple(cores)
+        self.layers = tuple(tuple(ls) for ls in layers)
+        self.methods = tuple(methods)
         self._previous = tuple(previous)
+        self._context = context
+        #: calls of each module in the current step (zeroed in place when a step begins)
+        self.calls: List[int] = [0] * len(self.modules)
         self.active = True
 
+    # -- the attendance record's explainer: zeroes the call counts, says which call a layer is
+
+    def start(self) -> None:
+        self.calls[:] = [0] * len(self.modules)
+
+    def explain(self, missing: List[int], twice: List[int]) -> List[str]:
+        out = []
+        for i, (name, layers, calls) in enumerate(zip(self.names, self.layers, self.calls)):
+            msg = explain_calls(name, calls, len(layers), self.methods)
+            if msg is not None:
+                out.append(msg)
+        return out
+
     def layer_of(self, module: nn.Module) -> int:
-        """The cache layer a swapped module attends through."""
-        for i, m in enumerate(self.modules):
+        """The cache layer a swapped module attends through (`layers_of` for a module called several
+        times per step)."""
+        layers = self.layers_of(module)
+        if len(layers) != 1:
+            raise ValueError(f"{self.names[self.modules.index(module)]} attends {len(layers)} cache layers, one per "
+                             f"call of a step ({list(layers)}); use layers_of(module)")
+        return layers[0]
+
+    def layers_of(self, module: nn.Module) -> Tuple[int, ...]:
+        """The cache layers of a swapped module's calls in a step: call `c` attends `layers_of(module)[c]`."""
+        for m, layers in zip(self.modules, self.layers):
             if m is module:
-                return i
+                return layers
         raise ValueError(f"{type(module).__name__} is not one of the swapped modules ({', '.join(self.names)})")
 
     def restore(self) -> None:
-        """Give every swapped module its own forward back (a second call does nothing)."""
+        """Give every swapped module its own methods back (a second call does nothing)."""
         if not self.active:
             return
         for module, previous in zip(self.modules, self._previous):
-            if previous is _NO_FORWARD:
-                module.__dict__.pop("forward", None)
-            else:
-                module.__dict__["forward"] = previous
+            for method, prev in previous.items():
+                if prev is _NO_FORWARD:
+                    module.__dict__.pop(method, None)
+                else:
+                    module.__dict__[method] = prev
             _SWAPPED.discard(module)
+        self._context.attendance.remove_explainer(self)
         self.active = False
 
     def __enter__(self) -> "SwappedAttention":
@@ -106,15 +139,51 @@ class SwappedAttention:
 
     def __repr__(self):
         state = "active" if self.active else "restored"
-        return f"SwappedAttention({len(self.modules)} layers: {', '.join(self.names)}; {state})"
+        return f"SwappedAttention({len(self.cores)} layers: {', '.join(self.names)}; {state})"
+
+
+def _methods(forward, methods) -> Dict[str, Callable]:
+    """`{method name: replacement}` from `forward` (one callable, or a mapping name -> callable) and `methods`."""
+    if isinstance(forward, Mapping):
+        table = dict(forward)
+        if methods is not None and tuple(methods) != tuple(table):
+            raise ValueError(f"swap_attention: forward is a mapping of methods ({', '.join(table)}); leave methods "
+                             f"out (it would say {tuple(methods)!r})")
+    else:
+        names = ("forward",) if methods is None else ((methods,) if isinstance(methods, str) else tuple(methods))
+        table = {name: forward for name in names}
+    if not table:
+        raise ValueError("swap_attention: methods is empty; name the method(s) the model calls, e.g. ('forward',)")
+    for name, fn in table.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"swap_attention: a method name must be an identifier str, got {name!r}")
+        if not callable(fn):
+            raise ValueError(f"swap_attention: the replacement of {name} must be a callable "
+                             f"forward(module, attn, *args, **kwargs), got {fn!r}")
+    return table
+
+
+def _call_layers(counts: Sequence[int]) -> List[Tuple[int, ...]]:
+    """Cache layers of every module's calls, call-major: first call of every module (in match order),
+    then every second call, and so on (a loop over the blocks, run again)."""
+    layers: List[List[int]] = [[] for _ in counts]
+    nxt = 0
+    for c in range(max(counts, default=0)):
+        for i, n in enumerate(counts):
+            if c < n:
+                layers[i].append(nxt)
+                nxt += 1
+    return [tuple(ls) for ls in layers]
 
 
 def swap_attention(
     model: nn.Module,
     context: StepContext,
     match: Match,
-    forward: Callable,
+    forward: Union[Callable, Mapping[str, Callable]],
     *,
+    methods: Union[None, str, Sequence[str]] = None,
+    calls_per_step: Union[int, Sequence[int]] = 1,
     core: Optional[Callable[[int, nn.Module], CacheAttention]] = None,
     **attention,
 ) -> SwappedAttention:
@@ -125,22 +194,37 @@ def swap_attention(
         context: the `StepContext` the cores read the step from (`StreamSession.context`).
         match: the attention modules: an `nn.Module` class (or a tuple of
             classes), or a predicate `match(name, module) -> bool` over
-            `model.named_modules()`. The `i`-th match, in `model.modules()`
-            order, is cache layer `i`; there must be exactly
-            `context.config.num_layers` of them.
-        forward: the new forward, `forward(module, attn, *args, **kwargs)`:
-            the model's own module, the layer's flexkv core `attn` (call it
-            `attn(q, k, v)` with `q [N, Hq, T, D]`, `k, v [N, H, T, D]`;
-            `attn.stream_positions()` gives each own token's stream index,
-            `[N, T]`, on every cache) and whatever the module was called with.
-        core: builds layer `i`'s core from `(i, module)` (per-layer options
+            `model.named_modules()`, found in `model.modules()` order.
+        forward: the replacement, `forward(module, attn, *args, **kwargs)`:
+            the model's own module, the flexkv core `attn` of the call's
+            cache layer (call it `attn(q, k, v)` with `q [N, Hq, T, D]`,
+            `k [N, H, T, D]`,
+            `v [N, H, T, Dv]` (`Dv = value_head_dim`), returning `[N, Hq, T, Dv]`; `attn.stream_positions()` gives each own
+            token's stream index, `[N, T]`, on every cache) and whatever the
+            method was called with. A mapping `{method: replacement}` gives
+            each method its own.
+        methods: the method name(s) replaced, default ``("forward",)``: name
+            every method through which the model attends (a block that calls
+            `self.attn.forward_chunk(...)` needs ``methods=("forward_chunk",)``).
+        calls_per_step: how many times the model calls each module in one
+            step (an int for every module, or one per module in match
+            order): a module run once per solver step, or a weight-tied layer
+            looped `k` times, attends a cache layer of its own at each call.
+            Layers go call-major: the first call of every module (in match
+            order), then every second call, and so on; there must be exactly
+            `context.config.num_layers` of them (`sum(calls_per_step)`).
+        core: builds layer `l`'s core from `(l, module)` (per-layer options
             such as learned sinks); by default
-            `CacheAttention(context, i, **attention)`.
+            `CacheAttention(context, l, **attention)`.
         **attention: options of every layer's `CacheAttention` (`rotary`,
             `rope_positions`, `scale`, `score_mod`, `positions`, `sinks`).
 
-    Raises `ValueError` (and swaps nothing) when no module or the wrong
-    number matches, when a module is already swapped, or for a bad argument.
+    A step whose calls do not match the declaration (a method the model never
+    calls, a module called more or fewer times) is refused when it commits,
+    naming the module, its calls and the methods swapped; nothing is
+    committed. Raises `ValueError` (and swaps nothing) when no module or the
+    wrong number matches, when a module is already swapped or lacks a named
+    method, or for a bad argument.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"swap_attention: model must be an nn.Module, got {type(model).__name__}")
@@ -149,45 +233,91 @@ def swap_attention(
             f"swap_attention: context must be a flexkv.model.wrap.StepContext (StreamSession.context), "
             f"got {type(context).__name__}"
         )
-    if not callable(forward):
-        raise ValueError(f"swap_attention: forward must be a callable forward(module, attn, *args, **kwargs), "
-                         f"got {forward!r}")
+    if not callable(forward) and not isinstance(forward, Mapping):
+        raise ValueError(f"swap_attention: forward must be a callable forward(module, attn, *args, **kwargs) "
+                         f"(or a mapping method name -> such a callable), got {forward!r}")
+    table = _methods(forward, methods)
     if core is not None and attention:
         raise ValueError(f"swap_attention: give core or attention options ({', '.join(attention)}), not both")
     is_match = _matcher(match)
     found = [(name, m) for name, m in model.named_modules() if is_match(name, m)]
-    layers = context.config.num_layers
     names = [name or "<the model itself>" for name, _ in found]
-    if len(found) != layers:
+    if is_int(calls_per_step):
+        counts = [calls_per_step] * len(found)
+        per = f"calls_per_step={calls_per_step}"
+    else:
+        try:
+            counts = list(calls_per_step)
+        except TypeError:
+            raise ValueError(f"swap_attention: calls_per_step must be an int >= 1 or one per matched module, "
+                             f"got {calls_per_step!r}") from None
+        per = f"calls_per_step={counts}"
+        if len(counts) != len(found):
+            raise ValueError(
+                f"swap_attention: calls_per_step gives {len(counts)} counts, but {len(found)} modules match "
+                f"{match!r} ({', '.join(names) or 'none'}); give one count per module, in match order"
+            )
+    if any(not is_int(n) or n < 1 for n in counts):
+        raise ValueError(f"swap_attention: calls_per_step must be ints >= 1 (calls of a module in one step), "
+                         f"got {calls_per_step!r}")
+    layers = context.config.num_layers
+    total = sum(counts)
+    if not found or total != layers:
+        hint = ""
+        if found and is_int(calls_per_step) and layers % len(found) == 0 and layers // len(found) != calls_per_step:
+            hint = (f", or, if the model calls each of them {layers // len(found)} times in a step (solver steps, "
+                    f"looped or weight-tied layers), pass calls_per_step={layers // len(found)}")
         raise ValueError(
-            f"swap_attention: {len(found)} modules match {match!r} ({', '.join(names) or 'none'}), but the cache "
-            f"has num_layers={layers}; each attention module needs a cache layer of its own: build the cache "
-            f"with num_layers={len(found)}, or match exactly the attention modules"
+            f"swap_attention: {len(found)} modules match {match!r} ({', '.join(names) or 'none'}); with {per} "
+            f"that is {total} attention calls per step, but the cache has num_layers={layers}; each "
+            f"attention call of a step needs a cache layer of its own: build the cache with num_layers={total}"
+            f"{hint}, or match exactly the attention modules"
         )
     for name, m in zip(names, (m for _, m in found)):
         if m in _SWAPPED:
             raise ValueError(f"swap_attention: {name} is swapped already; restore() that swap first")
-    cores = []
-    for i, (_, m) in enumerate(found):
-        c = core(i, m) if core is not None else CacheAttention(context, i, **attention)
-        if not isinstance(c, CacheAttention) or c.layer_idx != i or c.context is not context:
-            raise ValueError(
-                f"swap_attention: core({i}, module) must return a CacheAttention of layer {i} on this context, "
-                f"got {c!r}"
-            )
-        cores.append(c)
+        for method in table:
+            if not callable(getattr(m, method, None)):
+                raise ValueError(
+                    f"swap_attention: {name} ({type(m).__name__}) has no method {method!r} to replace; name the "
+                    f"method(s) through which the model attends (methods=...)"
+                )
+    call_layers = _call_layers(counts)
     modules = [m for _, m in found]
-    previous = [m.__dict__.get("forward", _NO_FORWARD) for m in modules]
-    swap = SwappedAttention(names, modules, cores, previous)
-    for m, c in zip(modules, cores):
-        m.__dict__["forward"] = _swapped_forward(forward, m, c)
+    cores: List[Optional[CacheAttention]] = [None] * layers
+    for m, ls in zip(modules, call_layers):
+        for l in ls:
+            c = core(l, m) if core is not None else CacheAttention(context, l, **attention)
+            if not isinstance(c, CacheAttention) or c.layer_idx != l or c.context is not context:
+                raise ValueError(
+                    f"swap_attention: core({l}, module) must return a CacheAttention of layer {l} on this context, "
+                    f"got {c!r}"
+                )
+            cores[l] = c
+    previous = [{method: m.__dict__.get(method, _NO_FORWARD) for method in table} for m in modules]
+    swap = SwappedAttention(names, modules, cores, previous, call_layers, tuple(table), context)
+    for i, (m, ls) in enumerate(zip(modules, call_layers)):
+        module_cores = tuple(cores[l] for l in ls)
+        for method, fn in table.items():
+            m.__dict__[method] = _swapped_method(fn, method, m, module_cores, swap, i)
         _SWAPPED.add(m)
+    context.attendance.add_explainer(swap)
     return swap
 
 
-def _swapped_forward(forward: Callable, module: nn.Module, core: CacheAttention) -> Callable:
-    def swapped(*args, **kwargs):
-        return forward(module, core, *args, **kwargs)
+def _swapped_method(forward: Callable, method: str, module: nn.Module, cores: Tuple[CacheAttention, ...],
+                    swap: SwappedAttention, index: int) -> Callable:
+    # The swapped methods hold the swap (the context's attendance record holds it weakly): it lives as
+    # long as the model, and zeroes its call counts at every step.
+    last = len(cores) - 1
 
-    swapped.__name__ = f"flexkv_{getattr(forward, '__name__', 'forward')}"
+    def swapped(*args, **kwargs):
+        # The c-th call of the module in this step attends its c-th layer. A call past the declared count
+        # attends the last one again: the step's attendance check then refuses it, naming the calls.
+        calls = swap.calls
+        c = calls[index]
+        calls[index] = c + 1
+        return forward(module, cores[min(c, last)], *args, **kwargs)
+
+    swapped.__name__ = f"flexkv_{getattr(forward, '__name__', method)}"
     return swapped

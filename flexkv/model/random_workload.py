@@ -5,7 +5,9 @@ back; spans vary (look-ahead tokens when `span < T`, read-only steps when
 `span == 0`); requests start on random sources and lengths. Every step's
 outputs are compared with `flexkv.model.reference.ReferenceCache` on the same
 inputs (for a cache with quantized slots, on what the cache reads back for
-them: `flexkv.cache.quantized.round_trip`), and the worst difference is kept. The test suite drives its property
+them: `flexkv.cache.quantized.round_trip`): the worst difference is kept, and
+with a `tolerance` the first step, layer and request over it fails there
+(`check_close`). The test suite drives its property
 and compiled tests with it, and `benchmarks/cuda_check.py` its checks on a
 GPU: run it on a new device or torch release before trusting either.
 """
@@ -23,7 +25,7 @@ from ..config import BoundedKVConfig
 from ..step import BoundedKVStep, Segment, StreamPosition
 from .reference import ReferenceCache
 
-__all__ = ["RandomWorkload", "score_bias", "relative_error"]
+__all__ = ["RandomWorkload", "score_bias", "relative_error", "check_close"]
 
 
 def score_bias(score, b, h, q_pos, kv_pos):
@@ -37,6 +39,21 @@ def relative_error(out: torch.Tensor, want: torch.Tensor) -> float:
     scale = want.norm().item()
     diff = (out - want).norm().item()
     return diff / scale if scale else diff
+
+
+def check_close(out: torch.Tensor, want: torch.Tensor, tolerance: float, where: str) -> float:
+    """The largest `|out - want|` (float64, on the CPU); past `tolerance` (or NaN), an AssertionError
+    that names `where` (the step, layer and request being compared), the difference and the first
+    element over it, so a failure says where a run broke, not only by how much."""
+    if tuple(out.shape) != tuple(want.shape):
+        raise AssertionError(f"{where}: output {tuple(out.shape)}, reference {tuple(want.shape)}")
+    diff = (out.double().cpu() - want.double().cpu()).abs()
+    worst = diff.max().item() if diff.numel() else 0.0
+    if not worst <= tolerance:
+        first = tuple((~(diff <= tolerance)).nonzero()[0].tolist())
+        raise AssertionError(f"{where}: |output - reference| reaches {worst:.3g} > {tolerance:g} "
+                             f"(first at index {first} of shape {tuple(diff.shape)})")
+    return worst
 
 
 class RandomWorkload:
@@ -58,6 +75,9 @@ class RandomWorkload:
         score_mod, positions, sinks: passed to every `attend` and to the reference.
         churn: how often requests leave or reset between steps.
         num_sources: sources registered at the start (default: a random count).
+        tolerance: the largest absolute difference allowed; `step` raises at
+            the first layer and segment past it, naming the step, layer and
+            request. None: only record the differences.
 
     `worst` is the largest absolute difference seen, `worst_relative` the
     largest norm-relative one (per layer and step).
@@ -80,6 +100,7 @@ class RandomWorkload:
         sinks: Optional[torch.Tensor] = None,
         churn: float = 0.25,
         num_sources: Optional[int] = None,
+        tolerance: Optional[float] = None,
     ):
         self.cfg = config
         self.rng = random.Random(seed)
@@ -94,6 +115,7 @@ class RandomWorkload:
         self.positions = positions
         self.sinks = sinks
         self.churn = churn
+        self.tolerance = tolerance
         self.worst = 0.0
         self.worst_relative = 0.0
         self.steps = 0
@@ -187,11 +209,18 @@ class RandomWorkload:
                 outs = [self.manager.attend(l, qs[l], ks[l], vs[l], plan, **kw) for l in range(c.num_layers)]
             else:
                 outs = self.attend_fn(self.manager, plan, qs, ks, vs)
+        R = c.rows_per_request
         for l in range(c.num_layers):
             want = self.ref.attend(l, qs[l], self.stored(ks[l]), self.stored(vs[l]), step, **kw)
             if check:
                 if tuple(outs[l].shape) != tuple(want.shape):
-                    raise AssertionError(f"layer {l}: output {tuple(outs[l].shape)}, reference {tuple(want.shape)}")
+                    raise AssertionError(f"step {self.steps}, layer {l}: output {tuple(outs[l].shape)}, "
+                                         f"reference {tuple(want.shape)}")
+                for i, seg in enumerate(step.segments if self.tolerance is not None else ()):
+                    who = "a padding segment" if seg.request_id is None else f"request {seg.request_id!r}"
+                    check_close(outs[l][i * R:(i + 1) * R], want[i * R:(i + 1) * R], self.tolerance,
+                                f"step {self.steps} (T={T}), layer {l}, {who} (segment {i}, rows {i * R}.."
+                                f"{(i + 1) * R - 1})")
                 self.worst = max(self.worst, (outs[l].double().cpu() - want).abs().max().item())
                 self.worst_relative = max(self.worst_relative, relative_error(outs[l], want))
         self.manager.commit(step)

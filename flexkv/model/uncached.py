@@ -38,15 +38,15 @@ from typing import Callable, Dict, Hashable, List, Optional
 
 import torch
 
-from ..config import BoundedKVConfig, check_config, check_layer_index
 from ..cache.groups import as_layer_groups, layer_group_configs
-from ..cache.sources import check_source_shapes, split_source
 from ..cache.masks import POSITION_MODES
 from ..cache.quantized import round_trip
-from .reference import ReferenceCache, own_stream_indices
 from ..cache.rotary import ROPE_POSITIONS, Rotary, check_cache_config, check_cache_step
 from ..cache.slots import Admission, SlotTable
+from ..cache.sources import check_source_shapes, split_source
+from ..config import BoundedKVConfig, check_config, check_layer_index
 from ..step import BoundedKVStep, StreamPosition
+from .reference import ReferenceCache, own_stream_indices
 
 __all__ = ["UncachedHistory", "UncachedPlan"]
 

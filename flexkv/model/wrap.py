@@ -1,8 +1,10 @@
 """Put a bounded cache under an existing attention module.
 
 A model's attention computes `q, k, v` and hands them to a core
-`(q, k, v) -> out` (the SDPA layout: `q [N, Hq, T, D]`, `k, v [N, H, T,
-D]`, `out [N, Hq, T, D]`). `CacheAttention(context, layer)` is that core for
+`(q, k, v) -> out` (the SDPA layout: `q [N, Hq, T, D]`, `k [N, H, T, D]`,
+`v [N, H, T, Dv]`, `out [N, Hq, T, Dv]`, with `D = head_dim` and
+`Dv = value_head_dim`, the same unless the config sets it).
+`CacheAttention(context, layer)` is that core for
 one layer of any flexkv cache (`flexkv.cache.protocol.StreamCache`): a
 `BoundedKVManager`, a `GroupedKVManager` whose layer groups keep retention
 of their own, or the uncached twin `flexkv.model.uncached.UncachedHistory` that
@@ -46,12 +48,33 @@ from torch import nn
 
 from ..cache.masks import POSITION_MODES
 from ..cache.protocol import check_cache
+from ..cache.rotary import ROPE_POSITIONS, Rotary
 from ..cache.transaction import StepTransaction
 from ..config import check_layer_index
-from ..cache.rotary import ROPE_POSITIONS, Rotary
 from ..step import BoundedKVStep
+from .attendance import AttendanceRecord
 
-__all__ = ["StepContext", "CacheAttention", "BoundedAttention", "UncachedAttention", "attention"]
+__all__ = ["StepContext", "CacheAttention", "attention", "ROW_ORDERS",
+           "rows_by_request", "rows_stacked"]
+
+#: How a model orders a step's `N = B * R` attention rows (`R = rows_per_request`): request by request
+#: (row `lane * R + r`, flexkv's order), or stacked (row `r * B + lane`: every request's first row, then every
+#: request's second row, as a classifier-free-guidance pipeline's `torch.cat([x_cond, x_uncond])` gives).
+ROW_ORDERS = ("request", "stacked")
+
+
+def rows_by_request(x: torch.Tensor, rows_per_request: int) -> torch.Tensor:
+    """Stacked rows (`r * B + lane` along dim 0) -> flexkv's request-by-request order (`lane * R + r`)."""
+    if rows_per_request == 1:
+        return x
+    return x.unflatten(0, (rows_per_request, -1)).transpose(0, 1).flatten(0, 1)
+
+
+def rows_stacked(x: torch.Tensor, rows_per_request: int) -> torch.Tensor:
+    """`rows_by_request`'s inverse: flexkv's row order -> stacked rows."""
+    if rows_per_request == 1:
+        return x
+    return x.unflatten(0, (-1, rows_per_request)).transpose(0, 1).flatten(0, 1)
 
 
 class StepContext:
@@ -73,6 +96,10 @@ class StepContext:
         #: The step begun last (`flexkv.cache.transaction.StepTransaction`), None before the first.
         self.transaction: Optional[StepTransaction] = None
         self._checks: List[Callable[[BoundedKVStep], None]] = []
+        #: attend calls per cache layer in the current step; `commit` refuses a step that did not attend
+        #: every layer exactly once (`flexkv.model.attendance`)
+        self.attendance = AttendanceRecord(self.cache.config.num_layers)
+        self._commit_where = "StepContext.commit"  # who commits, for the attendance error (a session says so)
 
     @property
     def config(self):
@@ -101,6 +128,9 @@ class StepContext:
             raise ValueError("StepContext.begin: the transaction is over another cache than this context's")
         plan = txn.begin(step)
         self.transaction, self.step, self.plan = txn, step, plan
+        self.attendance.start()
+        # Before anything commits: every declared cache layer attended exactly once.
+        txn.add_commit_check(lambda _txn: self.check_attendance(self._commit_where))
         return plan
 
     def bind(self, plan) -> None:
@@ -113,6 +143,7 @@ class StepContext:
         same: `context(layer_idx, q, k, v)`."""
         if self.plan is None:
             raise ValueError("StepContext.attend: no step; call begin(step) (and bind(plan) when compiled) first")
+        self.attendance.attended(layer_idx)
         return self.cache.attend(layer_idx, q, k, v, self.plan, **kwargs)
 
     __call__ = attend
@@ -129,8 +160,28 @@ class StepContext:
             raise ValueError("StepContext.stream_positions: no step; call begin(step) first")
         return self.cache.stream_positions(self.plan, tokens)
 
+    def stream_offsets(self) -> torch.Tensor:
+        """Stream index of each row's first own token of the bound step, `[N]` int64: the row offset a
+        position encoding that adds `arange(T)` itself takes (`stream_positions()` is
+        `stream_offsets()[:, None] + arange(T)`). Refused with `reverse_step_order`, whose positions
+        count down inside a step."""
+        if self.plan is None:
+            raise ValueError("StepContext.stream_offsets: no step; call begin(step) first")
+        if self.config.reverse_step_order:
+            raise ValueError(
+                "stream_offsets(): with reverse_step_order=True a step's tokens sit at n + span - 1 - t (they "
+                "count down), which no row offset + arange(T) gives; use stream_positions() [N, T]"
+            )
+        return self.cache.stream_positions(self.plan, 1)[:, 0]
+
+    def check_attendance(self, where: str = "StepContext.commit") -> None:
+        """Raise `flexkv.model.attendance.AttendanceError` unless the bound step attended every cache layer
+        exactly once (`commit` does it before committing anything)."""
+        self.attendance.check(where)
+
     def commit(self) -> None:
-        """Commit the step begun last (its transaction's commit checks first)."""
+        """Commit the step begun last (its transaction's commit checks first); refused (nothing
+        committed, the step aborted) when the step did not attend every cache layer exactly once."""
         if self.transaction is None:
             raise ValueError("StepContext.commit: no step was begun; call begin(step) first")
         self.transaction.commit()
@@ -170,9 +221,16 @@ class CacheAttention(nn.Module):
         rope_positions: ``"stream"`` or ``"cache"`` (StreamingLLM's
             in-cache positions; see `flexkv.cache.rotary`).
         scale, score_mod, positions, sinks: as `BoundedKVManager.attend`.
+        rows: how the model orders the step's rows (`ROW_ORDERS`):
+            ``"request"`` (flexkv's: a request's `rows_per_request` rows
+            side by side) or ``"stacked"`` (every request's first row, then
+            every request's second row: classifier-free guidance written as
+            `torch.cat([x_cond, x_uncond])`). `q, k, v`, the output and
+            `stream_positions()` are in the model's order.
 
-    `forward(q, k, v)`: `q [N, Hq, T, D]`, `k, v [N, H, T, D]` ->
-    `[N, Hq, T, D]`, where `N` is the step's rows.
+    `forward(q, k, v)`: `q [N, Hq, T, D]`, `k [N, H, T, D]`,
+    `v [N, H, T, Dv]` -> `[N, Hq, T, Dv]`, where `N` is the step's rows,
+    `D` the config's `head_dim` and `Dv` its `value_head_dim`.
     """
 
     def __init__(
@@ -186,10 +244,13 @@ class CacheAttention(nn.Module):
         score_mod: Optional[Callable] = None,
         positions: str = "stream",
         sinks: Optional[torch.Tensor] = None,
+        rows: str = "request",
     ):
         super().__init__()
         if not isinstance(context, StepContext):
             raise ValueError(f"expected a StepContext, got {type(context).__name__}")
+        if rows not in ROW_ORDERS:
+            raise ValueError(f"rows must be one of {ROW_ORDERS} (the model's order of a step's rows), got {rows!r}")
         check_layer_index(layer_idx, context.config.num_layers)
         if rotary is not None and not isinstance(rotary, Rotary):
             raise ValueError(f"rotary must be a flexkv.cache.rotary.Rotary or None, got {type(rotary).__name__}")
@@ -203,6 +264,8 @@ class CacheAttention(nn.Module):
         self.score_mod = score_mod
         self.positions = positions
         self.rope_positions = rope_positions
+        self.rows = rows
+        self._R = context.config.rows_per_request if rows == "stacked" else 1
         object.__setattr__(self, "sinks", sinks)  # the model's parameter, not this module's
         rope = None if rotary is None else context.cache.rotation(layer_idx, rotary, rope_positions)
         if isinstance(rope, nn.Module):
@@ -216,27 +279,35 @@ class CacheAttention(nn.Module):
         plan = self.context.plan
         if plan is None:
             raise ValueError("CacheAttention: no step; call context.begin(step) before the forward")
+        R = self._R
+        if R > 1:
+            q, k, v = rows_by_request(q, R), rows_by_request(k, R), rows_by_request(v, R)
         if self.rope is not None:
             q, k = self.rope(q, k, plan)
         kw = {} if self.sinks is None else {"sinks": self.sinks}
+        self.context.attendance.attended(self.layer_idx)
         # `attend` gives q a buffer of its own (it folds the scale into q), so a q that is a view
         # of a projection's output lowers in compiled CPU FlexAttention.
-        return self.context.cache.attend(
+        out = self.context.cache.attend(
             self.layer_idx, q, k, v, plan, scale=self.scale, score_mod=self.score_mod, positions=self.positions, **kw
         )
+        return rows_stacked(out, R) if R > 1 else out
 
     def stream_positions(self, tokens: Optional[int] = None) -> torch.Tensor:
         """Stream index of each own token of the bound step, `[N, T]` (`StepContext.stream_positions`):
-        what a model that applies its own position encoding rotates `q` and `k` at."""
-        return self.context.stream_positions(tokens)
+        what a model that applies its own position encoding rotates `q` and `k` at (rows in the core's
+        `rows` order)."""
+        pos = self.context.stream_positions(tokens)
+        return rows_stacked(pos, self._R) if self._R > 1 else pos
+
+    def stream_offsets(self) -> torch.Tensor:
+        """Stream index of each row's first own token, `[N]` (`StepContext.stream_offsets`): for a position
+        encoding that takes one offset per row and adds `arange(T)` itself (rows in the core's `rows` order)."""
+        off = self.context.stream_offsets()
+        return rows_stacked(off, self._R) if self._R > 1 else off
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, positions={self.positions!r}, rope_positions={self.rope_positions!r}"
-
-
-#: The names this core had when bounded and uncached caches had one each; both are `CacheAttention`.
-BoundedAttention = CacheAttention
-UncachedAttention = CacheAttention
 
 
 def attention(context: StepContext, layer_idx: int, **kwargs) -> CacheAttention:

@@ -46,10 +46,10 @@ from typing import Any, Hashable, Optional
 
 import torch
 
-from ..config import BoundedKVConfig, check_config, is_int
 from ..cache.manager import BoundedKVManager
 from ..cache.planner import BoundedPlan
 from ..cache.slots import SlotTable
+from ..config import BoundedKVConfig, check_config, is_int
 from ..step import BoundedKVStep
 
 __all__ = ["HeadShard", "ShardedKVManager", "resolve_rank", "all_gather_heads", "plan_digest"]
@@ -234,8 +234,9 @@ class ShardedKVManager(BoundedKVManager):
         slots: as for `BoundedKVManager`: the slot table of a `GroupedKVManager` whose group this
             rank's manager stores (the engine's tensor-parallel factory passes it).
 
-    `attend` takes this rank's heads: `q [N, Hq / world_size, T, D]`, `k, v
-    [N, num_heads / world_size, T, D]`, and returns `[N, Hq / world_size, T, D]`.
+    `attend` takes this rank's heads: `q [N, Hq / world_size, T, D]`, `k
+    [N, num_heads / world_size, T, D]`, `v [N, num_heads / world_size, T, Dv]`
+    (`Dv = value_head_dim`), and returns `[N, Hq / world_size, T, Dv]`.
     `memory_bytes` and `slot_bytes` are this rank's share.
     """
 
@@ -276,8 +277,8 @@ class ShardedKVManager(BoundedKVManager):
     def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Register a source from the full-head tensors (this rank keeps its slice) or this rank's slice.
 
-        `keys`, `values`: `[num_layers, rows_per_request, H, L, head_dim]` with
-        `H` the model's `num_heads` or this rank's `num_heads // world_size`.
+        `keys`: `[num_layers, rows_per_request, H, L, head_dim]`, `values` the same with
+        `value_head_dim`, `H` the model's `num_heads` or this rank's `num_heads // world_size`.
         """
         return super().add_source(keys, values)
 

@@ -18,6 +18,9 @@ What it does per `step(feeds, fn)`:
   tokens (the rest are look-ahead tokens: attended, never written). A request
   seen for the first time starts with an empty stream and no source;
   `start(request_id, source=i, source_len=L)` starts one on a shared source.
+  A tensor that belongs to the request rather than its tokens (a speaker
+  embedding) goes in the structure as `PerRequest(tensor)`: `fn` receives it
+  `[B, ...]`, stacked by lane, without repeating it over the tokens.
 - Each request holds a *lane*, its index in the model's batch, from its
   start until `finish()`: the lowest free lane, as stable as the request
   (its attention rows are `lane * R .. lane * R + R - 1` with
@@ -77,8 +80,8 @@ thread-safe and not re-entrant: an operation called while another runs
 `RuntimeError` and changes nothing.
 """
 
-from .feeds import Chunk
+from .feeds import Chunk, PerRequest
 from .result import StepResult
 from .stream_session import WHEN_FULL, StreamSession
 
-__all__ = ["StreamSession", "Chunk", "StepResult", "WHEN_FULL"]
+__all__ = ["StreamSession", "Chunk", "PerRequest", "StepResult", "WHEN_FULL"]

@@ -17,7 +17,8 @@ import torch.utils._pytree as pytree
 
 from ..config import is_int
 
-__all__ = ["Chunk", "Feed", "flatten", "unflatten", "map_tensors", "parse_feed", "pad_by_lane"]
+__all__ = ["Chunk", "PerRequest", "Feed", "flatten", "feed_leaves", "unflatten", "map_tensors", "parse_feed",
+           "pad_by_lane"]
 
 
 class Chunk(NamedTuple):
@@ -34,18 +35,30 @@ class Chunk(NamedTuple):
     span: Optional[int] = None
 
 
+class PerRequest(NamedTuple):
+    """A tensor of a feed that belongs to the request, not to its tokens (a speaker embedding, a style
+    vector): no token dimension; the model function receives it stacked by lane, `[B, ...]`, where it
+    receives the feed's other tensors `[B, T, ...]`. Place it anywhere in the feed's structure:
+    `{"a": (noise, tokens, PerRequest(speaker))}`."""
+
+    value: torch.Tensor
+
+
 class Feed(NamedTuple):
-    """One request's feed, checked: its tensors, their structure, how many tokens, how many it writes."""
+    """One request's feed, checked: its tensors, their structure, how many tokens, how many it writes,
+    and which tensors are per request (`PerRequest`, no token dimension)."""
 
     leaves: List[torch.Tensor]
     spec: Any
     tokens: int
     span: int
+    per_request: Tuple[bool, ...] = ()
 
     @property
     def signature(self) -> tuple:
         """The structure, trailing shapes, dtypes and devices every feed of a step must share."""
-        return self.spec, tuple((tuple(t.shape[1:]), t.dtype, t.device) for t in self.leaves)
+        return self.spec, tuple((tuple(t.shape if whole else t.shape[1:]), t.dtype, t.device, whole)
+                                for t, whole in zip(self.leaves, self.per_request or (False,) * len(self.leaves)))
 
 
 def flatten(x, where: str) -> Tuple[List[torch.Tensor], Any]:
@@ -58,6 +71,23 @@ def flatten(x, where: str) -> Tuple[List[torch.Tensor], Any]:
                 f"got {type(leaf).__name__}"
             )
     return [leaf for _, leaf in paths], spec
+
+
+def feed_leaves(x, where: str) -> Tuple[List[torch.Tensor], Any, Tuple[bool, ...]]:
+    """`flatten` for a feed: its tensors (a `PerRequest` unwrapped), structure, and which are per request."""
+    paths, spec = pytree.tree_flatten_with_path(x, is_leaf=lambda v: isinstance(v, PerRequest))
+    leaves, per_request = [], []
+    for path, leaf in paths:
+        whole = isinstance(leaf, PerRequest)
+        value = leaf.value if whole else leaf
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"{where}{pytree.keystr(path)} must be a tensor or a tuple, list or dict of tensors (a tensor "
+                f"without tokens as PerRequest(tensor)), got {type(value).__name__}"
+            )
+        leaves.append(value)
+        per_request.append(whole)
+    return leaves, spec, tuple(per_request)
 
 
 def unflatten(spec, leaves: Sequence[torch.Tensor]):
@@ -73,11 +103,12 @@ def map_tensors(fn, x):
 def parse_feed(request_id, feed, largest: int) -> Feed:
     """Check one request's feed (`largest`: the most tokens a step may carry) and take it apart."""
     inputs, span = (feed.inputs, feed.span) if isinstance(feed, Chunk) else (feed, None)
-    leaves, spec = flatten(inputs, f"the feed of request {request_id!r}")
-    if not leaves:
-        raise ValueError(f"the feed of request {request_id!r} holds no tensor")
-    n = leaves[0].shape[0] if leaves[0].dim() else 0
-    for t in leaves:
+    leaves, spec, per_request = feed_leaves(inputs, f"the feed of request {request_id!r}")
+    tokens = [t for t, whole in zip(leaves, per_request) if not whole]
+    if not tokens:
+        raise ValueError(f"the feed of request {request_id!r} holds no tensor with tokens (only PerRequest ones)")
+    n = tokens[0].shape[0] if tokens[0].dim() else 0
+    for t in tokens:
         if t.dim() == 0 or t.shape[0] != n:
             raise ValueError(
                 f"request {request_id!r}: every tensor it feeds needs its tokens along dim 0, and they disagree "
@@ -94,15 +125,19 @@ def parse_feed(request_id, feed, largest: int) -> Feed:
         span = n
     if not is_int(span) or not 0 <= span <= n:
         raise ValueError(f"request {request_id!r}: Chunk span must be an int in [0, {n}] (tokens fed), got {span!r}")
-    return Feed(leaves, spec, n, span)
+    return Feed(leaves, spec, n, span, per_request)
 
 
 def pad_by_lane(per_lane: Dict[int, Sequence[torch.Tensor]], template: Sequence[torch.Tensor], B: int,
-                T: Optional[int]) -> List[torch.Tensor]:
-    """Stack per-lane leaves into `[B, T, ...]` (or `[B, ...]` with `T` None), zeros where a lane
-    has nothing or fewer tokens."""
+                T: Optional[int], per_request: Sequence[bool] = ()) -> List[torch.Tensor]:
+    """Stack per-lane leaves into `[B, T, ...]` (or `[B, ...]` with `T` None, or for a leaf marked in
+    `per_request`), zeros where a lane has nothing or fewer tokens."""
     out = []
+    whole = tuple(per_request) or (False,) * len(template)
     for i, t in enumerate(template):
+        if whole[i]:
+            out.extend(pad_by_lane({lane: (leaves[i],) for lane, leaves in per_lane.items()}, (t,), B, None))
+            continue
         rows = [per_lane.get(lane) for lane in range(B)]
         if all(r is not None and (T is None or r[i].shape[0] == T) for r in rows):
             out.append(torch.stack([r[i] for r in rows]))

@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import threading
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
@@ -16,13 +17,14 @@ from ..cache.groups import build_cache
 from ..cache.manager import SlotsExhausted
 from ..cache.protocol import check_cache
 from ..cache.transaction import StepTransaction
-from ..compiling import fresh_function, watch_recompiles
+from ..compiling import RecompileWarning, fresh_function, watch_recompiles
 from ..config import BoundedKVConfig, is_int
 from ..model.wrap import StepContext
 from ..step import BoundedKVStep, Segment, StreamPosition
-from .feeds import Chunk, flatten, map_tensors, pad_by_lane, parse_feed, unflatten
+from .feeds import Chunk, feed_leaves, flatten, map_tensors, pad_by_lane, parse_feed, unflatten
 from .result import StepResult
 from .state import check_new_state, state_factory
+from .step_functions import closure_difference, step_key
 
 __all__ = ["StreamSession", "WHEN_FULL"]
 
@@ -173,9 +175,12 @@ class StreamSession:
         self._requests: Dict[Hashable, _Request] = {}
         self._free_lanes: List[int] = list(range(c.max_slots))
         self._queue: deque = deque()  # _Waiting, first come first served
+        # Keyed on step_key(fn): a new but identical function object (a lambda written in the step loop)
+        # is the same step and reuses its compiled graphs.
         self._runners: Dict[Any, Callable] = {}
-        self._step_codes: Dict[Any, Any] = {}  # fn -> code object of its compiled step (for recompile reports)
-        self._warm: set = set()  # (fn, B, T) compiled
+        self._step_codes: Dict[Any, Any] = {}  # key -> code object of its compiled step (for recompile reports)
+        self._warm: set = set()  # (key, B, T) compiled
+        self._compiled_code: Dict[Any, Any] = {}  # a step function's code -> the key first compiled with it
         self._guard = threading.Lock()
         self._running: Optional[Tuple[str, int]] = None  # (operation, thread id) while one runs
 
@@ -400,7 +405,8 @@ class StreamSession:
     # -------------------------------------------------------------- steps
 
     def _runner(self, fn: Callable) -> Callable:
-        run = self._runners.get(fn)
+        key = step_key(fn)
+        run = self._runners.get(key)
         if run is not None:
             return run
         context = self.context
@@ -416,16 +422,36 @@ class StreamSession:
             # A code object of its own: compiled graphs are cached per code object, and another
             # session's (or another fn's) entries must not be walked or evicted by this one.
             fresh = fresh_function(session_step, f"s{self._id}_{len(self._runners)}")
-            self._step_codes[fn] = fresh.__code__
+            self._step_codes[key] = fresh.__code__
             session_step = torch.compile(fresh, fullgraph=True, dynamic=False)
-        self._runners[fn] = session_step
+            self._warn_if_compiled_before(fn)
+        self._runners[key] = session_step
         return session_step
+
+    def _warn_if_compiled_before(self, fn: Callable) -> None:
+        """Say so when a step function of the same code, with other closure values, compiles again."""
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if code is None:
+            return
+        key = step_key(fn)
+        first_key = self._compiled_code.setdefault(code, key)
+        if first_key == key:
+            return
+        differ = closure_difference(fn, key, first_key)
+        warnings.warn(
+            f"StreamSession.step: fn {getattr(code, 'co_name', fn)!r} ({code.co_filename}:{code.co_firstlineno}) is "
+            f"a new function with the code of one compiled before but other values"
+            f"{f' ({differ})' if differ else ''}, so the model step compiles again (seconds per compile, every "
+            f"time such a function is made). Define the step function once, outside the step loop, and pass "
+            f"what changes per step as an input (a tensor in the feed) or a buffer",
+            RecompileWarning, stacklevel=7,
+        )
 
     def _watch_recompiles(self, fn, B: int, T: int):
         """Around a warmed-up compiled step: say which guard failed if it compiles again."""
         if not self.compile:
             return contextlib.nullcontext()
-        return watch_recompiles(self._step_codes[fn], f"StreamSession.step: the compiled model step (B={B}, T={T})",
+        return watch_recompiles(self._step_codes[step_key(fn)], f"StreamSession.step: the compiled model step (B={B}, T={T})",
                                 _RECOMPILE_ADVICE, stacklevel=6)  # the caller of step()
 
     def _bucket(self, sizes, need: int) -> int:
@@ -437,9 +463,11 @@ class StreamSession:
         Requests not started yet start here (empty stream, no source). Any
         error is raised before the cache or any request changes, and a `fn`
         that raises (any exception, `KeyboardInterrupt` included) commits
-        nothing and starts no request. Pass the same `fn` object every step:
-        the session compiles once per `fn` (and bucket), so a new lambda per
-        step would compile every step.
+        nothing and starts no request. The session compiles once per step
+        function (and bucket): a new function object with the same code and
+        the same closure contents (`lambda attn, x: model(x)` written in the
+        loop) is the same step; one that captures other values compiles again
+        and warns (`RecompileWarning`).
         """
         with self._exclusive("step"):
             return self._step(feeds, fn)
@@ -529,8 +557,9 @@ class StreamSession:
     def _run(self, parsed, running, lanes, waiting, B, T, fn, transaction: StepTransaction) -> StepResult:
         spec = parsed[running[0]].spec
         template = parsed[running[0]].leaves
-        if self.compile and (fn, B, T) not in self._warm:
-            self._warm_up(fn, template, spec)
+        per_request = parsed[running[0]].per_request
+        if self.compile and (step_key(fn), B, T) not in self._warm:
+            self._warm_up(fn, template, spec, per_request)
         t0 = time.perf_counter()
         by_lane = {lanes[rid]: rid for rid in running}
         segments, positions = [], {}
@@ -545,7 +574,8 @@ class StreamSession:
         step = BoundedKVStep(tuple(segments), positions, tokens=T)
         plan = self.context.begin(step, transaction)
         plan_s = time.perf_counter() - t0
-        inputs = unflatten(spec, pad_by_lane({lanes[r]: parsed[r].leaves for r in running}, template, B, T))
+        inputs = unflatten(spec, pad_by_lane({lanes[r]: parsed[r].leaves for r in running}, template, B, T,
+                                             per_request))
         run = self._runner(fn)
         with torch.no_grad(), self._watch_recompiles(fn, B, T):
             if self.initial_state is None:
@@ -557,6 +587,7 @@ class StreamSession:
                 outputs, new_state = check_new_state(run(plan, inputs, unflatten(s_spec, stacked)),
                                                            stacked, s_spec)
         # Everything that can fail comes before the commit; after it, only plain assignments.
+        self.context.check_attendance(f"StreamSession.step (B={B}, T={T})")
         kept = {}
         if self.initial_state is not None:
             kept = {rid: map_tensors(lambda t, lane=lanes[rid]: t[lane], new_state) for rid in running}
@@ -581,10 +612,10 @@ class StreamSession:
         """
         with self._exclusive("warmup"):
             inputs = example.inputs if isinstance(example, Chunk) else example
-            template, spec = flatten(inputs, "warmup's example")
-            return self._warm_up(fn, template, spec)
+            template, spec, per_request = feed_leaves(inputs, "warmup's example")
+            return self._warm_up(fn, template, spec, per_request)
 
-    def _warm_up(self, fn, template, spec) -> float:
+    def _warm_up(self, fn, template, spec, per_request=()) -> float:
         t0 = time.perf_counter()
         run = self._runner(fn)
         state_leaves = state_spec = None
@@ -595,11 +626,14 @@ class StreamSession:
                 step = BoundedKVStep(tuple(Segment(None, 0) for _ in range(B)), {}, tokens=T)
                 # A step of padding alone: it reads and writes nothing a request holds, and commits nothing.
                 with self.context.stepping(step) as plan:
-                    inputs = unflatten(spec, pad_by_lane({}, template, B, T))
+                    inputs = unflatten(spec, pad_by_lane({}, template, B, T, per_request))
                     with torch.no_grad():
                         if state_leaves is None:
                             run(plan, inputs)
                         else:
                             run(plan, inputs, unflatten(state_spec, pad_by_lane({}, state_leaves, B, None)))
-                self._warm.add((fn, B, T))
+                    # The graph attends what every later step of this shape will: refuse it here, on a
+                    # padding step that changed nothing a request holds.
+                    self.context.check_attendance(f"StreamSession warm-up of the model step (B={B}, T={T})")
+                self._warm.add((step_key(fn), B, T))
         return time.perf_counter() - t0

@@ -22,7 +22,9 @@ Modules: `registration` (supported releases, the attention function),
 `model_config` (what the config says about each layer), `plan` (one
 planned forward), `shim` (transformers' `Cache` API), `recurrent`
 (recurrent-layer states), `cache_positions` (`rope_positions="cache"`),
-`cache` (`FlexKVCache`), `hooks` (`enable`, `disable`).
+`routing` (the one-token probe that the plan reaches every attention layer),
+`turns` (the token `generate()` returned last, across calls), `cache`
+(`FlexKVCache`), `hooks` (`enable`, `disable`).
 
 Supported transformers releases: see `SUPPORTED_TRANSFORMERS`; any other
 release fails at import with one message that says what to install.

@@ -10,16 +10,17 @@ import torch
 from transformers.cache_utils import Cache
 from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
 
-from ...config import BoundedKVConfig, SinkWindow, is_int
 from ...cache.groups import GroupedKVManager
 from ...cache.rotary import ROPE_POSITIONS
 from ...cache.slots import SlotsExhausted
 from ...cache.transaction import StepTransaction
+from ...config import BoundedKVConfig, SinkWindow, is_int
 from .cache_positions import CachePositions
-from .hooks import check_model, enable, switch
+from .hooks import attention_configs, check_model, enable, switch
 from .model_config import RECURRENT_TYPES, absolute_positions, layer_groups, read_layers, softcap_of
 from .plan import FlexKVForward, Pending, chunk_steps
 from .recurrent import RecurrentStates, check_recurrent_forward, probe_states
+from .routing import probe_attention, reconcile
 from .shim import AttentionLayerView, CacheShim, HybridLayerView, RecurrentLayerView
 
 __all__ = ["FlexKVCache"]
@@ -58,6 +59,30 @@ def _own_cache_class(model):
 _WITH_OWN_CLASS: dict = {}
 
 
+def _check_used(name: str, specs, retention, sliding_retention) -> None:
+    """Refuse a retention no layer would keep, and a missing one some layer needs."""
+    full = [s.index for s in specs if s.attends and s.window is None]
+    sliding = [s.index for s in specs if s.attends and s.window is not None]
+    if retention is None and full:
+        raise ValueError(
+            f"retention=None, but {name}'s layers {full} are full-attention layers: pass retention=SinkWindow(sink, "
+            f"window), what a stream keeps there (None is for models whose every attention layer slides)"
+        )
+    if retention is not None and not full:
+        windows = sorted({s.window for s in specs if s.attends})
+        raise ValueError(
+            f"every attention layer of {name} slides (sliding_window={windows[0] if len(windows) == 1 else windows}), "
+            f"so retention={retention} would be used nowhere: pass retention=None to keep the model's own window "
+            f"there, or keep something else with sliding_retention=SinkWindow(sink, window), window <= "
+            f"{windows[0] - 1}"
+        )
+    if sliding_retention is not None and not sliding:
+        raise ValueError(
+            f"{name} has no sliding-window layer, so sliding_retention={sliding_retention} would be used nowhere; "
+            f"drop it (retention= is what its full-attention layers keep)"
+        )
+
+
 class FlexKVCache(CacheShim):
     """A bounded cache for a transformers causal LM, one stream per batch row.
 
@@ -68,12 +93,16 @@ class FlexKVCache(CacheShim):
             device size the cache; hooks are installed on it (see `enable`).
         retention: `SinkWindow(sink, window)` for the model's full-attention
             layers: each stream keeps its first `sink` and its last `window`
-            tokens there, and each token attends those plus itself.
+            tokens there, and each token attends those plus itself. None for
+            a model without full-attention layers (every layer slides, as in
+            Mistral), and only there: a retention that no layer would use is
+            refused, as is None where full-attention layers need one.
         sliding_retention: what the model's sliding-window layers keep.
             None (default): exactly the model's window (`SinkWindow(0,
             sliding_window - 1)`). A `SinkWindow` replaces it (e.g. to add
             sinks); its window is at most `sliding_window - 1` (what the model's
-            own layer reads before the query).
+            own layer reads before the query). Refused for a model without
+            sliding-window layers (it would be used nowhere).
         max_streams: streams the cache holds at once (slots); memory is
             allocated for all of them up front.
         rope_positions: `"stream"` (None, the default) or `"cache"`: where
@@ -85,7 +114,6 @@ class FlexKVCache(CacheShim):
         device, dtype: default to the model's.
         slot_dtype: how the cache stores keys and values: None (in `dtype`), or `torch.int8` /
             `torch.float8_e4m3fn` for quantized slots (`flexkv.cache.quantized`).
-        positions: the first name of `rope_positions`, still accepted.
 
     Building the cache for a model with recurrent layers runs the model once
     on one token to read their states' shapes. `memory_bytes` is what the
@@ -106,7 +134,7 @@ class FlexKVCache(CacheShim):
     def __init__(
         self,
         model,
-        retention: SinkWindow,
+        retention: Optional[SinkWindow],
         *,
         sliding_retention: Optional[SinkWindow] = None,
         max_streams: int = 8,
@@ -115,16 +143,11 @@ class FlexKVCache(CacheShim):
         block_size: Optional[int] = None,
         device=None,
         dtype: Optional[torch.dtype] = None,
-        positions: Optional[str] = None,
         slot_dtype: Optional[torch.dtype] = None,
     ):
-        if positions is not None:  # the keyword's first name
-            if rope_positions is not None and rope_positions != positions:
-                raise ValueError(f"rope_positions={rope_positions!r} and positions={positions!r} disagree; "
-                                 f"give rope_positions only")
-            rope_positions = positions
         positions = "stream" if rope_positions is None else rope_positions
-        _check_retention("retention", retention)
+        if retention is not None:
+            _check_retention("retention", retention)
         if sliding_retention is not None:
             _check_retention("sliding_retention", sliding_retention)
         if positions not in ROPE_POSITIONS:
@@ -142,6 +165,9 @@ class FlexKVCache(CacheShim):
                 f"its own cache already keeps a fixed-size state per stream, and a sink + window has nothing to bound"
             )
         check_model(model, attention)
+        _check_used(type(model).__name__, specs, retention, sliding_retention)
+        # One one-token forward: the plan reaches every attention layer, with the head sizes it says.
+        specs = reconcile(model, specs, probe_attention(model, attention_configs(model)))
         groups, kv_layer = layer_groups(specs, retention, sliding_retention)
         if dtype is None:
             dtype = model.dtype
@@ -184,14 +210,14 @@ class FlexKVCache(CacheShim):
                 num_layers=len(self._kv_owner),
                 num_heads=first.num_heads,
                 head_dim=first.head_dim,
-                v_head_dim=first.v_head_dim,
+                value_head_dim=first.value_head_dim,
                 rows_per_request=1,
                 max_source_len=0,
                 max_sources=0,
-                retention=retention,
+                retention=first.retention,
                 max_slots=max_streams,
                 dtype=dtype,
-                query_window=retention.window,
+                query_window=first.retention.window,
                 max_step_tokens=prefill_chunk,
                 slot_dtype=slot_dtype,  # quantized slots (flexkv.cache.quantized); None: the model's dtype
             ),
@@ -213,6 +239,8 @@ class FlexKVCache(CacheShim):
         self._selection: Optional[tuple] = None
         self._columns = 0
         self._pending: Optional[Pending] = None
+        #: stream id -> the token generate() returned last for it and never fed (see `turns`)
+        self._owed: dict = {}
         # Every check passed: only now touch the model.
         enable(model)
         # The model's hook state is read when needed, not kept: disable(model) and enable(model)
@@ -251,7 +279,7 @@ class FlexKVCache(CacheShim):
         `layers` (the model layers whose keys and values the group holds),
         `shared_by` (layers that attend those keys and values without holding
         their own), `retention` (what a stream keeps there), `query_window`,
-        `num_heads`, `head_dim`, `v_head_dim`, `slot_cells` (cells per slot
+        `num_heads`, `head_dim`, `value_head_dim`, `slot_cells` (cells per slot
         and layer, including `prefill_chunk` cells of headroom), `slot_bytes`
         (one stream, over the group's layers) and `memory_bytes` (the
         group's tensors). Recurrent groups: `kind="recurrent"`, `name`,
@@ -321,9 +349,7 @@ class FlexKVCache(CacheShim):
         if stream_id not in self.manager.requests:
             raise ValueError(f"finish(): no stream {stream_id!r}; the cache holds {list(self.manager.requests)}")
         self.manager.remove_request(stream_id)
-
-    #: The first name of `finish`.
-    drop = finish
+        self._owed.pop(stream_id, None)
 
     def reset(self) -> None:
         """Forget every stream and the selection (transformers' `Cache.reset`)."""
@@ -514,6 +540,9 @@ class FlexKVCache(CacheShim):
                                 continues=any(written))
             columns, selection = self._columns, self._selection
             transaction.add_undo(lambda: self._restore(fwd, columns, selection))
+            # A forward that skipped (or repeated) an attention layer commits nothing.
+            attending = [s.index for s in self.layer_specs if s.attends]
+            transaction.add_commit_check(lambda _txn: fwd.attendance.check("FlexKVCache.commit", attending))
         except BaseException:
             transaction.abort()
             raise
@@ -548,7 +577,15 @@ class FlexKVCache(CacheShim):
         p = self._pending
         if p is None:
             raise ValueError("commit(): no planned forward is pending (cache.prepare() plans one)")
-        p.transaction.commit()
+        try:  # the commit checks (every attention layer attended once) abort it when they fail
+            p.transaction.commit()
+        except BaseException:
+            self.rollback()
+            raise
+        for step in p.forward.steps:
+            for seg in step.segments:
+                if seg.span:  # fed: a token generate() returned before is in the stream now, or never will be
+                    self._owed.pop(seg.request_id, None)
         if self._recurrent is not None:
             self._recurrent.commit(p.forward)
         self._pending = None
@@ -584,7 +621,7 @@ class FlexKVCache(CacheShim):
             if r["kind"] == "attention":
                 parts.append(
                     f"{r['name']} layers {list(r['layers'])}: {r['retention']}, {r['num_heads']} KV heads of "
-                    f"{r['head_dim']}/{r['v_head_dim']}, {r['slot_cells']} cells per stream and layer"
+                    f"{r['head_dim']}/{r['value_head_dim']}, {r['slot_cells']} cells per stream and layer"
                 )
             else:
                 states = ", ".join(f"{k} {list(shape)}" for k, _, shape, _ in r["states"])

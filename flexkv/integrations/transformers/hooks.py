@@ -25,8 +25,9 @@ from .model_config import text_config
 from .plan import FlexKVForward
 from .registration import ATTN_IMPLEMENTATION, register
 from .shim import CacheShim
+from .turns import record_owed_tokens, strip_first_column, with_owed_tokens
 
-__all__ = ["enable", "disable", "switch", "ModelState", "check_model", "SUPPORTED_MODES"]
+__all__ = ["enable", "disable", "switch", "ModelState", "check_model", "attention_configs", "SUPPORTED_MODES"]
 
 #: The `generate()` decoding modes a FlexKVCache serves: one sequence per stream, never reordered.
 SUPPORTED_MODES = ("greedy_search", "sample")
@@ -161,7 +162,7 @@ def _post_forward(state: ModelState, module, args, kwargs, result):
     return None
 
 
-def _attention_configs(model) -> list:
+def attention_configs(model) -> list:
     """The config objects the model's attention layers and mask builders read `_attn_implementation` from."""
     found = {}
     for cfg in (model.config, text_config(model.config)):
@@ -216,11 +217,24 @@ def _guarded_generate(state: ModelState, model, generate, *args, **kwargs):
     mode = _generation_mode(model, args, kwargs)
     if mode not in SUPPORTED_MODES:
         cache._unsupported(f"generate() in {mode.replace('_', ' ')} mode")
+    # A stream continued with only new tokens first attends the token generate() returned last (turns.py).
+    columns = cache._columns
+    owed = with_owed_tokens(cache, model, args, kwargs)
+    if owed is not None:
+        args, kwargs = owed
     try:
-        return generate(*args, **kwargs)
+        result = generate(*args, **kwargs)
     except BaseException:
         state.recover()  # an interrupted forward (e.g. Ctrl-C) is undone now, not at the next forward
+        if owed is not None and cache._columns > columns:
+            cache._columns -= 1
         raise
+    if owed is not None:
+        result = strip_first_column(result)
+        if cache._columns > columns:
+            cache._columns -= 1  # get_seq_length() counts the caller's columns
+    record_owed_tokens(cache, result, columns)
+    return result
 
 
 def enable(model) -> None:
@@ -236,7 +250,7 @@ def enable(model) -> None:
     register()
     if getattr(model, "_flexkv_state", None) is not None:
         return
-    state = ModelState(_attention_configs(model))
+    state = ModelState(attention_configs(model))
     mods = [model]
     base = getattr(model, "base_model", None)
     if isinstance(base, torch.nn.Module) and base is not model:

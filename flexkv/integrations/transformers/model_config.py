@@ -17,8 +17,8 @@ from typing import List, Optional
 
 import torch
 
-from ...config import SinkWindow
 from ...cache.groups import LayerGroup
+from ...config import SinkWindow
 
 __all__ = ["LayerSpec", "read_layers", "layer_windows", "layer_groups", "text_config", "absolute_positions",
            "softcap_of", "ATTENTION_TYPES", "RECURRENT_TYPES", "HYBRID_TYPES"]
@@ -247,7 +247,7 @@ def layer_groups(specs, retention: SinkWindow, sliding_retention: Optional[SinkW
         if len(shapes) > 1 and sum(1 for k in keys if k[0] == window) > 1:
             name += f"[{kv_heads}x{head_dim}]"
         groups.append(LayerGroup(layers, keep, keep.window, name, num_heads=kv_heads, head_dim=head_dim,
-                                 v_head_dim=v_head_dim))
+                                 value_head_dim=v_head_dim))
     return tuple(groups), kv_layer
 
 

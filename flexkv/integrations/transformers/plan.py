@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from ...model.attendance import AttendanceRecord
 from ...step import BoundedKVStep, Segment, StreamPosition
 
 __all__ = ["FlexKVForward", "Pending", "chunk_steps"]
@@ -74,6 +75,9 @@ class FlexKVForward:
         self.staged: dict = {}
         #: the model module whose hooks planned the forward (None: planned by hand)
         self.owner = None
+        #: attend calls per model layer in this forward; the cache refuses to commit a forward that did not
+        #: attend every attention layer exactly once
+        self.attendance = AttendanceRecord(len(cache.layer_specs), "attention layer")
 
     def attend(
         self,
@@ -90,6 +94,7 @@ class FlexKVForward:
         """Attend model layer `layer_idx` for the whole forward: `q [B, Hq, T, D]`, `k [B, Hkv, T, D]`,
         `v [B, Hkv, T, Dv]` in, `[B, Hq, T, Dv]` out."""
         self.cache._check_layer(layer_idx, sliding_window, softcap)
+        self.attendance.attended(layer_idx)
         kv = self.kv_layer[layer_idx]
         score_mod = None if softcap is None else softcap_mod(softcap)
         if self.gather is not None:

@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_TRANSFORMERS", "flexkv_attention_forward", "import_transformers",
-           "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_TRANSFORMERS", "UnplannedAttention", "flexkv_attention_forward",
+           "import_transformers", "register"]
 
 #: The transformers releases this integration is tested with: `>= lo, < hi`.
 SUPPORTED_TRANSFORMERS = ("5.23", "5.25")
@@ -49,6 +49,18 @@ from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 
 
+class UnplannedAttention(ValueError):
+    """The `"flexkv"` attention ran without a plan (`flexkv_step`): no FlexKVCache planned the forward,
+    or the model's layers do not hand the forward's keywords down to their attention.
+
+    `where`: the attention module's class name and layer index.
+    """
+
+    def __init__(self, message: str, where: str = ""):
+        super().__init__(message)
+        self.where = where
+
+
 def flexkv_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -70,11 +82,12 @@ def flexkv_attention_forward(
     `FlexKVForward`), which switches the model to it for that forward.
     """
     if flexkv_step is None:
-        raise ValueError(
+        where = f"{type(module).__name__}, layer {getattr(module, 'layer_idx', None)}"
+        raise UnplannedAttention(
             f"the {ATTN_IMPLEMENTATION!r} attention ran in a forward no FlexKVCache planned "
-            f"({type(module).__name__}, layer {getattr(module, 'layer_idx', None)}): a FlexKVCache switches the model "
+            f"({where}): a FlexKVCache switches the model "
             f"to it for the forwards it plans and back afterwards; do not set attn_implementation="
-            f"{ATTN_IMPLEMENTATION!r} yourself, and after cache.prepare() call cache.commit() or cache.rollback()"
+            f"{ATTN_IMPLEMENTATION!r} yourself, and after cache.prepare() call cache.commit() or cache.rollback()", where
         )
     if module.training and dropout > 0:
         raise ValueError(

@@ -1,0 +1,213 @@
+"""How a cache computes attention: `AttentionOptions`, fixed when the cache is built.
+
+A `BoundedKVManager` takes its options once (`BoundedKVManager(config, device,
+options=...)`); None gives `AttentionOptions.for_cache(config, device)`, the
+defaults for that config, device and torch release. Each step's path then
+follows from the options alone (`AttentionOptions.route`): one decision, made
+in one place, that a compiled graph specialises on.
+
+==================  =====================================================  =======================
+option              what it does                                           default
+==================  =====================================================  =======================
+`path`              `"auto"`, `"rows"` (`flexkv.cache.row_attention`) or   `"auto"`
+                    `"flex"` (one FlexAttention call per layer)
+`pack_gqa`          fold each GQA group into the query axis, so a KV head  CPU
+                    meets its group's queries in one pass over its keys
+`full_blocks`       plan blocks every query reads whole as full blocks     CUDA, "meta"
+                    (the kernel skips the mask there)
+`epilogue_barrier`  keep a compiled step's elementwise ops on the output   CPU (`EPILOGUE_FUSION`)
+                    out of the FlexAttention kernel
+`share_flex_kernel` compiled layers share one FlexAttention kernel         CPU (`SHARED_KERNEL`)
+                    (`flexkv.cache.kernel_sharing`)
+`quantized_keys_    float8 slots compiled on CUDA: the kernel reads key    off
+in_kernel`          cells as stored, their scales applied in `score_mod`
+==================  =====================================================  =======================
+
+`"auto"` takes the rows path eagerly (uncompiled FlexAttention forms every
+score of the whole layer tensor) and, compiled, for chunked steps (T > 1) on
+the CPU, where the gather is cheap next to the chunk's attention and the CPU
+FlexAttention kernel is slow for short query blocks; FlexAttention elsewhere.
+Learned sinks on the CPU take the rows path under `"auto"` (`CPU_NO_LSE`).
+Quantized slots (`BoundedKVConfig.slot_dtype`) on the CPU take the rows path
+under `"auto"`, which dequantizes only the cells a row reads; a compiled CPU
+FlexAttention step over them is refused (`CPU_QUANTIZED_FLEX`).
+
+`TORCH_WORKAROUNDS` lists every torch behaviour flexkv works around, with
+the releases it was seen in; the defaults and the code that works around one
+name it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+from ..compiling import TORCH_VERSION
+from .kernel_sharing import SHARED_KERNEL_TORCH, shares_flex_kernel
+
+__all__ = ["AttentionOptions", "Route", "TorchWorkaround", "TORCH_WORKAROUNDS", "ATTENTION_PATHS",
+           "CPU_FLEX_DTYPES"]
+
+#: The dtypes the compiled CPU FlexAttention kernel lowers (torch 2.11-2.15); others take the rows path there.
+CPU_FLEX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+ATTENTION_PATHS = ("auto", "rows", "flex")
+
+
+@dataclass(frozen=True)
+class TorchWorkaround:
+    """A torch behaviour flexkv works around: on which device, seen in which releases, and how."""
+
+    device: str
+    #: The releases `(major, minor)` it was seen in, first and last (None: not seen fixed yet).
+    seen: tuple
+    problem: str
+    answer: str
+
+
+#: Every torch workaround, by name (see `TorchWorkaround`).
+TORCH_WORKAROUNDS = {
+    "EPILOGUE_FUSION": TorchWorkaround(
+        "cpu", ((2, 11), (2, 15)),
+        "inductor fuses an elementwise consumer of the output into the CPU FlexAttention template, which "
+        "then fails ('Unsupported for epilogue_nodes in CppFlexAttentionTemplate')",
+        "`epilogue_barrier`: the output is read through an identity gather inductor does not fuse"),
+    "VIEW_OFFSET": TorchWorkaround(
+        "cpu", ((2, 11), (2, 15)),
+        "the compiled CPU kernel reads a key or value view from its storage's start, ignoring the offset",
+        "every layer keeps key and value tensors of its own (`BoundedKVManager._layer_kv`)"),
+    "Q_VIEW": TorchWorkaround(
+        "cpu", ((2, 13), None),
+        "inductor's CPU FlexAttention fails to lower a q that is only a view of another tensor",
+        "the scale is applied to q before the call, which makes q a fresh buffer"),
+    "FULL_BLOCKS_REQUIRED": TorchWorkaround(
+        "cpu", ((2, 13), None),
+        "the compiled CPU kernel failed to build without full-block tensors",
+        "the CPU kernel always gets the plan's full-block lists (zero counts without full blocks)"),
+    "FULL_BLOCKS_SLOW": TorchWorkaround(
+        "cpu", ((2, 13), None),
+        "the compiled CPU kernel ran slower with full blocks than with every block masked",
+        "`full_blocks` is off by default on the CPU"),
+    "WIDE_BLOCK_LISTS": TorchWorkaround(
+        "cpu", ((2, 13), None),
+        "the CPU kernel wants block lists as wide as the layer tensor",
+        "the compact plan lists are padded on the device (`BoundedKVManager._block_mask`)"),
+    "STORAGE_NAMES": TorchWorkaround(
+        "cpu", ((2, 13), None),
+        "the CPU template names kernel arguments by their storage, merging views of one table",
+        "inside the shared region each block list is made a buffer of its own (`clamp_min(0)`)"),
+    "CPU_NO_LSE": TorchWorkaround(
+        "cpu", ((2, 13), None),
+        "the compiled CPU FlexAttention kernel returns no log-sum-exp",
+        "learned sinks take the rows path on the CPU under path='auto'"),
+    "CPU_QUANTIZED_FLEX": TorchWorkaround(
+        "cpu", ((2, 13), None),
+        "the compiled CPU FlexAttention kernel read a dequantized copy of a quantized layer wrongly",
+        "quantized slots take the rows path on the CPU under path='auto'; path='flex' compiled there is refused"),
+    "SHARED_KERNEL": TorchWorkaround(
+        "cpu", (SHARED_KERNEL_TORCH, None),
+        "the CPU template emits a kernel per layer call (its C++ differs in a buffer name alone)",
+        "`share_flex_kernel`: each layer's call is traced as one nested compile region"),
+}
+
+
+class Route(NamedTuple):
+    """How one `attend` call computes attention (`AttentionOptions.route`).
+
+    `path`: `"rows"`, `"flex"` (an inline FlexAttention call) or `"region"` (the FlexAttention
+    call every compiled layer shares); `pack_gqa`: the GQA group is folded into the query axis;
+    `barrier`: the output is kept apart from the kernel (`epilogue_barrier`).
+    """
+
+    path: str
+    pack_gqa: bool
+    barrier: bool
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How a cache computes attention (module docstring's table); fixed when the cache is built.
+
+    Build it with `AttentionOptions.for_cache(config, device, **changes)` to start from the
+    defaults and change only what you name.
+    """
+
+    path: str = "auto"
+    pack_gqa: bool = False
+    full_blocks: bool = False
+    epilogue_barrier: bool = False
+    share_flex_kernel: bool = False
+    #: Quantized float8 slots, compiled on CUDA: FlexAttention reads the key cells as stored, their
+    #: scales applied in `score_mod` (values still from the dequantized copy). Off by default until
+    #: `benchmarks/cuda_check.py`'s quantized section has shown it correct and faster on a device.
+    quantized_keys_in_kernel: bool = False
+
+    def __post_init__(self):
+        if self.path not in ATTENTION_PATHS:
+            raise ValueError(f"AttentionOptions: path must be one of {ATTENTION_PATHS}, got {self.path!r}")
+        for f in dataclasses.fields(self):
+            if f.name != "path" and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"AttentionOptions: {f.name} must be a bool, got {getattr(self, f.name)!r}")
+        if self.share_flex_kernel and not hasattr(torch.compiler, "nested_compile_region"):
+            raise ValueError(
+                f"AttentionOptions: share_flex_kernel=True needs torch.compiler.nested_compile_region, which "
+                f"torch {torch.__version__} lacks; set share_flex_kernel=False")
+
+    @classmethod
+    def for_cache(cls, config, device, **changes) -> "AttentionOptions":
+        """The defaults for a cache of `config` on `device` with this torch, then `changes`."""
+        del config  # the defaults depend on the device and torch alone today; the config may refine them
+        kind = torch.device(device).type
+        defaults = cls(
+            path="auto",
+            pack_gqa=kind == "cpu",
+            full_blocks=kind in ("cuda", "meta"),  # "meta" plans as CUDA does; FULL_BLOCKS_SLOW on the CPU
+            epilogue_barrier=applies("EPILOGUE_FUSION", kind),
+            share_flex_kernel=shares_flex_kernel(kind),
+        )
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"AttentionOptions: unknown option(s) {unknown}; "
+                             f"options are {[f.name for f in dataclasses.fields(cls)]}")
+        return dataclasses.replace(defaults, **changes)
+
+    def path_for(self, device_type: str, tokens: int, compiled: bool = True, dtype=None,
+                 quantized: bool = False) -> str:
+        """`"rows"` or `"flex"`: the path a step of `tokens` tokens takes, compiled or eagerly; a
+        `dtype` the compiled CPU kernel does not lower (`CPU_FLEX_DTYPES`: float64) and `quantized`
+        slots on the CPU take the rows path."""
+        if self.path == "auto":
+            cpu = device_type == "cpu"
+            rows = not compiled or (cpu and (tokens > 1 or quantized
+                                             or (dtype is not None and dtype not in CPU_FLEX_DTYPES)))
+        else:
+            rows = self.path == "rows"
+        return "rows" if rows else "flex"
+
+    def route(self, device_type: str, tokens: int, group: int, compiled: bool, *, dtype=None,
+              score_mod: bool = False, sinks: bool = False, quantized: bool = False) -> Route:
+        """The one decision of how an `attend` call computes attention (`Route`). Refused: a compiled
+        FlexAttention step over `quantized` slots on the CPU (`CPU_QUANTIZED_FLEX`)."""
+        path = self.path_for(device_type, tokens, compiled, dtype, quantized)
+        if quantized and compiled and path == "flex" and applies("CPU_QUANTIZED_FLEX", device_type):
+            raise ValueError(
+                "path='flex' with quantized slots compiled on the CPU: torch's CPU FlexAttention kernel read "
+                "the dequantized layer wrongly in testing (torch 2.13); build the cache with "
+                "AttentionOptions.for_cache(config, device) (path='auto', the rows path, which dequantizes "
+                "what each row reads), or path='rows', or slot_dtype=None")
+        if sinks and device_type == "cpu" and self.path == "auto":
+            path = "rows"  # CPU_NO_LSE
+        pack = group > 1 and (self.pack_gqa or path == "rows")
+        if path == "flex" and compiled and self.share_flex_kernel and not score_mod and not sinks:
+            path = "region"
+        return Route(path, pack, path != "rows" and compiled and self.epilogue_barrier)
+
+
+def applies(name: str, device_type: str, version: Optional[tuple] = None) -> bool:
+    """Whether workaround `name` is taken on `device_type` with torch `version` (this torch's by default):
+    on its device, from the first release it was seen in on."""
+    w = TORCH_WORKAROUNDS[name]
+    return device_type == w.device and (TORCH_VERSION if version is None else version) >= w.seen[0]
