@@ -10,7 +10,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
+from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache.kernel_sharing import SHARED_KERNEL_TORCH
 from flexkv.model.random_workload import RandomWorkload, score_bias
 
@@ -18,7 +18,7 @@ TOL = 1e-4
 
 
 def compiled_workload(cfg, *, q_heads, tokens, seed, score_mod=None, positions="stream", segments=3, views=False,
-                      block_size=8, churn=0.25, full_blocks=True):
+                      block_size=16, churn=0.25, full_blocks=True):
     """A RandomWorkload whose model step is compiled once.
 
     With `views`, the step receives q, k, v stacked over layers as 5-D inputs and hands `attend`
@@ -149,7 +149,7 @@ def test_layers_of_one_graph_share_one_flex_attention_region(tokens, pack_gqa, f
         num_layers=3, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=0, max_sources=0,
         retention=SinkWindow(2, 12), max_slots=3, max_step_tokens=tokens,
     )
-    manager = BoundedKVManager(cfg, "cpu", block_size=8)
+    manager = BoundedKVManager(cfg, "cpu", block_size=16)
     manager.attention_path = "flex"
     manager.pack_gqa = pack_gqa
     manager.full_blocks = full_blocks
@@ -193,3 +193,36 @@ def test_gqa_decode_with_one_block_per_slot_row():
         for _ in range(300):
             work.step()
     assert max(s[2] for s in work.state.values()) > 129  # rings wrapped
+
+
+def test_block_size_the_cpu_kernel_miscomputes_takes_the_rows_path():
+    """torch 2.13's compiled CPU FlexAttention kernel is wrong at KV blocks of 8 (more than 1 off from
+    the second decode step on, with torch's own block mask too): such a cache's compiled decode steps
+    take the rows path under "auto" and match the eager step; "flex" is refused by name."""
+    from flexkv.cache.kernel_options import cpu_kernel_block_exact
+    from flexkv.cache.layout import default_block_size
+
+    assert [b for b in (4, 8, 12, 16, 20, 24, 32, 40) if not cpu_kernel_block_exact(b)] == [8, 24, 40]
+    wide = BoundedKVConfig(num_layers=1, num_heads=1, head_dim=8, rows_per_request=1, max_source_len=0,
+                           max_sources=0, retention=SinkWindow(4, 252), max_slots=32, max_step_tokens=8)
+    assert default_block_size(wide, "cpu") == 32  # not the 264-cell slot row
+    cfg = BoundedKVConfig(num_layers=1, num_heads=2, head_dim=8, rows_per_request=1, max_source_len=0,
+                          max_sources=0, retention=SinkWindow(0, 8), max_slots=3, max_step_tokens=1)
+    manager = BoundedKVManager(cfg, "cpu", block_size=8)
+    assert manager.path_for(1) == "rows"
+    compiled = torch.compile(lambda q, k, v, plan: manager.attend(0, q, k, v, plan), fullgraph=True)
+    g = torch.Generator().manual_seed(3)
+    for w in range(12):
+        q, k, v = (torch.randn(2, 2, 1, 8, generator=g) for _ in range(3))
+        step = BoundedKVStep((Segment("a", 1), Segment(None, 0)), {"a": StreamPosition(0, w)}, tokens=1)
+        manager.admit(step)
+        plan = manager.plan(step)
+        got = compiled(q, k, v, plan)
+        want = manager.attend(0, q, k, v, plan)  # eager, rewriting the same cells
+        assert (got[0] - want[0]).abs().max() < TOL, w
+        manager.commit(step)
+    manager.attention_path = "flex"
+    step = BoundedKVStep((Segment("a", 1), Segment(None, 0)), {"a": StreamPosition(0, 12)}, tokens=1)
+    manager.admit(step)
+    with pytest.raises(Exception, match=r"block_size=8 .*multiple of 16"):
+        compiled(q, k, v, manager.plan(step))

@@ -24,7 +24,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from ..config import BoundedKVConfig, check_config, check_layer_index
 from ..step import BoundedKVStep, StreamPosition
-from .kernel_options import flex_kernel_options
+from .kernel_options import cpu_kernel_block_exact, flex_kernel_options
 from .kernel_sharing import layer_region, shares_flex_kernel
 from .layout import Layout
 from .masks import POSITION_MODES, make_mask_mod, make_score_mod
@@ -414,10 +414,18 @@ class BoundedKVManager(nn.Module):
         eagerly (see `attention_path`)."""
         if self.attention_path == "auto":
             cpu = self.device.type == "cpu"
-            rows = not compiled or (cpu and (tokens > 1 or self.config.dtype not in CPU_FLEX_DTYPES))
+            rows = not compiled or (cpu and (tokens > 1 or self.config.dtype not in CPU_FLEX_DTYPES
+                                             or not self._cpu_kernel_exact))
         else:
             rows = self.attention_path == "rows"
         return "rows" if rows else "flex"
+
+    @property
+    def _cpu_kernel_exact(self) -> bool:
+        """Whether the compiled CPU FlexAttention kernel is exact at this cache's KV block size
+        (`flexkv.cache.kernel_options.cpu_kernel_block_exact`; where it is not, `"auto"` takes the
+        rows path and `"flex"` is refused)."""
+        return self.device.type != "cpu" or cpu_kernel_block_exact(self.layout.block_size)
 
     def _mask_mod(self, plan, tokens: int, pack_gqa: bool) -> Callable:
         """The step's retention `mask_mod` (`flexkv.cache.masks`); the one place every path builds it."""
@@ -546,6 +554,14 @@ class BoundedKVManager(nn.Module):
         path = self.path_for(T, compiling)
         if sinks is not None and self.device.type == "cpu" and self.attention_path == "auto":
             path = "rows"
+        if compiling and path == "flex" and not self._cpu_kernel_exact:
+            bs = lay.block_size
+            raise ValueError(
+                f"attend: attention_path='flex' with block_size={bs} on the CPU is wrong on torch "
+                f"{torch.__version__}: its compiled FlexAttention kernel miscomputes KV blocks that are "
+                f"8 more than a multiple of 16; use a block_size that is a multiple of 16 (or None to let "
+                f"flexkv choose), or attention_path='auto' or 'rows' (the rows path is exact at any block size)"
+            )
         kc, vc = self._layer_kv(layer_idx)
         cells = plan.write_index.view(1, N * T).long()
         index = (self._zero_index, self._head_index, cells)
