@@ -18,7 +18,7 @@ TOL = 1e-4
 
 
 def compiled_workload(cfg, *, q_heads, tokens, seed, score_mod=None, positions="stream", segments=3, views=False,
-                      block_size=16, churn=0.25, full_blocks=True):
+                      block_size=8, churn=0.25, full_blocks=True):
     """A RandomWorkload whose model step is compiled once.
 
     With `views`, the step receives q, k, v stacked over layers as 5-D inputs and hands `attend`
