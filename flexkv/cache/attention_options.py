@@ -161,20 +161,23 @@ class AttentionOptions:
                              f"options are {[f.name for f in dataclasses.fields(cls)]}")
         return dataclasses.replace(defaults, **changes)
 
-    def path_for(self, device_type: str, tokens: int, compiled: bool = True, dtype=None) -> str:
-        """`"rows"` or `"flex"`: the path a step of `tokens` tokens takes, compiled or eagerly; a
-        `dtype` the compiled CPU kernel does not lower (`CPU_FLEX_DTYPES`: float64) takes the rows path."""
+    def path_for(self, device_type: str, tokens: int, compiled: bool = True, dtype=None, *,
+                 flex_exact: bool = True) -> str:
+        """`"rows"` or `"flex"`: the path a step of `tokens` tokens takes, compiled or eagerly. On the
+        CPU, a `dtype` the compiled kernel does not lower (`CPU_FLEX_DTYPES`: float64) and a KV block
+        size it miscomputes (`flex_exact=False`, `kernel_options.cpu_kernel_block_exact`) take the rows path."""
         if self.path == "auto":
             cpu = device_type == "cpu"
-            rows = not compiled or (cpu and (tokens > 1 or (dtype is not None and dtype not in CPU_FLEX_DTYPES)))
+            rows = not compiled or (cpu and (tokens > 1 or (dtype is not None and dtype not in CPU_FLEX_DTYPES)
+                                             or not flex_exact))
         else:
             rows = self.path == "rows"
         return "rows" if rows else "flex"
 
     def route(self, device_type: str, tokens: int, group: int, compiled: bool, *, dtype=None,
-              score_mod: bool = False, sinks: bool = False) -> Route:
+              flex_exact: bool = True, score_mod: bool = False, sinks: bool = False) -> Route:
         """The one decision of how an `attend` call computes attention (`Route`)."""
-        path = self.path_for(device_type, tokens, compiled, dtype)
+        path = self.path_for(device_type, tokens, compiled, dtype, flex_exact=flex_exact)
         if sinks and device_type == "cpu" and self.path == "auto":
             path = "rows"  # CPU_NO_LSE
         pack = group > 1 and (self.pack_gqa or path == "rows")
