@@ -10,7 +10,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
+from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.kernel_sharing import SHARED_KERNEL_TORCH
 from flexkv.model.random_workload import RandomWorkload, score_bias
@@ -152,7 +152,7 @@ def test_layers_of_one_graph_share_one_flex_attention_region(tokens, pack_gqa, f
         retention=SinkWindow(2, 12), max_slots=3, max_step_tokens=tokens,
     )
     options = AttentionOptions.for_cache(cfg, "cpu", path="flex", pack_gqa=pack_gqa, full_blocks=full_blocks)
-    manager = BoundedKVManager(cfg, "cpu", block_size=8, options=options)
+    manager = BoundedKVManager(cfg, "cpu", block_size=16, options=options)
     if not manager.options.share_flex_kernel:
         pytest.skip(f"layers share a FlexAttention region from torch {SHARED_KERNEL_TORCH} on; this is {torch.__version__}")
     seen = []
@@ -219,8 +219,38 @@ def test_quantized_slots_refuse_compiled_flex_attention_on_the_cpu():
         retention=SinkWindow(2, 6), max_step_tokens=3, max_slots=3, max_sources=1, slot_dtype=torch.float8_e4m3fn,
     )
     work = compiled_workload(cfg, q_heads=4, tokens=1, seed=4, score_mod=score_bias, segments=2, full_blocks=False,
-                             path="flex")
+                             block_size=16, path="flex")  # a block the CPU kernel computes exactly
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"path='flex' with quantized slots compiled on the CPU.*"
                                         r"path='auto'"):
         work.step()
+
+
+def test_block_size_the_cpu_kernel_miscomputes_takes_the_rows_path():
+    """torch 2.13's compiled CPU FlexAttention kernel is wrong at KV blocks of 8 (more than 1 off from
+    the second decode step on, with torch's own block mask too): such a cache's compiled decode steps
+    take the rows path under "auto" and match the eager step; "flex" is refused by name."""
+    from flexkv.cache.kernel_options import cpu_kernel_block_exact
+    from flexkv.cache.layout import default_block_size
+
+    assert [b for b in (4, 8, 12, 16, 20, 24, 32, 40) if not cpu_kernel_block_exact(b)] == [8, 24, 40]
+    wide = BoundedKVConfig(num_layers=1, num_heads=1, head_dim=8, rows_per_request=1, max_source_len=0,
+                           max_sources=0, retention=SinkWindow(4, 252), max_slots=32, max_step_tokens=8)
+    assert default_block_size(wide, "cpu") == 32  # not the 264-cell slot row
+    cfg = BoundedKVConfig(num_layers=1, num_heads=2, head_dim=8, rows_per_request=1, max_source_len=0,
+                          max_sources=0, retention=SinkWindow(0, 8), max_slots=3, max_step_tokens=1)
+    manager = BoundedKVManager(cfg, "cpu", block_size=8)
+    assert manager.path_for(1) == "rows"
+    compiled = torch.compile(lambda q, k, v, plan: manager.attend(0, q, k, v, plan), fullgraph=True)
+    g = torch.Generator().manual_seed(3)
+    for w in range(12):
+        q, k, v = (torch.randn(2, 2, 1, 8, generator=g) for _ in range(3))
+        step = BoundedKVStep((Segment("a", 1), Segment(None, 0)), {"a": StreamPosition(0, w)}, tokens=1)
+        manager.admit(step)
+        plan = manager.plan(step)
+        got = compiled(q, k, v, plan)
+        want = manager.attend(0, q, k, v, plan)  # eager, rewriting the same cells
+        assert (got[0] - want[0]).abs().max() < TOL, w
+        manager.commit(step)
+    with pytest.raises(ValueError, match=r"block_size=8 on the CPU.*multiple of 16"):
+        BoundedKVManager(cfg, "cpu", block_size=8, options=AttentionOptions.for_cache(cfg, "cpu", path="flex"))

@@ -174,24 +174,26 @@ class AttentionOptions:
                              f"options are {[f.name for f in dataclasses.fields(cls)]}")
         return dataclasses.replace(defaults, **changes)
 
-    def path_for(self, device_type: str, tokens: int, compiled: bool = True, dtype=None,
-                 quantized: bool = False) -> str:
-        """`"rows"` or `"flex"`: the path a step of `tokens` tokens takes, compiled or eagerly; a
-        `dtype` the compiled CPU kernel does not lower (`CPU_FLEX_DTYPES`: float64) and `quantized`
-        slots on the CPU take the rows path."""
+    def path_for(self, device_type: str, tokens: int, compiled: bool = True, dtype=None, *,
+                 quantized: bool = False, flex_exact: bool = True) -> str:
+        """`"rows"` or `"flex"`: the path a step of `tokens` tokens takes, compiled or eagerly. On the
+        CPU, a `dtype` the compiled kernel does not lower (`CPU_FLEX_DTYPES`: float64), `quantized`
+        slots (`CPU_QUANTIZED_FLEX`) and a KV block size it miscomputes (`flex_exact=False`,
+        `kernel_options.cpu_kernel_block_exact`) take the rows path."""
         if self.path == "auto":
             cpu = device_type == "cpu"
-            rows = not compiled or (cpu and (tokens > 1 or quantized
-                                             or (dtype is not None and dtype not in CPU_FLEX_DTYPES)))
+            rows = not compiled or (cpu and (tokens > 1 or (dtype is not None and dtype not in CPU_FLEX_DTYPES)
+                                             or quantized or not flex_exact))
         else:
             rows = self.path == "rows"
         return "rows" if rows else "flex"
 
     def route(self, device_type: str, tokens: int, group: int, compiled: bool, *, dtype=None,
-              score_mod: bool = False, sinks: bool = False, quantized: bool = False) -> Route:
+              flex_exact: bool = True, score_mod: bool = False, sinks: bool = False,
+              quantized: bool = False) -> Route:
         """The one decision of how an `attend` call computes attention (`Route`). Refused: a compiled
         FlexAttention step over `quantized` slots on the CPU (`CPU_QUANTIZED_FLEX`)."""
-        path = self.path_for(device_type, tokens, compiled, dtype, quantized)
+        path = self.path_for(device_type, tokens, compiled, dtype, quantized=quantized, flex_exact=flex_exact)
         if quantized and compiled and path == "flex" and applies("CPU_QUANTIZED_FLEX", device_type):
             raise ValueError(
                 "path='flex' with quantized slots compiled on the CPU: torch's CPU FlexAttention kernel read "

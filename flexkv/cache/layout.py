@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ..config import BoundedKVConfig, is_int
+from .kernel_options import cpu_kernel_block_exact
 
 __all__ = ["Layout", "DEFAULT_BLOCK_SIZE", "ALIGNED_BLOCK_PADDING", "default_block_size", "entry_cell"]
 
@@ -57,7 +58,8 @@ def default_block_size(config: BoundedKVConfig, device_type: str) -> int:
     tensor (a block for the `max_step_tokens` scratch cells) stays within
     `ALIGNED_BLOCK_PADDING` of the slot pool. Otherwise, a power of two near
     an eighth of the cells a row keeps (`max_retained + max_step_tokens`),
-    between 16 and 128: a row's reads start and end inside a few partly used
+    between 16 and 128 (also when a slot row's length is a KV block size
+    the compiled CPU kernel gets wrong, `cpu_kernel_block_exact`): a row's reads start and end inside a few partly used
     blocks (sinks, window, ring wrap), so the blocks should be small next to
     what a row keeps, but each visited block has a fixed cost, so not tiny.
     """
@@ -66,7 +68,9 @@ def default_block_size(config: BoundedKVConfig, device_type: str) -> int:
     row = config.sink_capacity + config.window_capacity + config.max_step_tokens
     pool = config.max_slots * config.rows_per_request * row
     has_sources = bool(config.max_source_len and config.max_sources)
-    if not has_sources and row >= DEFAULT_BLOCK_SIZE and row - config.max_step_tokens <= ALIGNED_BLOCK_PADDING * pool:
+    # A row of 8 more than a multiple of 16 cells would be a block the compiled CPU kernel gets wrong.
+    if not has_sources and row >= DEFAULT_BLOCK_SIZE and row - config.max_step_tokens <= ALIGNED_BLOCK_PADDING * pool \
+            and cpu_kernel_block_exact(row):
         return row
     cells = (config.max_retained + config.max_step_tokens) // 8
     block = 16

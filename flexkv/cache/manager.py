@@ -26,7 +26,7 @@ from ..config import BoundedKVConfig, check_config, check_layer_index
 from ..step import BoundedKVStep, StreamPosition
 from . import quantized
 from .attention_options import AttentionOptions, Route
-from .kernel_options import flex_kernel_options
+from .kernel_options import cpu_kernel_block_exact, flex_kernel_options
 from .kernel_sharing import layer_region
 from .layout import Layout
 from .masks import POSITION_MODES, make_mask_mod, make_score_mod
@@ -137,6 +137,13 @@ class BoundedKVManager(nn.Module):
             raise ValueError(
                 f"options must be a flexkv.cache.attention_options.AttentionOptions or None, got "
                 f"{type(options).__name__}; build one with AttentionOptions.for_cache(config, device, ...)")
+        if options.path == "flex" and self.device.type == "cpu" and not cpu_kernel_block_exact(self.layout.block_size):
+            raise ValueError(
+                f"options.path='flex' with block_size={self.layout.block_size} on the CPU: torch "
+                f"{torch.__version__}'s compiled CPU FlexAttention kernel miscomputes KV blocks that are 8 more "
+                f"than a multiple of 16; use a block_size that is a multiple of 16 (or None to let flexkv "
+                f"choose), or path='auto' or 'rows' (the rows path is exact at any block size)"
+            )
         #: How attention is computed (`AttentionOptions`), fixed for the cache's life.
         self._options = options
         # Quantized slots on the FlexAttention path: dequantized copies of one layer, allocated now
@@ -491,7 +498,15 @@ class BoundedKVManager(nn.Module):
         """The attention path (`"rows"` or `"flex"`) a step of `tokens` tokens takes, compiled or
         eagerly (`AttentionOptions.path_for`)."""
         return self._options.path_for(self.device.type, tokens, compiled, self.config.dtype,
-                                      self.config.slot_dtype is not None)
+                                      quantized=self.config.slot_dtype is not None,
+                                      flex_exact=self._cpu_kernel_exact)
+
+    @property
+    def _cpu_kernel_exact(self) -> bool:
+        """Whether the compiled CPU FlexAttention kernel is exact at this cache's KV block size
+        (`flexkv.cache.kernel_options.cpu_kernel_block_exact`; where it is not, `"auto"` takes the
+        rows path and `"flex"` is refused)."""
+        return self.device.type != "cpu" or cpu_kernel_block_exact(self.layout.block_size)
 
     def _mask_mod(self, plan, tokens: int, pack_gqa: bool) -> Callable:
         """The step's retention `mask_mod` (`flexkv.cache.masks`); the one place every path builds it."""
@@ -622,6 +637,7 @@ class BoundedKVManager(nn.Module):
         keys_in_kernel = (ks is not None and compiling and self._options.quantized_keys_in_kernel
                           and self.device.type == "cuda" and c.slot_dtype == torch.float8_e4m3fn)
         route = self._options.route(self.device.type, T, Hq // H, compiling, dtype=c.dtype,
+                                    flex_exact=self._cpu_kernel_exact,
                                     score_mod=score_mod is not None or keys_in_kernel, sinks=sinks is not None,
                                     quantized=ks is not None)
         g = Hq // H if route.pack_gqa else 1
