@@ -330,3 +330,92 @@ def test_cache_mode_rotary_copies_its_unrotated_sinks():
     sa, sb = m.slot_of("a"), m.slot_of("b")
     assert torch.equal(raw[sa * S:(sa + 1) * S], raw[sb * S:(sb + 1) * S])
     assert raw[sa * S:(sa + 1) * S].abs().sum() > 0
+
+
+# ---------------------------------------------------------------- the session
+
+
+def session_config(**kw):
+    from tests.session_models import D as SD, H as SH, LAYERS
+
+    base = dict(num_layers=LAYERS, num_heads=SH, head_dim=SD, rows_per_request=1, max_source_len=0, max_sources=0,
+                retention=SinkWindow(1, 4), query_window=4, max_slots=3, max_step_tokens=3, max_rollback=3,
+                dtype=torch.float32)
+    base.update(kw)
+    return BoundedKVConfig(**base)
+
+
+def test_compiled_session_forks_and_rolls_back_without_recompiling():
+    from torch._dynamo.utils import counters
+
+    from flexkv import StreamSession
+    from tests.session_models import feed, model, worst_difference
+
+    cfg = session_config()
+    torch._dynamo.reset()
+    cache = BoundedKVManager(cfg, block_size=8)
+    # The rows path compiled for every step size: what is checked here is that forks and rollbacks
+    # between compiled steps are exact and compile nothing (the FlexAttention path reads the same cells).
+    cache.attention_path = "rows"
+    session = StreamSession(cache, token_sizes=(1, 3))
+    ref = ReferenceCache(cfg.replace(dtype=torch.float64))
+    session.warmup(model, feed(1, 0))
+    graphs = counters["stats"]["unique_graphs"]
+    worst = 0.0
+    seed = 1
+
+    def step(feeds):
+        nonlocal worst
+        res = session.step(feeds, model)
+        worst = max(worst, worst_difference(ref, res, feeds))
+
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for s in range(4):
+            step({"a": feed(3, seed + s)})
+        session.fork("a", "b")
+        ref.fork("a", "b")
+        for s in range(5):
+            step({"a": feed(1, 20 + s), "b": feed(3, 40 + s)})
+            session.rollback("b", 2)  # a speculative step: keep one of the three
+            ref.rollback("b", session.written("b"))
+        session.fork("b", "c")
+        ref.fork("b", "c")
+        step({"a": feed(1, 60), "b": feed(1, 61), "c": feed(1, 62)})
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert session.written("b") == 12 + 5 + 1 and session.written("c") == 18
+    assert worst < 1e-4
+
+
+def test_session_fork_copies_the_model_state_and_rollback_needs_the_old_one():
+    from flexkv import StreamSession
+    from tests.session_models import feed, model
+
+    def with_state(attn, x, state):
+        return model(attn, x), state + x.shape[1]
+
+    session = StreamSession(session_config(), compile=False, initial_state=lambda: torch.zeros(2))
+    session.step({"a": feed(3, 1)}, with_state)
+    session.fork("a", "b")
+    assert torch.equal(session.state("b"), torch.full((2,), 3.0))
+    session.step({"b": feed(1, 2)}, with_state)
+    assert torch.equal(session.state("a"), torch.full((2,), 3.0))  # a copy, not shared
+    assert torch.equal(session.state("b"), torch.full((2,), 4.0))
+    before = (session.written("b"), session.state("b").tolist())
+    with pytest.raises(ValueError, match=r"carries a model state.*state="):
+        session.rollback("b", 1)
+    with pytest.raises(ValueError, match="shaped like"):
+        session.rollback("b", 1, state=torch.zeros(3))
+    assert (session.written("b"), session.state("b").tolist()) == before
+    session.rollback("b", 1, state=torch.full((2,), 3.0))
+    assert session.written("b") == 3 and torch.equal(session.state("b"), torch.full((2,), 3.0))
+
+
+def test_session_fork_without_a_free_lane_is_refused():
+    from flexkv import StreamSession
+    from tests.session_models import feed, model
+
+    session = StreamSession(session_config(max_slots=2), compile=False)
+    session.step({"a": feed(1, 1), "b": feed(1, 2)}, model)
+    with pytest.raises(SlotsExhausted, match="cannot wait"):
+        session.fork("a", "c")
+    assert session.requests == ("a", "b") and session.cache.free_slots == 0
