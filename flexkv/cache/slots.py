@@ -124,9 +124,11 @@ class SlotTable:
         return {rid: r.slot for rid, r in self._requests.items()}
 
     def snapshot(self) -> tuple:
-        """Everything the table holds, as plain values (equal snapshots: the same state)."""
+        """Everything the table holds, as plain values (equal snapshots: the same state). A stream's
+        `reach` is left out: it records what planned steps may have written into the slot, which a
+        failed step does too (see `reach`)."""
         return (
-            tuple((rid, r.slot, r.written, r.source, r.source_len, r.reach) for rid, r in self._requests.items()),
+            tuple((rid, r.slot, r.written, r.source, r.source_len) for rid, r in self._requests.items()),
             tuple(self._free), tuple(sorted(self._sources.items())), tuple(self._private.items()),
         )
 
@@ -389,6 +391,13 @@ class SlotTable:
         if req is None:
             raise ValueError(f"reset_request: request {request_id!r} is not admitted")
         req.written, req.source, req.source_len, req.reach = 0, None, None, 0
+
+    def reach(self, request_id: Hashable) -> int:
+        """One past the highest stream index a planned step of the request may have written into its
+        slot since its stream started: a step that failed after planning counts too, since its
+        tokens may be in the ring (what a later rollback checks against)."""
+        self.slot_of(request_id)
+        return self._requests[request_id].reach
 
     def note_writes(self, step: BoundedKVStep) -> None:
         """Record that `step` (planned now) may write its `T` own tokens into its requests' slots."""
