@@ -4,8 +4,11 @@ A slot is a contiguous run of cells in every buffer that holds per-slot
 state (`flexkv.cache.layout`: a slot's `rows_per_request` slot rows lie one
 after the other). Copying slot `a` to slot `b` copies that run, in every
 layer's key and value tensor and in any other per-slot buffer (the
-un-rotated sink keys of ``"cache"`` rotary positions), with one
-`index_select` and one `index_copy_` per buffer for all pairs at once.
+un-rotated sink keys of ``"cache"`` rotary positions): per buffer, the
+sources are gathered into one tensor (`torch.cat` of their runs), then each
+run is written to its destination. Copying whole runs reads and writes each
+slot's cells as contiguous blocks (an `index_select` of single cells along
+the cell axis ran about 10x slower on the CPU).
 
 All sources are gathered before any destination is written, so a
 destination may also be a source (a beam search's reorder) and an error
@@ -30,18 +33,11 @@ class SlotBuffer(NamedTuple):
     per_slot: int
 
 
-def _cells(buf: SlotBuffer, slots: Sequence[int]) -> torch.Tensor:
-    offsets = torch.arange(buf.per_slot)
-    starts = torch.tensor([buf.base + s * buf.per_slot for s in slots], dtype=torch.long)
-    return (starts.view(-1, 1) + offsets.view(1, -1)).view(-1).to(buf.tensor.device, non_blocking=True)
-
-
 def copy_slots(buffers: Iterable[SlotBuffer], pairs: Sequence[Tuple[int, int]]) -> None:
     """Copy slot `src` onto slot `dst` for every `(src, dst)` of `pairs` (destinations distinct), in
     every buffer; every source is read as it was before the call."""
     if not pairs:
         return
-    src = [a for a, _ in pairs]
     dst = [b for _, b in pairs]
     if len(set(dst)) != len(dst):
         raise ValueError(f"copy_slots: destination slots must be distinct, got {dst}")
@@ -49,6 +45,9 @@ def copy_slots(buffers: Iterable[SlotBuffer], pairs: Sequence[Tuple[int, int]]) 
     with torch.no_grad():
         staged = []
         for buf in buffers:
-            staged.append((buf, buf.tensor.index_select(buf.dim, _cells(buf, src)), _cells(buf, dst)))
-        for buf, values, index in staged:
-            buf.tensor.index_copy_(buf.dim, index, values)
+            runs = [buf.tensor.narrow(buf.dim, buf.base + a * buf.per_slot, buf.per_slot) for a, _ in pairs]
+            staged.append(torch.cat(runs, buf.dim))
+        for buf, values in zip(buffers, staged):
+            for i, (_, b) in enumerate(pairs):
+                buf.tensor.narrow(buf.dim, buf.base + b * buf.per_slot, buf.per_slot).copy_(
+                    values.narrow(buf.dim, i * buf.per_slot, buf.per_slot))
