@@ -349,14 +349,15 @@ def test_compiled_session_forks_and_rolls_back_without_recompiling():
     from torch._dynamo.utils import counters
 
     from flexkv import StreamSession
-    from tests.session_models import feed, model, worst_difference
+    from tests.session_models import check_step, feed, model
 
     cfg = session_config()
     torch._dynamo.reset()
-    cache = BoundedKVManager(cfg, block_size=8)
     # The rows path compiled for every step size: what is checked here is that forks and rollbacks
     # between compiled steps are exact and compile nothing (the FlexAttention path reads the same cells).
-    cache.attention_path = "rows"
+    from flexkv.cache.attention_options import AttentionOptions
+
+    cache = BoundedKVManager(cfg, block_size=8, options=AttentionOptions.for_cache(cfg, "cpu", path="rows"))
     session = StreamSession(cache, token_sizes=(1, 3))
     ref = ReferenceCache(cfg.replace(dtype=torch.float64))
     session.warmup(model, feed(1, 0))
@@ -367,7 +368,7 @@ def test_compiled_session_forks_and_rolls_back_without_recompiling():
     def step(feeds):
         nonlocal worst
         res = session.step(feeds, model)
-        worst = max(worst, worst_difference(ref, res, feeds))
+        worst = max(worst, check_step(ref, res, feeds, tolerance=1e-4))
 
     with torch._dynamo.config.patch(error_on_recompile=True):
         for s in range(4):

@@ -19,7 +19,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow, SourcesExhausted, StreamSession
+from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow, SlotsExhausted, SourcesExhausted, StreamSession
 from flexkv.model.random_workload import check_close
 from flexkv.model.reference import ReferenceCache
 
