@@ -15,6 +15,7 @@ from ...cache.rotary import ROPE_POSITIONS
 from ...cache.slots import SlotsExhausted
 from ...cache.transaction import StepTransaction
 from ...config import BoundedKVConfig, SinkWindow, is_int
+from .branching import BranchingCache
 from .cache_positions import CachePositions
 from .hooks import attention_configs, check_model, enable, switch
 from .model_config import RECURRENT_TYPES, absolute_positions, layer_groups, read_layers, softcap_of
@@ -83,7 +84,7 @@ def _check_used(name: str, specs, retention, sliding_retention) -> None:
         )
 
 
-class FlexKVCache(CacheShim):
+class FlexKVCache(BranchingCache, CacheShim):
     """A bounded cache for a transformers causal LM, one stream per batch row.
 
     Args:
@@ -112,6 +113,10 @@ class FlexKVCache(CacheShim):
             holds this many cells beyond what its layers keep.
         block_size: FlexAttention's KV block size (None: flexkv picks one for the config and device).
         device, dtype: default to the model's.
+        max_rollback: the most tokens a stream may take back at once beyond
+            `prefill_chunk` (assisted decoding's rejected draft tokens,
+            `crop`): every slot holds `max(prefill_chunk, max_rollback)`
+            cells beyond what its layers keep. 0 (default): `prefill_chunk`.
 
     Building the cache for a model with recurrent layers runs the model once
     on one token to read their states' shapes. `memory_bytes` is what the
@@ -141,6 +146,7 @@ class FlexKVCache(CacheShim):
         block_size: Optional[int] = None,
         device=None,
         dtype: Optional[torch.dtype] = None,
+        max_rollback: int = 0,
     ):
         positions = "stream" if rope_positions is None else rope_positions
         if retention is not None:
@@ -216,6 +222,7 @@ class FlexKVCache(CacheShim):
                 dtype=dtype,
                 query_window=first.retention.window,
                 max_step_tokens=prefill_chunk,
+                max_rollback=max_rollback,
             ),
             groups,
             device=device,
