@@ -157,6 +157,14 @@ class BoundedKVConfig:
     or `torch.float8_e4m3fn`, each cell with a float32 scale per head
     (`flexkv.cache.quantized`); None (the default) keeps cells in `dtype`.
     Queries, keys and values still enter and leave `attend` in `dtype`.
+
+    `max_rollback` is how many of its last committed tokens a request may
+    take back (`rollback_request`; speculative decoding's rejected draft
+    tokens). A slot's ring keeps `max(max_step_tokens, max_rollback)` cells
+    beyond the window (`ring_cells`), so a rollback of that many tokens right
+    after a step finds every entry the retention needs intact; 0 (the default)
+    keeps the ring as it is, which already allows rollbacks up to
+    `max_step_tokens` (contract section 5, "Fork and roll back").
     """
 
     num_layers: int
@@ -175,6 +183,7 @@ class BoundedKVConfig:
     value_head_dim: Optional[int] = None
     causal_step: bool = False
     slot_dtype: Optional[torch.dtype] = None
+    max_rollback: int = 0
     _policies: tuple = field(default=(), init=False, repr=False, compare=False)
     #: True when no value width was given: values are as wide as keys, through `replace` too
     _values_as_keys: bool = field(default=False, init=False, repr=False, compare=False)
@@ -198,6 +207,8 @@ class BoundedKVConfig:
             )
         _int("max_step_tokens", self.max_step_tokens, 1)
         _int("max_sources", self.max_sources, 0)
+        _int("max_rollback", self.max_rollback, 0,
+             " (the most committed tokens a request may take back; 0 allows up to max_step_tokens)")
         if self.max_source_len > 0 and self.max_sources == 0:
             raise ValueError(
                 f"max_sources must be >= 1 when max_source_len > 0 (got max_sources=0, "
@@ -301,6 +312,12 @@ class BoundedKVConfig:
     def max_retained(self) -> int:
         """The largest sink + window over every allowed source length."""
         return max(p.sink + p.window for p in self._policies)
+
+    @property
+    def ring_cells(self) -> int:
+        """Cells of a slot row's ring: the largest window, plus `max(max_step_tokens, max_rollback)`
+        cells a step writes into before it attends and a rollback reads back."""
+        return self.window_capacity + max(self.max_step_tokens, self.max_rollback)
 
     @property
     def slot_tokens(self) -> int:

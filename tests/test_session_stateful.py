@@ -5,7 +5,7 @@ rules in plain Python: which requests hold which lane, who waits in what
 order, which sources and private sources exist, what each request has
 written, and which operation must be refused (with which error) because of
 all that. Hypothesis drives random programs of starts, steps (with new and
-waiting requests fed), finishes, resets and source changes through the
+waiting requests fed), finishes, resets, forks, rollbacks and source changes through the
 session and the model side by side; after every operation the session's
 observable state must equal the model's, every refused operation must have
 changed nothing, and every step's outputs must equal the dense reference's.
@@ -17,14 +17,14 @@ import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow, SourcesExhausted, StreamSession
+from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow, SlotsExhausted, SourcesExhausted, StreamSession
 from flexkv.model.random_workload import check_close
 from flexkv.model.reference import ReferenceCache
 
-H, D, LAYERS, SLOTS, PLACES, MAX_SOURCE = 1, 4, 2, 2, 2, 4
-IDS = ("a", "b", "c", "d")
+H, D, LAYERS, SLOTS, PLACES, MAX_SOURCE = 1, 4, 2, 3, 2, 4
+IDS = ("a", "b", "c", "d", "e")
 CONFIG = BoundedKVConfig(num_layers=LAYERS, num_heads=H, head_dim=D, rows_per_request=1, max_source_len=MAX_SOURCE,
                          max_sources=PLACES, retention=SinkWindow(1, 4), max_slots=SLOTS, max_step_tokens=2,
                          query_window=4, dtype=torch.float64)
@@ -46,6 +46,8 @@ class SessionModel:
         self.queue: List[list] = []  # [request, source, source_len], first come first served
         self.shared: Dict[int, int] = {}  # place -> length
         self.private: Dict[str, tuple] = {}  # request -> (place, length)
+        # running request -> one past the highest stream index its steps wrote into its slot
+        self.reach: Dict[str, int] = {}
 
     def waiting(self, rid) -> Optional[list]:
         return next((w for w in self.queue if w[0] == rid), None)
@@ -70,9 +72,24 @@ class SessionModel:
         self.lanes[rid] = self.free_lanes()[0]
         self.decl[rid] = (source, source_len)
         self.written[rid] = 0
+        self.reach[rid] = 0
+
+    def rollback_ok(self, rid, tokens) -> bool:
+        """Contract section 5: a rollback is exact while the ring still holds every entry the shorter
+        stream reads; the ring keeps window + max(max_step_tokens, max_rollback) cells."""
+        w = self.written[rid]
+        if tokens > w:
+            return False
+        if tokens == 0:
+            return True
+        pol = CONFIG.retention_for(self.decl[rid][1])
+        L, ring = self.decl[rid][1], pol.window + CONFIG.max_step_tokens
+        n = L + w - tokens
+        ring_start = max(pol.sink, L)
+        return n <= ring_start or max(ring_start, n - pol.window) >= self.reach[rid] - ring
 
     def remove(self, rid):
-        del self.lanes[rid], self.decl[rid], self.written[rid]
+        del self.lanes[rid], self.decl[rid], self.written[rid], self.reach[rid]
         self.private.pop(rid, None)
         for w in list(self.queue):  # lanes go to the waiting requests, in order
             if self.free_lanes():
@@ -114,6 +131,12 @@ class SessionMachine(RuleBasedStateMachine):
         assert s.cache.free_slots == SLOTS - len(m.lanes)
         assert s.cache.sources == m.shared
         assert s.cache.private_sources == {r: p for r, (p, _) in m.private.items()}
+
+    @initialize(running=st.integers(0, 2), tokens=st.integers(1, 2))
+    def some_running(self, running, tokens):
+        """Most programs start with requests on their way, so forks and rollbacks meet streams."""
+        if running:
+            self.step({rid: tokens for rid in IDS[:running]})
 
     # ------------------------------------------------------------ sources
 
@@ -205,8 +228,41 @@ class SessionMachine(RuleBasedStateMachine):
         if w is not None:
             w[1], w[2] = new
         else:
-            m.decl[rid], m.written[rid] = new, 0
+            m.decl[rid], m.written[rid], m.reach[rid] = new, 0, 0
             self.ref.reset_request(rid)
+
+    def pick(self, data, pool):
+        """Any id, or (mostly) one of `pool`: rules on running requests then usually hit one."""
+        pool = sorted(pool)
+        return data.draw(st.sampled_from(pool) | st.sampled_from(IDS) if pool else st.sampled_from(IDS))
+
+    @rule(data=st.data())
+    def fork(self, data):
+        m = self.m
+        rid = self.pick(data, m.lanes)
+        new = self.pick(data, [r for r in IDS if r not in m.lanes])
+        call = lambda: self.session.fork(rid, new)  # noqa: E731
+        if rid not in m.lanes or new in m.lanes or m.waiting(new):
+            return self.refused(ValueError, call)
+        if not m.free_lanes():
+            return self.refused(SlotsExhausted, call)
+        if (m.decl[rid][0] == -1 and m.decl[rid][1]) or new in m.private:
+            return self.refused(ValueError, call)  # a private source is its owner's alone
+        self.session.fork(rid, new)
+        m.lanes[new] = m.free_lanes()[0]
+        m.decl[new], m.written[new], m.reach[new] = m.decl[rid], m.written[rid], m.reach[rid]
+        self.ref.fork(rid, new)
+
+    @rule(data=st.data())
+    def rollback(self, data):
+        m = self.m
+        rid = self.pick(data, m.lanes)
+        tokens = data.draw(st.integers(0, m.written.get(rid, 0) + 1))
+        if rid not in m.lanes or not m.rollback_ok(rid, tokens):
+            return self.refused(ValueError, lambda: self.session.rollback(rid, tokens))
+        self.session.rollback(rid, tokens)
+        m.written[rid] -= tokens
+        self.ref.rollback(rid, m.written[rid])
 
     @rule(fed=st.dictionaries(st.sampled_from(IDS), st.integers(1, 2), min_size=1, max_size=4))
     def step(self, fed):
@@ -241,6 +297,8 @@ class SessionMachine(RuleBasedStateMachine):
                             f"session step {self.steps - 1}, layer {layer}, request {rid!r}")
         self.ref.commit(res.step)
         for rid in running:
+            L = m.decl[rid][1]
+            m.reach[rid] = max(m.reach[rid], L + m.written[rid] + T)  # every own token is written to the slot
             m.written[rid] += fed[rid]
 
     @rule(fed=st.dictionaries(st.sampled_from(IDS), st.integers(1, 2), min_size=1, max_size=4),

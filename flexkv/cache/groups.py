@@ -35,6 +35,7 @@ from ..config import BoundedKVConfig, Retention, SinkWindow, check_config, check
 from ..step import BoundedKVStep, StreamPosition
 from .manager import BoundedKVManager
 from .planner import BoundedPlan
+from .slot_copy import copy_slots
 from .slots import Admission, SlotTable
 from .sources import split_source
 
@@ -453,6 +454,7 @@ class GroupedKVManager(nn.Module):
             self.slots.check_plannable(step)
             slots = self.slots.slots()
             private = self.slots.private_sources
+            self.slots.note_writes(step)
         return GroupedPlan([m._plan_from(step, slots, private) for m in self._mgrs])
 
     def commit(self, step: BoundedKVStep) -> None:
@@ -471,6 +473,62 @@ class GroupedKVManager(nn.Module):
         """Free the request's slot (and its private source, if any)."""
         with self._lock:
             self.slots.remove(request_id)
+
+    # --------------------------------------------------- fork and roll back
+    # The table changes once; every group's store copies its own slots, and each group's ring and
+    # retention decide what can be taken back.
+
+    def _slot_buffers(self):
+        for m in self._mgrs:
+            yield from m.slot_buffers()
+
+    def _configs(self) -> tuple:
+        return tuple(m.config for m in self._mgrs)
+
+    def check_fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Raise what `fork_request` would raise; changes nothing."""
+        with self._lock:
+            self.slots.check_fork(parent_id, child_id)
+
+    def fork_request(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Start `child_id` as a copy of `parent_id`'s stream in every group (see
+        `BoundedKVManager.fork_request`); atomic."""
+        with self._lock:
+            src, dst = self.slots.fork(parent_id, child_id)
+            try:
+                copy_slots(self._slot_buffers(), [(src, dst)])
+            except BaseException:
+                self.slots.remove(child_id)
+                raise
+
+    def check_reorder(self, mapping) -> None:
+        """Raise what `reorder_requests` would raise; changes nothing."""
+        with self._lock:
+            self.slots.check_reorder(mapping)
+
+    def reorder_requests(self, mapping) -> None:
+        """`BoundedKVManager.reorder_requests` over every group: one batched copy of each group's slots."""
+        with self._lock:
+            mapping = self.slots.check_reorder(mapping)
+            pairs = [(self.slots.slot_of(src), self.slots.slot_of(dst)) for dst, src in mapping.items() if dst != src]
+            copy_slots(self._slot_buffers(), pairs)
+            self.slots.reorder(mapping)
+
+    def check_rollback(self, request_id: Hashable, tokens: int) -> None:
+        """Raise what `rollback_request` would raise (every group's ring is checked); changes nothing."""
+        with self._lock:
+            self.slots.check_rollback(request_id, tokens, self._configs())
+
+    def rollback_limit(self, request_id: Hashable) -> int:
+        """How many of its last written tokens `request_id` can take back now, in every group."""
+        with self._lock:
+            self.slots.slot_of(request_id)
+            return self.slots.rollback_limit(request_id, self._configs())
+
+    def rollback_request(self, request_id: Hashable, tokens: int) -> None:
+        """Take back the request's last `tokens` written tokens in every group, or raise and change nothing."""
+        with self._lock:
+            self.slots.rollback(request_id, tokens, self._configs())
 
     def _group_sources(self, what: str, keys: torch.Tensor, values: torch.Tensor) -> list:
         """Each group's store with its share of all-layer source tensors, checked by that store."""

@@ -9,9 +9,10 @@ it holds, in order:
    `(s * R + r) * max_source_len`);
 2. the slot pool: `max_slots * rows_per_request` slot rows, each a sink
    region of `sink_capacity` cells followed by a ring of
-   `window_capacity + max_step_tokens` cells. The ring has headroom for one
-   step so a step can write its own tokens before it attends without
-   evicting anything that step still reads;
+   `ring_cells = window_capacity + max(max_step_tokens, max_rollback)` cells.
+   The ring has headroom for one step so a step can write its own tokens
+   before it attends without evicting anything that step still reads (and,
+   with `max_rollback`, so a request can take back that many tokens);
 3. a scratch area of `max_step_tokens` cells that padding rows write into
    and nobody reads;
 4. padding up to a whole number of KV blocks.
@@ -49,8 +50,7 @@ def default_block_size(config: BoundedKVConfig, device_type: str) -> int:
     CUDA (and `"meta"`, which plans as CUDA does): 128, the block
     FlexAttention's CUDA kernels are tuned for (smaller blocks shrink their
     tiles). On the CPU, without sources, when slot rows are at least 128
-    cells: one block per slot row (`sink_capacity + window_capacity +
-    max_step_tokens` cells), so every slot row is exactly one block and a
+    cells: one block per slot row (`sink_capacity + ring_cells` cells), so every slot row is exactly one block and a
     decode row visits one block, none of it outside the row (the CPU kernel
     pays per visited block, and a 1025-cell row in blocks of 128 visits
     1152 cells in 9 blocks; one block per row decodes 20-30% faster, see
@@ -65,7 +65,7 @@ def default_block_size(config: BoundedKVConfig, device_type: str) -> int:
     """
     if device_type in ("cuda", "meta"):
         return DEFAULT_BLOCK_SIZE
-    row = config.sink_capacity + config.window_capacity + config.max_step_tokens
+    row = config.sink_capacity + config.ring_cells
     pool = config.max_slots * config.rows_per_request * row
     has_sources = bool(config.max_source_len and config.max_sources)
     # A row of 8 more than a multiple of 16 cells would be a block the compiled CPU kernel gets wrong.
@@ -108,7 +108,7 @@ class Layout:
             max_slots=config.max_slots,
             source_row_len=config.max_source_len,
             sink_len=config.sink_capacity,
-            ring_len=config.window_capacity + config.max_step_tokens,
+            ring_len=config.ring_cells,
             step_tokens=config.max_step_tokens,
             block_size=block_size,
             q_block_size=DEFAULT_BLOCK_SIZE,

@@ -35,6 +35,7 @@ from .relative_position import RelativePositionScores
 from .rotary import SinkRotation, stream_positions
 from .row_attention import attend_rows, gather_width, row_geometry
 from .sinks import apply_learned_sinks, check_sinks
+from .slot_copy import SlotBuffer, copy_slots
 from .slots import Admission, SlotsExhausted, SlotTable, SourcesExhausted
 from .sources import check_source_shapes
 
@@ -150,6 +151,9 @@ class BoundedKVManager(nn.Module):
         # when the options let a step take that path (`_allocate_scratch`).
         self._scratch_k = self._scratch_v = None
         self._allocate_scratch()
+        # Per-slot buffers kept for this store outside it (the "cache"-mode rotations it made): a
+        # fork or reorder copies their slots too. Weak, so a dropped rotation is dropped here.
+        self._slot_state = weakref.WeakSet()
         # Eagerly, the rows path's per-plan work (cells, mask bias) is done once per plan and
         # reused by every layer: the last plan seen (weakly) and its geometries by shape, dropped
         # at commit.
@@ -225,7 +229,9 @@ class BoundedKVManager(nn.Module):
         """Rotary positions for layer `layer_idx` (`flexkv.cache.rotary.SinkRotation`): call it as
         `q, k = rotation(q, k, plan)` before `attend`; in ``"cache"`` mode run its `check_step`
         on the host before planning (`flexkv.model.wrap.StepContext` does)."""
-        return SinkRotation(self, check_layer_index(layer_idx, self.config.num_layers), rotary, mode)
+        rotation = SinkRotation(self, check_layer_index(layer_idx, self.config.num_layers), rotary, mode)
+        self._slot_state.add(rotation)
+        return rotation
 
     def stream_positions(self, plan: BoundedPlan, tokens: Optional[int] = None) -> torch.Tensor:
         """Stream index of each of the step's own tokens, `[N, T]` int64 on the device (contract
@@ -350,6 +356,13 @@ class BoundedKVManager(nn.Module):
                 f"table); call {what} on the GroupedKVManager, which writes the source into every group"
             )
 
+    def _own_slots(self, what: str) -> None:
+        if self._shared:
+            raise ValueError(
+                f"{what}: this manager stores one layer group of a GroupedKVManager (it shares that cache's slot "
+                f"table); call {what} on the GroupedKVManager, which copies or checks every group's slots"
+            )
+
     def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Register a read-only prefix shared by requests; returns its index.
 
@@ -442,6 +455,7 @@ class BoundedKVManager(nn.Module):
             self.slots.check_plannable(step)
             slots = self.slots.slots()
             private = self.slots.private_sources
+            self.slots.note_writes(step)
         return self._plan_from(step, slots, private)
 
     def _plan_from(self, step: BoundedKVStep, slots: dict, private: dict) -> BoundedPlan:
@@ -477,6 +491,71 @@ class BoundedKVManager(nn.Module):
         """Free the request's slot (and its private source, if any)."""
         with self._lock:
             self.slots.remove(request_id)
+
+    # --------------------------------------------------- fork and roll back
+
+    def slot_buffers(self):
+        """Every buffer of this store that holds per-slot state (`flexkv.cache.slot_copy.SlotBuffer`):
+        each layer's keys and values, and the un-rotated sink keys of its ``"cache"``-mode rotations."""
+        lay = self.layout
+        for buf in self._cache_buffers():
+            yield SlotBuffer(buf, 2, lay.slots_base, lay.slot_cells())
+        for rotation in list(self._slot_state):
+            yield from rotation.slot_buffers()
+
+    def check_fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Raise what `fork_request(parent_id, child_id)` would raise; changes nothing."""
+        with self._lock:
+            self.slots.check_fork(parent_id, child_id)
+
+    def fork_request(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Start request `child_id` as a copy of `parent_id`'s stream (contract section 5, "Fork and
+        roll back"): the lowest free slot, a copy of the parent's slot in every layer, and its
+        position (`written`, source). Atomic: on any error nothing changes."""
+        self._own_slots("fork_request")
+        with self._lock:
+            src, dst = self.slots.fork(parent_id, child_id)
+            try:
+                copy_slots(self.slot_buffers(), [(src, dst)])
+            except BaseException:
+                self.slots.remove(child_id)
+                raise
+
+    def check_reorder(self, mapping) -> None:
+        """Raise what `reorder_requests(mapping)` would raise; changes nothing."""
+        with self._lock:
+            self.slots.check_reorder(mapping)
+
+    def reorder_requests(self, mapping) -> None:
+        """Each destination request continues its source request's stream: `mapping` is
+        `{destination: source}` over admitted requests (a beam search's reorder), sources read as
+        they were before the call, in one batched copy. Atomic: every source is gathered before
+        any destination is written."""
+        self._own_slots("reorder_requests")
+        with self._lock:
+            mapping = self.slots.check_reorder(mapping)
+            pairs = [(self.slots.slot_of(src), self.slots.slot_of(dst)) for dst, src in mapping.items() if dst != src]
+            copy_slots(self.slot_buffers(), pairs)
+            self.slots.reorder(mapping)
+
+    def check_rollback(self, request_id: Hashable, tokens: int) -> None:
+        """Raise what `rollback_request(request_id, tokens)` would raise; changes nothing."""
+        with self._lock:
+            self.slots.check_rollback(request_id, tokens, (self.config,))
+
+    def rollback_limit(self, request_id: Hashable) -> int:
+        """How many of its last written tokens `request_id` can take back now."""
+        with self._lock:
+            self.slots.slot_of(request_id)
+            return self.slots.rollback_limit(request_id, (self.config,))
+
+    def rollback_request(self, request_id: Hashable, tokens: int) -> None:
+        """Take back the request's last `tokens` written tokens: `written -= tokens`, exact while the
+        slot still holds what the shorter stream reads (contract section 5, "Fork and roll back");
+        beyond that it raises `ValueError` and nothing changes. No device work."""
+        self._own_slots("rollback_request")
+        with self._lock:
+            self.slots.rollback(request_id, tokens, (self.config,))
 
     # -------------------------------------------------------------- attention
 

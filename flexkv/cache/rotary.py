@@ -55,6 +55,7 @@ from torch import nn
 
 from ..config import BoundedKVConfig, check_layer_index, is_int
 from ..step import BoundedKVStep
+from .slot_copy import SlotBuffer
 
 __all__ = [
     "ROPE_POSITIONS",
@@ -269,6 +270,13 @@ class SinkRotation(nn.Module):
         """Bytes of the un-rotated sink copies one slot holds (0 in ``"stream"`` mode)."""
         raw = getattr(self, "raw_sink", None)
         return 0 if raw is None or not self._sink else self.memory_bytes // (raw.shape[0] // self._sink)
+
+    def slot_buffers(self):
+        """The per-slot buffers this rotation keeps (the un-rotated sink keys, ``"cache"`` mode), as
+        `flexkv.cache.slot_copy.SlotBuffer`s: a fork or reorder of the manager copies them too."""
+        raw = getattr(self, "raw_sink", None)
+        if raw is not None:
+            yield SlotBuffer(raw, 0, 0, self._sink * self.manager.config.rows_per_request)
 
     def check_step(self, step: BoundedKVStep) -> None:
         """Host check (``"cache"`` mode): every query of each request must share one eviction count."""

@@ -26,7 +26,7 @@ from typing import Hashable, NamedTuple, Optional, Tuple
 from ..config import BoundedKVConfig, is_int
 from ..step import BoundedKVStep, Segment, StreamPosition
 
-__all__ = ["SlotTable", "Admission", "SlotsExhausted", "SourcesExhausted", "SHARED_FIELDS"]
+__all__ = ["SlotTable", "Admission", "SlotsExhausted", "SourcesExhausted", "SHARED_FIELDS", "rollback_floor"]
 
 #: The config fields the table reads: every layer group of one cache has the same values.
 SHARED_FIELDS = ("max_slots", "max_sources", "max_step_tokens", "min_source_len", "max_source_len")
@@ -46,6 +46,28 @@ class _Request:
     written: int = 0
     source: Optional[int] = None  # bound by the first admit after creation or reset
     source_len: Optional[int] = None
+    #: One past the highest stream index a planned step of this stream may have written into its slot
+    #: (since the stream started): what a rollback checks the ring against.
+    reach: int = 0
+
+
+def rollback_floor(config: BoundedKVConfig, source_len: int, reach: int) -> int:
+    """The fewest written tokens a stream can roll back to exactly, in a cache of `config`.
+
+    Ring cell `j % ring_cells` holds stream entry `j` until entry `j + ring_cells` is written, so
+    once entries up to `reach` (exclusive) have been written, the ring holds intact the entries
+    from `reach - ring_cells` on. A stream rolled back to `written = m` (length `n = source_len +
+    m`) needs its ring entries from `max(ring_start, n - window)` on (every later query reads at
+    most `window` entries before itself; sinks below `ring_start` live in cells of their own), so
+    `m` is exact when that is at least `reach - ring_cells`, or when nothing of the ring is needed
+    (`n <= ring_start`, returned as 0 when the whole stream lies in the sink region).
+    """
+    pol = config.retention_for(source_len)
+    ring_start = max(pol.sink, source_len)
+    intact = reach - config.ring_cells
+    if ring_start >= intact:
+        return 0
+    return max(0, intact + pol.window - source_len)
 
 
 class Admission(NamedTuple):
@@ -102,7 +124,9 @@ class SlotTable:
         return {rid: r.slot for rid, r in self._requests.items()}
 
     def snapshot(self) -> tuple:
-        """Everything the table holds, as plain values (equal snapshots: the same state)."""
+        """Everything the table holds, as plain values (equal snapshots: the same state). A stream's
+        `reach` is left out: it records what planned steps may have written into the slot, which a
+        failed step does too (see `reach`)."""
         return (
             tuple((rid, r.slot, r.written, r.source, r.source_len) for rid, r in self._requests.items()),
             tuple(self._free), tuple(sorted(self._sources.items())), tuple(self._private.items()),
@@ -351,7 +375,7 @@ class SlotTable:
         for rid in admission.started:
             req = self._requests.get(rid)
             if req is not None and rid not in admission.new:
-                req.written, req.source, req.source_len = 0, None, None
+                req.written, req.source, req.source_len, req.reach = 0, None, None, 0
 
     def commit(self, step: BoundedKVStep) -> None:
         """`written = position.written + span` for each request of `step` (idempotent)."""
@@ -366,7 +390,142 @@ class SlotTable:
         req = self._requests.get(request_id)
         if req is None:
             raise ValueError(f"reset_request: request {request_id!r} is not admitted")
-        req.written, req.source, req.source_len = 0, None, None
+        req.written, req.source, req.source_len, req.reach = 0, None, None, 0
+
+    def reach(self, request_id: Hashable) -> int:
+        """One past the highest stream index a planned step of the request may have written into its
+        slot since its stream started: a step that failed after planning counts too, since its
+        tokens may be in the ring (what a later rollback checks against)."""
+        self.slot_of(request_id)
+        return self._requests[request_id].reach
+
+    def note_writes(self, step: BoundedKVStep) -> None:
+        """Record that `step` (planned now) may write its `T` own tokens into its requests' slots."""
+        T = step.step_tokens
+        for seg in step.segments:
+            if seg.request_id is not None:
+                req = self._requests[seg.request_id]
+                req.reach = max(req.reach, step.positions[seg.request_id].length + T)
+
+    # ------------------------------------------------------ fork and roll back
+
+    def rollback_limit(self, request_id: Hashable, configs=None) -> int:
+        """How many of its last written tokens `request_id` can take back now, exactly, in a cache whose
+        layer groups have `configs` (default: the table's own config)."""
+        req = self._requests[request_id]
+        if not req.written:
+            return 0
+        floor = max(rollback_floor(c, req.source_len, req.reach) for c in (configs or (self.config,)))
+        return req.written - min(req.written, floor)
+
+    def check_rollback(self, request_id: Hashable, tokens: int, configs=None, what: str = "rollback_request") -> None:
+        """Raise unless `request_id` can take back its last `tokens` written tokens exactly in every layer
+        group (`configs`, default the table's config: each group's ring and retention decide); changes nothing."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise ValueError(f"{what}: request {request_id!r} is not admitted")
+        if not is_int(tokens) or tokens < 0:
+            raise ValueError(f"{what}: tokens must be an int >= 0 (how many written tokens to take back), got {tokens!r}")
+        if tokens > req.written:
+            raise ValueError(
+                f"{what}: request {request_id!r} has written {req.written} tokens, so it cannot take back {tokens}"
+            )
+        if tokens == 0:
+            return
+        m = req.written - tokens
+        for c in configs or (self.config,):
+            pol = c.retention_for(req.source_len)
+            in_sinks = req.source_len + m <= max(pol.sink, req.source_len)
+            if not in_sinks and m < rollback_floor(c, req.source_len, req.reach):
+                raise ValueError(
+                    f"{what}: request {request_id!r} cannot take back {tokens} tokens: its slot's ring "
+                    f"({c.ring_cells} cells: window {c.window_capacity} + max(max_step_tokens={c.max_step_tokens}, "
+                    f"max_rollback={c.max_rollback})) has overwritten entries the stream would read again; at most "
+                    f"{self.rollback_limit(request_id, configs)} can be taken back now. Build the cache with "
+                    f"BoundedKVConfig(max_rollback=...) at least the tokens a step writes plus those taken back after it"
+                )
+
+    def rollback(self, request_id: Hashable, tokens: int, configs=None) -> None:
+        """`written -= tokens`, checked first (`check_rollback`); the slot's cells stay as they are."""
+        self.check_rollback(request_id, tokens, configs)
+        self._requests[request_id].written -= tokens
+
+    def _check_copyable(self, parent: Hashable, what: str) -> _Request:
+        req = self._requests.get(parent)
+        if req is None:
+            raise ValueError(f"{what}: request {parent!r} is not admitted")
+        if req.source == -1 and req.source_len:
+            raise ValueError(
+                f"{what}: request {parent!r} reads its private source (source=-1, source_len={req.source_len}), "
+                f"which belongs to it alone; register the prefix with add_source() and start the stream on it "
+                f"to share it with copies"
+            )
+        return req
+
+    def check_fork(self, parent: Hashable, child: Hashable) -> None:
+        """Raise unless `child` can start as a copy of `parent`'s stream now; changes nothing."""
+        self._check_copyable(parent, "fork_request")
+        if child is None:
+            raise ValueError("fork_request: request id None is reserved for padding segments")
+        try:
+            hash(child)
+        except TypeError:
+            raise ValueError(f"fork_request: request ids must be hashable, got {child!r}") from None
+        if child in self._requests:
+            raise ValueError(f"fork_request: request {child!r} already holds a slot; remove_request() it first")
+        if child in self._private:
+            raise ValueError(
+                f"fork_request: request {child!r} has a private source of its own; a fork continues its parent's "
+                f"stream (and source): remove_private_source({child!r}) first"
+            )
+        if not self._free:
+            raise SlotsExhausted(
+                f"fork_request: no free slot for {child!r} (max_slots={self.config.max_slots}); remove_request() "
+                f"finished requests or raise max_slots"
+            )
+
+    def fork(self, parent: Hashable, child: Hashable) -> tuple:
+        """Give `child` the lowest free slot and `parent`'s table entry; returns `(parent slot, child slot)`."""
+        self.check_fork(parent, child)
+        p = self._requests[parent]
+        self._requests[child] = _Request(self._free.pop(0), p.written, p.source, p.source_len, p.reach)
+        return p.slot, self._requests[child].slot
+
+    def check_reorder(self, mapping) -> dict:
+        """`mapping` (`{destination: source request}`) checked; returns it as a dict. Changes nothing."""
+        try:
+            mapping = dict(mapping)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"reorder_requests: mapping must be a dict (or pairs) of destination request -> source request, "
+                f"got {mapping!r}"
+            ) from None
+        for dst, src in mapping.items():
+            if dst not in self._requests:
+                raise ValueError(f"reorder_requests: destination request {dst!r} is not admitted")
+            if dst != src:
+                self._check_copyable(src, "reorder_requests")
+                if dst in self._private:
+                    raise ValueError(
+                        f"reorder_requests: destination request {dst!r} has a private source; it would continue "
+                        f"{src!r}'s stream on another source: remove_private_source({dst!r}) first"
+                    )
+        return mapping
+
+    def reorder(self, mapping) -> list:
+        """Every destination takes its source's table entry as it was before the call (so sources
+        and destinations may overlap); returns the `(source slot, destination slot)` pairs to copy."""
+        mapping = self.check_reorder(mapping)
+        before = {rid: (r.slot, r.written, r.source, r.source_len, r.reach) for rid, r in self._requests.items()}
+        pairs = []
+        for dst, src in mapping.items():
+            if dst == src:
+                continue
+            slot, written, source, source_len, reach = before[src]
+            req = self._requests[dst]
+            req.written, req.source, req.source_len, req.reach = written, source, source_len, reach
+            pairs.append((slot, req.slot))
+        return pairs
 
     def remove(self, request_id: Hashable) -> None:
         """Free the request's slot and its private source."""

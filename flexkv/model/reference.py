@@ -195,6 +195,20 @@ class ReferenceCache:
     def reset_request(self, rid) -> None:
         self.streams.pop(rid, None)
 
+    def fork(self, parent, child) -> None:
+        """Request `child`'s stream becomes a copy of `parent`'s (written entries; its source is
+        declared by its positions, as for any request)."""
+        self.streams[child] = list(self.stream(parent))
+
+    def reorder(self, mapping) -> None:
+        """Each destination's stream becomes its source's, as it was before the call."""
+        before = {dst: list(self.stream(src)) for dst, src in dict(mapping).items()}
+        self.streams.update(before)
+
+    def rollback(self, rid, written: int) -> None:
+        """Keep the first `written` written entries of `rid`'s stream."""
+        self.streams[rid] = [(k[:, :, :written], v[:, :, :written]) for k, v in self.stream(rid)]
+
     def remove_request(self, rid) -> None:
         self.streams.pop(rid, None)
 

@@ -238,6 +238,7 @@ class UncachedHistory:
         """Check the step as the bounded cache's `plan` does; the plan is the host step itself."""
         with self._lock:
             self.slots.check_plannable(step)
+            self.slots.note_writes(step)  # as the bounded cache records them: its rollbacks are checked alike
         return UncachedPlan(step, self.config)
 
     def commit(self, step: BoundedKVStep) -> None:
@@ -259,6 +260,50 @@ class UncachedHistory:
             for ref in self._history:
                 ref.remove_request(request_id)
                 ref.remove_private_source(request_id)
+
+    # ------------------------------------------------- fork and roll back
+    # Refused exactly where the bounded cache refuses (the same table and each group's ring decide),
+    # though nothing here is ever overwritten.
+
+    def check_fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        with self._lock:
+            self.slots.check_fork(parent_id, child_id)
+
+    def fork_request(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """`child_id` starts as a copy of `parent_id`'s stream (see `BoundedKVManager.fork_request`)."""
+        with self._lock:
+            self.slots.fork(parent_id, child_id)
+            for ref in self._history:
+                ref.fork(parent_id, child_id)
+
+    def check_reorder(self, mapping) -> None:
+        with self._lock:
+            self.slots.check_reorder(mapping)
+
+    def reorder_requests(self, mapping) -> None:
+        """Each destination continues its source's stream (see `BoundedKVManager.reorder_requests`)."""
+        with self._lock:
+            mapping = self.slots.check_reorder(mapping)
+            self.slots.reorder(mapping)
+            for ref in self._history:
+                ref.reorder(mapping)
+
+    def check_rollback(self, request_id: Hashable, tokens: int) -> None:
+        with self._lock:
+            self.slots.check_rollback(request_id, tokens, self._configs)
+
+    def rollback_limit(self, request_id: Hashable) -> int:
+        with self._lock:
+            self.slots.slot_of(request_id)
+            return self.slots.rollback_limit(request_id, self._configs)
+
+    def rollback_request(self, request_id: Hashable, tokens: int) -> None:
+        """Take back the request's last `tokens` written tokens (see `BoundedKVManager.rollback_request`)."""
+        with self._lock:
+            self.slots.rollback(request_id, tokens, self._configs)
+            written = self.slots.written(request_id)
+            for ref in self._history:
+                ref.rollback(request_id, written)
 
     # ------------------------------------------------------- model side
 

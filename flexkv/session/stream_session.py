@@ -402,6 +402,65 @@ class StreamSession:
             self.cache.admit(BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(L, 0, src)}))
             req.source, req.source_len, req.written, req.state = src, L, 0, state
 
+    # ------------------------------------------------- fork and roll back
+
+    def fork(self, request_id: Hashable, new_id: Hashable) -> None:
+        """Start `new_id` as a copy of the started request `request_id`: the lowest free lane, a copy of
+        its slot (the cache's `fork_request`), its position and source, and a copy of its model state.
+
+        A fork takes a lane now or is refused (`SlotsExhausted`, whatever `when_full` says); a waiting,
+        finished or unknown request, an id already in use, and a request reading its private source
+        are refused with `ValueError`. Atomic: on any error nothing changes.
+        """
+        with self._exclusive("fork"):
+            parent = self._get(request_id)
+            if new_id in self._requests or self._waiting(new_id) is not None:
+                raise ValueError(f"fork: request {new_id!r} is already started; finish() it or pick another id")
+            if not self._free_lanes:
+                raise SlotsExhausted(
+                    f"fork: all {self.config.max_slots} lanes are held, so {new_id!r} cannot start as a copy of "
+                    f"{request_id!r} (a fork copies the stream now and cannot wait); finish() a request first or "
+                    f"raise max_slots"
+                )
+            self.cache.check_fork(request_id, new_id)
+            state = None if parent.state is None else map_tensors(lambda t: t.clone(), parent.state)
+            self.cache.fork_request(request_id, new_id)
+            lane = self._free_lanes.pop(0)
+            self._requests[new_id] = _Request(lane, parent.source, parent.source_len, parent.written, state)
+
+    def rollback(self, request_id: Hashable, tokens: int, *, state=None) -> None:
+        """Take back the last `tokens` tokens a started request wrote (the cache's `rollback_request`):
+        its stream is then as if they had never been fed.
+
+        How many a cache can take back is fixed by its config (`max_rollback`, contract section 5);
+        more is refused with `ValueError` and nothing changed. A session with `initial_state` cannot
+        undo a model state by itself: pass the request's `state` as it was before those tokens
+        (shaped like its current state), or the rollback is refused.
+        """
+        with self._exclusive("rollback"):
+            req = self._get(request_id)
+            self.cache.check_rollback(request_id, tokens)
+            if state is not None and self._new_state is None:
+                raise ValueError("rollback: state= is for a session with initial_state; this one carries none")
+            if state is None and self._new_state is not None and tokens:
+                raise ValueError(
+                    f"rollback: request {request_id!r} carries a model state (initial_state), which the session "
+                    f"cannot take back by itself; pass rollback({request_id!r}, {tokens}, state=...) with its "
+                    f"state from before those tokens"
+                )
+            if state is not None:
+                leaves, spec = flatten(state, "rollback's state")
+                have, have_spec = flatten(req.state, f"the state of request {request_id!r}")
+                if spec != have_spec or [(t.shape, t.dtype) for t in leaves] != [(t.shape, t.dtype) for t in have]:
+                    raise ValueError(
+                        f"rollback: state must be shaped like request {request_id!r}'s state "
+                        f"({[tuple(t.shape) for t in have]}), got {[tuple(t.shape) for t in leaves]}"
+                    )
+            self.cache.rollback_request(request_id, tokens)
+            req.written -= tokens
+            if state is not None:
+                req.state = state
+
     # -------------------------------------------------------------- steps
 
     def _runner(self, fn: Callable) -> Callable:

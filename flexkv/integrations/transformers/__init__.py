@@ -24,7 +24,8 @@ planned forward), `shim` (transformers' `Cache` API), `recurrent`
 (recurrent-layer states), `cache_positions` (`rope_positions="cache"`),
 `routing` (the one-token probe that the plan reaches every attention layer),
 `turns` (the token `generate()` returned last, across calls), `cache`
-(`FlexKVCache`), `hooks` (`enable`, `disable`).
+(`FlexKVCache`), `branching` (beam search, assisted generation and many
+samples: forks and rollbacks of streams), `hooks` (`enable`, `disable`).
 
 Supported transformers releases: see `SUPPORTED_TRANSFORMERS`; any other
 release fails at import with one message that says what to install.

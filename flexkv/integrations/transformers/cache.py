@@ -15,6 +15,7 @@ from ...cache.rotary import ROPE_POSITIONS
 from ...cache.slots import SlotsExhausted
 from ...cache.transaction import StepTransaction
 from ...config import BoundedKVConfig, SinkWindow, is_int
+from .branching import BranchingCache
 from .cache_positions import CachePositions
 from .hooks import attention_configs, check_model, enable, switch
 from .model_config import RECURRENT_TYPES, absolute_positions, layer_groups, read_layers, softcap_of
@@ -83,7 +84,7 @@ def _check_used(name: str, specs, retention, sliding_retention) -> None:
         )
 
 
-class FlexKVCache(CacheShim):
+class FlexKVCache(BranchingCache, CacheShim):
     """A bounded cache for a transformers causal LM, one stream per batch row.
 
     Args:
@@ -114,6 +115,10 @@ class FlexKVCache(CacheShim):
         device, dtype: default to the model's.
         slot_dtype: how the cache stores keys and values: None (in `dtype`), or `torch.int8` /
             `torch.float8_e4m3fn` for quantized slots (`flexkv.cache.quantized`).
+        max_rollback: the most tokens a stream may take back at once beyond
+            `prefill_chunk` (assisted decoding's rejected draft tokens,
+            `crop`): every slot holds `max(prefill_chunk, max_rollback)`
+            cells beyond what its layers keep. 0 (default): `prefill_chunk`.
 
     Building the cache for a model with recurrent layers runs the model once
     on one token to read their states' shapes. `memory_bytes` is what the
@@ -144,6 +149,7 @@ class FlexKVCache(CacheShim):
         device=None,
         dtype: Optional[torch.dtype] = None,
         slot_dtype: Optional[torch.dtype] = None,
+        max_rollback: int = 0,
     ):
         positions = "stream" if rope_positions is None else rope_positions
         if retention is not None:
@@ -220,6 +226,7 @@ class FlexKVCache(CacheShim):
                 query_window=first.retention.window,
                 max_step_tokens=prefill_chunk,
                 slot_dtype=slot_dtype,  # quantized slots (flexkv.cache.quantized); None: the model's dtype
+                max_rollback=max_rollback,
             ),
             groups,
             device=device,

@@ -9,8 +9,10 @@ way out of an `Exception` only, so a `KeyboardInterrupt` (or any other
 model stays switched. The next forward through the model's hooks, with the
 cache or without, rolls such a forward back before it runs, and `generate()`
 does so at once on its way out. The guard around `generate()` also refuses
-decoding modes a bounded cache cannot serve (beam search and the others
-that reorder, copy or crop a cache) before anything happens.
+decoding modes flexkv does not serve before anything happens, and runs the
+others through `branching.generate_branching` (prompts that `generate()`
+repeats are prefilled once and forked; a failed call leaves the streams as
+they were).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import inspect
 
 import torch
 
+from .branching import generate_branching
 from .model_config import text_config
 from .plan import FlexKVForward
 from .registration import ATTN_IMPLEMENTATION, register
@@ -29,8 +32,21 @@ from .turns import record_owed_tokens, strip_first_column, with_owed_tokens
 
 __all__ = ["enable", "disable", "switch", "ModelState", "check_model", "attention_configs", "SUPPORTED_MODES"]
 
-#: The `generate()` decoding modes a FlexKVCache serves: one sequence per stream, never reordered.
-SUPPORTED_MODES = ("greedy_search", "sample")
+#: The `generate()` decoding modes a FlexKVCache serves: greedy and sampled decoding, beam search (streams
+#: reordered by forks), assisted generation and prompt lookup (rejected draft tokens rolled back).
+SUPPORTED_MODES = ("greedy_search", "sample", "beam_search", "beam_sample", "assisted_generation")
+
+#: Why the other modes are refused.
+_REFUSED_BECAUSE = {
+    "contrastive_search": "transformers runs it from hub code (transformers-community/contrastive-search) that "
+                          "flexkv is not checked against",
+    "group_beam_search": "transformers runs it from hub code (transformers-community/group-beam-search) that "
+                         "flexkv is not checked against; plain beam search (num_beams) is served",
+    "constrained_beam_search": "transformers runs it from hub code (transformers-community/constrained-beam-search) "
+                               "that flexkv is not checked against; plain beam search (num_beams) is served",
+    "dola_generation": "transformers runs it from hub code (transformers-community/dola), and it reads the hidden "
+                       "states of early layers, which flexkv is not checked against",
+}
 
 
 def _attention_modules(model) -> dict:
@@ -102,6 +118,8 @@ class ModelState:
         self.running = None
         #: the instance attribute `generate` had before `enable` wrapped it (None: the class's own)
         self.generate = None
+        #: while this model drafts for another's assisted `generate()`: the FlexKVCache it drafts with
+        self.assistant_cache = None
 
     def recover(self) -> bool:
         """Roll back a forward the hooks planned whose end never ran (interrupted by a `BaseException`).
@@ -195,40 +213,87 @@ _MODE_FIELDS = ("num_beams", "num_beam_groups", "do_sample", "penalty_alpha", "t
                 "force_words_ids", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "dola_layers")
 
 
-def _generation_mode(model, args, kwargs) -> str:
-    """The decoding mode `generate(*args, **kwargs)` will run, as transformers decides it."""
+def _generation_config(model, args, kwargs):
+    """The generation config `generate(*args, **kwargs)` will run with (its mode fields and
+    `num_return_sequences` as the call sets them)."""
     config = kwargs.get("generation_config")
     if config is None and len(args) > 1:
         config = args[1]
     config = copy.deepcopy(config if config is not None else model.generation_config)
-    for name in _MODE_FIELDS:
+    for name in _MODE_FIELDS + ("num_return_sequences",):
         if name in kwargs:
             setattr(config, name, kwargs[name])
-    mode = config.get_generation_mode(kwargs.get("assistant_model"))
+    return config
+
+
+def _generation_mode(model, args, kwargs) -> str:
+    """The decoding mode `generate(*args, **kwargs)` will run, as transformers decides it."""
+    mode = _generation_config(model, args, kwargs).get_generation_mode(kwargs.get("assistant_model"))
     return getattr(mode, "value", mode)
+
+
+def _assistant_cache(model, kwargs):
+    """Pop `assistant_cache=` (a FlexKVCache built for `assistant_model`) from `generate()`'s keywords."""
+    cache = kwargs.pop("assistant_cache", None)
+    if cache is None:
+        return None, None
+    assistant = kwargs.get("assistant_model")
+    state = getattr(assistant, "_flexkv_state", None)
+    if not isinstance(cache, CacheShim) or state is None or cache._model() is not assistant:
+        raise ValueError(
+            "generate(assistant_cache=...) takes a FlexKVCache built for the assistant_model "
+            "(FlexKVCache(assistant_model, retention, max_rollback=...)), given with assistant_model="
+        )
+    return cache, state
 
 
 def _guarded_generate(state: ModelState, model, generate, *args, **kwargs):
     """`model.generate` under flexkv: refuse unsupported modes first; leave the cache usable however it ends."""
     cache = _find_cache(args, kwargs)
+    drafting = state.assistant_cache
+    if cache is None and drafting is not None and getattr(kwargs.get("generation_config"), "is_assistant", False):
+        # This model drafts for another's assisted generate(): its first draft starts the FlexKVCache
+        # it was given (later drafts are handed it back by transformers).
+        kwargs["cache"] = cache = drafting
     if cache is None:
+        if "assistant_cache" in kwargs:
+            raise ValueError("generate(assistant_cache=...) drafts with a FlexKVCache only when the main model "
+                             "runs with one too: pass cache=FlexKVCache(model, ...)")
         return generate(*args, **kwargs)
     state.recover()
-    mode = _generation_mode(model, args, kwargs)
+    config = _generation_config(model, args, kwargs)
+    mode = config.get_generation_mode(kwargs.get("assistant_model"))
+    mode = getattr(mode, "value", mode)
     if mode not in SUPPORTED_MODES:
-        cache._unsupported(f"generate() in {mode.replace('_', ' ')} mode")
+        why = _REFUSED_BECAUSE.get(mode)
+        raise ValueError(
+            f"FlexKVCache does not support generate() in {mode.replace('_', ' ')} mode"
+            + (f": {why}" if why else "")
+        )
+    if mode == "assisted_generation" and not cache.is_croppable:
+        raise ValueError(
+            "FlexKVCache does not support generate() in assisted generation mode for this model: assisted "
+            "decoding and prompt lookup take back rejected draft tokens, but the model's recurrent layers "
+            f"{list(cache._recurrent.layers)} keep a state that cannot be taken back"
+        )
     # A stream continued with only new tokens first attends the token generate() returned last (turns.py).
     columns = cache._columns
     owed = with_owed_tokens(cache, model, args, kwargs)
     if owed is not None:
         args, kwargs = owed
+    drafter, drafter_state = _assistant_cache(model, kwargs)
+    if drafter_state is not None:
+        drafter_state.assistant_cache = drafter
     try:
-        result = generate(*args, **kwargs)
+        result = generate_branching(cache, model, generate, mode, config, args, kwargs)
     except BaseException:
         state.recover()  # an interrupted forward (e.g. Ctrl-C) is undone now, not at the next forward
         if owed is not None and cache._columns > columns:
             cache._columns -= 1
         raise
+    finally:
+        if drafter_state is not None:
+            drafter_state.assistant_cache = None
     if owed is not None:
         result = strip_first_column(result)
         if cache._columns > columns:

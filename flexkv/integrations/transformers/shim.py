@@ -8,9 +8,10 @@ through per-layer `CacheLayerMixin` / `LinearAttentionCacheLayerMixin`
 objects whose types say what each layer is. `CacheShim` answers all of it
 for a cache whose data lives in flexkv: attention keys and values are
 written by the `"flexkv"` attention function, recurrent states are read and
-staged through the cache's `RecurrentStates`; the shim only routes calls and
-refuses what a bounded cache cannot do (beam search's reordering, cropping,
-copying rows).
+staged through the cache's `RecurrentStates`; the shim only routes calls.
+Reordering, cropping and copying rows are the cache's own
+(`flexkv.integrations.transformers.branching`); a layer asked for them alone
+refuses, since a stream is one slot over every layer.
 """
 
 from __future__ import annotations
