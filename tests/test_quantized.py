@@ -9,6 +9,7 @@ from flexkv import BoundedKVConfig, BoundedKVManager, GroupedKVManager, LayerGro
 from flexkv.cache import quantized
 from flexkv.cache.rotary import Rotary
 from flexkv.cli.workload import WorkloadError, parse_workload
+from flexkv.model.uncached import UncachedHistory
 
 
 def config(**kw):
@@ -186,3 +187,36 @@ def test_flexkv_cache_generates_with_quantized_slots_close_to_unquantized():
     assert caches[1].manager.slot_bytes < caches[0].manager.slot_bytes
     first = torch.stack(outs[0].logits, 1)[:, :4], torch.stack(outs[1].logits, 1)[:, :4]
     assert 0 < float((first[0] - first[1]).abs().max()) < 0.05 * float(first[0].abs().max())
+
+
+class _Recording:
+    """A cache whose `attend` outputs are kept (everything else passes through)."""
+
+    def __init__(self, cache):
+        self._cache, self.outputs = cache, []
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+    def attend(self, *args, **kw):
+        out = self._cache.attend(*args, **kw)
+        self.outputs.append(out)
+        return out
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_forked_reordered_and_rolled_back_quantized_streams_attend_as_the_quantized_twin(slot_dtype):
+    """Fork and reorder copy a slot's quantized cells with their scales: the cache's outputs through
+    random steps, forks, reorders and rollbacks are the uncached twin's (which attends on what the
+    cells read back), step for step."""
+    from test_fork_rollback import Driver, make_config, random_run
+
+    cfg = make_config(max_rollback=4, slot_dtype=slot_dtype)
+    runs = []
+    for cache in (BoundedKVManager(cfg), UncachedHistory(cfg)):
+        d = Driver(_Recording(cache), cfg, seed=3)
+        random_run(d, steps=40)
+        runs.append(d.cache.outputs)
+    assert len(runs[0]) == len(runs[1]) > 40
+    for i, (got, want) in enumerate(zip(*runs)):
+        assert (got - want).abs().max().item() < 1e-6, f"attend call {i}"
