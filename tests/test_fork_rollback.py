@@ -336,7 +336,9 @@ def test_cache_mode_rotary_copies_its_unrotated_sinks():
 
 
 def session_config(**kw):
-    from tests.session_models import D as SD, H as SH, LAYERS
+    from tests.session_models import LAYERS
+    from tests.session_models import D as SD
+    from tests.session_models import H as SH
 
     base = dict(num_layers=LAYERS, num_heads=SH, head_dim=SD, rows_per_request=1, max_source_len=0, max_sources=0,
                 retention=SinkWindow(1, 4), query_window=4, max_slots=3, max_step_tokens=3, max_rollback=3,

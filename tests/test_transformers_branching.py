@@ -16,13 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_models import (  # noqa: E402  (skips this module without the transformers extra)
-    CHUNK, SINK, WINDOW, layer_masks, logit_tolerance, make_model, prompts, reference_greedy,
-)
-from single_thread import one_thread  # noqa: E402,F401
-
 from flexkv import SinkWindow  # noqa: E402
 from flexkv.integrations.transformers import FlexKVCache  # noqa: E402
+from hf_models import CHUNK, SINK, WINDOW, layer_masks, logit_tolerance, make_model, prompts, reference_greedy  # noqa: E402  (skips this module without the transformers extra)
+from single_thread import one_thread  # noqa: E402,F401
 
 KW = dict(prefill_chunk=CHUNK, block_size=16)
 N = 3 * WINDOW  # new tokens: every stream evicts

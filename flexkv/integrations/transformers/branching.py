@@ -25,7 +25,7 @@ take back, says so on the error).
 
 from __future__ import annotations
 
-from typing import Hashable, List, Optional
+from typing import Hashable, List
 
 import torch
 
