@@ -200,5 +200,7 @@ def test_a_context_begin_while_a_step_is_open_is_refused(cache):
     assert ctx.abort() is True and ctx.abort() is False
     assert cache.requests == ("a",)
     ctx.begin(step(a=(1, 0, 1, 0)))
+    for layer in range(LAYERS):  # a step commits only once every layer attended
+        ctx.attend(layer, *qkv())
     ctx.commit()
     assert cache.written("a") == 2
