@@ -252,5 +252,13 @@ def test_block_size_the_cpu_kernel_miscomputes_takes_the_rows_path():
         want = manager.attend(0, q, k, v, plan)  # eager, rewriting the same cells
         assert (got[0] - want[0]).abs().max() < TOL, w
         manager.commit(step)
-    with pytest.raises(ValueError, match=r"block_size=8 on the CPU.*multiple of 16"):
-        BoundedKVManager(cfg, "cpu", block_size=8, options=AttentionOptions.for_cache(cfg, "cpu", path="flex"))
+    forced = BoundedKVManager(cfg, "cpu", block_size=8, options=AttentionOptions.for_cache(cfg, "cpu", path="flex"))
+    step = BoundedKVStep((Segment("a", 1), Segment(None, 0)), {"a": StreamPosition(0, 0)}, tokens=1)
+    forced.admit(step)
+    plan = forced.plan(step)
+    exact = forced.attend(0, q, k, v, plan)  # eagerly the kernel is not involved: served
+    assert torch.isfinite(exact).all()
+    before = forced.k_cache_0.clone()
+    with pytest.raises(Exception, match=r"path=.flex. compiled on the CPU at a KV block size of 8 more"):
+        torch.compile(lambda q, k, v, plan: forced.attend(0, q, k, v, plan), fullgraph=True)(q, k, v, plan)
+    assert torch.equal(forced.k_cache_0, before)  # refused before the step's write

@@ -192,7 +192,8 @@ class AttentionOptions:
               flex_exact: bool = True, score_mod: bool = False, sinks: bool = False,
               quantized: bool = False) -> Route:
         """The one decision of how an `attend` call computes attention (`Route`). Refused: a compiled
-        FlexAttention step over `quantized` slots on the CPU (`CPU_QUANTIZED_FLEX`)."""
+        FlexAttention step over `quantized` slots on the CPU (`CPU_QUANTIZED_FLEX`), and a forced compiled
+        FlexAttention step at a KV block the CPU kernel miscomputes (`flex_exact=False`)."""
         path = self.path_for(device_type, tokens, compiled, dtype, quantized=quantized, flex_exact=flex_exact)
         if quantized and compiled and path == "flex" and applies("CPU_QUANTIZED_FLEX", device_type):
             raise ValueError(
@@ -200,6 +201,12 @@ class AttentionOptions:
                 "the dequantized layer wrongly in testing (torch 2.13); build the cache with "
                 "AttentionOptions.for_cache(config, device) (path='auto', the rows path, which dequantizes "
                 "what each row reads), or path='rows', or slot_dtype=None")
+        if compiled and path == "flex" and not flex_exact:
+            raise ValueError(
+                f"path='flex' compiled on the CPU at a KV block size of 8 more than a multiple of 16: torch "
+                f"{torch.__version__}'s compiled CPU FlexAttention kernel miscomputes such blocks (eagerly it is "
+                f"exact); use a block_size that is a multiple of 16 (or None to let flexkv choose), or path='auto' "
+                f"or 'rows' (the rows path is exact at any block size)")
         if sinks and device_type == "cpu" and self.path == "auto":
             path = "rows"  # CPU_NO_LSE
         pack = group > 1 and (self.pack_gqa or path == "rows")

@@ -138,13 +138,6 @@ class BoundedKVManager(nn.Module):
             raise ValueError(
                 f"options must be a flexkv.cache.attention_options.AttentionOptions or None, got "
                 f"{type(options).__name__}; build one with AttentionOptions.for_cache(config, device, ...)")
-        if options.path == "flex" and self.device.type == "cpu" and not cpu_kernel_block_exact(self.layout.block_size):
-            raise ValueError(
-                f"options.path='flex' with block_size={self.layout.block_size} on the CPU: torch "
-                f"{torch.__version__}'s compiled CPU FlexAttention kernel miscomputes KV blocks that are 8 more "
-                f"than a multiple of 16; use a block_size that is a multiple of 16 (or None to let flexkv "
-                f"choose), or path='auto' or 'rows' (the rows path is exact at any block size)"
-            )
         #: How attention is computed (`AttentionOptions`), fixed for the cache's life.
         self._options = options
         # Quantized slots on the FlexAttention path: dequantized copies of one layer, allocated now
