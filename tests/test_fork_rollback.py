@@ -295,7 +295,7 @@ def test_fork_of_a_stream_on_a_private_source_is_refused_with_the_reason():
 
 
 def test_a_failed_copy_leaves_no_child(monkeypatch):
-    import flexkv.cache.manager as manager_module
+    import flexkv.cache.slot_copy as slot_copy_module
 
     cfg = make_config()
     m = BoundedKVManager(cfg)
@@ -305,7 +305,7 @@ def test_a_failed_copy_leaves_no_child(monkeypatch):
     def broken(buffers, pairs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(manager_module, "copy_slots", broken)
+    monkeypatch.setattr(slot_copy_module, "copy_slots", broken)
     with pytest.raises(KeyboardInterrupt):
         m.fork_request("a", "b")
     assert snapshot(m) == before

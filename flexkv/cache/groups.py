@@ -35,7 +35,7 @@ from ..config import BoundedKVConfig, Retention, SinkWindow, check_config, check
 from ..step import BoundedKVStep, StreamPosition
 from .manager import BoundedKVManager
 from .planner import BoundedPlan
-from .slot_copy import copy_slots
+from .slot_copy import fork_slot, reorder_slots
 from .slots import Admission, SlotTable
 from .sources import split_source
 
@@ -494,12 +494,7 @@ class GroupedKVManager(nn.Module):
         """Start `child_id` as a copy of `parent_id`'s stream in every group (see
         `BoundedKVManager.fork_request`); atomic."""
         with self._lock:
-            src, dst = self.slots.fork(parent_id, child_id)
-            try:
-                copy_slots(self._slot_buffers(), [(src, dst)])
-            except BaseException:
-                self.slots.remove(child_id)
-                raise
+            fork_slot(self.slots, self._slot_buffers(), parent_id, child_id)
 
     def check_reorder(self, mapping) -> None:
         """Raise what `reorder_requests` would raise; changes nothing."""
@@ -509,10 +504,7 @@ class GroupedKVManager(nn.Module):
     def reorder_requests(self, mapping) -> None:
         """`BoundedKVManager.reorder_requests` over every group: one batched copy of each group's slots."""
         with self._lock:
-            mapping = self.slots.check_reorder(mapping)
-            pairs = [(self.slots.slot_of(src), self.slots.slot_of(dst)) for dst, src in mapping.items() if dst != src]
-            copy_slots(self._slot_buffers(), pairs)
-            self.slots.reorder(mapping)
+            reorder_slots(self.slots, self._slot_buffers(), mapping)
 
     def check_rollback(self, request_id: Hashable, tokens: int) -> None:
         """Raise what `rollback_request` would raise (every group's ring is checked); changes nothing."""

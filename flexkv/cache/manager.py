@@ -35,7 +35,7 @@ from .relative_position import RelativePositionScores
 from .rotary import SinkRotation, stream_positions
 from .row_attention import attend_rows, gather_width, row_geometry
 from .sinks import apply_learned_sinks, check_sinks
-from .slot_copy import SlotBuffer, copy_slots
+from .slot_copy import SlotBuffer, fork_slot, reorder_slots
 from .slots import Admission, SlotsExhausted, SlotTable, SourcesExhausted
 from .sources import check_source_shapes
 
@@ -507,12 +507,7 @@ class BoundedKVManager(nn.Module):
         position (`written`, source). Atomic: on any error nothing changes."""
         self._own_slots("fork_request")
         with self._lock:
-            src, dst = self.slots.fork(parent_id, child_id)
-            try:
-                copy_slots(self.slot_buffers(), [(src, dst)])
-            except BaseException:
-                self.slots.remove(child_id)
-                raise
+            fork_slot(self.slots, self.slot_buffers(), parent_id, child_id)
 
     def check_reorder(self, mapping) -> None:
         """Raise what `reorder_requests(mapping)` would raise; changes nothing."""
@@ -526,10 +521,7 @@ class BoundedKVManager(nn.Module):
         any destination is written."""
         self._own_slots("reorder_requests")
         with self._lock:
-            mapping = self.slots.check_reorder(mapping)
-            pairs = [(self.slots.slot_of(src), self.slots.slot_of(dst)) for dst, src in mapping.items() if dst != src]
-            copy_slots(self.slot_buffers(), pairs)
-            self.slots.reorder(mapping)
+            reorder_slots(self.slots, self.slot_buffers(), mapping)
 
     def check_rollback(self, request_id: Hashable, tokens: int) -> None:
         """Raise what `rollback_request(request_id, tokens)` would raise; changes nothing."""
