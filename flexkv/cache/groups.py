@@ -36,7 +36,7 @@ from ..step import BoundedKVStep, StreamPosition
 from .manager import BoundedKVManager
 from .planner import BoundedPlan
 from .slot_copy import fork_slot, reorder_slots
-from .slots import Admission, SlotTable
+from .slots import SlotTable, TableViews
 from .sources import split_source
 
 __all__ = ["LayerGroup", "GroupedKVManager", "GroupedPlan", "layer_group_configs", "per_layer_groups", "as_layer_groups",
@@ -271,7 +271,7 @@ class GroupRotation(nn.Module):
         return self.rotation(q, k, plan.plans[self.group])
 
 
-class GroupedKVManager(nn.Module):
+class GroupedKVManager(TableViews, nn.Module):
     """A bounded KV cache whose layer groups each keep their own sink + window.
 
     Args:
@@ -371,38 +371,6 @@ class GroupedKVManager(nn.Module):
             self.slots.check_declaration(request_id, StreamPosition(source_len, 0, source), restart)
 
     @property
-    def requests(self) -> tuple:
-        """Admitted request ids, in admission order."""
-        with self._lock:
-            return self.slots.requests
-
-    @property
-    def free_slots(self) -> int:
-        with self._lock:
-            return self.slots.free_slots
-
-    def slot_of(self, request_id: Hashable) -> int:
-        """The slot an admitted request holds (the same slot index in every group)."""
-        with self._lock:
-            return self.slots.slot_of(request_id)
-
-    @property
-    def sources(self) -> dict:
-        with self._lock:
-            return self.slots.sources
-
-    @property
-    def private_sources(self) -> dict:
-        """Private sources: request id -> source place index."""
-        with self._lock:
-            return self.slots.private_sources
-
-    def written(self, request_id: Hashable) -> int:
-        """Tokens the request has committed to its stream."""
-        with self._lock:
-            return self.slots.written(request_id)
-
-    @property
     def memory_bytes(self) -> int:
         """Bytes every group's key and value tensors hold."""
         return sum(m.memory_bytes for m in self._mgrs)
@@ -437,16 +405,6 @@ class GroupedKVManager(nn.Module):
         return tuple(out)
 
     # -------------------------------------------------------------- lifecycle
-
-    def admit(self, step: BoundedKVStep) -> Admission:
-        """Admit `step` in the shared table (atomic: on any error nothing changes); returns what changed."""
-        with self._lock:
-            return self.slots.admit(step)
-
-    def undo_admit(self, admission: Admission) -> None:
-        """Take back one `admit` whose step failed (see `BoundedKVManager.undo_admit`)."""
-        with self._lock:
-            self.slots.undo(admission)
 
     def plan(self, step: BoundedKVStep) -> GroupedPlan:
         """Plan `step` for every group from one read of the table."""

@@ -36,7 +36,7 @@ from .rotary import SinkRotation, stream_positions
 from .row_attention import attend_rows, gather_width, row_geometry
 from .sinks import apply_learned_sinks, check_sinks
 from .slot_copy import SlotBuffer, fork_slot, reorder_slots
-from .slots import Admission, SlotsExhausted, SlotTable, SourcesExhausted
+from .slots import SlotsExhausted, SlotTable, SourcesExhausted, TableViews
 from .sources import check_source_shapes
 
 __all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted"]
@@ -77,7 +77,7 @@ class _MovedToOptions:
         raise self._moved()
 
 
-class BoundedKVManager(nn.Module):
+class BoundedKVManager(TableViews, nn.Module):
     """A bounded sink + window KV cache for `config.max_slots` requests (docs/contract.md section 5).
 
     Args:
@@ -174,34 +174,6 @@ class BoundedKVManager(nn.Module):
         """How this cache computes attention (`AttentionOptions`), fixed when it was built."""
         return self._options
 
-
-    @property
-    def free_slots(self) -> int:
-        """How many slots are free."""
-        with self._lock:
-            return self.slots.free_slots
-
-    def slot_of(self, request_id: Hashable) -> int:
-        """The slot an admitted request holds."""
-        with self._lock:
-            return self.slots.slot_of(request_id)
-
-    def written(self, request_id: Hashable) -> int:
-        """Tokens the request has committed to its stream."""
-        with self._lock:
-            return self.slots.written(request_id)
-
-    @property
-    def requests(self) -> tuple:
-        """Admitted request ids, in admission order."""
-        with self._lock:
-            return self.slots.requests
-
-    @property
-    def sources(self) -> dict:
-        """Registered shared sources: index -> length (private sources: `private_sources`)."""
-        with self._lock:
-            return self.slots.sources
 
     # ------------------------------------------------------ the cache protocol
     # What every flexkv cache offers the front doors above it (`flexkv.cache.protocol.StreamCache`).
@@ -397,12 +369,6 @@ class BoundedKVManager(nn.Module):
         with self._lock:
             self.slots.remove_private_source(request_id)
 
-    @property
-    def private_sources(self) -> dict:
-        """Private sources: request id -> source place index."""
-        with self._lock:
-            return self.slots.private_sources
-
     def remove_source(self, index: int) -> None:
         """Unregister a source no admitted request reads."""
         with self._lock:
@@ -421,22 +387,6 @@ class BoundedKVManager(nn.Module):
         """
         with self._lock:
             self.slots.check_declaration(request_id, StreamPosition(source_len, 0, source), restart)
-
-    def admit(self, step: BoundedKVStep) -> Admission:
-        """Give each new request of `step` a free slot and check every declaration; returns what
-        changed (`flexkv.cache.slots.Admission`, for `undo_admit`).
-
-        Atomic: on any error nothing changes. A full pool raises
-        `SlotsExhausted`; a bad declaration raises `ValueError`.
-        """
-        with self._lock:
-            return self.slots.admit(step)
-
-    def undo_admit(self, admission: Admission) -> None:
-        """Take back one `admit` whose step failed: its new requests leave, the streams it started
-        are unbound (private sources stay). A step transaction's abort calls it."""
-        with self._lock:
-            self.slots.undo(admission)
 
     def plan(self, step: BoundedKVStep) -> BoundedPlan:
         """Plan `step` (every request admitted) on host ints.

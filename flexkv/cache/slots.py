@@ -26,7 +26,7 @@ from typing import Hashable, NamedTuple, Optional, Tuple
 from ..config import BoundedKVConfig, is_int
 from ..step import BoundedKVStep, Segment, StreamPosition
 
-__all__ = ["SlotTable", "Admission", "SlotsExhausted", "SourcesExhausted", "SHARED_FIELDS", "rollback_floor"]
+__all__ = ["SlotTable", "TableViews", "Admission", "SlotsExhausted", "SourcesExhausted", "SHARED_FIELDS", "rollback_floor"]
 
 #: The config fields the table reads: every layer group of one cache has the same values.
 SHARED_FIELDS = ("max_slots", "max_sources", "max_step_tokens", "min_source_len", "max_source_len")
@@ -535,3 +535,58 @@ class SlotTable:
         self._free_private(request_id)
         self._free.append(req.slot)
         self._free.sort()
+
+
+class TableViews:
+    """The protocol members every cache answers from its one `SlotTable` alone (`self.slots`, under
+    its lock `self._lock`): the views of requests and sources, and admitting a step. A bounded, a
+    grouped and the uncached cache all hold their bookkeeping in one table, so they share these."""
+
+    slots: SlotTable
+
+    @property
+    def requests(self) -> tuple:
+        """Admitted request ids, in admission order."""
+        with self._lock:
+            return self.slots.requests
+
+    @property
+    def free_slots(self) -> int:
+        """How many slots are free."""
+        with self._lock:
+            return self.slots.free_slots
+
+    def slot_of(self, request_id: Hashable) -> int:
+        """The slot an admitted request holds (the same slot index in every layer group)."""
+        with self._lock:
+            return self.slots.slot_of(request_id)
+
+    def written(self, request_id: Hashable) -> int:
+        """Tokens the request has committed to its stream."""
+        with self._lock:
+            return self.slots.written(request_id)
+
+    @property
+    def sources(self) -> dict:
+        """Registered shared sources: index -> length (private sources: `private_sources`)."""
+        with self._lock:
+            return self.slots.sources
+
+    @property
+    def private_sources(self) -> dict:
+        """Private sources: request id -> source place index."""
+        with self._lock:
+            return self.slots.private_sources
+
+    def admit(self, step: BoundedKVStep) -> "Admission":
+        """Give each new request of `step` a free slot and check every declaration; returns what
+        changed (`Admission`, for `undo_admit`). Atomic: on any error nothing changes. A full pool
+        raises `SlotsExhausted`; a bad declaration raises `ValueError`."""
+        with self._lock:
+            return self.slots.admit(step)
+
+    def undo_admit(self, admission: "Admission") -> None:
+        """Take back one `admit` whose step failed: its new requests leave, the streams it started
+        are unbound (private sources stay). A step transaction's abort calls it."""
+        with self._lock:
+            self.slots.undo(admission)

@@ -42,7 +42,7 @@ from ..cache.groups import as_layer_groups, layer_group_configs
 from ..cache.masks import POSITION_MODES
 from ..cache.quantized import round_trip
 from ..cache.rotary import ROPE_POSITIONS, Rotary, check_cache_config, check_cache_step
-from ..cache.slots import Admission, SlotTable
+from ..cache.slots import SlotTable, TableViews
 from ..cache.sources import check_source_shapes, split_source
 from ..config import BoundedKVConfig, check_config, check_layer_index
 from ..step import BoundedKVStep, StreamPosition
@@ -92,7 +92,7 @@ class _Rotation:
         return q, k
 
 
-class UncachedHistory:
+class UncachedHistory(TableViews):
     """Every key and value of every stream, for `config`'s model shape (float64, on the CPU).
 
     Args:
@@ -132,34 +132,6 @@ class UncachedHistory:
     def layer_config(self, layer_idx: int) -> BoundedKVConfig:
         """The config that governs layer `layer_idx` (its group's retention and windows)."""
         return self._configs[self._route[check_layer_index(layer_idx, self.config.num_layers)][0]]
-
-    @property
-    def requests(self) -> tuple:
-        with self._lock:
-            return self.slots.requests
-
-    @property
-    def free_slots(self) -> int:
-        with self._lock:
-            return self.slots.free_slots
-
-    def slot_of(self, request_id: Hashable) -> int:
-        with self._lock:
-            return self.slots.slot_of(request_id)
-
-    @property
-    def sources(self) -> dict:
-        with self._lock:
-            return self.slots.sources
-
-    @property
-    def private_sources(self) -> dict:
-        with self._lock:
-            return self.slots.private_sources
-
-    def written(self, request_id: Hashable) -> int:
-        with self._lock:
-            return self.slots.written(request_id)
 
     @property
     def memory_bytes(self) -> int:
@@ -223,16 +195,6 @@ class UncachedHistory:
         """Raise what `admit` would raise for this declaration (see `BoundedKVManager.check_start`)."""
         with self._lock:
             self.slots.check_declaration(request_id, StreamPosition(source_len, 0, source), restart)
-
-    def admit(self, step: BoundedKVStep) -> Admission:
-        """Check every declaration and give new requests a slot, as the bounded cache does (atomic)."""
-        with self._lock:
-            return self.slots.admit(step)
-
-    def undo_admit(self, admission: Admission) -> None:
-        """Take back one `admit` whose step failed (see `BoundedKVManager.undo_admit`)."""
-        with self._lock:
-            self.slots.undo(admission)
 
     def plan(self, step: BoundedKVStep) -> UncachedPlan:
         """Check the step as the bounded cache's `plan` does; the plan is the host step itself."""
