@@ -211,19 +211,20 @@ def test_quantized_slots_compiled_with_sources_cfg_rows_and_gqa():
     assert max(work.ref.streams[r][0][0].shape[2] for r in work.ref.streams) > 2 * cfg.window_capacity
 
 
-def test_quantized_slots_refuse_compiled_flex_attention_on_the_cpu():
-    """path="flex" with quantized slots, compiled on the CPU, is refused with the fix named
-    (torch's CPU FlexAttention misread the dequantized layer in testing), never run wrong."""
+@pytest.mark.parametrize("slot_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_quantized_slots_through_compiled_flex_attention_on_the_cpu(slot_dtype):
+    """path="flex" with quantized slots, compiled on the CPU, reads the dequantized layer exactly
+    (at a KV block the CPU kernel computes exactly) across ring wraps, without recompiling."""
     cfg = BoundedKVConfig(
         num_layers=1, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=3,
-        retention=SinkWindow(2, 6), max_step_tokens=3, max_slots=3, max_sources=1, slot_dtype=torch.float8_e4m3fn,
+        retention=SinkWindow(2, 6), max_step_tokens=3, max_slots=3, max_sources=1, slot_dtype=slot_dtype,
     )
     work = compiled_workload(cfg, q_heads=4, tokens=1, seed=4, score_mod=score_bias, segments=2, full_blocks=False,
-                             block_size=16, path="flex")  # a block the CPU kernel computes exactly
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"path='flex' with quantized slots compiled on the CPU.*"
-                                        r"path='auto'"):
-        work.step()
+                             block_size=16, path="flex", churn=0.02)
+    assert work.manager.path_for(1) == "flex"
+    run_without_recompiles(work, 40)
+    assert work.worst_relative < 1e-5
+    assert max(work.ref.streams[r][0][0].shape[2] for r in work.ref.streams) > 2 * cfg.window_capacity
 
 
 def test_block_size_the_cpu_kernel_miscomputes_takes_the_rows_path():

@@ -29,8 +29,9 @@ the CPU, where the gather is cheap next to the chunk's attention and the CPU
 FlexAttention kernel is slow for short query blocks; FlexAttention elsewhere.
 Learned sinks on the CPU take the rows path under `"auto"` (`CPU_NO_LSE`).
 Quantized slots (`BoundedKVConfig.slot_dtype`) on the CPU take the rows path
-under `"auto"`, which dequantizes only the cells a row reads; a compiled CPU
-FlexAttention step over them is refused (`CPU_QUANTIZED_FLEX`).
+under `"auto"`, which dequantizes only the cells a row reads; a forced
+`path="flex"` reads a dequantized copy of the layer (exact, compiled too, at a
+KV block size the CPU kernel computes exactly).
 
 `TORCH_WORKAROUNDS` lists every torch behaviour flexkv works around, with
 the releases it was seen in; the defaults and the code that works around one
@@ -103,10 +104,6 @@ TORCH_WORKAROUNDS = {
         "cpu", ((2, 13), None),
         "the compiled CPU FlexAttention kernel returns no log-sum-exp",
         "learned sinks take the rows path on the CPU under path='auto'"),
-    "CPU_QUANTIZED_FLEX": TorchWorkaround(
-        "cpu", ((2, 13), None),
-        "the compiled CPU FlexAttention kernel read a dequantized copy of a quantized layer wrongly",
-        "quantized slots take the rows path on the CPU under path='auto'; path='flex' compiled there is refused"),
     "SHARED_KERNEL": TorchWorkaround(
         "cpu", (SHARED_KERNEL_TORCH, None),
         "the CPU template emits a kernel per layer call (its C++ differs in a buffer name alone)",
@@ -178,8 +175,8 @@ class AttentionOptions:
                  quantized: bool = False, flex_exact: bool = True) -> str:
         """`"rows"` or `"flex"`: the path a step of `tokens` tokens takes, compiled or eagerly. On the
         CPU, a `dtype` the compiled kernel does not lower (`CPU_FLEX_DTYPES`: float64), `quantized`
-        slots (`CPU_QUANTIZED_FLEX`) and a KV block size it miscomputes (`flex_exact=False`,
-        `kernel_options.cpu_kernel_block_exact`) take the rows path."""
+        slots (the rows path dequantizes only the cells a row reads) and a KV block size it
+        miscomputes (`flex_exact=False`, `kernel_options.cpu_kernel_block_exact`) take the rows path."""
         if self.path == "auto":
             cpu = device_type == "cpu"
             rows = not compiled or (cpu and (tokens > 1 or (dtype is not None and dtype not in CPU_FLEX_DTYPES)
@@ -191,16 +188,9 @@ class AttentionOptions:
     def route(self, device_type: str, tokens: int, group: int, compiled: bool, *, dtype=None,
               flex_exact: bool = True, score_mod: bool = False, sinks: bool = False,
               quantized: bool = False) -> Route:
-        """The one decision of how an `attend` call computes attention (`Route`). Refused: a compiled
-        FlexAttention step over `quantized` slots on the CPU (`CPU_QUANTIZED_FLEX`), and a forced compiled
-        FlexAttention step at a KV block the CPU kernel miscomputes (`flex_exact=False`)."""
+        """The one decision of how an `attend` call computes attention (`Route`). Refused: a forced
+        compiled FlexAttention step at a KV block the CPU kernel miscomputes (`flex_exact=False`)."""
         path = self.path_for(device_type, tokens, compiled, dtype, quantized=quantized, flex_exact=flex_exact)
-        if quantized and compiled and path == "flex" and applies("CPU_QUANTIZED_FLEX", device_type):
-            raise ValueError(
-                "path='flex' with quantized slots compiled on the CPU: torch's CPU FlexAttention kernel read "
-                "the dequantized layer wrongly in testing (torch 2.13); build the cache with "
-                "AttentionOptions.for_cache(config, device) (path='auto', the rows path, which dequantizes "
-                "what each row reads), or path='rows', or slot_dtype=None")
         if compiled and path == "flex" and not flex_exact:
             raise ValueError(
                 f"path='flex' compiled on the CPU at a KV block size of 8 more than a multiple of 16: torch "
