@@ -260,6 +260,60 @@ def reference_greedy(model, history, new_tokens, sink=SINK, window=WINDOW):
     return seq[len(history):], torch.stack(logits)
 
 
+def _rotate(x, positions, inv_freq):
+    """Rotate `x [..., D]` at float64 angles `positions [...] * inv_freq` (half-split layout)."""
+    freqs = positions.double()[..., None] * inv_freq.double()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    half = x.shape[-1] // 2
+    return x * emb.cos() + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * emb.sin()
+
+
+def streaming_llm_attention(inv_freq, rotate_all: bool, sink=SINK, window=WINDOW):
+    """StreamingLLM by its definition, over a whole uncached history of one row.
+
+    In a rotary layer: undo the model's rotation (its own float32 angles at
+    positions 0..L-1), then for each query `p` rotate every attended key and
+    the query at its rank in the attended set (its in-cache position) and
+    softmax over that set. A layer that uses no rotary (`module.use_rope`
+    false) attends the same set unrotated, unless `rotate_all`.
+    """
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        outs = [row_attention(module, query[b:b + 1], key[b:b + 1], value[b:b + 1], scaling)
+                for b in range(query.shape[0])]
+        return torch.cat(outs, 0), None
+
+    def row_attention(module, query, key, value, scaling):
+        _, Hq, L, D = query.shape
+        group = Hq // key.shape[1]
+        pos = torch.arange(L)
+        p, j = pos[:, None], pos[None, :]
+        attended = (j <= p) & ((j < sink) | (j >= p - window))
+        q = query[0]
+        k = key[0].repeat_interleave(group, 0)
+        v = value[0].repeat_interleave(group, 0)
+        if getattr(module, "use_rope", True) or rotate_all:
+            if getattr(module, "use_rope", True):
+                freqs = pos.float()[:, None] * inv_freq.float()
+                emb = torch.cat((freqs, freqs), dim=-1)
+                cos, sin = emb.cos().to(query.dtype), emb.sin().to(query.dtype)
+                half = D // 2
+                unrot = lambda x: x * cos - torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin  # noqa: E731
+                q, k = unrot(q), unrot(k)
+            evicted = (p - window - sink).clamp_min(0)  # entries between the sinks and the window
+            rank = torch.where(j < sink, j, j - evicted)  # in-cache position of key j for query p
+            keys = _rotate(k[:, None, :, :], rank[None], inv_freq)  # [Hq, L(query), L(key), D]
+            queries = _rotate(q, (pos - evicted[:, 0])[None], inv_freq)  # [Hq, L, D]
+            scores = torch.einsum("hpd,hpjd->hpj", queries, keys) * scaling
+        else:
+            scores = torch.einsum("hpd,hjd->hpj", q, k) * scaling
+        scores = scores.masked_fill(~attended, float("-inf"))
+        out = torch.einsum("hpj,hjd->hpd", torch.softmax(scores, -1), v)
+        return out.transpose(0, 1)[None].contiguous()
+
+    return attention
+
+
 def held_bytes(obj) -> int:
     """Bytes of every tensor storage reachable from `obj` through attributes and containers."""
     seen_obj, seen_storage, total = set(), set(), 0

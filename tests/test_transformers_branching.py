@@ -18,7 +18,17 @@ import torch
 
 from flexkv import SinkWindow  # noqa: E402
 from flexkv.integrations.transformers import FlexKVCache  # noqa: E402
-from hf_models import CHUNK, SINK, WINDOW, layer_masks, logit_tolerance, make_model, prompts, reference_greedy  # noqa: E402  (skips this module without the transformers extra)
+from hf_models import (  # noqa: E402  (skips this module without the transformers extra)
+    CHUNK,
+    SINK,
+    WINDOW,
+    layer_masks,
+    logit_tolerance,
+    make_model,
+    prompts,
+    reference_greedy,
+    streaming_llm_attention,
+)
 from single_thread import one_thread  # noqa: E402,F401
 
 KW = dict(prefill_chunk=CHUNK, block_size=16)
@@ -80,6 +90,35 @@ def test_beam_search_matches_the_uncached_model(family):
                                atol=max(logit_tolerance(family, model.dtype), 1e-6))
     # The bound matters: the model's own full attention picks other beams.
     assert not torch.equal(model.generate(ids, num_beams=3, max_new_tokens=N, do_sample=False), got.sequences[::2])
+
+
+def test_beam_search_with_in_cache_rotary_positions_matches_streaming_llm_by_its_definition():
+    """`rope_positions="cache"`: a reordered beam carries its sink keys unrotated (they are rotated at
+    their in-cache position every step), so beam search gives the sequences of transformers' own beam
+    search over the whole history with StreamingLLM's attention written out (`streaming_llm_attention`)."""
+    from transformers import AttentionInterface
+
+    model = make_model("llama", seed=2)
+    ids = torch.stack(prompts((13, 13), seed=3))
+    beams = dict(num_beams=3, num_return_sequences=2, max_new_tokens=N, do_sample=False, early_stopping=True,
+                 output_scores=True, return_dict_in_generate=True)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=6, rope_positions="cache", **KW)
+    got = model.generate(ids, cache=cache, **beams)
+    impl = model.config._attn_implementation
+    AttentionInterface.register("streaming_llm_reference", streaming_llm_attention(model.model.rotary_emb.inv_freq,
+                                                                                   rotate_all=False))
+    model.set_attn_implementation("streaming_llm_reference")
+    forward = whole_history(model)  # its 4-D masks are not read by the reference attention
+    try:
+        want = model.generate(ids, use_cache=False, **beams)
+    finally:
+        model.forward = forward
+        model.set_attn_implementation(impl)
+    assert got.sequences.tolist() == want.sequences.tolist()
+    torch.testing.assert_close(got.sequences_scores, want.sequences_scores, rtol=0, atol=1e-6)
+    # In-cache positions matter here: stream positions pick other beams.
+    stream = model.generate(ids, cache=FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=6, **KW), **beams)
+    assert stream.sequences.tolist() != got.sequences.tolist()
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "deepseek_v3"])

@@ -23,6 +23,7 @@ from hf_models import (
     make_model,
     prompts,
     reference_greedy,
+    streaming_llm_attention,
 )
 from single_thread import one_thread  # noqa: F401
 
@@ -34,55 +35,6 @@ from flexkv.integrations.transformers import FlexKVCache
 
 KW = dict(max_streams=4, prefill_chunk=CHUNK, block_size=16)
 GREEDY = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
-
-
-def _rotate(x, positions, inv_freq):
-    """Rotate `x [..., D]` at float64 angles `positions [...] * inv_freq` (half-split layout)."""
-    freqs = positions.double()[..., None] * inv_freq.double()
-    emb = torch.cat((freqs, freqs), dim=-1)
-    half = x.shape[-1] // 2
-    return x * emb.cos() + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * emb.sin()
-
-
-def streaming_llm_attention(inv_freq, rotate_all: bool, sink=SINK, window=WINDOW):
-    """StreamingLLM by its definition, over a whole uncached history of one row.
-
-    In a rotary layer: undo the model's rotation (its own float32 angles at
-    positions 0..L-1), then for each query `p` rotate every attended key and
-    the query at its rank in the attended set (its in-cache position) and
-    softmax over that set. A layer that uses no rotary (`module.use_rope`
-    false) attends the same set unrotated, unless `rotate_all`.
-    """
-
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        _, Hq, L, D = query.shape
-        group = Hq // key.shape[1]
-        pos = torch.arange(L)
-        p, j = pos[:, None], pos[None, :]
-        attended = (j <= p) & ((j < sink) | (j >= p - window))
-        q = query[0]
-        k = key[0].repeat_interleave(group, 0)
-        v = value[0].repeat_interleave(group, 0)
-        if getattr(module, "use_rope", True) or rotate_all:
-            if getattr(module, "use_rope", True):
-                freqs = pos.float()[:, None] * inv_freq.float()
-                emb = torch.cat((freqs, freqs), dim=-1)
-                cos, sin = emb.cos().to(query.dtype), emb.sin().to(query.dtype)
-                half = D // 2
-                unrot = lambda x: x * cos - torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin  # noqa: E731
-                q, k = unrot(q), unrot(k)
-            evicted = (p - window - sink).clamp_min(0)  # entries between the sinks and the window
-            rank = torch.where(j < sink, j, j - evicted)  # in-cache position of key j for query p
-            keys = _rotate(k[:, None, :, :], rank[None], inv_freq)  # [Hq, L(query), L(key), D]
-            queries = _rotate(q, (pos - evicted[:, 0])[None], inv_freq)  # [Hq, L, D]
-            scores = torch.einsum("hpd,hpjd->hpj", queries, keys) * scaling
-        else:
-            scores = torch.einsum("hpd,hjd->hpj", q, k) * scaling
-        scores = scores.masked_fill(~attended, float("-inf"))
-        out = torch.einsum("hpj,hjd->hpd", torch.softmax(scores, -1), v)
-        return out.transpose(0, 1)[None].contiguous(), None
-
-    return attention
 
 
 def test_cache_positions_leave_layers_without_rotary_alone():
