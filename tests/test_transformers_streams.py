@@ -236,11 +236,13 @@ def test_a_rolled_back_forward_leaves_the_slot_table_as_it_was():
 # ------------------------------------------------------------------ compile
 
 
-def test_compiled_hybrid_decode_does_not_recompile_per_token():
-    """Gemma 3 (a sliding and a full layer, two groups of different slot sizes), float32, compiled decode."""
+@pytest.mark.parametrize("slot_dtype", [None, torch.int8])
+def test_compiled_hybrid_decode_does_not_recompile_per_token(slot_dtype):
+    """Gemma 3 (a sliding and a full layer, two groups of different slot sizes), float32, compiled decode,
+    with full-precision and with quantized slots."""
     torch._dynamo.reset()
     model = make_model("gemma3", dtype=torch.float32, seed=4)
-    kwargs = dict(max_streams=4, prefill_chunk=CHUNK, block_size=16)
+    kwargs = dict(max_streams=4, prefill_chunk=CHUNK, block_size=16, slot_dtype=slot_dtype)
     eager = FlexKVCache(model, SinkWindow(SINK, WINDOW), **kwargs)
     compiled = FlexKVCache(model, SinkWindow(SINK, WINDOW), **kwargs)
     ids, _ = left_pad(prompts((6, 6, 6), seed=8))
