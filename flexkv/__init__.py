@@ -48,6 +48,7 @@ _PUBLIC = {
     "RelativePosition": "cache.relative_position",
     "RelativePositionScores": "cache.relative_position",
     "UncachedHistory": "model.uncached",
+    "merge_attention": "cache.merge",
     "RecompileError": "compiling",
     "RecompileWarning": "compiling",
     # the caches

@@ -532,6 +532,8 @@ class GroupedKVManager(TableViews, nn.Module):
         score_mod: Optional[Callable] = None,
         positions: str = "stream",
         sinks: Optional[torch.Tensor] = None,
+        return_lse: bool = False,
+        query_only: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """`BoundedKVManager.attend` for model layer `layer_idx`, in its group with the group's plan."""
         if not isinstance(plan, GroupedPlan) or len(plan) != len(self._mgrs):
@@ -541,7 +543,8 @@ class GroupedKVManager(TableViews, nn.Module):
             )
         g, i = self.group_of(layer_idx)
         return self._mgrs[g].attend(
-            i, q, k, v, plan.plans[g], scale=scale, score_mod=score_mod, positions=positions, sinks=sinks
+            i, q, k, v, plan.plans[g], scale=scale, score_mod=score_mod, positions=positions, sinks=sinks,
+            return_lse=return_lse, query_only=query_only,
         )
 
     def extra_repr(self) -> str:

@@ -31,6 +31,7 @@ from .kernel_sharing import layer_region
 from .layout import Layout
 from .masks import POSITION_MODES, make_mask_mod, make_score_mod
 from .planner import BoundedPlan, build_plan, table_views
+from .query_only import attend_query_only, check_query_only
 from .relative_position import RelativePositionScores
 from .rotary import SinkRotation, stream_positions
 from .row_attention import attend_rows, gather_width, row_geometry
@@ -619,6 +620,8 @@ class BoundedKVManager(TableViews, nn.Module):
         score_mod: Optional[Callable] = None,
         positions: str = "stream",
         sinks: Optional[torch.Tensor] = None,
+        return_lse: bool = False,
+        query_only: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Write the step's tokens into layer `layer_idx` and attend over what each row may read.
 
@@ -631,16 +634,31 @@ class BoundedKVManager(TableViews, nn.Module):
         rows path `flexkv.cache.row_attention`), chosen by `options.route`; traceable by
         `torch.compile(fullgraph=True)`. `sinks`: learned sink logits `[Hq]`
         (see `flexkv.cache.sinks`), served from the same call's log-sum-exp.
+        `return_lse`: `(out, lse)`, each query's natural-log sum of exp of its
+        scores `[N, Hq, T]` (at least float32; the sink logit included; -inf
+        where a query reads nothing), so that attention over this cache and
+        over another set of keys can be merged into one softmax exactly
+        (`flexkv.cache.merge.merge_attention`). On the CPU it takes the rows
+        path under `path="auto"`, as sinks do (`CPU_NO_LSE`).
+        `query_only`: queries `[N, Hq, Q, D]` that write nothing and attend
+        what each row's newest own token attends (`flexkv.cache.query_only`);
+        then the call returns `(out, query_only_out)`, each an `(out, lse)`
+        pair with `return_lse`.
         """
         self._check_attend(layer_idx, q, k, v, plan)
         if sinks is not None:
             check_sinks(sinks, q.shape[1], self.device)
+        if query_only is not None:
+            check_query_only(query_only, q)
         if positions not in POSITION_MODES:
             raise ValueError(f"attend: positions must be one of {POSITION_MODES}, got {positions!r}")
         relative = isinstance(score_mod, RelativePositionScores)
         if relative and positions != "stream":
             raise ValueError(f"attend: a RelativePositionScores score_mod reads stream positions; got "
                              f"positions={positions!r}: pass positions='stream'")
+        if relative and query_only is not None:
+            raise ValueError("attend: query_only queries take no RelativePositionScores score_mod (its table is "
+                             "formed for the step's own queries); attend them with a score_mod of their own")
         N, Hq, T, D = q.shape
         H = k.shape[1]
         compiling = torch.compiler.is_compiling()
@@ -650,12 +668,18 @@ class BoundedKVManager(TableViews, nn.Module):
         # cells as stored, each score times its key's scale (a score_mod of its own).
         keys_in_kernel = (ks is not None and compiling and self._options.quantized_keys_in_kernel
                           and self.device.type == "cuda" and c.slot_dtype == torch.float8_e4m3fn)
+        want_lse = sinks is not None or return_lse  # the route's `sinks`: the call needs a log-sum-exp
         route = self._options.route(self.device.type, T, Hq // H, compiling, dtype=c.dtype,
                                     flex_exact=self._cpu_kernel_exact,
-                                    score_mod=score_mod is not None or keys_in_kernel, sinks=sinks is not None,
+                                    score_mod=score_mod is not None or keys_in_kernel, sinks=want_lse,
                                     quantized=ks is not None)
         g = Hq // H if route.pack_gqa else 1
         kc, vc = self._write(layer_idx, k, v, plan)  # after the route, which may refuse the call
+        if query_only is not None:
+            extra = attend_query_only(self, query_only, kc, vc, plan, scale=D ** -0.5 if scale is None else scale,
+                                      score_mod=score_mod, positions=positions, sinks=sinks, want_lse=return_lse,
+                                      scales=None if ks is None else (ks, vs))
+            extra = extra if return_lse else extra[0]
         sm = None
         if score_mod is not None:
             # A relative-position table is read at the query's own token (`RelativePositionScores.at`).
@@ -666,7 +690,7 @@ class BoundedKVManager(TableViews, nn.Module):
         # of KV head h: the same [N, Hq, T] view serves the output and its log-sum-exp.
         qs = (q.reshape(N, H, g * T, D) if route.pack_gqa else q) * (D ** -0.5 if scale is None else scale)
         if route.path == "rows":
-            out, lse = self._attend_rows(qs, kc, vc, plan, route, sm, compiling, sinks is not None, relative,
+            out, lse = self._attend_rows(qs, kc, vc, plan, route, sm, compiling, want_lse, relative,
                                          scales=None if ks is None else (ks, vs))
         else:
             if keys_in_kernel:
@@ -682,11 +706,18 @@ class BoundedKVManager(TableViews, nn.Module):
                 out, lse = _flex_layer(qs, kc, vc, plan.table, self, N, T, plan.width, plan.full_width,
                                        plan.full_blocks, route.pack_gqa, self._kernel_options(qs, H)), None
             else:
-                out, lse = self._attend_flex(qs, kc, vc, plan, route, sm, sinks is not None)
+                out, lse = self._attend_flex(qs, kc, vc, plan, route, sm, want_lse)
         if route.barrier:
             out = _apart_from_kernel(out)
         out = out.view(N, Hq, T, v.shape[3])
-        return out if sinks is None else apply_learned_sinks(out, lse.reshape(N, Hq, T), sinks)
+        if want_lse:
+            lse = lse.reshape(N, Hq, T)
+            if sinks is not None:
+                out = apply_learned_sinks(out, lse, sinks)
+                if return_lse:
+                    lse = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, Hq, 1))
+        own = (out, lse) if return_lse else out
+        return own if query_only is None else (own, extra)
 
     def _write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan: BoundedPlan):
         """Write the step's keys and values at the plan's cells of layer `layer_idx` (quantized slots:

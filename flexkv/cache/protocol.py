@@ -75,7 +75,8 @@ class StreamCache(Protocol):
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, *,
                scale: Optional[float] = None, score_mod: Optional[Callable] = None, positions: str = "stream",
-               sinks: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+               sinks: Optional[torch.Tensor] = None, return_lse: bool = False,
+               query_only: Optional[torch.Tensor] = None) -> torch.Tensor: ...
 
     def commit(self, step: BoundedKVStep) -> None: ...
 

@@ -97,6 +97,8 @@ class ReferenceCache:
         sinks: Optional[torch.Tensor] = None,
         rotary=None,
         rope_positions: str = "stream",
+        return_lse: bool = False,
+        query_only: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Attention of `step` for `layer` over each query's attended set (contract section 2).
 
@@ -108,7 +110,12 @@ class ReferenceCache:
         un-rotated, and every query and attended key is rotated at its stream
         index, or with `rope_positions="cache"` at its in-cache position, at
         every step (StreamingLLM's definition). Queries whose attended sets are
-        equal are computed together.
+        equal are computed together. `return_lse`: `(out, lse)`, each query's
+        natural-log sum of exp of its scores (the sink logit included),
+        `[N, Hq, T]` float64, -inf where a query reads nothing. `query_only`
+        (`[N, Hq, Q, D]`): queries that attend each row's newest own token's set
+        at its positions and write nothing; the call returns `(out, extra)`
+        (each `(out, lse)` with `return_lse`).
         """
         c = self.config
         R = c.rows_per_request
@@ -119,6 +126,11 @@ class ReferenceCache:
         heads = torch.arange(Hq).view(Hq, 1, 1)
         sink_logits = None if sinks is None else sinks.double().cpu().view(Hq, 1, 1)
         out = torch.zeros(N, Hq, T, v.shape[3], dtype=torch.float64)
+        lse = torch.full((N, Hq, T), float("-inf"), dtype=torch.float64)
+        q2 = None if query_only is None else query_only.double().cpu()
+        Q2 = 0 if q2 is None else q2.shape[2]
+        out2 = torch.zeros(N, Hq, Q2, v.shape[3], dtype=torch.float64)
+        lse2 = torch.full((N, Hq, Q2), float("-inf"), dtype=torch.float64)
         for si, seg in enumerate(step.segments):
             rid = seg.request_id
             if rid is None:
@@ -145,7 +157,13 @@ class ReferenceCache:
                 parts_v += [Vw[r, :, : pos.written], v[b][:, order]]
                 K_all = torch.cat(parts_k, dim=1)  # [H, n + T, D], index = stream index
                 V_all = torch.cat(parts_v, dim=1)
-                for idx, ts in by_set.items():
+                # Each set of equal attended sets at once; then the query-only queries, at the
+                # newest own token's set and positions.
+                newest = max(range(span), key=lambda t: own[t]) if span else None
+                jobs = [(idx, ts, q[b][:, ts], out[b], lse[b], ts) for idx, ts in by_set.items()]
+                if q2 is not None and newest is not None:
+                    jobs.append((tuple(sets[newest]), [newest] * Q2, q2[b], out2[b], lse2[b], list(range(Q2))))
+                for idx, ts, qq, dest, dest_lse, at in jobs:
                     idx = list(idx)
                     rank = {j: i for i, j in enumerate(idx)}  # in-cache positions: ranks in the set
                     key_pos = torch.tensor(idx, dtype=torch.long)
@@ -153,7 +171,6 @@ class ReferenceCache:
                     cache_key_pos = torch.arange(len(idx), dtype=torch.long)
                     cache_query_pos = torch.tensor([rank[own[t]] for t in ts], dtype=torch.long)
                     kk = K_all[:, key_pos]  # [H, K, D]
-                    qq = q[b][:, ts]  # [Hq, G, D]
                     if rotary is not None:
                         in_cache = rope_positions == "cache"
                         kk = rotary.rotate(kk.unsqueeze(0), cache_key_pos if in_cache else key_pos)[0]
@@ -166,13 +183,15 @@ class ReferenceCache:
                         qp = (cache_query_pos if in_cache else query_pos).view(1, -1, 1)
                         kp = (cache_key_pos if in_cache else key_pos).view(1, 1, -1)
                         scores = score_mod(scores, torch.tensor(b), heads, qp, kp).double()
-                    if sink_logits is None:
-                        probs = torch.softmax(scores, dim=-1)
-                    else:
-                        extra = sink_logits.expand(Hq, len(ts), 1)
-                        probs = torch.softmax(torch.cat([scores, extra], dim=-1), dim=-1)[..., :-1]
-                    out[b][:, ts] = probs @ vv
-        return out
+                    if sink_logits is not None:
+                        scores = torch.cat([scores, sink_logits.expand(Hq, len(ts), 1)], dim=-1)
+                    probs = torch.softmax(scores, dim=-1)[..., : kk.shape[1]]
+                    dest[:, at] = probs @ vv
+                    dest_lse[:, at] = torch.logsumexp(scores, dim=-1)
+        own_out = (out, lse) if return_lse else out
+        if q2 is None:
+            return own_out
+        return own_out, ((out2, lse2) if return_lse else out2)
 
     def commit(self, step: BoundedKVStep) -> None:
         """Append each request's written tokens, for every layer it attended, in stream order."""

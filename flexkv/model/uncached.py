@@ -310,13 +310,15 @@ class UncachedHistory(TableViews):
         score_mod: Optional[Callable] = None,
         positions: str = "stream",
         sinks: Optional[torch.Tensor] = None,
+        return_lse: bool = False,
+        query_only: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Attention of the planned step for `layer_idx` over the whole history, masked by the layer's
         retention (docs/contract.md section 2).
 
         `plan` is what `plan(step)` returned (a `BoundedKVStep` is taken too).
         `positions` chooses what `score_mod` receives; `sinks` are learned
-        sink logits `[Hq]` as in `BoundedKVManager.attend`. Queries and keys
+        sink logits `[Hq]`, `return_lse` and `query_only` as in `BoundedKVManager.attend`. Queries and keys
         are rotated as `rotation(layer_idx, rotary, mode)` recorded for the
         layer (not at all if it was never called).
         """
@@ -330,5 +332,13 @@ class UncachedHistory(TableViews):
         sd = self._configs[g].slot_dtype
         k, v = round_trip(k, sd), round_trip(v, sd)  # quantized slots: what the bounded cache reads back
         out = self._history[g].attend(local, q, k, v, step, scale=scale, score_mod=score_mod, positions=positions,
-                                      sinks=sinks, rotary=rotary, rope_positions=rope_positions)
-        return out.to(dtype=q.dtype, device=q.device)
+                                      sinks=sinks, rotary=rotary, rope_positions=rope_positions, return_lse=return_lse,
+                                      query_only=query_only)
+
+        def back(res):
+            if not return_lse:
+                return res.to(dtype=q.dtype, device=q.device)
+            return (res[0].to(dtype=q.dtype, device=q.device),
+                    res[1].to(dtype=torch.promote_types(q.dtype, torch.float32), device=q.device))
+
+        return back(out) if query_only is None else (back(out[0]), back(out[1]))
