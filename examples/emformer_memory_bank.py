@@ -1,0 +1,204 @@
+"""torchaudio's Emformer streamed on flexkv: a segment's frames, its look-ahead and a memory bank in one softmax.
+
+Emformer (a streaming ASR encoder) runs each segment of `U` frames with `R`
+frames of look-ahead (right context). In every layer the queries are the
+look-ahead, the segment and one summary of the segment (its mean); the keys
+are a bank of the last `M` memory entries, the look-ahead, the last `L`
+frames of left context and the segment, in one softmax; the summary query
+does not read the bank. The summary's output is the next layer's memory
+entry, and what entered a layer's bank at one segment is read from the next
+segment on.
+
+On flexkv each layer keeps two caches, each with its own retention and at
+the model's own memory:
+
+- the frames (`SinkWindow(0, L)`, `U` tokens a step): the segment's frames
+  are the step's tokens; the look-ahead and the summary are query-only
+  queries (`attend(..., query_only=...)`), which read exactly what the
+  segment's frames read and write nothing;
+- the bank (`SinkWindow(0, M, window_includes_step=True)`, one token a
+  step): each segment writes the entry the layer received one segment
+  before, and the look-ahead and the frames read it as query-only queries;
+- the look-ahead's own keys are recomputed every segment (as the model does)
+  and attended in plain torch.
+
+The three parts are one softmax by their log-sum-exp
+(`flexkv.cache.merge.merge_attention`). Run with torchaudio installed:
+
+    PYTHONPATH=. python examples/emformer_memory_bank.py --threads 1
+
+checks every segment's output against the model's own `Emformer.infer()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Dict, Hashable, List, Sequence
+
+import torch
+
+from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.cache.merge import merge_attention
+
+
+def _dense_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Attention of `q [N, H, Q, d]` over `k`, `v [N, H, K, d]` with its log-sum-exp (float32 at least)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    lse = torch.logsumexp(scores, -1)
+    return torch.matmul(torch.softmax(scores, -1), v.float()).to(q.dtype), lse
+
+
+class FlexkvEmformer:
+    """Streaming inference of a `torchaudio.models.Emformer` (eval mode) with flexkv caches.
+
+    `infer(ids, input)` is the model's `infer(input, lengths, states)` for the streams named by `ids`
+    (one per batch row; a new id starts a stream): `input [B, U + R, D]`, every frame valid. The
+    model's modules, projections and weights are used as they are; only the attention's state moves
+    into flexkv.
+    """
+
+    def __init__(self, emformer, max_streams: int = 4):
+        self.model = emformer
+        first = emformer.emformer_layers[0]
+        self.U, self.R = emformer.segment_length, emformer.right_context_length
+        self.L, self.M = emformer.left_context_length, emformer.max_memory_size
+        if self.M < 1 or self.L < 1:
+            raise ValueError("FlexkvEmformer: this port needs a memory bank and a left context "
+                             f"(max_memory_size={self.M}, left_context_length={self.L})")
+        att = first.attention
+        self.H = att.num_heads
+        self.d = att.input_dim // att.num_heads
+        layers = len(emformer.emformer_layers)
+        common = dict(num_layers=layers, num_heads=self.H, head_dim=self.d, rows_per_request=1,
+                      min_source_len=0, max_source_len=0, max_sources=0, max_slots=max_streams)
+        self.frames = BoundedKVManager(BoundedKVConfig(retention=SinkWindow(0, self.L), max_step_tokens=self.U,
+                                                       **common), "cpu")
+        self.bank = BoundedKVManager(BoundedKVConfig(retention=SinkWindow(0, self.M, window_includes_step=True),
+                                                     max_step_tokens=1, **common), "cpu")
+        #: Per stream: the memory entry each layer received at the last segment (written to its bank next).
+        self.pending: Dict[Hashable, torch.Tensor] = {}
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """`[T, B, D]` -> `[B, H, T, d]`."""
+        T, B, _ = x.shape
+        return x.view(T, B, self.H, self.d).permute(1, 2, 0, 3)
+
+    def _frames(self, out: torch.Tensor) -> torch.Tensor:
+        """`[B, H, T, d]` -> `[T, B, D]`."""
+        B, H, T, d = out.shape
+        return out.permute(2, 0, 1, 3).reshape(T, B, H * d)
+
+    def infer(self, ids: Sequence[Hashable], input: torch.Tensor) -> torch.Tensor:
+        """Encode one segment of each stream; `[B, U, D]`."""
+        U, R = self.U, self.R
+        if input.shape[1] != U + R:
+            raise ValueError(f"FlexkvEmformer.infer: input must be [B, {U + R}, D] (segment + right context), "
+                             f"got {tuple(input.shape)}")
+        x = input.permute(1, 0, 2)
+        right, utterance = x[U:], x[:U]
+        B = len(ids)
+        written = {r: (self.frames.written(r) if r in self.frames.requests else 0) for r in ids}
+        fstep = BoundedKVStep(tuple(Segment(r, U) for r in ids), {r: StreamPosition(0, written[r]) for r in ids},
+                              tokens=U)
+        with_bank = [r for r in ids if r in self.pending]
+        bstep = BoundedKVStep(tuple(Segment(r, 1) if r in self.pending else Segment(None, 0) for r in ids),
+                              {r: StreamPosition(0, self.bank.written(r) if r in self.bank.requests else 0)
+                               for r in with_bank}, tokens=1) if with_bank else None
+        self.frames.admit(fstep)
+        fplan = self.frames.plan(fstep)
+        if bstep is not None:
+            self.bank.admit(bstep)
+            bplan = self.bank.plan(bstep)
+        mems = self.model.memory_op(utterance.permute(1, 2, 0)).permute(2, 0, 1)  # [1, B, D]
+        entered: List[torch.Tensor] = []
+        out = utterance
+        for li, layer in enumerate(self.model.emformer_layers):
+            att = layer.attention
+            normed = layer.layer_norm_input(torch.cat([right, out]))
+            n_right, n_utt = normed[:R], normed[R:]
+            summary = layer.memory_op(n_utt.permute(1, 2, 0)).permute(2, 0, 1)[:1]
+            q = self._heads(att.emb_to_query(torch.cat([n_right, n_utt, summary])))  # [B, H, R + U + 1, d]
+            k_all, v_all = att.emb_to_key_value(torch.cat([n_right, n_utt])).chunk(2, dim=2)
+            k_all, v_all = self._heads(k_all), self._heads(v_all)
+            q_right, q_utt, q_sum = q[:, :, :R], q[:, :, R:R + U], q[:, :, R + U:]
+            # The segment's frames (the step), the look-ahead and the summary (query-only) over
+            # the left context and the segment.
+            (o_utt, l_utt), (o_extra, l_extra) = self.frames.attend(
+                li, q_utt.contiguous(), k_all[:, :, R:].contiguous(), v_all[:, :, R:].contiguous(), fplan,
+                return_lse=True, query_only=torch.cat([q_right, q_sum], 2))
+            parts = [(torch.cat([o_extra[:, :, :R], o_utt, o_extra[:, :, R:]], 2),
+                      torch.cat([l_extra[:, :, :R], l_utt, l_extra[:, :, R:]], 2))]
+            # The look-ahead's keys, recomputed every segment.
+            parts.append(_dense_part(q, k_all[:, :, :R], v_all[:, :, :R], att.scaling))
+            if bstep is not None:
+                # The bank: the entry this layer received one segment ago joins it, then everything
+                # but the summary reads it.
+                prev = torch.stack([self.pending[r][li] if r in self.pending else torch.zeros_like(mems[0, 0])
+                                    for r in ids])[None]  # [1, B, D]
+                bk, bv = (self._heads(t) for t in att.emb_to_key_value(prev).chunk(2, dim=2))
+                _, (o_bank, l_bank) = self.bank.attend(
+                    li, torch.zeros(B, self.H, 1, self.d), bk.contiguous(), bv.contiguous(), bplan,
+                    return_lse=True, query_only=q[:, :, :R + U].contiguous())
+                none = torch.full((B, self.H, 1), float("-inf"))
+                parts.append((torch.cat([o_bank, torch.zeros(B, self.H, 1, self.d)], 2), torch.cat([l_bank, none], 2)))
+            attended, _ = merge_attention(*parts)
+            result = att.out_proj(self._frames(attended))
+            rc_output, out_mems = result[:R + U], result[R + U:]
+            out_mems = torch.tanh(out_mems) if att.tanh_on_mem else torch.clamp(out_mems, min=-10, max=10)
+            entered.append(mems[0])
+            processed = layer._process_attention_output(rc_output, out, right)
+            out, right = processed[R:], processed[:R]
+            mems = out_mems
+        self.frames.commit(fstep)
+        if bstep is not None:
+            self.bank.commit(bstep)
+        for b, r in enumerate(ids):
+            self.pending[r] = torch.stack([e[b] for e in entered])
+        return out.permute(1, 0, 2)
+
+    def memory_bytes_per_stream(self) -> int:
+        """What flexkv holds for one stream: its slot in both caches (the pending memory entries aside)."""
+        return self.frames.slot_bytes + self.bank.slot_bytes
+
+
+def own_state_bytes(states) -> int:
+    """What `Emformer.infer` keeps for one stream: its state tensors, per batch row."""
+    return sum(t.numel() * t.element_size() // t.shape[1] for layer in states for t in layer[:3])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--segments", type=int, default=12)
+    ap.add_argument("--streams", type=int, default=3)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from torchaudio.models import Emformer
+
+    torch.manual_seed(0)
+    model = Emformer(64, 4, 128, 3, segment_length=4, left_context_length=8, right_context_length=2,
+                     max_memory_size=3).eval()
+    port = FlexkvEmformer(model, max_streams=args.streams)
+    ids = list(range(args.streams))
+    states = None
+    worst = 0.0
+    own_s = flex_s = 0.0
+    with torch.no_grad():
+        for s in range(args.segments):
+            x = torch.randn(args.streams, 6, 64)
+            t0 = time.perf_counter()
+            want, _, states = model.infer(x, torch.full((args.streams,), 6), states)
+            t1 = time.perf_counter()
+            got = port.infer(ids, x)
+            t2 = time.perf_counter()
+            own_s, flex_s = own_s + t1 - t0, flex_s + t2 - t1
+            worst = max(worst, float((got - want).abs().max()))
+    print(f"{args.segments} segments x {args.streams} streams: largest |flexkv - Emformer.infer()| {worst:.2e}; "
+          f"ms/segment own {1e3 * own_s / args.segments:.2f}, flexkv {1e3 * flex_s / args.segments:.2f}; "
+          f"state per stream: flexkv {port.memory_bytes_per_stream()} B, the model's own {own_state_bytes(states)} B")
+
+
+if __name__ == "__main__":
+    main()
