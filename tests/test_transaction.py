@@ -167,6 +167,26 @@ def test_a_closed_step_takes_no_more_calls(cache):
     assert cache.slots.snapshot() == after
 
 
+def test_one_step_over_two_caches_commits_both_or_neither(cache):
+    """A second cache joins the step with `cache=`: its admission is undone with the first's, and
+    `commit` runs every check before it commits either cache."""
+    other = BoundedKVManager(CONFIG, block_size=8)
+    before, other_before = cache.slots.snapshot(), other.slots.snapshot()
+    txn = StepTransaction(cache)
+    txn.begin(step(a=(1, 0, 1, 0), b=(1, 0, 0, 0)))
+    txn.begin(step(b=(2, 0, 0, 0)), other)
+    assert txn.caches == [cache, other] and other.requests == ("b",)
+    txn.add_commit_check(lambda t: (_ for _ in ()).throw(ValueError("the second cache's layer 0 was not attended")))
+    with pytest.raises(ValueError, match="second cache"):
+        txn.commit()
+    assert (cache.slots.snapshot(), other.slots.snapshot()) == (before, other_before)
+    txn = StepTransaction(cache)
+    txn.begin(step(a=(1, 0, 1, 0)))
+    txn.begin(step(b=(2, 0, 0, 0)), other)
+    txn.commit()
+    assert (cache.written("a"), other.written("b"), other.requests) == (2, 2, ("b",))
+
+
 # ------------------------------------------------------------- the StepContext door
 
 

@@ -13,6 +13,14 @@ integration's `FlexKVCache` (`prepare`/`commit`/`rollback`). A step is
 or the same inside `with StepTransaction(cache) as txn:`, which commits when
 the block ends and aborts when it raises.
 
+One step may span several caches (a model with two attention stacks, each
+with a cache of its own: `flexkv.model.multi_context.MultiStepContext`):
+`admit`, `plan` and `begin` take `cache=` (default: the one the transaction
+was made with), the transaction records which cache each admission and
+plan belongs to, `commit` runs every check before it commits any cache, and
+`abort` takes back the admissions of every cache. Either all of the caches
+take the step or none does.
+
 What a failed step undoes (docs/contract.md section 5): on `abort()` (any
 exception, `KeyboardInterrupt` included, before `commit` finished) every
 undo the step recorded runs once, last first:
@@ -36,7 +44,7 @@ and if one raises, the step is aborted and the error raised.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional, Tuple
 
 from ..step import BoundedKVStep
 from .slots import Admission
@@ -49,16 +57,20 @@ OPEN, COMMITTED, ABORTED = "open", "committed", "aborted"
 class StepTransaction:
     """One step over `cache` (any `flexkv.cache.protocol.StreamCache`): admit, plan, commit or abort.
 
-    `status` is ``"open"``, then ``"committed"`` or ``"aborted"``; a step
+    Calls given another `cache=` add that cache to the step (`caches` lists
+    them, first the one given here). `status` is ``"open"``, then ``"committed"`` or ``"aborted"``; a step
     that is no longer open takes no more calls, and `abort` of one is a
     no-op, so a door's `except` may call it whatever happened before.
     """
 
     def __init__(self, cache):
         self.cache = cache
+        #: Every cache the step spans, in the order they joined it (`cache` first).
+        self.caches: List[Any] = [cache]
         self.status = OPEN
         #: The steps planned in this transaction, committed in this order.
         self.steps: List[BoundedKVStep] = []
+        self._planned: List[Tuple[Any, BoundedKVStep]] = []  # (cache, step), in plan order
         self._undo: List[Callable[[], None]] = []
         self._checks: List[Callable[["StepTransaction"], None]] = []
 
@@ -72,26 +84,39 @@ class StepTransaction:
 
     # ----------------------------------------------------------------- the step
 
-    def admit(self, step: BoundedKVStep) -> Admission:
-        """`cache.admit(step)` (atomic), recorded so that `abort` takes it back."""
+    def _join(self, cache) -> Any:
+        """The cache a call is for: the transaction's own (None), or another one, which joins the step."""
+        if cache is None:
+            return self.cache
+        if not any(c is cache for c in self.caches):
+            self.caches.append(cache)
+        return cache
+
+    def admit(self, step: BoundedKVStep, cache: Optional[Any] = None) -> Admission:
+        """`cache.admit(step)` (atomic; default: the transaction's cache), recorded so that `abort` takes
+        it back."""
         self._check_open("admit")
-        admission = self.cache.admit(step)
+        cache = self._join(cache)
+        admission = cache.admit(step)
         if admission.new or admission.started:
-            self.add_undo(lambda: self.cache.undo_admit(admission))
+            self.add_undo(lambda: cache.undo_admit(admission))
         return admission
 
-    def plan(self, step: BoundedKVStep) -> Any:
+    def plan(self, step: BoundedKVStep, cache: Optional[Any] = None) -> Any:
         """`cache.plan(step)`; the step is committed with the others by `commit`."""
         self._check_open("plan")
-        plan = self.cache.plan(step)
+        cache = self._join(cache)
+        plan = cache.plan(step)
         self.steps.append(step)
+        self._planned.append((cache, step))
         return plan
 
-    def begin(self, step: BoundedKVStep) -> Any:
-        """Admit and plan `step`; returns its plan. If planning fails, the admit is taken back."""
-        self.admit(step)
+    def begin(self, step: BoundedKVStep, cache: Optional[Any] = None) -> Any:
+        """Admit and plan `step` (in `cache`, default the transaction's); returns its plan. If planning
+        fails, the whole transaction is aborted (this admit and every earlier one)."""
+        self.admit(step, cache)
         try:
-            return self.plan(step)
+            return self.plan(step, cache)
         except BaseException:
             self.abort()
             raise
@@ -114,16 +139,17 @@ class StepTransaction:
             check(self)
 
     def commit(self) -> None:
-        """Run the commit checks, then commit every planned step in order. A check that raises
-        aborts the step (nothing committed) and the error is raised."""
+        """Run the commit checks (of every cache), then commit every planned step in order, each to
+        its cache. A check that raises aborts the step (nothing committed in any cache) and the
+        error is raised."""
         self._check_open("commit")
         try:
             self.run_commit_checks()
         except BaseException:
             self.abort()
             raise
-        for step in self.steps:
-            self.cache.commit(step)
+        for cache, step in self._planned:
+            cache.commit(step)
         self.status = COMMITTED
         self._undo = []
 
@@ -154,4 +180,5 @@ class StepTransaction:
         return False
 
     def __repr__(self):
-        return f"StepTransaction({self.status}, {len(self.steps)} planned step(s))"
+        more = f", {len(self.caches)} caches" if len(self.caches) > 1 else ""
+        return f"StepTransaction({self.status}, {len(self.steps)} planned step(s){more})"

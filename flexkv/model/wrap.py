@@ -115,8 +115,9 @@ class StepContext:
         returns the plan.
 
         The step runs in `transaction` (a door that admitted more in it first, such as a
-        session starting requests) or a new one. Refused while the step begun last is still
-        open: `commit()` or `abort()` it first.
+        session starting requests, or a step over several caches whose transaction this
+        context's cache joins: `flexkv.model.multi_context`) or a new one. Refused while the
+        step begun last is still open: `commit()` or `abort()` it first.
         """
         if self.transaction is not None and self.transaction.is_open:
             raise ValueError("StepContext.begin: the step begun last is still open; commit() it after its "
@@ -124,9 +125,7 @@ class StepContext:
         for check in self._checks:
             check(step)
         txn = StepTransaction(self.cache) if transaction is None else transaction
-        if txn.cache is not self.cache:
-            raise ValueError("StepContext.begin: the transaction is over another cache than this context's")
-        plan = txn.begin(step)
+        plan = txn.begin(step, self.cache)
         self.transaction, self.step, self.plan = txn, step, plan
         self.attendance.start()
         # Before anything commits: every declared cache layer attended exactly once.
