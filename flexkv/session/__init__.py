@@ -78,10 +78,17 @@ cache of its own, holding no request when the session is built. A session is not
 thread-safe and not re-entrant: an operation called while another runs
 (from another thread, or from inside the model function) raises
 `RuntimeError` and changes nothing.
+
+A model that keeps several caches in one step (two attention stacks at
+different frame rates, each with a cache of its own) runs through
+`MultiCacheSession` (`flexkv.session.multi_cache`): the same loop over a
+mapping of named caches, each request feeding every cache its own tokens,
+and every operation applied to every cache or to none.
 """
 
 from .feeds import Chunk, PerRequest
+from .multi_cache import MultiCacheSession, MultiStepResult
 from .result import StepResult
 from .stream_session import WHEN_FULL, StreamSession
 
-__all__ = ["StreamSession", "Chunk", "PerRequest", "StepResult", "WHEN_FULL"]
+__all__ = ["StreamSession", "MultiCacheSession", "Chunk", "PerRequest", "StepResult", "MultiStepResult", "WHEN_FULL"]

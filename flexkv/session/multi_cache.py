@@ -1,0 +1,660 @@
+"""`MultiCacheSession`: the step loop of a model that keeps several caches.
+
+A streaming speech encoder with two attention stacks at different frame
+rates (25 and 50 frames per chunk), each stack with its own cache (its own
+`BoundedKVConfig`: layers, heads, retention, `max_step_tokens`), runs each
+chunk as one model step over both caches. `MultiCacheSession` is
+`StreamSession`'s loop for such a model, over a mapping of named caches,
+stepped together through one `flexkv.model.multi_context.MultiStepContext`
+(one `flexkv.cache.transaction.StepTransaction` over every cache):
+
+    session = MultiCacheSession({"slow": config_25, "fast": config_50})
+    out = session.step({"utt0": {"slow": x25, "fast": x50}}, fn)
+    out["utt0"]["fast"]     # fn's "fast" output cut to utt0's lane and tokens
+
+What differs from `StreamSession`:
+
+- A feed is, per request, a mapping of cache name -> that cache's feed
+  (a tensor or structure of tensors with the tokens along dim 0, or a
+  `Chunk`), every cache named: each cache gets its own step length per
+  request and its own padded `T` (the smallest of its `token_sizes` that
+  holds the step's feeds for it).
+- `fn(attn, inputs)`: `attn` is the session's `MultiStepContext`,
+  `attn[name]` each cache's `StepContext` (call it, `attn[name](layer, q,
+  k, v)`, or build the model's attention on `session.context[name]` with
+  `flexkv.model.wrap.attention` / `flexkv.swap_attention`); `inputs` maps
+  each cache name to its padded `[B, T_name, ...]` inputs. With
+  `initial_state`, `fn(attn, inputs, state)` returns `(outputs,
+  new_state)`, as in `StreamSession`.
+- A request holds one lane (its batch row, the same in every cache) and one
+  slot in every cache; its written count is per cache (`written(id)` maps
+  each name to it). Every cache must have the same `max_slots`: a lane
+  without a slot in some cache could not run, a slot without a lane would
+  never be used.
+- Every request starts on an empty stream, without a source (shared and
+  private sources are left to a single-cache `StreamSession`).
+- `rollback(id, {name: tokens})` names every cache (0 to keep one as it is).
+
+What it keeps: every operation happens in every cache or in none. A step is
+one transaction: its admissions (a request admitted in every cache or in
+none; a cache that refuses is named), its plans, the attendance check of
+every cache's every declared layer, then the commits, so a step that fails
+anywhere (bad input, a model error, `KeyboardInterrupt`, a layer never
+attended) leaves every cache, lane and waiting request as it was. `finish`,
+`reset`, `fork` and `rollback` check every cache first, then change all of
+them. Lanes, padding, buckets (`batch_sizes`; `token_sizes` per cache),
+queueing (`when_full`), compiling once per bucket (`compile=True`: every
+`(B, T of each cache)` at warm-up; a later compile warns with the guard
+that failed) and the one-operation-at-a-time rule are `StreamSession`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Hashable, Iterator, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from ..cache.groups import build_cache
+from ..cache.protocol import check_cache
+from ..cache.slots import SlotsExhausted
+from ..cache.transaction import StepTransaction
+from ..compiling import fresh_function, watch_recompiles
+from ..config import BoundedKVConfig, is_int
+from ..model.multi_context import MultiStepContext, named_error
+from ..step import BoundedKVStep, Segment, StreamPosition
+from .feeds import flatten, map_tensors, pad_by_lane, parse_feed, unflatten
+from .state import check_new_state, state_factory
+from .step_functions import step_key
+from .stream_session import _RECOMPILE_ADVICE, WHEN_FULL, _sizes
+
+__all__ = ["MultiCacheSession", "MultiStepResult"]
+
+_session_ids = itertools.count()
+
+
+@dataclass
+class _Request:
+    lane: int
+    written: Dict[Hashable, int] = field(default_factory=dict)
+    state: Any = None
+
+
+class MultiStepResult(Mapping):
+    """What `MultiCacheSession.step` returns: each request's share of the model's output.
+
+    `result[id]` is `fn`'s output cut to the request: when `fn` returns a
+    mapping, each entry named after a cache has every tensor `[B, T_name,
+    ...]` cut to `t[lane, :tokens]` (the tokens the request fed that cache),
+    and every other entry is cut to its lane (`t[lane]`); any other output is
+    cut to its lane. The whole batch is there too: `outputs`, `lanes`
+    (id -> lane), `tokens` (id -> name -> tokens fed), `steps` and `plans`
+    (name -> the `BoundedKVStep` that ran, its plan), `waiting` (ids fed this
+    step that wait for a lane), `plan_s` (host seconds spent planning).
+    """
+
+    def __init__(self, outputs, lanes: Dict, tokens: Dict, steps: Dict, plans: Dict, waiting: tuple, plan_s: float):
+        self.outputs = outputs
+        self.lanes = lanes
+        self.tokens = tokens
+        self.steps = steps
+        self.plans = plans
+        self.waiting = waiting
+        self.plan_s = plan_s
+
+    def __getitem__(self, request_id):
+        if request_id not in self.lanes:
+            where = "waits for a lane" if request_id in self.waiting else "was not in this step"
+            raise KeyError(f"request {request_id!r} {where}")
+        lane = self.lanes[request_id]
+        B = len(next(iter(self.steps.values())).segments)
+
+        def cut(name):
+            def cut_tensor(t: torch.Tensor) -> torch.Tensor:
+                if t.dim() < 1 or t.shape[0] != B:
+                    raise ValueError(f"an output of shape {tuple(t.shape)} is not [B={B}, ...], so it cannot be cut "
+                                     f"per request; read result.outputs and result.lanes instead")
+                if name is None:
+                    return t[lane]
+                T = self.steps[name].step_tokens
+                if t.dim() < 2 or t.shape[1] != T:
+                    raise ValueError(
+                        f"output {name!r} (named after a cache) of shape {tuple(t.shape)} is not [B={B}, T={T}, ...] "
+                        f"(cache {name!r}'s step), so it cannot be cut to the request's tokens; name it otherwise "
+                        f"to have it cut to the lane only"
+                    )
+                return t[lane, :self.tokens[request_id][name]]
+            return cut_tensor
+
+        if isinstance(self.outputs, Mapping):
+            return {k: map_tensors(cut(k if k in self.steps else None), v) for k, v in self.outputs.items()}
+        return map_tensors(cut(None), self.outputs)
+
+    def __iter__(self) -> Iterator:
+        return iter(self.lanes)
+
+    def __len__(self) -> int:
+        return len(self.lanes)
+
+    def __repr__(self):
+        return f"MultiStepResult(requests={list(self.lanes)}, waiting={list(self.waiting)})"
+
+
+class MultiCacheSession:
+    """Streams requests through several named caches stepped as one (see the module docstring).
+
+    Args:
+        caches: a non-empty mapping of name -> `BoundedKVConfig` (the session
+            builds a `BoundedKVManager` on `device`) or a flexkv cache of the
+            session's own (`flexkv.cache.protocol.StreamCache`, holding no
+            request: a `GroupedKVManager` for layer groups, an
+            `UncachedHistory` for checking with `compile=False`). Every cache
+            needs the same `max_slots`.
+        batch_sizes: the batch sizes `B` a step is padded to (default
+            `(max_slots,)`; the largest must be `max_slots`).
+        token_sizes: name -> the token counts a cache's step is padded to
+            (default per cache `(1, max_step_tokens)`); a cache left out
+            keeps its default.
+        when_full, compile, initial_state: as `StreamSession`.
+        block_size: FlexAttention's KV block size of the caches built from configs.
+    """
+
+    def __init__(
+        self,
+        caches: Mapping[Hashable, Any],
+        device="cpu",
+        *,
+        batch_sizes: Optional[Sequence[int]] = None,
+        token_sizes: Optional[Mapping[Hashable, Sequence[int]]] = None,
+        when_full: str = "queue",
+        compile: bool = True,
+        initial_state: Optional[Callable[..., Any]] = None,
+        block_size: Optional[int] = None,
+    ):
+        if not isinstance(caches, Mapping) or not caches:
+            raise ValueError(f"MultiCacheSession needs a non-empty mapping of name -> BoundedKVConfig or cache, "
+                             f"got {caches!r}")
+        built = {}
+        for name, c in caches.items():
+            if isinstance(c, BoundedKVConfig):
+                c = build_cache(c, None, device, block_size=block_size)
+            check_cache(c, f"MultiCacheSession (cache {name!r})")
+            if c.requests:
+                raise ValueError(
+                    f"MultiCacheSession needs caches that hold no request (the session gives out lanes and slots), "
+                    f"but cache {name!r} holds {list(c.requests)}; remove_request() them or give the session a "
+                    f"cache of its own"
+                )
+            if compile and not c.compilable:
+                raise ValueError(f"compile=True needs caches whose attention traces: cache {name!r} "
+                                 f"({type(c).__name__}) attends on the host; pass compile=False")
+            built[name] = c
+        slots = {name: c.config.max_slots for name, c in built.items()}
+        if len(set(slots.values())) != 1:
+            raise ValueError(
+                f"every cache of a MultiCacheSession needs the same max_slots (a request holds one lane and one "
+                f"slot in each), got {slots}; give them all max_slots={max(slots.values())}"
+            )
+        if when_full not in WHEN_FULL:
+            raise ValueError(f"when_full must be one of {WHEN_FULL}, got {when_full!r}")
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile must be a bool, got {compile!r}")
+        if initial_state is not None and not callable(initial_state):
+            raise ValueError(f"initial_state must be a callable returning a new request's state, got {initial_state!r}")
+        if token_sizes is not None and not isinstance(token_sizes, Mapping):
+            raise ValueError(f"token_sizes must be a mapping of cache name -> token sizes, got {token_sizes!r}")
+        unknown = [n for n in (token_sizes or {}) if n not in built]
+        if unknown:
+            raise ValueError(f"token_sizes names {unknown}, which are not caches of this session ({list(built)})")
+        self.max_slots = next(iter(slots.values()))
+        batch = _sizes("batch_sizes", batch_sizes, (self.max_slots,), self.max_slots, "max_slots")
+        if batch[-1] != self.max_slots:
+            raise ValueError(
+                f"batch_sizes={list(batch)} cannot hold every lane: requests take lanes 0..{self.max_slots - 1}, so "
+                f"the largest batch size must be {self.max_slots}; add it, or lower max_slots"
+            )
+        self.caches: Dict[Hashable, Any] = built
+        self.context = MultiStepContext(built)
+        self.batch_sizes = batch
+        self.token_sizes: Dict[Hashable, Tuple[int, ...]] = {}
+        for name, c in built.items():
+            m = c.config.max_step_tokens
+            self.token_sizes[name] = _sizes(f"token_sizes[{name!r}]", (token_sizes or {}).get(name),
+                                            tuple(sorted({1, m})), m, f"cache {name!r}'s max_step_tokens")
+        self.when_full = when_full
+        self.compile = compile
+        self.initial_state = initial_state
+        self._new_state = None if initial_state is None else state_factory(initial_state)
+        # Per cache: whether a per-step window attends every token of the step (so padding would be read).
+        self._fill_tokens = {
+            name: any(c.layer_config(i).query_window is None and not c.layer_config(i).causal_step
+                      for i in range(c.config.num_layers))
+            for name, c in built.items()
+        }
+        self._id = next(_session_ids)
+        self._requests: Dict[Hashable, _Request] = {}
+        self._free_lanes = list(range(self.max_slots))
+        self._queue: deque = deque()  # request ids waiting for a lane, first come first served
+        self._runners: Dict[Any, Callable] = {}
+        self._step_codes: Dict[Any, Any] = {}
+        self._warm: set = set()
+        self._guard = threading.Lock()
+        self._running: Optional[Tuple[str, int]] = None
+
+    # ------------------------------------------------------------- views
+
+    @property
+    def requests(self) -> tuple:
+        """Request ids holding a lane, in lane order."""
+        return tuple(sorted(self._requests, key=lambda r: self._requests[r].lane))
+
+    @property
+    def waiting(self) -> tuple:
+        """Request ids waiting for a lane, first in line first."""
+        return tuple(self._queue)
+
+    @property
+    def free_lanes(self) -> int:
+        return len(self._free_lanes)
+
+    def lane(self, request_id: Hashable) -> int:
+        """The lane (batch row, the same in every cache) a started request holds."""
+        return self._get(request_id).lane
+
+    def written(self, request_id: Hashable) -> Dict[Hashable, int]:
+        """Cache name -> the tokens a started request has written to that cache."""
+        return dict(self._get(request_id).written)
+
+    def state(self, request_id: Hashable):
+        """The model state a started request carries (`initial_state`), or None."""
+        return self._get(request_id).state
+
+    def _get(self, request_id) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            where = " (it waits for a lane)" if request_id in self._queue else ""
+            raise ValueError(f"request {request_id!r} holds no lane{where}; start() it or feed it to step()")
+        return req
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str):
+        """One operation at a time; a re-entrant or concurrent call raises and changes nothing."""
+        if not self._guard.acquire(blocking=False):
+            running = (self._running or ("an operation",))[0]
+            raise RuntimeError(
+                f"MultiCacheSession.{what}() was called while {running}() runs (from inside the model function, or "
+                f"from another thread); a session runs one operation at a time. Nothing changed"
+            )
+        self._running = (what, threading.get_ident())
+        try:
+            yield
+        finally:
+            self._running = None
+            self._guard.release()
+
+    # --------------------------------------------------------- lifecycle
+
+    def _check_start(self, request_id, restart: bool = False) -> None:
+        """Every cache's declaration checks for a request starting on an empty stream (the cache named)."""
+        for name, c in self.caches.items():
+            try:
+                c.check_start(request_id, 0, 0, restart=restart)
+            except Exception as exc:
+                raise named_error(exc, name, "MultiCacheSession") from None
+
+    def _admit(self, request_id, transaction: StepTransaction) -> None:
+        """Give `request_id` the lowest free lane and a slot in every cache, in `transaction` (every
+        cache or none: a cache that refuses is named and the others are taken back with it)."""
+        state = None if self._new_state is None else self._new_state(request_id)
+        step = BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(0, 0, 0)})
+        for name, c in self.caches.items():
+            try:
+                transaction.admit(step, c)
+            except SlotsExhausted as exc:
+                raise SlotsExhausted(
+                    f"cache {name!r} has no free slot for request {request_id!r} ({exc}); it is admitted in no cache"
+                ) from exc
+            except Exception as exc:
+                raise named_error(exc, name, "MultiCacheSession") from None
+        lane = self._free_lanes.pop(0)
+        self._requests[request_id] = _Request(lane, {name: 0 for name in self.caches}, state)
+        transaction.add_undo(lambda: self._give_back_lane(request_id))
+
+    def _give_back_lane(self, request_id) -> None:
+        self._free_lanes.append(self._requests.pop(request_id).lane)
+        self._free_lanes.sort()
+
+    def _admit_now(self, request_id) -> None:
+        """`_admit` on its own: a transaction that plans nothing, committed when every cache took it."""
+        txn = StepTransaction(next(iter(self.caches.values())))
+        try:
+            self._admit(request_id, txn)
+        except BaseException:
+            txn.abort()
+            raise
+        txn.commit()
+
+    def start(self, request_id: Hashable) -> bool:
+        """Start a request on an empty stream in every cache. True when it holds a lane now, False when
+        it waits (`when_full="queue"`); `when_full="refuse"` raises `SlotsExhausted` when every lane is
+        held. Errors change nothing."""
+        with self._exclusive("start"):
+            if request_id in self._requests or request_id in self._queue:
+                raise ValueError(f"request {request_id!r} is already started; finish() or reset() it")
+            self._check_start(request_id)
+            if self._free_lanes:
+                self._admit_now(request_id)
+                return True
+            if self.when_full == "refuse":
+                raise SlotsExhausted(
+                    f"all {self.max_slots} lanes are held, so request {request_id!r} cannot start; finish() a "
+                    f"request first, raise max_slots, or use when_full='queue'"
+                )
+            self._queue.append(request_id)
+            return False
+
+    def finish(self, request_id: Hashable) -> None:
+        """End a request in every cache: its lane and slots go to the first waiting requests."""
+        with self._exclusive("finish"):
+            if request_id in self._queue:
+                self._queue.remove(request_id)
+                return
+            req = self._get(request_id)
+            for c in self.caches.values():
+                c.remove_request(request_id)
+            del self._requests[request_id]
+            self._free_lanes.append(req.lane)
+            self._free_lanes.sort()
+            self._admit_waiting()
+
+    def _admit_waiting(self) -> None:
+        while self._queue and self._free_lanes:
+            rid = self._queue[0]
+            self._admit_now(rid)  # admitted first, then out of the queue: a failure leaves it waiting
+            self._queue.popleft()
+
+    def reset(self, request_id: Hashable) -> None:
+        """Rewind a request to an empty stream in every cache (a new model state too), keeping its lane.
+        A waiting request is left as it is (it has not started)."""
+        with self._exclusive("reset"):
+            if request_id in self._queue:
+                return
+            req = self._get(request_id)
+            self._check_start(request_id, restart=True)
+            state = None if self._new_state is None else self._new_state(request_id)
+            step = BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(0, 0, 0)})
+            for c in self.caches.values():
+                c.reset_request(request_id)
+                c.admit(step)
+            req.written = {name: 0 for name in self.caches}
+            req.state = state
+
+    def fork(self, request_id: Hashable, new_id: Hashable) -> None:
+        """Start `new_id` as a copy of `request_id` in every cache (its slots, written counts and model
+        state) on the lowest free lane; refused (`SlotsExhausted`, `ValueError`) with nothing changed
+        when any cache refuses."""
+        with self._exclusive("fork"):
+            parent = self._get(request_id)
+            if new_id in self._requests or new_id in self._queue:
+                raise ValueError(f"fork: request {new_id!r} is already started; finish() it or pick another id")
+            if not self._free_lanes:
+                raise SlotsExhausted(
+                    f"fork: all {self.max_slots} lanes are held, so {new_id!r} cannot start as a copy of "
+                    f"{request_id!r}; finish() a request first or raise max_slots"
+                )
+            for name, c in self.caches.items():
+                try:
+                    c.check_fork(request_id, new_id)
+                except Exception as exc:
+                    raise named_error(exc, name, "MultiCacheSession.fork") from None
+            state = None if parent.state is None else map_tensors(lambda t: t.clone(), parent.state)
+            forked = []
+            try:
+                for c in self.caches.values():
+                    c.fork_request(request_id, new_id)
+                    forked.append(c)
+            except BaseException:
+                for c in forked:  # every cache or none
+                    c.remove_request(new_id)
+                raise
+            lane = self._free_lanes.pop(0)
+            self._requests[new_id] = _Request(lane, dict(parent.written), state)
+
+    def rollback(self, request_id: Hashable, tokens: Mapping[Hashable, int], *, state=None) -> None:
+        """Take back the last `tokens[name]` tokens a started request wrote to each cache (every cache
+        named; 0 keeps one as it is). Every cache's `check_rollback` runs first: nothing changes
+        unless all of them allow it. With `initial_state`, pass the request's `state` from before those
+        tokens (as `StreamSession.rollback`)."""
+        with self._exclusive("rollback"):
+            req = self._get(request_id)
+            if not isinstance(tokens, Mapping) or set(tokens) != set(self.caches):
+                raise ValueError(
+                    f"rollback: tokens must map every cache name {list(self.caches)} to the tokens to take back "
+                    f"from it (0 for none; each cache has its own step lengths), got {tokens!r}"
+                )
+            for name, c in self.caches.items():
+                n = tokens[name]
+                if not is_int(n) or n < 0:
+                    raise ValueError(f"rollback: tokens[{name!r}] must be an int >= 0, got {n!r}")
+                try:
+                    c.check_rollback(request_id, n)
+                except Exception as exc:
+                    raise named_error(exc, name, "MultiCacheSession.rollback") from None
+            if state is not None and self._new_state is None:
+                raise ValueError("rollback: state= is for a session with initial_state; this one carries none")
+            if state is None and self._new_state is not None and any(tokens.values()):
+                raise ValueError(
+                    f"rollback: request {request_id!r} carries a model state (initial_state), which the session "
+                    f"cannot take back by itself; pass state=... with its state from before those tokens"
+                )
+            if state is not None:
+                leaves, spec = flatten(state, "rollback's state")
+                have, have_spec = flatten(req.state, f"the state of request {request_id!r}")
+                if spec != have_spec or [(t.shape, t.dtype) for t in leaves] != [(t.shape, t.dtype) for t in have]:
+                    raise ValueError(f"rollback: state must be shaped like request {request_id!r}'s state "
+                                     f"({[tuple(t.shape) for t in have]}), got {[tuple(t.shape) for t in leaves]}")
+            for name, c in self.caches.items():
+                c.rollback_request(request_id, tokens[name])
+                req.written[name] -= tokens[name]
+            if state is not None:
+                req.state = state
+
+    # -------------------------------------------------------------- steps
+
+    def _runner(self, fn: Callable) -> Callable:
+        key = step_key(fn)
+        run = self._runners.get(key)
+        if run is not None:
+            return run
+        context = self.context
+        if self.initial_state is None:
+            def multi_step(plans, inputs):
+                context.bind(plans)  # inside the graph: the plans are inputs, not guards
+                return fn(context, inputs)
+        else:
+            def multi_step(plans, inputs, state):
+                context.bind(plans)
+                return fn(context, inputs, state)
+        if self.compile:
+            fresh = fresh_function(multi_step, f"m{self._id}_{len(self._runners)}")
+            self._step_codes[key] = fresh.__code__
+            multi_step = torch.compile(fresh, fullgraph=True, dynamic=False)
+        self._runners[key] = multi_step
+        return multi_step
+
+    def _parse(self, feeds) -> Dict[Hashable, Dict[Hashable, Any]]:
+        if not isinstance(feeds, Mapping) or not feeds:
+            raise ValueError("feeds must be a non-empty mapping of request id -> {cache name: tokens (or Chunk)}")
+        parsed = {}
+        for rid, per_cache in feeds.items():
+            if not isinstance(per_cache, Mapping) or set(per_cache) != set(self.caches):
+                got = list(per_cache) if isinstance(per_cache, Mapping) else type(per_cache).__name__
+                raise ValueError(
+                    f"request {rid!r} must feed a mapping with one feed per cache, named {list(self.caches)} (each "
+                    f"cache has its own step length), got {got}"
+                )
+            parsed[rid] = {}
+            for name in self.caches:
+                try:
+                    parsed[rid][name] = parse_feed(rid, per_cache[name], self.token_sizes[name][-1])
+                except ValueError as exc:
+                    raise ValueError(f"cache {name!r}: {exc}") from None
+        first = next(iter(parsed))
+        for name in self.caches:
+            sig = parsed[first][name].signature
+            for rid, feed in parsed.items():
+                if feed[name].signature != sig:
+                    raise ValueError(
+                        f"requests {first!r} and {rid!r} feed cache {name!r} differently shaped inputs; every request "
+                        f"of a step must feed each cache the same structure, trailing shapes and dtypes"
+                    )
+        return parsed
+
+    def step(self, feeds: Mapping[Hashable, Mapping[Hashable, Any]], fn: Callable) -> MultiStepResult:
+        """Run one step of `fn` over every cache for the requests in `feeds` (module docstring); returns
+        a `MultiStepResult`. Any error, and a `fn` that raises (`KeyboardInterrupt` included), changes
+        nothing in any cache."""
+        with self._exclusive("step"):
+            return self._step(feeds, fn)
+
+    def _step(self, feeds, fn) -> MultiStepResult:
+        if not callable(fn):
+            raise ValueError(f"fn must be a callable fn(attn, inputs), got {fn!r}")
+        parsed = self._parse(feeds)
+        queued = set(self._queue)
+        new = [rid for rid in parsed if rid not in self._requests and rid not in queued]
+        for rid in new:
+            self._check_start(rid)
+        free = len(self._free_lanes)
+        if len(new) > free and self.when_full == "refuse":
+            raise SlotsExhausted(
+                f"the step starts {len(new)} new request(s) but only {free} of {self.max_slots} lanes are free; "
+                f"finish() requests first, raise max_slots, or use when_full='queue'"
+            )
+        starting, deferred = new[:free], new[free:]
+        running = [rid for rid in parsed if rid in self._requests or rid in starting]
+        waiting = tuple(rid for rid in parsed if rid in queued or rid in deferred)
+        if not running:
+            self._queue.extend(deferred)
+            return MultiStepResult(None, {}, {}, {}, {}, waiting, 0.0)
+        Ts = {}
+        for name, sizes in self.token_sizes.items():
+            T = next(s for s in sizes if s >= max(parsed[r][name].tokens for r in running))
+            if self._fill_tokens[name]:
+                short = [r for r in running if parsed[r][name].tokens != T]
+                if short:
+                    raise ValueError(
+                        f"request {short[0]!r} feeds cache {name!r} {parsed[short[0]][name].tokens} tokens in a step "
+                        f"of T={T}; with a per-step window every query attends all T tokens of its row, so padding "
+                        f"would be attended. Feed T tokens (Chunk(inputs, span=k) writes only k), step it "
+                        f"separately, or add its length to token_sizes[{name!r}]"
+                    )
+            Ts[name] = T
+        lanes = {rid: self._requests[rid].lane for rid in running if rid in self._requests}
+        for rid, lane in zip(starting, self._free_lanes):
+            lanes[rid] = lane
+        B = next(s for s in self.batch_sizes if s > max(lanes.values()))
+
+        # One transaction over every cache: the new requests' admissions, the queue, then the step.
+        transaction = StepTransaction(next(iter(self.caches.values())))
+        try:
+            for rid in starting:
+                self._admit(rid, transaction)
+            for rid in deferred:
+                self._queue.append(rid)
+                transaction.add_undo(lambda rid=rid: self._queue.remove(rid))
+            return self._run(parsed, running, lanes, waiting, B, Ts, fn, transaction)
+        except BaseException:
+            transaction.abort()
+            raise
+
+    def _run(self, parsed, running, lanes, waiting, B, Ts, fn, transaction) -> MultiStepResult:
+        first = parsed[running[0]]
+        templates = {name: first[name].leaves for name in self.caches}
+        shape = {name: (first[name].spec, first[name].per_request) for name in self.caches}
+        key = (step_key(fn), B, tuple(Ts.values()))
+        if self.compile and key not in self._warm:
+            self._warm_up(fn, templates, shape)
+        t0 = time.perf_counter()
+        by_lane = {lanes[rid]: rid for rid in running}
+        steps = {}
+        for name in self.caches:
+            segments, positions = [], {}
+            for lane in range(B):
+                rid = by_lane.get(lane)
+                if rid is None:
+                    segments.append(Segment(None, 0))
+                    continue
+                segments.append(Segment(rid, parsed[rid][name].span))
+                positions[rid] = StreamPosition(0, self._requests[rid].written[name], 0)
+            steps[name] = BoundedKVStep(tuple(segments), positions, tokens=Ts[name])
+        plans = self.context.begin(steps, transaction)
+        plan_s = time.perf_counter() - t0
+        inputs = {name: unflatten(shape[name][0], pad_by_lane({lanes[r]: parsed[r][name].leaves for r in running},
+                                                              templates[name], B, Ts[name], shape[name][1]))
+                  for name in self.caches}
+        run = self._runner(fn)
+        watch = (watch_recompiles(self._step_codes[step_key(fn)], f"MultiCacheSession.step: the compiled model step "
+                                  f"(B={B}, T={Ts})", _RECOMPILE_ADVICE, stacklevel=6)
+                 if self.compile else contextlib.nullcontext())
+        with torch.no_grad(), watch:
+            if self.initial_state is None:
+                outputs = run(plans, inputs)
+            else:
+                states = {lanes[r]: flatten(self._requests[r].state, f"the state of request {r!r}") for r in running}
+                s_leaves, s_spec = states[lanes[running[0]]]
+                stacked = pad_by_lane({lane: lv for lane, (lv, _) in states.items()}, s_leaves, B, None)
+                outputs, new_state = check_new_state(run(plans, inputs, unflatten(s_spec, stacked)), stacked, s_spec)
+        # Everything that can fail comes before the commit; after it, only plain assignments.
+        self.context.check_attendance(f"MultiCacheSession.step (B={B}, T={Ts})")
+        kept = {}
+        if self.initial_state is not None:
+            kept = {rid: map_tensors(lambda t, lane=lanes[rid]: t[lane], new_state) for rid in running}
+        self.context.commit()
+        for rid in running:
+            req = self._requests[rid]
+            for name in self.caches:
+                req.written[name] += parsed[rid][name].span
+            if self.initial_state is not None:
+                req.state = kept[rid]
+        return MultiStepResult(outputs, {rid: lanes[rid] for rid in running},
+                               {rid: {name: parsed[rid][name].tokens for name in self.caches} for rid in running},
+                               steps, plans, waiting, plan_s)
+
+    def warmup(self, fn: Callable, example: Mapping[Hashable, Any]) -> float:
+        """Compile `fn` for every bucket (`B`, and a `T` per cache) on all-padding steps; returns the
+        seconds it took. `example` is one request's feed (one per cache); `step` does this itself the
+        first time it meets `fn` when `compile=True`."""
+        with self._exclusive("warmup"):
+            parsed = self._parse({None: example})[None]
+            templates = {name: parsed[name].leaves for name in self.caches}
+            shape = {name: (parsed[name].spec, parsed[name].per_request) for name in self.caches}
+            return self._warm_up(fn, templates, shape)
+
+    def _warm_up(self, fn, templates, shape) -> float:
+        t0 = time.perf_counter()
+        run = self._runner(fn)
+        state_leaves = state_spec = None
+        if self._new_state is not None:
+            state_leaves, state_spec = flatten(self._new_state(None), "initial_state()")
+        names = list(self.caches)
+        for B in self.batch_sizes:
+            for Ts in itertools.product(*(self.token_sizes[n] for n in names)):
+                steps = {n: BoundedKVStep(tuple(Segment(None, 0) for _ in range(B)), {}, tokens=T)
+                         for n, T in zip(names, Ts)}
+                with self.context.stepping(steps) as plans:  # padding alone: it commits nothing a request holds
+                    inputs = {n: unflatten(shape[n][0], pad_by_lane({}, templates[n], B, T, shape[n][1]))
+                              for n, T in zip(names, Ts)}
+                    with torch.no_grad():
+                        if state_leaves is None:
+                            run(plans, inputs)
+                        else:
+                            run(plans, inputs, unflatten(state_spec, pad_by_lane({}, state_leaves, B, None)))
+                    self.context.check_attendance(f"MultiCacheSession warm-up of the model step (B={B}, T={dict(zip(names, Ts))})")
+                self._warm.add((step_key(fn), B, Ts))
+        return time.perf_counter() - t0

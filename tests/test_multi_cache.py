@@ -1,0 +1,340 @@
+"""Several caches in one model step: `flexkv.model.multi_context.MultiStepContext` and `MultiCacheSession`.
+
+Two caches of different shape (layers, heads, head size, retention, step
+length), as a streaming encoder with a stack at 25 and one at 50 frames per
+chunk keeps them. Outputs are checked against a dense reference per cache
+(`flexkv.model.reference.ReferenceCache`) and against the same session over
+the uncached twin; "changed nothing" is checked on both caches' slot tables,
+the session's lanes, written counts and queue, and on a retried step's
+outputs, equal to those of a session that never saw the failure.
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from flexkv import (
+    BoundedKVConfig,
+    BoundedKVManager,
+    BoundedKVStep,
+    Chunk,
+    MultiCacheSession,
+    MultiStepContext,
+    Segment,
+    SinkWindow,
+    SlotsExhausted,
+    StreamPosition,
+    UncachedHistory,
+)
+from flexkv.model.attendance import AttendanceError
+from flexkv.model.random_workload import check_close
+from flexkv.model.reference import ReferenceCache
+from flexkv.model.wrap import attention
+from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
+
+SLOW = BoundedKVConfig(num_layers=2, num_heads=2, head_dim=4, rows_per_request=1, max_source_len=0,
+                       retention=SinkWindow(1, 5), max_slots=3, max_step_tokens=3, query_window=5,
+                       dtype=torch.float64)
+FAST = BoundedKVConfig(num_layers=3, num_heads=1, head_dim=6, rows_per_request=1, max_source_len=0,
+                       retention=SinkWindow(2, 8), max_slots=3, max_step_tokens=6, query_window=8,
+                       dtype=torch.float64)
+CONFIGS = {"slow": SLOW, "fast": FAST}
+TOKEN_SIZES = {"slow": (1, 2, 3), "fast": (2, 4, 6)}
+
+
+def bounded():
+    return {name: BoundedKVManager(c, block_size=8) for name, c in CONFIGS.items()}
+
+
+def uncached():
+    return {name: UncachedHistory(c) for name, c in CONFIGS.items()}
+
+
+def session(caches=None, **kw):
+    return MultiCacheSession(bounded() if caches is None else caches, compile=False, token_sizes=TOKEN_SIZES, **kw)
+
+
+def qkv(x, layer):
+    """A cache's feed `[B, T, 3, H, D]` -> layer `layer`'s q, k, v `[B, H, T, D]` (each layer its own keys)."""
+    return tuple((x[:, :, i] * (layer + 1)).transpose(1, 2) for i in range(3))
+
+
+def model(attn, x):
+    """Each cache's stack on its own feed: name -> `[B, T_name, layers, H, D]`."""
+    return {name: torch.stack([attn[name](layer, *qkv(x[name], layer)).transpose(1, 2)
+                               for layer in range(CONFIGS[name].num_layers)], dim=2)
+            for name in CONFIGS}
+
+
+def feeds(lengths, seed):
+    """`{request: n}` -> each request feeding n slow tokens and 2n fast ones."""
+    g = torch.Generator().manual_seed(seed)
+    return {rid: {name: torch.randn(n * (2 if name == "fast" else 1), 3, c.num_heads, c.head_dim, generator=g,
+                                    dtype=torch.float64) for name, c in CONFIGS.items()}
+            for rid, n in lengths.items()}
+
+
+def check_against_references(refs, res, fed, tolerance=1e-9):
+    """Every layer of every cache of every request against the dense reference of that cache; commits it."""
+    for name, c in CONFIGS.items():
+        step = res.steps[name]
+        B, T = len(step.segments), step.step_tokens
+        x = torch.zeros(B, T, 3, c.num_heads, c.head_dim, dtype=torch.float64)
+        for rid, lane in res.lanes.items():
+            data = fed[rid][name]
+            data = data.inputs if isinstance(data, Chunk) else data
+            x[lane, :len(data)] = data
+        for layer in range(c.num_layers):
+            want = refs[name].attend(layer, *qkv(x, layer), step).transpose(1, 2)
+            for rid, lane in res.lanes.items():
+                check_close(res[rid][name][:, layer], want[lane, :res.tokens[rid][name]], tolerance,
+                            f"cache {name!r}, layer {layer}, request {rid!r}")
+        refs[name].commit(step)
+
+
+def observed(s):
+    """Everything a failed operation must leave as it was: the session's view and both slot tables."""
+    return (s.requests, {r: (s.lane(r), s.written(r)) for r in s.requests}, s.waiting, s.free_lanes,
+            {name: c.slots.snapshot() for name, c in s.caches.items()})
+
+
+# The steps of a stream of requests joining and leaving, each cache with its own step length per request.
+SCHEDULE = [{"a": 3, "b": 1}, {"a": 2, "b": 3, "c": 1}, {"b": 3, "c": 3}, {"a": 1, "c": 2},
+            {"a": 3, "b": 3, "c": 3}, {"b": 2}, {"a": 3, "c": 1}, {"a": 2, "b": 3, "c": 3}]
+
+
+def test_steps_of_different_lengths_in_each_cache_match_two_dense_references():
+    s, twin = session(), session(uncached())
+    refs = {name: ReferenceCache(c) for name, c in CONFIGS.items()}
+    for i, lengths in enumerate(SCHEDULE):
+        fed = feeds(lengths, i)
+        res, want = s.step(fed, model), twin.step(fed, model)
+        assert {n: res.steps[n].step_tokens for n in CONFIGS} == {
+            "slow": max(lengths.values()), "fast": 2 * max(lengths.values())}
+        check_against_references(refs, res, fed)
+        for rid in lengths:  # the uncached twin: every key kept, the retention as a mask
+            for name in CONFIGS:
+                check_close(res[rid][name], want[rid][name], 1e-9, f"step {i}, cache {name!r}, request {rid!r}")
+    # each cache counts its own tokens; the streams went far past both windows
+    written = {rid: sum(step.get(rid, 0) for step in SCHEDULE) for rid in "abc"}
+    assert {rid: s.written(rid) for rid in "abc"} == {rid: {"slow": n, "fast": 2 * n} for rid, n in written.items()}
+    assert all(n > SLOW.retention.window + 1 for n in written.values())
+    assert {name: c.written("a") for name, c in s.caches.items()} == s.written("a")
+
+
+class TwoRateEncoder(nn.Module):
+    """A streaming encoder written with its own conventions: a fast stack over 2n frames, pooled to n frames and
+    added to the slow features, then a slow stack. Each block's attention core is built by the caller."""
+
+    def __init__(self, fast_core, slow_core, width=6):
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.fast = nn.ModuleList([nn.Linear(width, 3 * width).double() for _ in range(FAST.num_layers)])
+        self.slow_in = nn.Linear(width, 2 * SLOW.head_dim).double()
+        self.slow = nn.ModuleList([nn.Linear(2 * SLOW.head_dim, 3 * 2 * SLOW.head_dim).double()
+                                   for _ in range(SLOW.num_layers)])
+        for p in self.parameters():
+            p.data = torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5
+        self.fast_cores = nn.ModuleList([fast_core(i) for i in range(FAST.num_layers)])
+        self.slow_cores = nn.ModuleList([slow_core(i) for i in range(SLOW.num_layers)])
+
+    @staticmethod
+    def block(proj, core, x, heads):
+        B, T, _ = x.shape
+        q, k, v = proj(x).view(B, T, 3, heads, -1).unbind(2)
+        out = core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return x + out.transpose(1, 2).reshape(B, T, -1)
+
+    def forward(self, fast_frames, slow_frames):
+        x = fast_frames
+        for proj, core in zip(self.fast, self.fast_cores):
+            x = self.block(proj, core, x, FAST.num_heads)
+        pooled = x.unflatten(1, (-1, 2)).mean(2)  # 2n fast frames -> n slow frames
+        y = self.slow_in(pooled) + slow_frames
+        for proj, core in zip(self.slow, self.slow_cores):
+            y = self.block(proj, core, y, SLOW.num_heads)
+        return {"fast": x, "slow": y}
+
+
+def encoder_run(caches):
+    s = session(caches)
+    enc = TwoRateEncoder(lambda i: attention(s.context["fast"], i), lambda i: attention(s.context["slow"], i))
+    return s, enc
+
+
+def encoder_feeds(lengths, seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    return {rid: {"fast": torch.randn(2 * n, 6, generator=g, dtype=torch.float64),
+                  "slow": torch.randn(n, 2 * SLOW.head_dim, generator=g, dtype=torch.float64)}
+            for rid, n in lengths.items()}
+
+
+def test_a_model_routes_its_two_stacks_to_their_caches_exactly():
+    """Attention modules built on `session.context[name]`: the bounded run equals the uncached twin's."""
+    (s, enc), (twin, twin_enc) = encoder_run(bounded()), encoder_run(uncached())
+
+    def step(attn, x, enc=enc):
+        return enc(x["fast"], x["slow"])
+
+    def twin_step(attn, x):
+        return twin_enc(x["fast"], x["slow"])
+
+    for i, lengths in enumerate(SCHEDULE):
+        fed = encoder_feeds(lengths, i)
+        res, want = s.step(fed, step), twin.step(fed, twin_step)
+        for rid in lengths:
+            for name in CONFIGS:
+                assert res[rid][name].shape[0] == res.tokens[rid][name]
+                check_close(res[rid][name], want[rid][name], 1e-9, f"step {i}, {name!r} stack, request {rid!r}")
+
+
+# ------------------------------------------------------------------ a failed step changes nothing
+
+
+def failing_in_fast(error):
+    """A model whose slow stack attends every layer, then the fast cache's attend fails (or the model raises)."""
+
+    def fn(attn, x):
+        for layer in range(SLOW.num_layers):
+            attn["slow"](layer, *qkv(x["slow"], layer))
+        attn["fast"](0, *qkv(x["fast"], 0))
+        if error is None:  # bad input in the second cache: keys of the slow cache's head size
+            q, k, v = qkv(x["slow"], 1)
+            return attn["fast"](1, q, k, v)
+        raise error("the model failed")
+
+    return fn
+
+
+@pytest.mark.parametrize("error", [None, RuntimeError, KeyboardInterrupt], ids=["bad-input", "error", "interrupt"])
+def test_a_step_failing_in_the_second_cache_changes_neither_cache(error):
+    s, clean = session(), session()
+    for i, lengths in enumerate(SCHEDULE[:3]):
+        fed = feeds(lengths, i)
+        s.step(fed, model)
+        clean.step(fed, model)
+    s.finish("c")
+    clean.finish("c")
+    before = observed(s)
+    fed = feeds({"a": 3, "b": 2, "d": 1}, 50)  # "d" is new: admitted in both caches by the step
+    with pytest.raises(ValueError if error is None else error):
+        s.step(fed, failing_in_fast(error))
+    assert observed(s) == before
+    assert "d" not in s.caches["slow"].requests and "d" not in s.caches["fast"].requests
+    # the retried step is the step the session would have run without the failure
+    got, want = s.step(fed, model), clean.step(fed, model)
+    assert got.lanes == want.lanes
+    for rid in fed:
+        for name in CONFIGS:
+            assert torch.equal(got[rid][name], want[rid][name]), (rid, name)
+    assert observed(s) == observed(clean)
+
+
+def test_a_layer_of_either_cache_never_attended_refuses_the_step_naming_the_cache():
+    s = session()
+    s.step(feeds({"a": 2}, 0), model)
+    before = observed(s)
+
+    def skips_a_fast_layer(attn, x):
+        for layer in range(SLOW.num_layers):
+            attn["slow"](layer, *qkv(x["slow"], layer))
+        return [attn["fast"](layer, *qkv(x["fast"], layer)) for layer in (0, 2)]
+
+    with pytest.raises(AttendanceError, match=r"cache 'fast'.*cache layers 1 \(of 3\) were never attended"):
+        s.step(feeds({"a": 2, "b": 1}, 1), skips_a_fast_layer)
+    assert observed(s) == before
+
+
+def test_bad_feeds_are_refused_naming_the_cache_and_change_nothing():
+    s = session()
+    s.step(feeds({"a": 1}, 0), model)
+    before = observed(s)
+    fed = feeds({"a": 1, "b": 1}, 1)
+    del fed["b"]["fast"]
+    with pytest.raises(ValueError, match=r"one feed per cache, named \['slow', 'fast'\]"):
+        s.step(fed, model)
+    fed = feeds({"a": 1}, 2)
+    fed["a"]["fast"] = torch.zeros(7, 3, 1, 6, dtype=torch.float64)  # more than the fast cache's 6 tokens
+    with pytest.raises(ValueError, match=r"cache 'fast': request 'a' feeds 7 tokens"):
+        s.step(fed, model)
+    assert observed(s) == before
+
+
+# ------------------------------------------------------------------ admission: every cache or none
+
+
+def test_a_cache_without_a_free_slot_refuses_the_whole_admission_naming_it():
+    """The step object over caches of their own: the fast cache is full, so a new request is admitted nowhere."""
+    slow, fast = BoundedKVManager(SLOW, block_size=8), BoundedKVManager(replace(FAST, max_slots=1), block_size=8)
+    multi = MultiStepContext({"slow": slow, "fast": fast})
+    occupied = BoundedKVStep((Segment("x", 0),), {"x": StreamPosition(0, 0, 0)})
+    with multi["fast"].stepping(occupied):  # another user of the fast cache holds its one slot
+        for layer in range(FAST.num_layers):
+            multi["fast"](layer, *(torch.zeros(1, 1, 1, 6, dtype=torch.float64),) * 3)
+    before = (slow.slots.snapshot(), fast.slots.snapshot())
+    steps = {name: BoundedKVStep((Segment("new", 1),), {"new": StreamPosition(0, 0, 0)}) for name in CONFIGS}
+    with pytest.raises(SlotsExhausted, match="cache 'fast' has no free slot"):
+        multi.begin(steps)
+    assert (slow.slots.snapshot(), fast.slots.snapshot()) == before and slow.requests == ()
+    with pytest.raises(ValueError, match=r"no step for \['fast'\]"):
+        multi.begin({"slow": steps["slow"]})
+    assert slow.slots.snapshot() == before[0]
+
+
+def test_a_full_session_refuses_a_new_request_in_every_cache():
+    s = session(when_full="refuse")
+    s.step(feeds({"a": 1, "b": 1, "c": 1}, 0), model)
+    before = observed(s)
+    with pytest.raises(SlotsExhausted, match="lanes are free"):
+        s.step(feeds({"a": 1, "d": 1}, 1), model)
+    with pytest.raises(SlotsExhausted):
+        s.start("d")
+    assert observed(s) == before
+
+
+def test_caches_with_different_slot_counts_are_refused():
+    with pytest.raises(ValueError, match=r"same max_slots.*'fast': 2"):
+        MultiCacheSession({"slow": SLOW, "fast": replace(FAST, max_slots=2)}, compile=False)
+    one = BoundedKVManager(SLOW, block_size=8)
+    with pytest.raises(ValueError, match="same cache object"):
+        MultiStepContext({"a": one, "b": one})
+
+
+# ------------------------------------------------------------------ lifecycle operations over every cache
+
+
+def test_fork_reset_rollback_and_finish_apply_to_every_cache():
+    s, refs = session(), {name: ReferenceCache(c) for name, c in CONFIGS.items()}
+    for i in range(4):
+        fed = feeds({"a": 3}, i)
+        check_against_references(refs, s.step(fed, model), fed)
+    s.fork("a", "b")
+    for name, ref in refs.items():
+        ref.fork("a", "b")
+    assert s.written("b") == s.written("a") == {"slow": 12, "fast": 24}
+    # Contract section 5: the fast ring (8 + 6 cells) holds entries 10.. intact, and a stream of 24 - m
+    # tokens reads from 16 - m on, so m <= 6; the slow one (5 + 3 cells) allows 3.
+    assert {name: c.rollback_limit("b") for name, c in s.caches.items()} == {"slow": 3, "fast": 6}
+    before = observed(s)
+    with pytest.raises(ValueError, match="cache 'fast'"):  # one cache refuses: neither changes
+        s.rollback("b", {"slow": 1, "fast": 7})
+    with pytest.raises(ValueError, match="every cache name"):
+        s.rollback("b", {"slow": 1})
+    assert observed(s) == before
+    s.rollback("b", {"slow": 1, "fast": 2})
+    for name, n in (("slow", 11), ("fast", 22)):
+        refs[name].rollback("b", n)
+    assert s.written("b") == {"slow": 11, "fast": 22}
+    assert {name: c.written("b") for name, c in s.caches.items()} == s.written("b")
+    fed = feeds({"a": 1, "b": 2}, 7)
+    check_against_references(refs, s.step(fed, model), fed)
+    s.reset("a")
+    for ref in refs.values():
+        ref.reset_request("a")
+    assert s.written("a") == {"slow": 0, "fast": 0}
+    fed = feeds({"a": 2, "b": 1}, 8)
+    check_against_references(refs, s.step(fed, model), fed)
+    s.finish("b")
+    assert all("b" not in c.requests for c in s.caches.values()) and s.free_lanes == 2
