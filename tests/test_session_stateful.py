@@ -321,3 +321,215 @@ class SessionMachine(RuleBasedStateMachine):
 
 SessionMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 test_session_against_its_model = SessionMachine.TestCase
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MultiCacheSession: the same lifecycle over two caches of their own shape, retention and step length per request.
+
+MULTI = {
+    "slow": BoundedKVConfig(num_layers=2, num_heads=1, head_dim=4, rows_per_request=1, max_source_len=0,
+                            retention=SinkWindow(1, 4), max_slots=SLOTS, max_step_tokens=2, query_window=4,
+                            dtype=torch.float64),
+    "fast": BoundedKVConfig(num_layers=1, num_heads=2, head_dim=2, rows_per_request=1, max_source_len=0,
+                            retention=SinkWindow(0, 3), max_slots=SLOTS, max_step_tokens=4, query_window=3,
+                            dtype=torch.float64),
+}
+RATE = {"slow": 1, "fast": 2}  # tokens each cache takes per step unit of a request
+
+
+def multi_fn(attn, x):
+    """Each cache's stack on its own feed `[B, T, 3, H, D]`: name -> `[B, T, layers, H, D]`."""
+    return {name: torch.stack([attn[name](layer, *((x[name][:, :, i] * (layer + 1)).transpose(1, 2)
+                                                   for i in range(3))).transpose(1, 2)
+                               for layer in range(c.num_layers)], dim=2)
+            for name, c in MULTI.items()}
+
+
+def multi_rollback_ok(config, written, reach, tokens) -> bool:
+    """Contract section 5 for a stream on no source, in one cache (see `SessionModel.rollback_ok`)."""
+    if tokens > written:
+        return False
+    pol = config.retention_for(0)
+    n, ring = written - tokens, pol.window + config.max_step_tokens
+    return tokens == 0 or n <= pol.sink or max(pol.sink, n - pol.window) >= reach - ring
+
+
+class MultiCacheMachine(RuleBasedStateMachine):
+    """Lanes, the queue and each cache's written counts and reach, written from the contract; after every
+    operation the session and both caches must agree with it, and every step's outputs with a dense
+    reference per cache."""
+
+    def __init__(self):
+        super().__init__()
+        from flexkv import MultiCacheSession
+
+        self.session = MultiCacheSession({n: BoundedKVManager(c, block_size=8) for n, c in MULTI.items()},
+                                         compile=False)
+        self.refs = {n: ReferenceCache(c) for n, c in MULTI.items()}
+        self.lanes: Dict[str, int] = {}
+        self.written: Dict[str, Dict[str, int]] = {}
+        self.reach: Dict[str, Dict[str, int]] = {}
+        self.queue: List[str] = []
+        self.seed = 0
+
+    def free_lanes(self) -> List[int]:
+        return [lane for lane in range(SLOTS) if lane not in self.lanes.values()]
+
+    def run(self, rid):
+        self.lanes[rid] = self.free_lanes()[0]
+        self.written[rid] = {n: 0 for n in MULTI}
+        self.reach[rid] = {n: 0 for n in MULTI}
+
+    def observed(self):
+        s = self.session
+        return (s.requests, {r: (s.lane(r), s.written(r)) for r in s.requests}, s.waiting,
+                {n: c.slots.snapshot() for n, c in s.caches.items()})
+
+    def refused(self, error, call):
+        before = self.observed()
+        with pytest.raises(error):
+            call()
+        assert self.observed() == before
+
+    @invariant()
+    def matches_the_model(self):
+        s = self.session
+        assert s.requests == tuple(sorted(self.lanes, key=self.lanes.get))
+        assert {r: (s.lane(r), s.written(r)) for r in s.requests} == {
+            r: (self.lanes[r], self.written[r]) for r in self.lanes}
+        assert s.waiting == tuple(self.queue)
+        for n, c in s.caches.items():  # every cache holds exactly the running requests, each where the model says
+            assert sorted(c.requests) == sorted(self.lanes) and c.free_slots == SLOTS - len(self.lanes)
+            assert {r: c.written(r) for r in c.requests} == {r: w[n] for r, w in self.written.items()}
+
+    def pick(self, data, pool):
+        pool = sorted(pool)
+        return data.draw(st.sampled_from(pool) | st.sampled_from(IDS) if pool else st.sampled_from(IDS))
+
+    @rule(rid=st.sampled_from(IDS))
+    def start(self, rid):
+        if rid in self.lanes or rid in self.queue:
+            return self.refused(ValueError, lambda: self.session.start(rid))
+        runs = bool(self.free_lanes())
+        assert self.session.start(rid) is runs
+        self.run(rid) if runs else self.queue.append(rid)
+
+    @rule(rid=st.sampled_from(IDS))
+    def finish(self, rid):
+        if rid in self.queue:
+            self.queue.remove(rid)
+        elif rid in self.lanes:
+            del self.lanes[rid], self.written[rid], self.reach[rid]
+            for ref in self.refs.values():
+                ref.remove_request(rid)
+            while self.queue and self.free_lanes():
+                self.run(self.queue.pop(0))
+        else:
+            return self.refused(ValueError, lambda: self.session.finish(rid))
+        self.session.finish(rid)
+
+    @rule(rid=st.sampled_from(IDS))
+    def reset(self, rid):
+        if rid not in self.lanes and rid not in self.queue:
+            return self.refused(ValueError, lambda: self.session.reset(rid))
+        self.session.reset(rid)
+        if rid in self.lanes:
+            self.written[rid], self.reach[rid] = {n: 0 for n in MULTI}, {n: 0 for n in MULTI}
+            for ref in self.refs.values():
+                ref.reset_request(rid)
+
+    @rule(data=st.data())
+    def fork(self, data):
+        rid = self.pick(data, self.lanes)
+        new = self.pick(data, [r for r in IDS if r not in self.lanes])
+        call = lambda: self.session.fork(rid, new)  # noqa: E731
+        if rid not in self.lanes or new in self.lanes or new in self.queue:
+            return self.refused(ValueError, call)
+        if not self.free_lanes():
+            return self.refused(SlotsExhausted, call)
+        self.session.fork(rid, new)
+        self.lanes[new] = self.free_lanes()[0]
+        self.written[new], self.reach[new] = dict(self.written[rid]), dict(self.reach[rid])
+        for ref in self.refs.values():
+            ref.fork(rid, new)
+
+    @rule(data=st.data())
+    def rollback(self, data):
+        rid = self.pick(data, self.lanes)
+        w = self.written.get(rid, {n: 0 for n in MULTI})
+        tokens = {n: data.draw(st.integers(0, w[n] + 1)) for n in MULTI}
+        if rid not in self.lanes or not all(multi_rollback_ok(MULTI[n], w[n], self.reach[rid][n], tokens[n])
+                                            for n in MULTI):
+            return self.refused(ValueError, lambda: self.session.rollback(rid, tokens))
+        self.session.rollback(rid, tokens)
+        for n in MULTI:
+            w[n] -= tokens[n]
+            self.refs[n].rollback(rid, w[n])
+
+    def feeds(self, fed):
+        self.seed += 1
+        g = torch.Generator().manual_seed(self.seed)
+        return {rid: {n: torch.randn(k * RATE[n], 3, c.num_heads, c.head_dim, generator=g, dtype=torch.float64)
+                      for n, c in MULTI.items()} for rid, k in fed.items()}
+
+    def buckets(self, fed, running):
+        """Each cache's padded T for the running requests' feeds (token sizes `(1, max_step_tokens)`)."""
+        return {n: (1 if max(fed[r] * RATE[n] for r in running) == 1 else c.max_step_tokens) for n, c in MULTI.items()}
+
+    @rule(fed=st.dictionaries(st.sampled_from(IDS), st.integers(1, 2), min_size=1, max_size=4))
+    def step(self, fed):
+        feeds = self.feeds(fed)
+        for rid in fed:  # new requests start, lowest free lane first, in feed order, or wait
+            if rid not in self.lanes and rid not in self.queue:
+                self.run(rid) if self.free_lanes() else self.queue.append(rid)
+        res = self.session.step(feeds, multi_fn)
+        running = [r for r in fed if r in self.lanes]
+        assert res.lanes == {r: self.lanes[r] for r in running}
+        assert sorted(res.waiting) == sorted(r for r in fed if r in self.queue)
+        if not running:
+            return
+        Ts = self.buckets(fed, running)
+        assert {n: res.steps[n].step_tokens for n in MULTI} == Ts
+        for n, c in MULTI.items():
+            x = torch.zeros(len(res.steps[n].segments), Ts[n], 3, c.num_heads, c.head_dim, dtype=torch.float64)
+            for rid in running:
+                x[self.lanes[rid], :fed[rid] * RATE[n]] = feeds[rid][n]
+            for layer in range(c.num_layers):
+                q, k, v = ((x[:, :, i] * (layer + 1)).transpose(1, 2) for i in range(3))
+                want = self.refs[n].attend(layer, q, k, v, res.steps[n]).transpose(1, 2)
+                for rid in running:
+                    check_close(res[rid][n][:, layer], want[self.lanes[rid], :fed[rid] * RATE[n]], 1e-9,
+                                f"cache {n!r}, layer {layer}, request {rid!r}")
+            self.refs[n].commit(res.steps[n])
+        for rid in running:
+            for n in MULTI:
+                self.reach[rid][n] = max(self.reach[rid][n], self.written[rid][n] + Ts[n])
+                self.written[rid][n] += fed[rid] * RATE[n]
+
+    @rule(fed=st.dictionaries(st.sampled_from(IDS), st.integers(1, 2), min_size=1, max_size=4),
+          error=st.sampled_from([None, RuntimeError, KeyboardInterrupt]))
+    def failed_step(self, fed, error):
+        """The slow cache attends every layer, then the fast cache's attend is given bad input (None) or the
+        model raises: neither cache, no lane and no waiting request changes."""
+        new = [r for r in fed if r not in self.lanes and r not in self.queue]
+        if any(r in self.queue for r in fed) or len(new) > len(self.free_lanes()):
+            return  # the model function would not run for every fed request
+        feeds = self.feeds(fed)
+
+        def failing(attn, x):
+            for layer in range(MULTI["slow"].num_layers):
+                attn["slow"](layer, *(x["slow"][:, :, i].transpose(1, 2) for i in range(3)))
+            if error is None:  # the slow cache's head shape in the fast cache
+                return attn["fast"](0, *(x["slow"][:, :, i].transpose(1, 2) for i in range(3)))
+            raise error("the model failed")
+
+        self.refused(ValueError if error is None else error, lambda: self.session.step(feeds, failing))
+        running = [r for r in fed if r in self.lanes]
+        Ts = self.buckets(fed, running + new)
+        for rid in running:  # a planned step may have written its tokens into the ring (contract section 5)
+            for n in MULTI:
+                self.reach[rid][n] = max(self.reach[rid][n], self.written[rid][n] + Ts[n])
+
+
+MultiCacheMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
+test_multi_cache_session_against_its_model = MultiCacheMachine.TestCase
