@@ -338,3 +338,36 @@ def test_fork_reset_rollback_and_finish_apply_to_every_cache():
     check_against_references(refs, s.step(fed, model), fed)
     s.finish("b")
     assert all("b" not in c.requests for c in s.caches.values()) and s.free_lanes == 2
+
+
+# ------------------------------------------------------------------ compiled (the default)
+
+
+def test_the_compiled_step_over_two_caches_is_one_graph_and_equals_eager():
+    """One bucket per cache, so one graph: requests join and leave, each step equals the eager session's."""
+    slow = SLOW.replace(num_layers=1, dtype=torch.float32)
+    fast = FAST.replace(num_layers=1, dtype=torch.float32)
+    kw = dict(token_sizes={"slow": (2,), "fast": (4,)}, block_size=8)
+    compiled = MultiCacheSession({"slow": slow, "fast": fast}, **kw)
+    eager = MultiCacheSession({"slow": slow, "fast": fast}, compile=False, **kw)
+
+    def fn(attn, x):
+        return {name: attn[name](0, *(x[name][:, :, i].transpose(1, 2) for i in range(3))).transpose(1, 2)
+                for name in ("slow", "fast")}
+
+    g = torch.Generator().manual_seed(0)
+    graphs = None
+    for i, rids in enumerate(["a", "ab", "b", "bc"]):
+        fed = {r: {"slow": torch.randn(1 + i % 2, 3, 2, 4, generator=g), "fast": torch.randn(4, 3, 1, 6, generator=g)}
+               for r in rids}
+        got, want = compiled.step(fed, fn), eager.step(fed, fn)
+        for r in rids:
+            for name in ("slow", "fast"):
+                check_close(got[r][name], want[r][name], 1e-5, f"step {i}, cache {name!r}, request {r!r}")
+        if rids == "ab":
+            compiled.finish("a")
+            eager.finish("a")
+        count = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        graphs = count if graphs is None else graphs
+        assert count == graphs, f"step {i} compiled again"
+    assert compiled.written("b") == eager.written("b")
