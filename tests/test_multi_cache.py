@@ -190,6 +190,103 @@ def test_a_model_routes_its_two_stacks_to_their_caches_exactly():
                 check_close(res[rid][name], want[rid][name], 1e-9, f"step {i}, {name!r} stack, request {rid!r}")
 
 
+class TorchTwoRateEncoder(nn.Module):
+    """The same shape of encoder from torch's own `nn.TransformerEncoder` stacks (a model flexkv did not write:
+    fused in-projections, `self_attn(x, x, x, attn_mask=...)`), fast stack, pairs pooled, slow stack. Run over a
+    whole stream with `masks` it is the model without any cache."""
+
+    def __init__(self, activation=None):
+        super().__init__()
+        torch.manual_seed(3)
+
+        def stack(config, layers):
+            width = config.num_heads * config.head_dim
+            # SiLU by default: with relu, torch runs an inference layer with an even head count through a fused
+            # kernel that never calls self_attn (see the test below)
+            layer = nn.TransformerEncoderLayer(width, config.num_heads, 2 * width, dropout=0.0, batch_first=True,
+                                               activation=activation or nn.SiLU())
+            return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+        self.fast = stack(FAST, FAST.num_layers)
+        self.down = nn.Linear(FAST.num_heads * FAST.head_dim, SLOW.num_heads * SLOW.head_dim)
+        self.slow = stack(SLOW, SLOW.num_layers)
+        self.double().eval().requires_grad_(False)
+
+    def forward(self, fast_frames, slow_frames, masks=(None, None)):
+        x = self.fast(fast_frames, mask=masks[0])
+        y = self.slow(self.down(x.unflatten(1, (-1, 2)).mean(2)) + slow_frames, mask=masks[1])
+        return {"fast": x, "slow": y}
+
+
+def mha_through_flexkv(module, attn, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                       average_attn_weights=True, is_causal=False):
+    """`nn.MultiheadAttention.forward` (batch_first) with flexkv's core in place of its attention."""
+    B, T, width = query.shape
+    q, k, v = (t.view(B, T, module.num_heads, -1).transpose(1, 2)
+               for t in nn.functional.linear(query, module.in_proj_weight, module.in_proj_bias).chunk(3, dim=-1))
+    out = attn(q, k, v).transpose(1, 2).reshape(B, T, width)
+    return module.out_proj(out), None
+
+
+def retention_mask(config, n):
+    """Contract section 2 (per-query window) over a whole stream of `n`, as an `attn_mask`: True = not attended."""
+    p, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    sink = config.retention.sink
+    return ~((j <= p) & ((j >= p - config.query_window) | (j < sink)))
+
+
+def test_torch_transformer_stacks_swapped_to_two_caches_equal_the_model_over_whole_streams():
+    from flexkv import swap_attention
+
+    s = session()
+    enc = TorchTwoRateEncoder()
+    swap_attention(enc.fast, s.context["fast"], nn.MultiheadAttention, mha_through_flexkv)
+    swap_attention(enc.slow, s.context["slow"], nn.MultiheadAttention, mha_through_flexkv)
+    plain = TorchTwoRateEncoder()  # the same weights, its own attention
+    g = torch.Generator().manual_seed(5)
+    fast_w, slow_w = enc.fast.layers[0].linear1.in_features, enc.slow.layers[0].linear1.in_features
+    streams = {rid: {"fast": [], "slow": []} for rid in "abc"}
+    outs = {rid: {"fast": [], "slow": []} for rid in "abc"}
+    for lengths in SCHEDULE:
+        fed = {rid: {"fast": torch.randn(2 * n, fast_w, generator=g, dtype=torch.float64),
+                     "slow": torch.randn(n, slow_w, generator=g, dtype=torch.float64)} for rid, n in lengths.items()}
+        res = s.step(fed, lambda attn, x: enc(x["fast"], x["slow"]))
+        for rid in lengths:
+            for name in CONFIGS:
+                streams[rid][name].append(fed[rid][name])
+                outs[rid][name].append(res[rid][name])
+    for rid, stream in streams.items():
+        fast, slow = torch.cat(stream["fast"]), torch.cat(stream["slow"])
+        masks = (retention_mask(FAST, len(fast)), retention_mask(SLOW, len(slow)))
+        want = plain(fast[None], slow[None], masks)
+        assert len(slow) > SLOW.query_window + 3  # far past both windows
+        for name in CONFIGS:
+            check_close(torch.cat(outs[rid][name]), want[name][0], 1e-9, f"request {rid!r}, {name!r} stack")
+
+
+def test_a_stack_whose_attention_torch_bypasses_is_refused_naming_its_cache():
+    """With relu, torch's fused inference path runs the slow stack's layers (two heads) without calling the
+    swapped `self_attn`: the step is refused, naming that cache and its modules, and neither cache changes."""
+    from flexkv import swap_attention
+
+    s = session()
+    enc = TorchTwoRateEncoder(activation="relu")
+    calls = []
+    attn_module = enc.slow.layers[0].self_attn
+    attn_module.forward = lambda *a, **k: (calls.append(1), nn.MultiheadAttention.forward(attn_module, *a, **k))[1]
+    enc.slow.layers[0](torch.zeros(1, 2, 8, dtype=torch.float64))
+    del attn_module.forward
+    if calls:
+        pytest.skip("this torch release calls self_attn on the encoder layer's inference path")
+    swap_attention(enc.fast, s.context["fast"], nn.MultiheadAttention, mha_through_flexkv)
+    swap_attention(enc.slow, s.context["slow"], nn.MultiheadAttention, mha_through_flexkv)
+    before = observed(s)
+    fed = {"a": {"fast": torch.randn(4, 6, dtype=torch.float64), "slow": torch.randn(2, 8, dtype=torch.float64)}}
+    with pytest.raises(AttendanceError, match=r"\(cache 'slow'\).*layers.0.self_attn was never called"):
+        s.step(fed, lambda attn, x: enc(x["fast"], x["slow"]))
+    assert observed(s) == before
+
+
 # ------------------------------------------------------------------ a failed step changes nothing
 
 
