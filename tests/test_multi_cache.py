@@ -468,3 +468,41 @@ def test_the_compiled_step_over_two_caches_is_one_graph_and_equals_eager():
         graphs = count if graphs is None else graphs
         assert count == graphs, f"step {i} compiled again"
     assert compiled.written("b") == eager.written("b")
+
+
+def test_a_model_state_is_carried_per_request_and_only_a_committed_step_changes_it():
+    """`initial_state`: here the running sum of every fast frame a request fed (padding adds zeros), returned
+    under a key that names no cache, so the result cuts it to the request's lane only."""
+    s = session(initial_state=lambda: torch.zeros(3, FAST.num_heads, FAST.head_dim, dtype=torch.float64))
+
+    def fn(attn, x, state):
+        new = state + x["fast"].sum(1)
+        return {**model(attn, x), "total": new}, new
+
+    def failing(attn, x, state):
+        fn(attn, x, state)
+        raise KeyboardInterrupt
+
+    sums = {}
+    for i, lengths in enumerate(SCHEDULE[:4]):
+        fed = feeds(lengths, i)
+        if i == 2:
+            states = {rid: s.state(rid).clone() for rid in s.requests}
+            with pytest.raises(KeyboardInterrupt):
+                s.step(fed, failing)
+            assert all(torch.equal(s.state(rid), st) for rid, st in states.items())
+        res = s.step(fed, fn)
+        for rid in lengths:
+            sums[rid] = sums.get(rid, 0) + fed[rid]["fast"].sum(0)
+            assert res[rid]["total"].shape == (3, FAST.num_heads, FAST.head_dim)
+            check_close(res[rid]["total"], sums[rid], 1e-12, f"step {i}, request {rid!r}")
+            assert res[rid]["fast"].shape[0] == 2 * lengths[rid] and res[rid]["slow"].shape[0] == lengths[rid]
+    with pytest.raises(ValueError, match="carries a model state"):
+        s.rollback("a", {"slow": 1, "fast": 2})
+    s.finish("c")
+    s.fork("a", "d")
+    assert torch.equal(s.state("d"), s.state("a")) and s.state("d") is not s.state("a")
+    s.rollback("d", {"slow": 1, "fast": 2}, state=torch.ones(3, 1, 6, dtype=torch.float64))
+    assert torch.equal(s.state("d"), torch.ones(3, 1, 6, dtype=torch.float64))
+    s.reset("a")
+    assert not s.state("a").any() and s.written("a") == {"slow": 0, "fast": 0}
