@@ -506,3 +506,29 @@ def test_a_model_state_is_carried_per_request_and_only_a_committed_step_changes_
     assert torch.equal(s.state("d"), torch.ones(3, 1, 6, dtype=torch.float64))
     s.reset("a")
     assert not s.state("a").any() and s.written("a") == {"slow": 0, "fast": 0}
+
+
+def test_a_step_function_made_anew_with_other_closure_values_warns_that_it_compiles_again():
+    import warnings as _warnings
+
+    from flexkv import RecompileWarning
+
+    s = MultiCacheSession({"slow": SLOW.replace(dtype=torch.float32), "fast": FAST.replace(dtype=torch.float32)},
+                          token_sizes={"slow": (1,), "fast": (2,)}, block_size=8)
+
+    def make(scale):
+        def stopped(attn, x):  # stops the trace at once: nothing is compiled, the warning comes first
+            raise RuntimeError(f"stopped {scale}")
+        return stopped
+
+    fed = {"a": {"slow": torch.randn(1, 3, 2, 4), "fast": torch.randn(2, 3, 1, 6)}}
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("error", RecompileWarning)
+        with pytest.raises(Exception, match="stopped 1"):
+            s.step(fed, make(1))
+        with pytest.raises(Exception, match="stopped 1"):
+            s.step(fed, make(1))  # the same values: the same step, no warning
+    with pytest.warns(RecompileWarning, match=r"'stopped'.*\(scale\), so the model step compiles again"):
+        with pytest.raises(Exception, match="stopped 2"):
+            s.step(fed, make(2))
+    assert s.requests == () and all(c.requests == () for c in s.caches.values())

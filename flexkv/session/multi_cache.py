@@ -54,6 +54,7 @@ import contextlib
 import itertools
 import threading
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, Iterator, Mapping, Optional, Sequence, Tuple
@@ -64,13 +65,13 @@ from ..cache.groups import build_cache
 from ..cache.protocol import check_cache
 from ..cache.slots import SlotsExhausted
 from ..cache.transaction import StepTransaction
-from ..compiling import fresh_function, watch_recompiles
+from ..compiling import RecompileWarning, fresh_function, watch_recompiles
 from ..config import BoundedKVConfig, is_int
 from ..model.multi_context import MultiStepContext, named_error
 from ..step import BoundedKVStep, Segment, StreamPosition
 from .feeds import flatten, map_tensors, pad_by_lane, parse_feed, unflatten
 from .state import check_new_state, state_factory
-from .step_functions import step_key
+from .step_functions import closure_difference, step_key
 from .stream_session import _RECOMPILE_ADVICE, WHEN_FULL, _sizes
 
 __all__ = ["MultiCacheSession", "MultiStepResult"]
@@ -243,6 +244,7 @@ class MultiCacheSession:
         self._runners: Dict[Any, Callable] = {}
         self._step_codes: Dict[Any, Any] = {}
         self._warm: set = set()
+        self._compiled_code: Dict[Any, Any] = {}  # a step function's code -> the key first compiled with it
         self._guard = threading.Lock()
         self._running: Optional[Tuple[str, int]] = None
 
@@ -484,8 +486,24 @@ class MultiCacheSession:
             fresh = fresh_function(multi_step, f"m{self._id}_{len(self._runners)}")
             self._step_codes[key] = fresh.__code__
             multi_step = torch.compile(fresh, fullgraph=True, dynamic=False)
+            self._warn_if_compiled_before(fn, key)
         self._runners[key] = multi_step
         return multi_step
+
+    def _warn_if_compiled_before(self, fn: Callable, key) -> None:
+        """Say so when a step function of the same code but other closure values compiles again (a lambda
+        capturing a loop variable, made anew every step)."""
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if code is None or self._compiled_code.setdefault(code, key) == key:
+            return
+        differ = closure_difference(fn, key, self._compiled_code[code])
+        warnings.warn(
+            f"MultiCacheSession.step: fn {code.co_name!r} ({code.co_filename}:{code.co_firstlineno}) is a new "
+            f"function with the code of one compiled before but other values{f' ({differ})' if differ else ''}, "
+            f"so the model step compiles again (seconds per compile). Define the step function once, outside the "
+            f"step loop, and pass what changes per step as an input or a buffer",
+            RecompileWarning, stacklevel=7,
+        )
 
     def _parse(self, feeds) -> Dict[Hashable, Dict[Hashable, Any]]:
         if not isinstance(feeds, Mapping) or not feeds:
