@@ -532,3 +532,32 @@ def test_a_step_function_made_anew_with_other_closure_values_warns_that_it_compi
         with pytest.raises(Exception, match="stopped 2"):
             s.step(fed, make(2))
     assert s.requests == () and all(c.requests == () for c in s.caches.values())
+
+
+def test_a_multi_step_context_refuses_a_commit_that_skipped_a_layer_naming_the_cache():
+    caches = {name: BoundedKVManager(c, block_size=8) for name, c in CONFIGS.items()}
+    multi = MultiStepContext(caches)
+    steps = {name: BoundedKVStep((Segment("a", 1),), {"a": StreamPosition(0, 0, 0)}) for name in CONFIGS}
+    x = {name: torch.randn(1, 1, 3, c.num_heads, c.head_dim, dtype=torch.float64) for name, c in CONFIGS.items()}
+    with pytest.raises(AttendanceError, match=r"MultiStepContext.commit \(cache 'slow'\).*cache layers 1 \(of 2\)"):
+        with multi.stepping(steps):
+            multi["slow"](0, *qkv(x["slow"], 0))
+            for layer in range(FAST.num_layers):
+                multi["fast"](layer, *qkv(x["fast"], layer))
+    assert all(c.requests == () for c in caches.values()) and multi.transaction.status == "aborted"
+    with multi.stepping(steps):
+        model(multi, x)
+    assert {name: c.written("a") for name, c in caches.items()} == {"slow": 1, "fast": 1}
+
+
+def test_an_operation_called_from_inside_the_model_is_refused_and_changes_nothing():
+    s = session()
+    s.step(feeds({"a": 1}, 0), model)
+    before = observed(s)
+
+    def reenters(attn, x):
+        s.finish("a")
+
+    with pytest.raises(RuntimeError, match=r"finish\(\) was called while step\(\) runs"):
+        s.step(feeds({"a": 1, "b": 1}, 1), reenters)
+    assert observed(s) == before

@@ -149,7 +149,6 @@ class MultiStepContext(Mapping):
         name = None
         try:
             for name, ctx in self.contexts.items():
-                ctx._commit_where = f"MultiStepContext.commit (cache {name!r})"
                 plans[name] = ctx.begin(steps[name], txn)
         except SlotsExhausted as exc:
             txn.abort()
@@ -176,9 +175,16 @@ class MultiStepContext(Mapping):
             ctx.check_attendance(f"{where} (cache {name!r})")
 
     def commit(self) -> None:
-        """Every cache's commit checks, then every cache's commit: all or nothing."""
+        """Every cache's commit checks (attendance first, naming the cache), then every cache's commit:
+        all or nothing. A check that fails aborts the step in every cache."""
         if self.transaction is None:
             raise ValueError("MultiStepContext.commit: no step was begun; call begin(steps) first")
+        if self.transaction.is_open:
+            try:
+                self.check_attendance()
+            except BaseException:
+                self.transaction.abort()
+                raise
         self.transaction.commit()
 
     def abort(self) -> bool:

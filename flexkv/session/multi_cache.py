@@ -361,7 +361,9 @@ class MultiCacheSession:
             return False
 
     def finish(self, request_id: Hashable) -> None:
-        """End a request in every cache: its lane and slots go to the first waiting requests."""
+        """End a request in every cache: its lane and slots go to the first waiting requests. If
+        starting one of them raises (its `initial_state` fails, an interrupt), the finish has
+        happened, the error is raised after it, and that request keeps its place in the queue."""
         with self._exclusive("finish"):
             if request_id in self._queue:
                 self._queue.remove(request_id)
