@@ -561,3 +561,21 @@ def test_an_operation_called_from_inside_the_model_is_refused_and_changes_nothin
     with pytest.raises(RuntimeError, match=r"finish\(\) was called while step\(\) runs"):
         s.step(feeds({"a": 1, "b": 1}, 1), reenters)
     assert observed(s) == before
+
+
+def test_a_chunk_with_look_ahead_in_one_cache_writes_only_its_span_there():
+    """The fast cache gets 2 look-ahead frames (`Chunk(..., span=2n - 2)`): attended, not written; the slow cache
+    writes everything it is fed."""
+    s, refs = session(), {name: ReferenceCache(c) for name, c in CONFIGS.items()}
+    for i, lengths in enumerate(SCHEDULE[:5]):
+        fed = feeds(lengths, i)
+        for rid, n in lengths.items():
+            fed[rid]["fast"] = Chunk(fed[rid]["fast"], span=2 * n - 2)
+        res = s.step(fed, model)
+        check_against_references(refs, res, fed)
+        assert {rid: res.tokens[rid] for rid in lengths} == {rid: {"slow": n, "fast": 2 * n} for rid, n in
+                                                           lengths.items()}
+    written = {rid: sum(step.get(rid, 0) for step in SCHEDULE[:5]) for rid in "abc"}
+    steps = {rid: sum(1 for step in SCHEDULE[:5] if rid in step) for rid in "abc"}
+    assert {rid: s.written(rid) for rid in "abc"} == {
+        rid: {"slow": n, "fast": 2 * n - 2 * steps[rid]} for rid, n in written.items()}
