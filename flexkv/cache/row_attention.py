@@ -45,9 +45,10 @@ import torch.nn.functional as F
 
 from .layout import Layout
 from .planner import INTERVALS
-from .quantized import dequantize
+from .quantized import dequantize, dequantize_into
 
-__all__ = ["attend_rows", "reads_in_place", "gather_width", "row_geometry", "RowGeometry"]
+__all__ = ["attend_rows", "reads_in_place", "gather_width", "row_geometry", "RowGeometry", "dequantize_scratch",
+           "DEQUANTIZE_GROUP_BYTES"]
 
 _NEG_INF = float("-inf")
 
@@ -235,6 +236,54 @@ def _dense(q, keys, values, geo: RowGeometry, score_mod, want_lse, additive=Fals
     return out.to(q.dtype), lse
 
 
+#: Eagerly, quantized cells are dequantized and attended in groups of batch rows whose dequantized
+#: keys and values take about this many bytes, in a scratch buffer the cache allocates once
+#: (`dequantize_scratch`): a group stays in the CPU's caches between its dequantize and its
+#: attention, where a dequantized copy of a decode step's whole slot pool would go out to memory
+#: and back and, freshly allocated, fault in its pages on every call.
+DEQUANTIZE_GROUP_BYTES = 4 << 20
+
+
+def dequantize_scratch(config, layout: Layout, device) -> torch.Tensor:
+    """The float32 buffer the eager rows path dequantizes groups of batch rows into (quantized
+    slots): `DEQUANTIZE_GROUP_BYTES`, or one batch row of the widest kind if that is more."""
+    width = max(layout.slot_row_len, gather_width(config))
+    row = config.num_heads * width * (config.head_dim + config.value_head_dim)
+    return torch.empty(max(DEQUANTIZE_GROUP_BYTES // 4, row), dtype=torch.float32, device=device)
+
+
+def _dense_dequantized(q, k_cache, v_cache, scales, batch_cells, B, W, geo: RowGeometry, score_mod, want_lse,
+                       additive, scratch):
+    """`_dense` over quantized cells: `batch_cells(x, b0, b1)` gives batch rows `b0..b1` of a layer
+    tensor `x` (cells or scales) as `[b1 - b0, H, W, width]`. With `scratch` (`dequantize_scratch`),
+    groups of rows that fit in it are dequantized there and attended one after the other; without,
+    all rows at once into fresh tensors (compiled, inductor plans the buffers)."""
+    H, D, Dv = q.shape[1], k_cache.shape[-1], v_cache.shape[-1]
+    step = B if scratch is None else max(1, min(B, scratch.numel() // (H * W * (D + Dv))))
+    outs, lses = [], []
+    for b0 in range(0, B, step):
+        b1 = min(B, b0 + step)
+        kv = []
+        for x, sc, off, width in ((k_cache, scales[0], 0, D), (v_cache, scales[1], (b1 - b0) * H * W * D, Dv)):
+            cells, scale = batch_cells(x, b0, b1), batch_cells(sc, b0, b1)
+            if scratch is None:
+                kv.append(dequantize(cells, scale, q.dtype))
+                continue
+            # The buffer laid out as the cells are (heads outermost: [H, rows, W, width] seen as
+            # [rows, H, W, width]), so the widening pass walks both in order.
+            out = scratch[off:off + (b1 - b0) * H * W * width].view(H, b1 - b0, W, width).transpose(0, 1)
+            out = dequantize_into(out, cells, scale)
+            kv.append(out if out.dtype == q.dtype else out.to(q.dtype))
+        part = geo if (b0, b1) == (0, B) else geo._replace(
+            batch_rows=geo.batch_rows[b0:b1], cells=geo.cells[b0:b1], bias=geo.bias[b0:b1], reads=geo.reads[b0:b1])
+        out, lse = _dense(q[b0:b1], kv[0], kv[1], part, score_mod, want_lse, additive)
+        outs.append(out)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs), (torch.cat(lses) if want_lse else None)
+
+
 def attend_rows(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -248,6 +297,7 @@ def attend_rows(
     geometry: Optional[RowGeometry] = None,
     additive: bool = False,
     scales: Optional[tuple] = None,
+    scratch: Optional[torch.Tensor] = None,
 ):
     """Attention of `q` (`[N, H, Q, D]`, already scaled; `Q` may hold a folded GQA group) over the
     cells each row may read, with the mask and score modifications of the FlexAttention path.
@@ -261,10 +311,10 @@ def attend_rows(
     float32; -inf where it reads nothing), as FlexAttention's log-sum-exp. `additive`: `score_mod`
     only adds a term to each score (`RelativePositionScores`); see `_dense`.
     `scales`: `(k_scale, v_scale)`, `[1, H, S, 1]` each, for quantized cells
-    (`flexkv.cache.quantized`): the cells a row reads are dequantized as they are read, into `q`'s dtype.
+    (`flexkv.cache.quantized`): the cells a row reads are dequantized as they are read, into `q`'s dtype;
+    `scratch` (`dequantize_scratch`, eager only) holds them a group of rows at a time.
     """
     N, H, Q, D = q.shape
-    Dv = v_cache.shape[-1]  # values may be narrower or wider than keys
     dev = q.device
     geo = geometry if geometry is not None else row_geometry(layout, plan, mask_mod, Q, q.dtype, width)
     if geo.in_place:
@@ -273,24 +323,25 @@ def attend_rows(
         base = layout.slots_base
         # Each slot row takes its plan row's queries (rows the step leaves out take row 0's, and
         # read nothing): one gather, no zero fill.
-        q_slots = q.index_select(0, geo.batch_rows)
-        keys = k_cache[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, D).transpose(0, 1)
-        values = v_cache[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, Dv).transpose(0, 1)
-        if scales is not None:
-            keys, values = (dequantize(x, s[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, 1).transpose(0, 1),
-                                       q.dtype) for x, s in ((keys, scales[0]), (values, scales[1])))
-        out, lse = _dense(q_slots, keys, values, geo, score_mod, return_lse, additive)
+        q_b = q.index_select(0, geo.batch_rows)
+        B, W = n_slot, Lr
+
+        def batch_cells(x, b0, b1):  # slot rows b0..b1 of the pool, [b1 - b0, H, Lr, width]
+            return x[0, :, base + b0 * Lr:base + b1 * Lr].view(H, b1 - b0, Lr, x.shape[-1]).transpose(0, 1)
+    else:
+        q_b, (B, W) = q, geo.cells.shape
+
+        def batch_cells(x, b0, b1):  # rows b0..b1's cells gathered, [b1 - b0, H, W, width]
+            return x[0].index_select(1, geo.cells[b0:b1].reshape(-1)).view(H, b1 - b0, W, x.shape[-1]).transpose(0, 1)
+    if scales is None:
+        out, lse = _dense(q_b, batch_cells(k_cache, 0, B), batch_cells(v_cache, 0, B), geo, score_mod, return_lse,
+                          additive)
+    else:
+        out, lse = _dense_dequantized(q_b, k_cache, v_cache, scales, batch_cells, B, W, geo, score_mod, return_lse,
+                                      additive, scratch)
+    if geo.in_place:
         out = out.index_select(0, geo.back)
         lse = lse.index_select(0, geo.back) if lse is not None else None
-    else:
-        W = geo.cells.shape[1]
-        flat = geo.cells.view(-1)
-        keys = k_cache[0].index_select(1, flat).view(H, N, W, D).transpose(0, 1)
-        values = v_cache[0].index_select(1, flat).view(H, N, W, Dv).transpose(0, 1)
-        if scales is not None:
-            keys, values = (dequantize(x, s[0].index_select(1, flat).view(H, N, W, 1).transpose(0, 1), q.dtype)
-                            for x, s in ((keys, scales[0]), (values, scales[1])))
-        out, lse = _dense(q, keys, values, geo, score_mod, return_lse, additive)
     reads = geo.row_reads
     out = torch.where(reads.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=dev))
     if return_lse:
