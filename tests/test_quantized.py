@@ -246,14 +246,14 @@ def test_float8_cells_are_widened_through_their_bits_exactly():
 @pytest.mark.parametrize("sources", [False, True])
 def test_the_eager_rows_path_dequantizes_a_group_of_rows_at_a_time_exactly(monkeypatch, slot_dtype, sources):
     """Eagerly the rows path dequantizes into one small buffer, a group of batch rows at a time
-    (`row_attention.DEQUANTIZE_GROUP_BYTES`): with the budget at one row, every row is its own
+    (`quantized_rows.DEQUANTIZE_GROUP_BYTES`): with the budget at one row, every row is its own
     group, in place (no sources, every slot in the step) and gathered (sources), with a score_mod
     and learned sinks (the explicit softmax and its log-sum-exp) and without; exact against the
     reference on the dequantized cells."""
-    from flexkv.cache import row_attention
+    from flexkv.cache import quantized_rows, row_attention
     from flexkv.model.random_workload import RandomWorkload, score_bias
 
-    monkeypatch.setattr(row_attention, "DEQUANTIZE_GROUP_BYTES", 1)
+    monkeypatch.setattr(quantized_rows, "DEQUANTIZE_GROUP_BYTES", 1)
     calls = []
     dense = row_attention._dense
     monkeypatch.setattr(row_attention, "_dense", lambda q, *a, **k: (calls.append(q.shape[0]), dense(q, *a, **k))[1])

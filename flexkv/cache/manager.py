@@ -765,7 +765,7 @@ class BoundedKVManager(TableViews, nn.Module):
                 lambda: row_geometry(lay, plan, self._mask_mod(plan, T, pack), gT, qs.dtype, width))
         out = attend_rows(qs, kc, vc, lay, plan, mask_mod, sm, width=width, return_lse=lse, geometry=geometry,
                           additive=additive, scales=scales,
-                          scratch=None if compiling or scales is None else self._row_scratch)
+                          scratch=None if scales is None else self._row_scratch)
         return out if lse else (out, None)
 
     def _attend_flex(self, qs, kc, vc, plan: BoundedPlan, route: Route, sm, lse: bool):

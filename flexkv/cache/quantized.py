@@ -114,7 +114,9 @@ def _float8_bits_to_float32(out: torch.Tensor, cells: torch.Tensor) -> torch.Ten
     cell is clamped to +-448) would read as a finite number."""
     bits = out.view(torch.int32)
     bits.copy_(cells.view(torch.int8))
-    bits.bitwise_left_shift_(_F8_TO_F32_SHIFT).bitwise_and_(_F8_TO_F32_MASK)
+    # The shift as a multiply (|int8| <= 128, so no product leaves int32): torch's in-place left
+    # shift allocates a result and copies it back.
+    bits.mul_(1 << _F8_TO_F32_SHIFT).bitwise_and_(_F8_TO_F32_MASK)
     return out.mul_(_F8_TO_F32_FACTOR)
 
 

@@ -43,12 +43,12 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from . import quantized_rows
 from .layout import Layout
 from .planner import INTERVALS
-from .quantized import dequantize, dequantize_into
+from .quantized import dequantize
 
-__all__ = ["attend_rows", "reads_in_place", "gather_width", "row_geometry", "RowGeometry", "dequantize_scratch",
-           "DEQUANTIZE_GROUP_BYTES"]
+__all__ = ["attend_rows", "reads_in_place", "gather_width", "row_geometry", "RowGeometry", "dequantize_scratch"]
 
 _NEG_INF = float("-inf")
 
@@ -236,43 +236,36 @@ def _dense(q, keys, values, geo: RowGeometry, score_mod, want_lse, additive=Fals
     return out.to(q.dtype), lse
 
 
-#: Eagerly, quantized cells are dequantized and attended in groups of batch rows whose dequantized
-#: keys and values take about this many bytes, in a scratch buffer the cache allocates once
-#: (`dequantize_scratch`): a group stays in the CPU's caches between its dequantize and its
-#: attention, where a dequantized copy of a decode step's whole slot pool would go out to memory
-#: and back and, freshly allocated, fault in its pages on every call.
-DEQUANTIZE_GROUP_BYTES = 4 << 20
-
-
 def dequantize_scratch(config, layout: Layout, device) -> torch.Tensor:
-    """The float32 buffer the eager rows path dequantizes groups of batch rows into (quantized
-    slots): `DEQUANTIZE_GROUP_BYTES`, or one batch row of the widest kind if that is more."""
+    """The float32 buffer the rows path dequantizes groups of batch rows into (quantized slots):
+    `quantized_rows.DEQUANTIZE_GROUP_BYTES`, or one batch row of the widest kind if that is more."""
     width = max(layout.slot_row_len, gather_width(config))
     row = config.num_heads * width * (config.head_dim + config.value_head_dim)
-    return torch.empty(max(DEQUANTIZE_GROUP_BYTES // 4, row), dtype=torch.float32, device=device)
+    return torch.empty(max(quantized_rows.DEQUANTIZE_GROUP_BYTES // 4, row), dtype=torch.float32, device=device)
 
 
-def _dense_dequantized(q, k_cache, v_cache, scales, batch_cells, B, W, geo: RowGeometry, score_mod, want_lse,
+def _dense_dequantized(q, k_cache, v_cache, scales, cells, base, row_len, geo: RowGeometry, score_mod, want_lse,
                        additive, scratch):
-    """`_dense` over quantized cells: `batch_cells(x, b0, b1)` gives batch rows `b0..b1` of a layer
-    tensor `x` (cells or scales) as `[b1 - b0, H, W, width]`. With `scratch` (`dequantize_scratch`),
-    groups of rows that fit in it are dequantized there and attended one after the other; without,
-    all rows at once into fresh tensors (compiled, inductor plans the buffers)."""
-    H, D, Dv = q.shape[1], k_cache.shape[-1], v_cache.shape[-1]
-    step = B if scratch is None else max(1, min(B, scratch.numel() // (H * W * (D + Dv))))
+    """`_dense` over quantized cells, batch rows as in `quantized_rows.batch_cells`. With `scratch`
+    (`dequantize_scratch`), groups of rows that fit in it are dequantized there and attended one
+    after the other (compiled, a step without `score_mod` or log-sum-exp runs that loop as one op,
+    `quantized_rows.grouped_attention`); without, all rows at once into fresh tensors."""
+    B, H = q.shape[:2]
+    W = geo.bias.shape[-1]
+    D, Dv = k_cache.shape[-1], v_cache.shape[-1]
+    if scratch is not None and torch.compiler.is_compiling():
+        if score_mod is None and not want_lse:
+            return quantized_rows.grouped_attention(q, k_cache, v_cache, scales[0], scales[1], geo.bias, cells, base,
+                                                    row_len, scratch), None
+        scratch = None  # inductor plans the buffers of the traced path
+    step = B if scratch is None else quantized_rows.group_rows(scratch, B, H, W, D + Dv)
     outs, lses = [], []
     for b0 in range(0, B, step):
         b1 = min(B, b0 + step)
         kv = []
-        for x, sc, off, width in ((k_cache, scales[0], 0, D), (v_cache, scales[1], (b1 - b0) * H * W * D, Dv)):
-            cells, scale = batch_cells(x, b0, b1), batch_cells(sc, b0, b1)
-            if scratch is None:
-                kv.append(dequantize(cells, scale, q.dtype))
-                continue
-            # The buffer laid out as the cells are (heads outermost: [H, rows, W, width] seen as
-            # [rows, H, W, width]), so the widening pass walks both in order.
-            out = scratch[off:off + (b1 - b0) * H * W * width].view(H, b1 - b0, W, width).transpose(0, 1)
-            out = dequantize_into(out, cells, scale)
+        for x, sc, off in ((k_cache, scales[0], 0), (v_cache, scales[1], (b1 - b0) * H * W * D)):
+            c, s = (quantized_rows.batch_cells(t, b0, b1, cells, base, row_len) for t in (x, sc))
+            out = dequantize(c, s, q.dtype) if scratch is None else quantized_rows.dequantized_group(scratch, off, c, s)
             kv.append(out if out.dtype == q.dtype else out.to(q.dtype))
         part = geo if (b0, b1) == (0, B) else geo._replace(
             batch_rows=geo.batch_rows[b0:b1], cells=geo.cells[b0:b1], bias=geo.bias[b0:b1], reads=geo.reads[b0:b1])
@@ -312,32 +305,23 @@ def attend_rows(
     only adds a term to each score (`RelativePositionScores`); see `_dense`.
     `scales`: `(k_scale, v_scale)`, `[1, H, S, 1]` each, for quantized cells
     (`flexkv.cache.quantized`): the cells a row reads are dequantized as they are read, into `q`'s dtype;
-    `scratch` (`dequantize_scratch`, eager only) holds them a group of rows at a time.
+    `scratch` (`dequantize_scratch`) holds them a group of rows at a time.
     """
     N, H, Q, D = q.shape
     dev = q.device
     geo = geometry if geometry is not None else row_geometry(layout, plan, mask_mod, Q, q.dtype, width)
     if geo.in_place:
-        Lr = layout.slot_row_len
-        n_slot = layout.max_slots * layout.rows_per_request
-        base = layout.slots_base
         # Each slot row takes its plan row's queries (rows the step leaves out take row 0's, and
         # read nothing): one gather, no zero fill.
-        q_b = q.index_select(0, geo.batch_rows)
-        B, W = n_slot, Lr
-
-        def batch_cells(x, b0, b1):  # slot rows b0..b1 of the pool, [b1 - b0, H, Lr, width]
-            return x[0, :, base + b0 * Lr:base + b1 * Lr].view(H, b1 - b0, Lr, x.shape[-1]).transpose(0, 1)
+        q_b, cells, base, row_len = q.index_select(0, geo.batch_rows), None, layout.slots_base, layout.slot_row_len
+        B = layout.max_slots * layout.rows_per_request
     else:
-        q_b, (B, W) = q, geo.cells.shape
-
-        def batch_cells(x, b0, b1):  # rows b0..b1's cells gathered, [b1 - b0, H, W, width]
-            return x[0].index_select(1, geo.cells[b0:b1].reshape(-1)).view(H, b1 - b0, W, x.shape[-1]).transpose(0, 1)
+        q_b, cells, base, row_len, B = q, geo.cells, 0, 0, N
     if scales is None:
-        out, lse = _dense(q_b, batch_cells(k_cache, 0, B), batch_cells(v_cache, 0, B), geo, score_mod, return_lse,
-                          additive)
+        keys, values = (quantized_rows.batch_cells(x, 0, B, cells, base, row_len) for x in (k_cache, v_cache))
+        out, lse = _dense(q_b, keys, values, geo, score_mod, return_lse, additive)
     else:
-        out, lse = _dense_dequantized(q_b, k_cache, v_cache, scales, batch_cells, B, W, geo, score_mod, return_lse,
+        out, lse = _dense_dequantized(q_b, k_cache, v_cache, scales, cells, base, row_len, geo, score_mod, return_lse,
                                       additive, scratch)
     if geo.in_place:
         out = out.index_select(0, geo.back)

@@ -1,0 +1,88 @@
+"""The rows path over quantized cells inside a compiled graph: one opaque op.
+
+Traced by inductor, the rows path's dequantize of a decode step (every cell
+of the layer's slot pool) becomes fresh full-size buffers in the cache's dtype
+on every call: a pass out to memory and back that faults in new pages each
+time (the FlexAttention path's dequantized copy of the layer costs the same).
+Eagerly, the rows path instead dequantizes a group of batch rows at a time
+into one small buffer the cache allocates once, and attends each group while
+its cells are still in the CPU's caches (`row_attention.DEQUANTIZE_GROUP_BYTES`).
+
+`grouped_attention` is that eager loop registered as a custom op
+(`flexkv::quantized_rows_attention`), so a compiled step runs it as written:
+inductor sees only its inputs (the step's queries, the layer's cells and
+scales, the mask bias), the output, and the scratch buffer it writes. It
+covers the step with no `score_mod` and no log-sum-exp (plain
+`scaled_dot_product_attention` per group); a step with either runs the
+traced rows path.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .quantized import dequantize_into
+
+__all__ = ["grouped_attention", "group_rows", "batch_cells", "dequantized_group", "DEQUANTIZE_GROUP_BYTES"]
+
+#: Quantized cells are dequantized and attended in groups of batch rows whose float32 keys and
+#: values take about this many bytes, in a buffer the cache allocates once
+#: (`row_attention.dequantize_scratch`): a group stays in the CPU's caches between its dequantize
+#: and its attention.
+DEQUANTIZE_GROUP_BYTES = 4 << 20
+
+
+def group_rows(scratch: torch.Tensor, rows: int, heads: int, width: int, cell_width: int) -> int:
+    """How many batch rows of `width` cells over `heads` heads (`cell_width` numbers of a key and a
+    value together) fit in `scratch` at a time (at least one: the cache sizes it for one)."""
+    return max(1, min(rows, scratch.numel() // (heads * width * cell_width)))
+
+
+def batch_cells(x: torch.Tensor, b0: int, b1: int, cells: Optional[torch.Tensor], base: int, row_len: int):
+    """Batch rows `b0..b1` of layer tensor `x` (`[1, H, S, width]`: cells or scales) as
+    `[b1 - b0, H, W, width]`: slot rows read in place (`cells` None: `row_len` cells from `base`
+    per slot row) or each row's cells gathered (`cells`: `[B, W]` cell indices)."""
+    H, w = x.shape[1], x.shape[-1]
+    if cells is None:
+        return x[0, :, base + b0 * row_len:base + b1 * row_len].view(H, b1 - b0, row_len, w).transpose(0, 1)
+    W = cells.shape[1]
+    return x[0].index_select(1, cells[b0:b1].reshape(-1)).view(H, b1 - b0, W, w).transpose(0, 1)
+
+
+def dequantized_group(scratch: torch.Tensor, offset: int, cells: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`cells * scale` (`[rows, H, W, width]`) written into `scratch` from `offset`, laid out as the
+    cells are (heads outermost), so the widening pass walks both in order; float32."""
+    rows, H, W, w = cells.shape
+    out = scratch[offset:offset + rows * H * W * w].view(H, rows, W, w).transpose(0, 1)
+    return dequantize_into(out, cells, scale)
+
+
+@torch.library.custom_op("flexkv::quantized_rows_attention", mutates_args=("scratch",))
+def grouped_attention(q: torch.Tensor, k_cells: torch.Tensor, v_cells: torch.Tensor, k_scale: torch.Tensor,
+                      v_scale: torch.Tensor, bias: torch.Tensor, cells: Optional[torch.Tensor], base: int,
+                      row_len: int, scratch: torch.Tensor) -> torch.Tensor:
+    """Attention of `q` (`[B, H, Q, D]`, scaled) over quantized cells with an additive mask `bias`
+    (`[B, 1, Q, W]`), a group of batch rows at a time dequantized into `scratch` (float32).
+    Batch rows as in `batch_cells`. Returns `[B, H, Q, Dv]` in `q`'s dtype."""
+    B, H = q.shape[:2]
+    W = bias.shape[-1]
+    D, Dv = k_cells.shape[-1], v_cells.shape[-1]
+    step = group_rows(scratch, B, H, W, D + Dv)
+    outs = []
+    for b0 in range(0, B, step):
+        b1 = min(B, b0 + step)
+        keys = dequantized_group(scratch, 0, batch_cells(k_cells, b0, b1, cells, base, row_len),
+                                 batch_cells(k_scale, b0, b1, cells, base, row_len))
+        values = dequantized_group(scratch, (b1 - b0) * H * W * D, batch_cells(v_cells, b0, b1, cells, base, row_len),
+                                   batch_cells(v_scale, b0, b1, cells, base, row_len))
+        outs.append(F.scaled_dot_product_attention(q[b0:b1], keys.to(q.dtype), values.to(q.dtype),
+                                                   attn_mask=bias[b0:b1], scale=1.0))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+@grouped_attention.register_fake
+def _(q, k_cells, v_cells, k_scale, v_scale, bias, cells, base, row_len, scratch):
+    return q.new_empty(q.shape[:3] + (v_cells.shape[-1],))
