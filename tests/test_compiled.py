@@ -222,10 +222,9 @@ def test_quantized_slots_compiled_without_a_score_mod_run_the_grouped_dequantize
 
     monkeypatch.setattr(quantized_rows, "DEQUANTIZE_GROUP_BYTES", 1)  # one batch row per group
     groups = []
-    group = quantized_rows.dequantized_group
-    monkeypatch.setattr(quantized_rows, "dequantized_group",
-                        lambda scratch, off, cells, scale: (groups.append(cells.shape[0]), group(scratch, off, cells,
-                                                                                                  scale))[1])
+    for name in ("dequantized_group", "widened_group"):  # every group's keys and values pass one of them
+        fn = getattr(quantized_rows, name)
+        monkeypatch.setattr(quantized_rows, name, lambda s, o, c, *a, fn=fn: (groups.append(c.shape[0]), fn(s, o, c, *a))[1])
     cfg = BoundedKVConfig(
         num_layers=2, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=5 if sources else 0,
         retention=SinkWindow(2, 6), max_step_tokens=2, max_slots=3, max_sources=1 if sources else 0,

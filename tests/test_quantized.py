@@ -250,13 +250,14 @@ def test_the_eager_rows_path_dequantizes_a_group_of_rows_at_a_time_exactly(monke
     group, in place (no sources, every slot in the step) and gathered (sources), with a score_mod
     and learned sinks (the explicit softmax and its log-sum-exp) and without; exact against the
     reference on the dequantized cells."""
-    from flexkv.cache import quantized_rows, row_attention
+    from flexkv.cache import quantized_rows
     from flexkv.model.random_workload import RandomWorkload, score_bias
 
     monkeypatch.setattr(quantized_rows, "DEQUANTIZE_GROUP_BYTES", 1)
     calls = []
-    dense = row_attention._dense
-    monkeypatch.setattr(row_attention, "_dense", lambda q, *a, **k: (calls.append(q.shape[0]), dense(q, *a, **k))[1])
+    for name in ("dequantized_group", "widened_group"):  # every group's keys and values pass one of them
+        fn = getattr(quantized_rows, name)
+        monkeypatch.setattr(quantized_rows, name, lambda s, o, c, *a, fn=fn: (calls.append(c.shape[0]), fn(s, o, c, *a))[1])
     cfg = BoundedKVConfig(num_layers=2, num_heads=2, head_dim=8, rows_per_request=1,
                           max_source_len=12 if sources else 0, max_sources=2 if sources else 0,
                           retention=SinkWindow(2, 6), max_slots=3, max_step_tokens=2, slot_dtype=slot_dtype)

@@ -43,7 +43,7 @@ import torch
 from ..config import SLOT_DTYPES
 
 __all__ = ["SLOT_DTYPES", "SLOT_DTYPE_NAMES", "SCALE_DTYPE", "slot_dtype_named", "quantize", "dequantize",
-           "dequantize_into",
+           "dequantize_into", "widen_into",
            "round_trip", "cell_bytes", "key_scale_score_mod"]
 
 #: The largest magnitude each cell dtype holds after scaling.
@@ -89,11 +89,14 @@ def dequantize_into(out: torch.Tensor, cells: torch.Tensor, scale: torch.Tensor)
     from int8 runs several times slower on the CPU. float8 e4m3 cells are widened through their
     bits (`_float8_bits_to_float32`), since torch widens float8 one element at a time on the CPU,
     some fifty times slower than int8. Both give exactly `cells.to(float32) * scale`."""
+    return widen_into(out, cells).mul_(scale)
+
+
+def widen_into(out: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+    """The cells as float32 numbers, unscaled (`cells.to(float32)`, exactly), written into `out`."""
     if cells.dtype == torch.float8_e4m3fn and cells.device.type == "cpu":
-        _float8_bits_to_float32(out, cells)
-    else:
-        out.copy_(cells)
-    return out.mul_(scale)
+        return _float8_bits_to_float32(out, cells)
+    return out.copy_(cells)
 
 
 #: float8 e4m3 bits `s eeee mmm` placed as float32 `s 0000eeee mmm0...`: that float32 is the float8

@@ -24,9 +24,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .quantized import dequantize_into
+from .quantized import dequantize_into, widen_into
 
-__all__ = ["grouped_attention", "group_rows", "batch_cells", "dequantized_group", "DEQUANTIZE_GROUP_BYTES"]
+__all__ = ["grouped_attention", "group_rows", "batch_cells", "dequantized_group", "widened_group",
+           "DEQUANTIZE_GROUP_BYTES"]
 
 #: Quantized cells are dequantized and attended in groups of batch rows whose float32 keys and
 #: values take about this many bytes, in a buffer the cache allocates once
@@ -52,12 +53,21 @@ def batch_cells(x: torch.Tensor, b0: int, b1: int, cells: Optional[torch.Tensor]
     return x[0].index_select(1, cells[b0:b1].reshape(-1)).view(H, b1 - b0, W, w).transpose(0, 1)
 
 
-def dequantized_group(scratch: torch.Tensor, offset: int, cells: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`cells * scale` (`[rows, H, W, width]`) written into `scratch` from `offset`, laid out as the
-    cells are (heads outermost), so the widening pass walks both in order; float32."""
+def _group_buffer(scratch: torch.Tensor, offset: int, cells: torch.Tensor) -> torch.Tensor:
+    """The part of `scratch` from `offset` shaped as `cells` (`[rows, H, W, width]`) and laid out as
+    they are (heads outermost), so a widening pass walks both in order."""
     rows, H, W, w = cells.shape
-    out = scratch[offset:offset + rows * H * W * w].view(H, rows, W, w).transpose(0, 1)
-    return dequantize_into(out, cells, scale)
+    return scratch[offset:offset + rows * H * W * w].view(H, rows, W, w).transpose(0, 1)
+
+
+def dequantized_group(scratch: torch.Tensor, offset: int, cells: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`cells * scale` (`[rows, H, W, width]`) written into `scratch` from `offset`; float32."""
+    return dequantize_into(_group_buffer(scratch, offset, cells), cells, scale)
+
+
+def widened_group(scratch: torch.Tensor, offset: int, cells: torch.Tensor) -> torch.Tensor:
+    """`cells` as float32 numbers, unscaled, written into `scratch` from `offset`."""
+    return widen_into(_group_buffer(scratch, offset, cells), cells)
 
 
 @torch.library.custom_op("flexkv::quantized_rows_attention", mutates_args=("scratch",))
@@ -65,19 +75,34 @@ def grouped_attention(q: torch.Tensor, k_cells: torch.Tensor, v_cells: torch.Ten
                       v_scale: torch.Tensor, bias: torch.Tensor, cells: Optional[torch.Tensor], base: int,
                       row_len: int, scratch: torch.Tensor) -> torch.Tensor:
     """Attention of `q` (`[B, H, Q, D]`, scaled) over quantized cells with an additive mask `bias`
-    (`[B, 1, Q, W]`), a group of batch rows at a time dequantized into `scratch` (float32).
-    Batch rows as in `batch_cells`. Returns `[B, H, Q, Dv]` in `q`'s dtype."""
+    (`[B, 1, Q, W]`), a group of batch rows at a time widened into `scratch` (float32). Batch rows
+    as in `batch_cells`. Returns `[B, H, Q, Dv]` in `q`'s dtype.
+
+    float32 queries: the scales are applied to the scores and the probabilities instead of the
+    cells (`softmax(q.k * k_scale + bias)`, then `(p * v_scale) @ v`), which saves two passes over
+    the widened cells; the products round differently from the reference's `q.(k * k_scale)` by
+    a few float32 ulps. Other dtypes: the cells are dequantized and run through
+    `scaled_dot_product_attention` in `q`'s dtype, as the reference computes."""
     B, H = q.shape[:2]
     W = bias.shape[-1]
     D, Dv = k_cells.shape[-1], v_cells.shape[-1]
     step = group_rows(scratch, B, H, W, D + Dv)
+    fused = q.dtype == torch.float32
     outs = []
     for b0 in range(0, B, step):
         b1 = min(B, b0 + step)
-        keys = dequantized_group(scratch, 0, batch_cells(k_cells, b0, b1, cells, base, row_len),
-                                 batch_cells(k_scale, b0, b1, cells, base, row_len))
-        values = dequantized_group(scratch, (b1 - b0) * H * W * D, batch_cells(v_cells, b0, b1, cells, base, row_len),
-                                   batch_cells(v_scale, b0, b1, cells, base, row_len))
+        n = b1 - b0
+        ks, vs = (batch_cells(x, b0, b1, cells, base, row_len) for x in (k_scale, v_scale))
+        kc, vc = (batch_cells(x, b0, b1, cells, base, row_len) for x in (k_cells, v_cells))
+        if fused:
+            keys = widened_group(scratch, 0, kc)
+            values = widened_group(scratch, n * H * W * D, vc)
+            scores = torch.addcmul(bias[b0:b1], torch.matmul(q[b0:b1], keys.transpose(-1, -2)), ks.transpose(-1, -2))
+            probs = torch.softmax(scores, dim=-1).mul_(vs.transpose(-1, -2))
+            outs.append(torch.matmul(probs, values))
+            continue
+        keys = dequantized_group(scratch, 0, kc, ks)
+        values = dequantized_group(scratch, n * H * W * D, vc, vs)
         outs.append(F.scaled_dot_product_attention(q[b0:b1], keys.to(q.dtype), values.to(q.dtype),
                                                    attn_mask=bias[b0:b1], scale=1.0))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -248,15 +248,16 @@ def _dense_dequantized(q, k_cache, v_cache, scales, cells, base, row_len, geo: R
                        additive, scratch):
     """`_dense` over quantized cells, batch rows as in `quantized_rows.batch_cells`. With `scratch`
     (`dequantize_scratch`), groups of rows that fit in it are dequantized there and attended one
-    after the other (compiled, a step without `score_mod` or log-sum-exp runs that loop as one op,
-    `quantized_rows.grouped_attention`); without, all rows at once into fresh tensors."""
+    after the other: a step without `score_mod` or log-sum-exp as one op
+    (`quantized_rows.grouped_attention`, opaque to a compiled graph), others eagerly here; without
+    (or compiled with either), all rows at once into fresh tensors."""
     B, H = q.shape[:2]
     W = geo.bias.shape[-1]
     D, Dv = k_cache.shape[-1], v_cache.shape[-1]
-    if scratch is not None and torch.compiler.is_compiling():
-        if score_mod is None and not want_lse:
-            return quantized_rows.grouped_attention(q, k_cache, v_cache, scales[0], scales[1], geo.bias, cells, base,
-                                                    row_len, scratch), None
+    if scratch is not None and score_mod is None and not want_lse:
+        return quantized_rows.grouped_attention(q, k_cache, v_cache, scales[0], scales[1], geo.bias, cells, base,
+                                                row_len, scratch), None
+    if torch.compiler.is_compiling():
         scratch = None  # inductor plans the buffers of the traced path
     step = B if scratch is None else quantized_rows.group_rows(scratch, B, H, W, D + Dv)
     outs, lses = [], []
