@@ -17,7 +17,9 @@ values separately:
   range rather than clipped.
 - **read** (`dequantize`): `cells.float() * scale`, cast to the cache's
   `dtype`, where a path reads cells: the rows path (eager and compiled CPU)
-  as it gathers a row's cells; the FlexAttention path on a dequantized copy
+  a group of rows at a time (`flexkv.cache.quantized_rows`; float32 steps
+  apply the scales to the scores and probabilities instead, equal to a few
+  ulps); the FlexAttention path on a dequantized copy
   of the layer tensor (a value scale per cell cannot be applied inside one
   softmax, and FlexAttention's CPU kernel and eager mode take no mixed
   dtypes).
