@@ -244,16 +244,20 @@ def test_float8_cells_are_widened_through_their_bits_exactly():
 
 @pytest.mark.parametrize("slot_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("sources", [False, True])
-def test_the_eager_rows_path_dequantizes_a_group_of_rows_at_a_time_exactly(monkeypatch, slot_dtype, sources):
+@pytest.mark.parametrize("fused_queries", [8, 0])
+def test_the_eager_rows_path_dequantizes_a_group_of_rows_at_a_time_exactly(monkeypatch, slot_dtype, sources,
+                                                                           fused_queries):
     """Eagerly the rows path dequantizes into one small buffer, a group of batch rows at a time
     (`quantized_rows.DEQUANTIZE_GROUP_BYTES`): with the budget at one row, every row is its own
     group, in place (no sources, every slot in the step) and gathered (sources), with a score_mod
     and learned sinks (the explicit softmax and its log-sum-exp) and without; exact against the
-    reference on the dequantized cells."""
+    reference on the dequantized cells; scales on the scores (the decode default) and on the
+    cells (`fused_queries=0`: the dequantize before SDPA that longer query blocks take)."""
     from flexkv.cache import quantized_rows
     from flexkv.model.random_workload import RandomWorkload, score_bias
 
     monkeypatch.setattr(quantized_rows, "DEQUANTIZE_GROUP_BYTES", 1)
+    monkeypatch.setattr(quantized_rows, "FUSED_SCALES_MAX_QUERIES", fused_queries)
     calls = []
     for name in ("dequantized_group", "widened_group"):  # every group's keys and values pass one of them
         fn = getattr(quantized_rows, name)

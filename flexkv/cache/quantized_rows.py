@@ -27,13 +27,17 @@ import torch.nn.functional as F
 from .quantized import dequantize_into, widen_into
 
 __all__ = ["grouped_attention", "group_rows", "batch_cells", "dequantized_group", "widened_group",
-           "DEQUANTIZE_GROUP_BYTES"]
+           "DEQUANTIZE_GROUP_BYTES", "FUSED_SCALES_MAX_QUERIES"]
 
 #: Quantized cells are dequantized and attended in groups of batch rows whose float32 keys and
 #: values take about this many bytes, in a buffer the cache allocates once
 #: (`row_attention.dequantize_scratch`): a group stays in the CPU's caches between its dequantize
 #: and its attention.
 DEQUANTIZE_GROUP_BYTES = 4 << 20
+#: Up to this many queries per batch row and head (a decode step's, a GQA group folded in), float32
+#: steps apply the scales to scores and probabilities (`grouped_attention`); longer query blocks
+#: dequantize the cells for the fused attention kernel, which is faster there.
+FUSED_SCALES_MAX_QUERIES = 8
 
 
 def group_rows(scratch: torch.Tensor, rows: int, heads: int, width: int, cell_width: int) -> int:
@@ -78,16 +82,16 @@ def grouped_attention(q: torch.Tensor, k_cells: torch.Tensor, v_cells: torch.Ten
     (`[B, 1, Q, W]`), a group of batch rows at a time widened into `scratch` (float32). Batch rows
     as in `batch_cells`. Returns `[B, H, Q, Dv]` in `q`'s dtype.
 
-    float32 queries: the scales are applied to the scores and the probabilities instead of the
-    cells (`softmax(q.k * k_scale + bias)`, then `(p * v_scale) @ v`), which saves two passes over
+    float32 queries, at most `FUSED_SCALES_MAX_QUERIES` per row and head (decode): the scales are
+    applied to the scores and the probabilities instead of the cells (`softmax(q.k * k_scale + bias)`, then `(p * v_scale) @ v`), which saves two passes over
     the widened cells; the products round differently from the reference's `q.(k * k_scale)` by
-    a few float32 ulps. Other dtypes: the cells are dequantized and run through
+    a few float32 ulps. Otherwise the cells are dequantized and run through
     `scaled_dot_product_attention` in `q`'s dtype, as the reference computes."""
     B, H = q.shape[:2]
     W = bias.shape[-1]
     D, Dv = k_cells.shape[-1], v_cells.shape[-1]
     step = group_rows(scratch, B, H, W, D + Dv)
-    fused = q.dtype == torch.float32
+    fused = q.dtype == torch.float32 and q.shape[2] <= FUSED_SCALES_MAX_QUERIES
     outs = []
     for b0 in range(0, B, step):
         b1 = min(B, b0 + step)
