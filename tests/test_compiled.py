@@ -211,6 +211,33 @@ def test_quantized_slots_compiled_with_sources_cfg_rows_and_gqa():
     assert max(work.ref.streams[r][0][0].shape[2] for r in work.ref.streams) > 2 * cfg.window_capacity
 
 
+@pytest.mark.parametrize("slot_dtype, sources, tokens", [(torch.int8, False, 1), (torch.float8_e4m3fn, True, 2)])
+def test_quantized_slots_compiled_without_a_score_mod_run_the_grouped_dequantize_op(monkeypatch, slot_dtype, sources,
+                                                                                    tokens):
+    """Compiled on the CPU, a quantized step with no score_mod runs the rows path as one op
+    (`quantized_rows.grouped_attention`: a group of rows dequantized into the cache's scratch and
+    attended at a time), in place (no sources) and gathered (sources), decode and chunked, with GQA,
+    through ring wraps and without recompiling, against the reference on the dequantized cells."""
+    from flexkv.cache import quantized_rows
+
+    monkeypatch.setattr(quantized_rows, "DEQUANTIZE_GROUP_BYTES", 1)  # one batch row per group
+    groups = []
+    for name in ("dequantized_group", "widened_group"):  # every group's keys and values pass one of them
+        fn = getattr(quantized_rows, name)
+        monkeypatch.setattr(quantized_rows, name, lambda s, o, c, *a, fn=fn: (groups.append(c.shape[0]), fn(s, o, c, *a))[1])
+    cfg = BoundedKVConfig(
+        num_layers=2, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=5 if sources else 0,
+        retention=SinkWindow(2, 6), max_step_tokens=2, max_slots=3, max_sources=1 if sources else 0,
+        slot_dtype=slot_dtype,
+    )
+    work = compiled_workload(cfg, q_heads=4, tokens=tokens, seed=7, segments=3, churn=0.05, full_blocks=False)
+    assert work.manager.path_for(tokens) == "rows"
+    run_without_recompiles(work, 40)
+    assert work.worst_relative < 1e-5
+    assert groups and set(groups) == {1}  # the op ran, a row at a time
+    assert max(work.ref.streams[r][0][0].shape[2] for r in work.ref.streams) > 2 * cfg.window_capacity
+
+
 @pytest.mark.parametrize("slot_dtype", [torch.int8, torch.float8_e4m3fn])
 def test_quantized_slots_through_compiled_flex_attention_on_the_cpu(slot_dtype):
     """path="flex" with quantized slots, compiled on the CPU, reads the dequantized layer exactly

@@ -190,15 +190,21 @@ def test_attention_options_are_fixed_when_the_cache_is_built():
     assert AttentionOptions.for_cache(cfg, "meta").full_blocks and not AttentionOptions.for_cache(cfg, "cpu").full_blocks
 
 
-@pytest.mark.parametrize("device, tokens, compiled, score_mod, sinks, route", [
+@pytest.mark.parametrize("device, tokens, compiled, score_mod, sinks, quantized, route", [
     # compiled CPU decode: the shared kernel where this torch's region tracing is tested, else inline
-    ("cpu", 1, True, False, False, ("region" if shares_flex_kernel("cpu") else "flex", True, True)),
-    ("cpu", 1, True, True, False, ("flex", True, True)),      # a score_mod is traced inline
-    ("cpu", 1, True, False, True, ("rows", True, False)),     # no log-sum-exp from the CPU kernel
-    ("cpu", 4, True, False, False, ("rows", True, False)),    # compiled CPU chunk
-    ("cpu", 1, False, False, False, ("rows", True, False)),   # eager
-    ("meta", 1, True, False, True, ("flex", False, False)),   # CUDA's defaults: inline, unpacked
+    ("cpu", 1, True, False, False, False, ("region" if shares_flex_kernel("cpu") else "flex", True, True)),
+    ("cpu", 1, True, True, False, False, ("flex", True, True)),      # a score_mod is traced inline
+    ("cpu", 1, True, False, True, False, ("rows", True, False)),     # no log-sum-exp from the CPU kernel
+    ("cpu", 4, True, False, False, False, ("rows", True, False)),    # compiled CPU chunk
+    ("cpu", 1, False, False, False, False, ("rows", True, False)),   # eager
+    # quantized compiled CPU decode: the rows path's grouped dequantize (quantized_rows), several
+    # times faster there than FlexAttention over the layer's dequantized copy (docs/benchmarks.md)
+    ("cpu", 1, True, False, False, True, ("rows", True, False)),
+    ("cpu", 1, True, True, False, True, ("rows", True, False)),
+    ("meta", 1, True, False, True, False, ("flex", False, False)),   # CUDA's defaults: inline, unpacked
+    ("meta", 1, True, False, False, True, ("flex", False, False)),   # quantized there too
 ])
-def test_one_route_per_call(device, tokens, compiled, score_mod, sinks, route):
+def test_one_route_per_call(device, tokens, compiled, score_mod, sinks, quantized, route):
     opts = AttentionOptions.for_cache(_config(), device)
-    assert tuple(opts.route(device, tokens, 2, compiled, score_mod=score_mod, sinks=sinks)) == route
+    assert tuple(opts.route(device, tokens, 2, compiled, score_mod=score_mod, sinks=sinks,
+                            quantized=quantized)) == route

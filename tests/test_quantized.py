@@ -32,10 +32,13 @@ def test_a_streams_memory_at_the_same_window_is_at_most_055_of_bfloat16(slot_dty
     # Cells of one byte plus a float32 scale per cell and head, for keys and values.
     cells = small.layout.slot_cells() * 2 * 8 * 2
     assert small.slot_bytes == cells * (128 + 4)
-    # memory_bytes counts every buffer the cache holds, scales included.
+    # memory_bytes counts every buffer the cache holds, scales included, and the fixed float32
+    # buffer the eager rows path dequantizes a group of rows into (one slot row here, whose
+    # float32 keys and values outweigh the 4 MiB a group aims at).
     held = sum(b.numel() * b.element_size() for b in small.buffers() if b.dtype in (slot_dtype, torch.float32))
-    assert small.memory_bytes == held
-    assert small.memory_bytes <= 0.55 * full.memory_bytes
+    scratch = small.layout.slot_row_len * 8 * (128 + 128) * 4
+    assert small.memory_bytes == held + scratch
+    assert small.memory_bytes - scratch <= 0.55 * full.memory_bytes
     # Off the CPU ("meta" plans as CUDA) FlexAttention reads a dequantized copy of one layer: counted too.
     cuda_like = BoundedKVManager(config(slot_dtype=slot_dtype), "meta")
     one_layer = full.memory_bytes // 2
@@ -220,3 +223,53 @@ def test_forked_reordered_and_rolled_back_quantized_streams_attend_as_the_quanti
     assert len(runs[0]) == len(runs[1]) > 40
     for i, (got, want) in enumerate(zip(*runs)):
         assert (got - want).abs().max().item() < 1e-6, f"attend call {i}"
+
+
+def test_float8_cells_are_widened_through_their_bits_exactly():
+    """The CPU reads float8 cells through their bits (`quantized._float8_bits_to_float32`): every
+    finite e4m3 value, subnormals and both zeros included, times scales small and large, gives
+    exactly `cells.to(float32) * scale`; int8 cells likewise."""
+    f8 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scale = torch.tensor([1.0, 3.7e-3, 2.0 ** -40, 2.0 ** 100]).view(4, 1, 1)
+    cells = f8.view(1, 64, 4).expand(4, 64, 4).contiguous()
+    want = cells.to(torch.float32) * scale
+    got = quantized.dequantize(cells, scale, torch.float32)
+    finite = ~torch.isnan(want)
+    assert int(finite.sum()) == 4 * 254 and torch.equal(got[finite], want[finite])
+    assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite]))  # -0 stays -0
+    i8 = torch.arange(-128, 128, dtype=torch.int8).view(1, 64, 4).expand(4, 64, 4).contiguous()
+    assert torch.equal(quantized.dequantize(i8, scale, torch.float32), i8.to(torch.float32) * scale)
+    assert torch.equal(quantized.dequantize(cells, scale, torch.bfloat16)[finite], want.bfloat16()[finite])
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("sources", [False, True])
+@pytest.mark.parametrize("fused_queries", [8, 0])
+def test_the_eager_rows_path_dequantizes_a_group_of_rows_at_a_time_exactly(monkeypatch, slot_dtype, sources,
+                                                                           fused_queries):
+    """Eagerly the rows path dequantizes into one small buffer, a group of batch rows at a time
+    (`quantized_rows.DEQUANTIZE_GROUP_BYTES`): with the budget at one row, every row is its own
+    group, in place (no sources, every slot in the step) and gathered (sources), with a score_mod
+    and learned sinks (the explicit softmax and its log-sum-exp) and without; exact against the
+    reference on the dequantized cells; scales on the scores (the decode default) and on the
+    cells (`fused_queries=0`: the dequantize before SDPA that longer query blocks take)."""
+    from flexkv.cache import quantized_rows
+    from flexkv.model.random_workload import RandomWorkload, score_bias
+
+    monkeypatch.setattr(quantized_rows, "DEQUANTIZE_GROUP_BYTES", 1)
+    monkeypatch.setattr(quantized_rows, "FUSED_SCALES_MAX_QUERIES", fused_queries)
+    calls = []
+    for name in ("dequantized_group", "widened_group"):  # every group's keys and values pass one of them
+        fn = getattr(quantized_rows, name)
+        monkeypatch.setattr(quantized_rows, name, lambda s, o, c, *a, fn=fn: (calls.append(c.shape[0]), fn(s, o, c, *a))[1])
+    cfg = BoundedKVConfig(num_layers=2, num_heads=2, head_dim=8, rows_per_request=1,
+                          max_source_len=12 if sources else 0, max_sources=2 if sources else 0,
+                          retention=SinkWindow(2, 6), max_slots=3, max_step_tokens=2, slot_dtype=slot_dtype)
+    for kw in (dict(), dict(score_mod=score_bias, sinks=torch.randn(4))):
+        calls.clear()
+        work = RandomWorkload(cfg, q_heads=4, segments=3, seed=3, churn=0.1, tolerance=1e-5, **kw)
+        for _ in range(12):
+            work.step()
+        assert work.manager._row_scratch.numel() < 3 * 2 * 9 * 16  # not the pool: one row of the widest kind
+        assert calls and max(calls) == 1  # each group one batch row
+        assert work.worst_relative < 1e-5

@@ -34,7 +34,7 @@ from .planner import BoundedPlan, build_plan, table_views
 from .query_only import attend_query_only, check_query_only
 from .relative_position import RelativePositionScores
 from .rotary import SinkRotation, stream_positions
-from .row_attention import attend_rows, gather_width, row_geometry
+from .row_attention import attend_rows, dequantize_scratch, gather_width, row_geometry
 from .sinks import apply_learned_sinks, check_sinks
 from .slot_copy import SlotBuffer, fork_slot, reorder_slots
 from .slots import SlotsExhausted, SlotTable, SourcesExhausted, TableViews
@@ -144,6 +144,8 @@ class BoundedKVManager(TableViews, nn.Module):
         # Quantized slots on the FlexAttention path: dequantized copies of one layer, allocated now
         # when the options let a step take that path (`_allocate_scratch`).
         self._scratch_k = self._scratch_v = None
+        #: Quantized slots, eager rows path: the buffer groups of rows are dequantized into.
+        self._row_scratch = None
         self._allocate_scratch()
         # Per-slot buffers kept for this store outside it (the "cache"-mode rotations it made): a
         # fork or reorder copies their slots too. Weak, so a dropped rotation is dropped here.
@@ -252,6 +254,8 @@ class BoundedKVManager(TableViews, nn.Module):
         if self.config.slot_dtype is None:
             return
         path = self._options.path
+        if path != "flex":
+            self._row_scratch = dequantize_scratch(self.config, self.layout, self.device)
         if path == "flex" or (path == "auto" and self.device.type != "cpu"):
             c, S = self.config, self.layout.total_len
             self._scratch_k = torch.empty(1, c.num_heads, S, c.head_dim, dtype=c.dtype, device=self.device)
@@ -266,9 +270,11 @@ class BoundedKVManager(TableViews, nn.Module):
     @property
     def memory_bytes(self) -> int:
         """Bytes held by every layer's key and value tensors (sources, slots, scratch, padding); with
-        quantized slots their scales too, and the one layer of dequantized scratch the FlexAttention
-        path reads (allocated with the cache off the CPU, or on it with options path="flex")."""
-        scratch = [t for t in (self._scratch_k, self._scratch_v) if t is not None]  # quantized slots, flex path
+        quantized slots their scales too, the one layer of dequantized scratch the FlexAttention
+        path reads (allocated with the cache off the CPU, or on it with options path="flex") and the
+        rows path's group buffer (`row_attention.dequantize_scratch`, unless path="flex")."""
+        # Quantized slots: the FlexAttention path's layer copy and the eager rows path's group buffer.
+        scratch = [t for t in (self._scratch_k, self._scratch_v, self._row_scratch) if t is not None]
         return sum(b.numel() * b.element_size() for b in (*self._cache_buffers(), *scratch))
 
     @property
@@ -758,7 +764,8 @@ class BoundedKVManager(TableViews, nn.Module):
                 plan, (gT, T, pack, qs.dtype),
                 lambda: row_geometry(lay, plan, self._mask_mod(plan, T, pack), gT, qs.dtype, width))
         out = attend_rows(qs, kc, vc, lay, plan, mask_mod, sm, width=width, return_lse=lse, geometry=geometry,
-                          additive=additive, scales=scales)
+                          additive=additive, scales=scales,
+                          scratch=None if scales is None else self._row_scratch)
         return out if lse else (out, None)
 
     def _attend_flex(self, qs, kc, vc, plan: BoundedPlan, route: Route, sm, lse: bool):

@@ -43,11 +43,12 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from . import quantized_rows
 from .layout import Layout
 from .planner import INTERVALS
 from .quantized import dequantize
 
-__all__ = ["attend_rows", "reads_in_place", "gather_width", "row_geometry", "RowGeometry"]
+__all__ = ["attend_rows", "reads_in_place", "gather_width", "row_geometry", "RowGeometry", "dequantize_scratch"]
 
 _NEG_INF = float("-inf")
 
@@ -235,6 +236,48 @@ def _dense(q, keys, values, geo: RowGeometry, score_mod, want_lse, additive=Fals
     return out.to(q.dtype), lse
 
 
+def dequantize_scratch(config, layout: Layout, device) -> torch.Tensor:
+    """The float32 buffer the rows path dequantizes groups of batch rows into (quantized slots):
+    `quantized_rows.DEQUANTIZE_GROUP_BYTES`, or one batch row of the widest kind if that is more."""
+    width = max(layout.slot_row_len, gather_width(config))
+    row = config.num_heads * width * (config.head_dim + config.value_head_dim)
+    return torch.empty(max(quantized_rows.DEQUANTIZE_GROUP_BYTES // 4, row), dtype=torch.float32, device=device)
+
+
+def _dense_dequantized(q, k_cache, v_cache, scales, cells, base, row_len, geo: RowGeometry, score_mod, want_lse,
+                       additive, scratch):
+    """`_dense` over quantized cells, batch rows as in `quantized_rows.batch_cells`. With `scratch`
+    (`dequantize_scratch`), groups of rows that fit in it are dequantized there and attended one
+    after the other: a step without `score_mod` or log-sum-exp as one op
+    (`quantized_rows.grouped_attention`, opaque to a compiled graph), others eagerly here; without
+    (or compiled with either), all rows at once into fresh tensors."""
+    B, H = q.shape[:2]
+    W = geo.bias.shape[-1]
+    D, Dv = k_cache.shape[-1], v_cache.shape[-1]
+    if scratch is not None and score_mod is None and not want_lse:
+        return quantized_rows.grouped_attention(q, k_cache, v_cache, scales[0], scales[1], geo.bias, cells, base,
+                                                row_len, scratch), None
+    if torch.compiler.is_compiling():
+        scratch = None  # inductor plans the buffers of the traced path
+    step = B if scratch is None else quantized_rows.group_rows(scratch, B, H, W, D + Dv)
+    outs, lses = [], []
+    for b0 in range(0, B, step):
+        b1 = min(B, b0 + step)
+        kv = []
+        for x, sc, off in ((k_cache, scales[0], 0), (v_cache, scales[1], (b1 - b0) * H * W * D)):
+            c, s = (quantized_rows.batch_cells(t, b0, b1, cells, base, row_len) for t in (x, sc))
+            out = dequantize(c, s, q.dtype) if scratch is None else quantized_rows.dequantized_group(scratch, off, c, s)
+            kv.append(out if out.dtype == q.dtype else out.to(q.dtype))
+        part = geo if (b0, b1) == (0, B) else geo._replace(
+            batch_rows=geo.batch_rows[b0:b1], cells=geo.cells[b0:b1], bias=geo.bias[b0:b1], reads=geo.reads[b0:b1])
+        out, lse = _dense(q[b0:b1], kv[0], kv[1], part, score_mod, want_lse, additive)
+        outs.append(out)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs), (torch.cat(lses) if want_lse else None)
+
+
 def attend_rows(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -248,6 +291,7 @@ def attend_rows(
     geometry: Optional[RowGeometry] = None,
     additive: bool = False,
     scales: Optional[tuple] = None,
+    scratch: Optional[torch.Tensor] = None,
 ):
     """Attention of `q` (`[N, H, Q, D]`, already scaled; `Q` may hold a folded GQA group) over the
     cells each row may read, with the mask and score modifications of the FlexAttention path.
@@ -261,36 +305,28 @@ def attend_rows(
     float32; -inf where it reads nothing), as FlexAttention's log-sum-exp. `additive`: `score_mod`
     only adds a term to each score (`RelativePositionScores`); see `_dense`.
     `scales`: `(k_scale, v_scale)`, `[1, H, S, 1]` each, for quantized cells
-    (`flexkv.cache.quantized`): the cells a row reads are dequantized as they are read, into `q`'s dtype.
+    (`flexkv.cache.quantized`): the cells a row reads are dequantized as they are read, into `q`'s dtype;
+    `scratch` (`dequantize_scratch`) holds them a group of rows at a time.
     """
     N, H, Q, D = q.shape
-    Dv = v_cache.shape[-1]  # values may be narrower or wider than keys
     dev = q.device
     geo = geometry if geometry is not None else row_geometry(layout, plan, mask_mod, Q, q.dtype, width)
     if geo.in_place:
-        Lr = layout.slot_row_len
-        n_slot = layout.max_slots * layout.rows_per_request
-        base = layout.slots_base
         # Each slot row takes its plan row's queries (rows the step leaves out take row 0's, and
         # read nothing): one gather, no zero fill.
-        q_slots = q.index_select(0, geo.batch_rows)
-        keys = k_cache[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, D).transpose(0, 1)
-        values = v_cache[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, Dv).transpose(0, 1)
-        if scales is not None:
-            keys, values = (dequantize(x, s[0, :, base:base + n_slot * Lr].view(H, n_slot, Lr, 1).transpose(0, 1),
-                                       q.dtype) for x, s in ((keys, scales[0]), (values, scales[1])))
-        out, lse = _dense(q_slots, keys, values, geo, score_mod, return_lse, additive)
+        q_b, cells, base, row_len = q.index_select(0, geo.batch_rows), None, layout.slots_base, layout.slot_row_len
+        B = layout.max_slots * layout.rows_per_request
+    else:
+        q_b, cells, base, row_len, B = q, geo.cells, 0, 0, N
+    if scales is None:
+        keys, values = (quantized_rows.batch_cells(x, 0, B, cells, base, row_len) for x in (k_cache, v_cache))
+        out, lse = _dense(q_b, keys, values, geo, score_mod, return_lse, additive)
+    else:
+        out, lse = _dense_dequantized(q_b, k_cache, v_cache, scales, cells, base, row_len, geo, score_mod, return_lse,
+                                      additive, scratch)
+    if geo.in_place:
         out = out.index_select(0, geo.back)
         lse = lse.index_select(0, geo.back) if lse is not None else None
-    else:
-        W = geo.cells.shape[1]
-        flat = geo.cells.view(-1)
-        keys = k_cache[0].index_select(1, flat).view(H, N, W, D).transpose(0, 1)
-        values = v_cache[0].index_select(1, flat).view(H, N, W, Dv).transpose(0, 1)
-        if scales is not None:
-            keys, values = (dequantize(x, s[0].index_select(1, flat).view(H, N, W, 1).transpose(0, 1), q.dtype)
-                            for x, s in ((keys, scales[0]), (values, scales[1])))
-        out, lse = _dense(q, keys, values, geo, score_mod, return_lse, additive)
     reads = geo.row_reads
     out = torch.where(reads.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=dev))
     if return_lse:

@@ -1,0 +1,117 @@
+"""The rows path over quantized cells inside a compiled graph: one opaque op.
+
+Traced by inductor, the rows path's dequantize of a decode step (every cell
+of the layer's slot pool) becomes fresh full-size buffers in the cache's dtype
+on every call: a pass out to memory and back that faults in new pages each
+time (the FlexAttention path's dequantized copy of the layer costs the same).
+Eagerly, the rows path instead dequantizes a group of batch rows at a time
+into one small buffer the cache allocates once, and attends each group while
+its cells are still in the CPU's caches (`row_attention.DEQUANTIZE_GROUP_BYTES`).
+
+`grouped_attention` is that eager loop registered as a custom op
+(`flexkv::quantized_rows_attention`), so a compiled step runs it as written:
+inductor sees only its inputs (the step's queries, the layer's cells and
+scales, the mask bias), the output, and the scratch buffer it writes. It
+covers the step with no `score_mod` and no log-sum-exp (plain
+`scaled_dot_product_attention` per group); a step with either runs the
+traced rows path.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .quantized import dequantize_into, widen_into
+
+__all__ = ["grouped_attention", "group_rows", "batch_cells", "dequantized_group", "widened_group",
+           "DEQUANTIZE_GROUP_BYTES", "FUSED_SCALES_MAX_QUERIES"]
+
+#: Quantized cells are dequantized and attended in groups of batch rows whose float32 keys and
+#: values take about this many bytes, in a buffer the cache allocates once
+#: (`row_attention.dequantize_scratch`): a group stays in the CPU's caches between its dequantize
+#: and its attention.
+DEQUANTIZE_GROUP_BYTES = 4 << 20
+#: Up to this many queries per batch row and head (a decode step's, a GQA group folded in), float32
+#: steps apply the scales to scores and probabilities (`grouped_attention`); longer query blocks
+#: dequantize the cells for the fused attention kernel, which is faster there.
+FUSED_SCALES_MAX_QUERIES = 8
+
+
+def group_rows(scratch: torch.Tensor, rows: int, heads: int, width: int, cell_width: int) -> int:
+    """How many batch rows of `width` cells over `heads` heads (`cell_width` numbers of a key and a
+    value together) fit in `scratch` at a time (at least one: the cache sizes it for one)."""
+    return max(1, min(rows, scratch.numel() // (heads * width * cell_width)))
+
+
+def batch_cells(x: torch.Tensor, b0: int, b1: int, cells: Optional[torch.Tensor], base: int, row_len: int):
+    """Batch rows `b0..b1` of layer tensor `x` (`[1, H, S, width]`: cells or scales) as
+    `[b1 - b0, H, W, width]`: slot rows read in place (`cells` None: `row_len` cells from `base`
+    per slot row) or each row's cells gathered (`cells`: `[B, W]` cell indices)."""
+    H, w = x.shape[1], x.shape[-1]
+    if cells is None:
+        return x[0, :, base + b0 * row_len:base + b1 * row_len].view(H, b1 - b0, row_len, w).transpose(0, 1)
+    W = cells.shape[1]
+    return x[0].index_select(1, cells[b0:b1].reshape(-1)).view(H, b1 - b0, W, w).transpose(0, 1)
+
+
+def _group_buffer(scratch: torch.Tensor, offset: int, cells: torch.Tensor) -> torch.Tensor:
+    """The part of `scratch` from `offset` shaped as `cells` (`[rows, H, W, width]`) and laid out as
+    they are (heads outermost), so a widening pass walks both in order."""
+    rows, H, W, w = cells.shape
+    return scratch[offset:offset + rows * H * W * w].view(H, rows, W, w).transpose(0, 1)
+
+
+def dequantized_group(scratch: torch.Tensor, offset: int, cells: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`cells * scale` (`[rows, H, W, width]`) written into `scratch` from `offset`; float32."""
+    return dequantize_into(_group_buffer(scratch, offset, cells), cells, scale)
+
+
+def widened_group(scratch: torch.Tensor, offset: int, cells: torch.Tensor) -> torch.Tensor:
+    """`cells` as float32 numbers, unscaled, written into `scratch` from `offset`."""
+    return widen_into(_group_buffer(scratch, offset, cells), cells)
+
+
+@torch.library.custom_op("flexkv::quantized_rows_attention", mutates_args=("scratch",))
+def grouped_attention(q: torch.Tensor, k_cells: torch.Tensor, v_cells: torch.Tensor, k_scale: torch.Tensor,
+                      v_scale: torch.Tensor, bias: torch.Tensor, cells: Optional[torch.Tensor], base: int,
+                      row_len: int, scratch: torch.Tensor) -> torch.Tensor:
+    """Attention of `q` (`[B, H, Q, D]`, scaled) over quantized cells with an additive mask `bias`
+    (`[B, 1, Q, W]`), a group of batch rows at a time widened into `scratch` (float32). Batch rows
+    as in `batch_cells`. Returns `[B, H, Q, Dv]` in `q`'s dtype.
+
+    float32 queries, at most `FUSED_SCALES_MAX_QUERIES` per row and head (decode): the scales are
+    applied to the scores and the probabilities instead of the cells (`softmax(q.k * k_scale + bias)`, then `(p * v_scale) @ v`), which saves two passes over
+    the widened cells; the products round differently from the reference's `q.(k * k_scale)` by
+    a few float32 ulps. Otherwise the cells are dequantized and run through
+    `scaled_dot_product_attention` in `q`'s dtype, as the reference computes."""
+    B, H = q.shape[:2]
+    W = bias.shape[-1]
+    D, Dv = k_cells.shape[-1], v_cells.shape[-1]
+    step = group_rows(scratch, B, H, W, D + Dv)
+    fused = q.dtype == torch.float32 and q.shape[2] <= FUSED_SCALES_MAX_QUERIES
+    outs = []
+    for b0 in range(0, B, step):
+        b1 = min(B, b0 + step)
+        n = b1 - b0
+        ks, vs = (batch_cells(x, b0, b1, cells, base, row_len) for x in (k_scale, v_scale))
+        kc, vc = (batch_cells(x, b0, b1, cells, base, row_len) for x in (k_cells, v_cells))
+        if fused:
+            keys = widened_group(scratch, 0, kc)
+            values = widened_group(scratch, n * H * W * D, vc)
+            scores = torch.addcmul(bias[b0:b1], torch.matmul(q[b0:b1], keys.transpose(-1, -2)), ks.transpose(-1, -2))
+            probs = torch.softmax(scores, dim=-1).mul_(vs.transpose(-1, -2))
+            outs.append(torch.matmul(probs, values))
+            continue
+        keys = dequantized_group(scratch, 0, kc, ks)
+        values = dequantized_group(scratch, n * H * W * D, vc, vs)
+        outs.append(F.scaled_dot_product_attention(q[b0:b1], keys.to(q.dtype), values.to(q.dtype),
+                                                   attn_mask=bias[b0:b1], scale=1.0))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+@grouped_attention.register_fake
+def _(q, k_cells, v_cells, k_scale, v_scale, bias, cells, base, row_len, scratch):
+    return q.new_empty(q.shape[:3] + (v_cells.shape[-1],))
