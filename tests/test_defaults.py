@@ -52,8 +52,8 @@ def _stream(m, ref, steps, tokens, monkeypatch, counts):
         step = BoundedKVStep((Segment("a", tokens), Segment(None, 0), Segment("b", tokens)),
                              {"a": StreamPosition(0, written), "b": StreamPosition(0, written)}, tokens=tokens)
         m.admit(step)
-        plan = m.plan(step)
         before = counts["geometry"]
+        plan = m.plan(step)  # a chunk's geometry is built with its plan, a token's at the first layer
         for layer in range(c.num_layers):
             q = torch.randn(3, 4, tokens, c.head_dim, generator=g)
             k, v = (torch.randn(3, 2, tokens, c.head_dim, generator=g) for _ in range(2))

@@ -34,7 +34,7 @@ from .planner import BoundedPlan, build_plan, table_views
 from .query_only import attend_query_only, check_query_only
 from .relative_position import RelativePositionScores
 from .rotary import SinkRotation, stream_positions
-from .row_attention import attend_rows, dequantize_scratch, gather_width, row_geometry
+from .row_attention import attend_rows, dequantize_scratch, gather_width, repeat_queries, row_geometry
 from .sinks import apply_learned_sinks, check_sinks
 from .slot_copy import SlotBuffer, fork_slot, reorder_slots
 from .slots import SlotsExhausted, SlotTable, SourcesExhausted, TableViews
@@ -409,10 +409,22 @@ class BoundedKVManager(TableViews, nn.Module):
         return self._plan_from(step, slots, private)
 
     def _plan_from(self, step: BoundedKVStep, slots: dict, private: dict) -> BoundedPlan:
-        """This store's plan of a checked step, from the table's slots and private places."""
-        return build_plan(self.config, self.layout, step, slots.__getitem__, self.device,
+        """This store's plan of a checked step, from the table's slots and private places.
+
+        A step the rows path will serve on the CPU (a chunk, quantized slots, or `path="rows"`)
+        gets the rows path's geometry with its plan (`rows_geometry`, unpacked queries): formed
+        once per step, device ops on the plan's tensors (nothing read back), and read by every
+        layer, eager or compiled."""
+        plan = build_plan(self.config, self.layout, step, slots.__getitem__, self.device,
                           self._full_blocks_at(len(step.segments) * self.config.rows_per_request, step.step_tokens),
                           private_source=private.get)
+        c, path = self.config, self._options.path
+        if self.device.type == "cpu" and path != "flex" and (plan.tokens > 1 or c.slot_dtype is not None
+                                                              or path == "rows"):
+            T = plan.tokens
+            plan.rows_geometry = row_geometry(self.layout, plan, self._mask_mod(plan, T, False), T, c.dtype,
+                                              gather_width(c))
+        return plan
 
     def commit(self, step: BoundedKVStep) -> None:
         """Record each request's written tokens: `written = position.written + span` (idempotent).
@@ -754,7 +766,16 @@ class BoundedKVManager(TableViews, nn.Module):
         pack, gT = route.pack_gqa, qs.shape[2]
         width = gather_width(self.config)
         geometry = mask_mod = None
-        if compiling:
+        ahead = getattr(plan, "rows_geometry", None)  # built with the plan (`_plan_from`), unpacked
+        if ahead is not None and ahead.bias.dtype == qs.dtype:
+            # Every layer of the step reads the one geometry built with the plan, compiled too (a
+            # compiled step takes it as inputs instead of forming it again in every layer).
+            g = gT // T
+            if compiling:
+                geometry = repeat_queries(ahead, g)
+            else:
+                geometry = self._eager_geometry(plan, (gT, T, pack, qs.dtype), lambda: repeat_queries(ahead, g))
+        elif compiling:
             mask_mod = self._mask_mod(plan, T, pack)
         else:
             # Eagerly, every layer of the step shares the plan's geometry (cells, mask bias):

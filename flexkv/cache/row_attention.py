@@ -48,7 +48,8 @@ from .layout import Layout
 from .planner import INTERVALS
 from .quantized import dequantize
 
-__all__ = ["attend_rows", "reads_in_place", "gather_width", "row_geometry", "RowGeometry", "dequantize_scratch"]
+__all__ = ["attend_rows", "reads_in_place", "gather_width", "row_geometry", "repeat_queries", "RowGeometry",
+           "dequantize_scratch"]
 
 _NEG_INF = float("-inf")
 
@@ -88,6 +89,23 @@ class RowGeometry(NamedTuple):
     to_batch: Optional[torch.Tensor]
     #: In place: `[N]`, the batch row each plan row's output is read back from.
     back: Optional[torch.Tensor]
+
+
+def repeat_queries(geo: RowGeometry, group: int) -> RowGeometry:
+    """`geo` for a GQA group of `group` folded into the query axis (packed query `i * Q + t` reads
+    as query `t`): its mask and reads repeated `group` times along the queries."""
+    if group == 1:
+        return geo
+
+    def tiled(t: torch.Tensor, dim: int) -> torch.Tensor:  # a mask alike for every query stays broadcast
+        if t.shape[dim] == 1:
+            return t
+        reps = [1] * t.dim()
+        reps[dim] = group
+        return t.repeat(*reps)
+
+    return geo._replace(q_len=geo.q_len * group, bias=tiled(geo.bias, 2), reads=tiled(geo.reads, 2),
+                        row_reads=tiled(geo.row_reads, 2))
 
 
 def _interval_cells(plan, width: int, device) -> tuple:
