@@ -15,6 +15,8 @@ Cases:
   `StreamSession` (the whole model step compiled as one graph);
 - `model-ring`: the same model over a ring cache + SDPA per layer, compiled
   as one graph: what the model costs to compile without flexkv;
+- `chunk-flexkv`, `chunk-ring`: the same two over a chunk of 50 tokens per step (4 streams,
+  the shape of a DiT estimator's chunk), which the CPU serves on the rows path;
 - `session-2-buckets`: the flexkv model on a session with two token sizes
   (decode T 1 and chunks of T 16), both compiled at warm-up;
 - `flexkv-run`: `flexkv run` (the built-in workload, 20 steps), its reported
@@ -40,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-CASES = ("model-flexkv", "model-ring", "session-2-buckets", "flexkv-run", "example-quickstart", "example-chat",
+CASES = ("model-flexkv", "model-ring", "chunk-flexkv", "chunk-ring", "session-2-buckets", "flexkv-run", "example-quickstart", "example-chat",
          "example-conformer", "example-tts")
 
 
@@ -64,7 +66,7 @@ def _model_fn(model, layers):
     return fn
 
 
-def _child_model(flexkv: bool, token_sizes=(1,)) -> float:
+def _child_model(flexkv: bool, token_sizes=(1,), chunk: int = 0) -> float:
     import torch
     import torch.nn.functional as F
 
@@ -72,29 +74,39 @@ def _child_model(flexkv: bool, token_sizes=(1,)) -> float:
     from flexkv.cli.stream_model import StreamModel
 
     w = _decode_workload()
-    if max(token_sizes) > 1:
+    if chunk:
+        w = w.replace(tokens=chunk, span=chunk, requests=4)
+        token_sizes = (chunk,)
+    elif max(token_sizes) > 1:
         w = w.replace(tokens=max(token_sizes), span=max(token_sizes))
     model = StreamModel(w)
-    x = torch.randn(w.requests, 1, w.d_model)
+    T = w.step_tokens
+    x = torch.randn(w.requests, T, w.d_model)
     if flexkv:
         session = StreamSession(BoundedKVManager(w.config(), "cpu"), token_sizes=token_sizes)
         return session.warmup(_model_fn(model, w.layers), x[0])
-    C = w.sink + w.window + 1
+    C = w.sink + w.window + T
     K = [torch.zeros(w.requests, w.kv_heads, C, w.head_dim) for _ in range(w.layers)]
     V = [torch.zeros_like(k) for k in K]
 
-    def step(x, cells):
+    def step(x, cells, mask):
         def attend(l, q, k, v):
-            K[l][torch.arange(w.requests), :, cells] = k[:, :, 0]
-            V[l][torch.arange(w.requests), :, cells] = v[:, :, 0]
-            return F.scaled_dot_product_attention(q, K[l], V[l], enable_gqa=True)
+            if T == 1:
+                K[l][torch.arange(w.requests), :, cells] = k[:, :, 0]
+                V[l][torch.arange(w.requests), :, cells] = v[:, :, 0]
+                return F.scaled_dot_product_attention(q, K[l], V[l], enable_gqa=True)
+            # a chunk: the ring's write of the step's tokens, then the whole ring under a mask
+            K[l][:, :, cells] = k
+            V[l][:, :, cells] = v
+            return F.scaled_dot_product_attention(q, K[l], V[l], attn_mask=mask, enable_gqa=True)
 
         return _model_fn(model, w.layers)(attend, x)
 
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    cells = torch.arange(w.requests) % C if T == 1 else torch.arange(T) % C
     t0 = time.perf_counter()
     with torch.no_grad():
-        compiled(x, torch.arange(w.requests) % C)
+        compiled(x, cells, torch.zeros(w.requests, 1, T, C))
     return time.perf_counter() - t0
 
 
@@ -155,6 +167,8 @@ def child(case: str) -> None:
         s = _child_model(True)
     elif case == "model-ring":
         s = _child_model(False)
+    elif case in ("chunk-flexkv", "chunk-ring"):
+        s = _child_model(case == "chunk-flexkv", chunk=50)
     elif case == "session-2-buckets":
         s = _child_model(True, token_sizes=(1, 16))
     elif case == "flexkv-run":
