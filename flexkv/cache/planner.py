@@ -58,6 +58,7 @@ of reach, so their mask is empty.
 
 from __future__ import annotations
 
+import functools
 from array import array
 from typing import Callable, Hashable, Optional
 
@@ -95,7 +96,16 @@ PLAN_TABLE = tuple((name, 1, None) for name in ROW_FIELDS) + (
 
 
 def table_spans(rows: int, tokens: int, width: int, full_width: int) -> dict:
-    """Where each part of a plan table lies: name -> `(offset, ints per row, view)` (`PLAN_TABLE`)."""
+    """Where each part of a plan table lies: name -> `(offset, ints per row, view)` (`PLAN_TABLE`).
+
+    A fresh dict on each call (the caller may change it); `_spans` keeps one per plan shape.
+    """
+    return dict(_spans(rows, tokens, width, full_width))
+
+
+@functools.lru_cache(maxsize=256)
+def _spans(rows: int, tokens: int, width: int, full_width: int) -> dict:
+    """`table_spans`, computed once per plan shape (an eager step plans every token); never changed."""
     sizes = {"width": width, "full_width": full_width, "tokens": tokens}
     spans = {}
     o = 0
@@ -124,6 +134,7 @@ class BoundedPlan:
         self.width = width
         self.full_width = full_width
         self._table = table  # kept alive: on the CPU the plan's tensors are views of it
+        self._spans = _spans(rows, tokens, width, full_width)  # where the host readers find each part
         self.device = torch.device(device)
         buf = torch.frombuffer(table, dtype=torch.int32) if len(table) else torch.zeros(0, dtype=torch.int32)
         if self.device.type == "cuda":
@@ -150,18 +161,22 @@ class BoundedPlan:
 
     def _host(self, name: str, i: int) -> list:
         """Flat row `i`'s ints of table part `name`, read from the host table."""
-        o, n, _ = table_spans(self.rows, self.tokens, self.width, self.full_width)[name]
+        o, n, _ = self._spans[name]
         return list(self._table[o + i * n:o + (i + 1) * n])
 
     def row(self, i: int) -> dict:
         """The host values of flat row `i`'s scalar fields, by name (for inspection and tests)."""
-        return {name: self._host(name, i)[0] for name in SCALAR_FIELDS}
+        # The per-row fields lie first, one int per row each, in `ROW_FIELDS` order.
+        t, R = self._table, self.rows
+        return {name: t[f * R + i] for f, name in enumerate(SCALAR_FIELDS)}
 
     def cell_intervals(self, i: int) -> list:
         """The non-empty cell intervals `(lo, hi)` some query of flat row `i` attends, in order."""
+        t, R = self._table, self.rows
+        first = len(SCALAR_FIELDS) * R + i  # cell_lo0; then cell_hi0, cell_lo1, ... one row-run each
         out = []
         for k in range(INTERVALS):
-            lo, hi = self._host(f"cell_lo{k}", i)[0], self._host(f"cell_hi{k}", i)[0]
+            lo, hi = t[first + 2 * k * R], t[first + (2 * k + 1) * R]
             if lo < hi:
                 out.append((lo, hi))
         return out
@@ -187,8 +202,8 @@ def table_views(buf: torch.Tensor, rows: int, tokens: int, width: int, full_widt
     Used by `BoundedPlan` on the table it copies to the device, and inside a compiled graph that
     takes the table as its one plan input. The parts and their order are `PLAN_TABLE`'s.
     """
-    spans = table_spans(rows, tokens, width, full_width)
-    end = spans.pop(None)[0]
+    spans = _spans(rows, tokens, width, full_width)
+    end = spans[None][0]
     if end != buf.shape[0]:
         raise AssertionError(f"plan table holds {buf.shape[0]} ints, its views {end}")
     # The per-row fields lie first, one int per row each: cut them in one op (an eager step makes a
@@ -196,7 +211,7 @@ def table_views(buf: torch.Tensor, rows: int, tokens: int, width: int, full_widt
     o = len(ROW_FIELDS) * rows
     views = dict(zip(ROW_FIELDS, buf[:o].view(len(ROW_FIELDS), rows).unbind(0)))
     for name, (o, n, view) in spans.items():
-        if name in views:
+        if name in views or name is None:
             continue
         part = buf[o:o + rows * n]
         views[name] = part if view is None else part.view(rows, *(n if d == "n" else d for d in view))
