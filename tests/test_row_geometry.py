@@ -21,7 +21,7 @@ def test_one_token_geometry_from_host_intervals_equals_the_masked_one(query_wind
     m = BoundedKVManager(cfg, block_size=16)
     rng = random.Random(sink * 100 + window * 10 + slots)
     written = {}
-    checked = 0
+    checked = identities = all_read = 0
     for _ in range(60):
         # A random batch of the live streams and new ones (and a padding row now and then), one token each
         # after a random-length first step.
@@ -40,7 +40,23 @@ def test_one_token_geometry_from_host_intervals_equals_the_masked_one(query_wind
                 mask_mod = m._mask_mod(plan, 1, group > 1)
                 want = mask_geometry(lay, plan, mask_mod, group, torch.float32)
                 got = _one_token_in_place(lay, plan, group, torch.float32)
+                # The host flags say what the device geometry holds (the masked one, built on the device,
+                # knows neither and says False).
+                assert not want.identity and not want.all_read
+                if got.identity:
+                    assert all(torch.equal(t, torch.arange(plan.rows)) for t in (want.batch_rows, want.to_batch,
+                                                                                 want.back))
+                    identities += 1
+                if got.all_read:
+                    assert bool(want.reads.all()) and bool(want.row_reads.all())
+                    all_read += 1
+                else:
+                    assert not (bool(want.reads.all()) and bool(want.row_reads.all()))
+                assert got.identity == (plan.rows == len(want.batch_rows)
+                                        and torch.equal(want.to_batch, torch.arange(plan.rows)))
                 for name in want._fields:
+                    if name in ("identity", "all_read"):
+                        continue
                     a, b = getattr(got, name), getattr(want, name)
                     if isinstance(b, torch.Tensor):  # (a per-step window's mask has one query row, broadcast)
                         assert a.dim() == b.dim() and torch.equal(*torch.broadcast_tensors(a, b)), (name, a, b)
@@ -55,3 +71,5 @@ def test_one_token_geometry_from_host_intervals_equals_the_masked_one(query_wind
             m.remove_request(gone)
             del written[gone]
     assert checked > 20
+    if slots == 1:  # one stream decoding alone: the shortcut the flags allow is taken
+        assert identities > 0 and all_read > 0

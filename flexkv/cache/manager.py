@@ -34,7 +34,7 @@ from .planner import BoundedPlan, build_plan, table_views
 from .query_only import attend_query_only, check_query_only
 from .relative_position import RelativePositionScores
 from .rotary import SinkRotation, stream_positions
-from .row_attention import attend_rows, dequantize_scratch, gather_width, repeat_queries, row_geometry
+from .row_attention import attend_rows, dequantize_scratch, gather_width, repeat_queries, row_geometry, slot_pool
 from .sinks import apply_learned_sinks, check_sinks
 from .slot_copy import SlotBuffer, fork_slot, reorder_slots
 from .slots import SlotsExhausted, SlotTable, SourcesExhausted, TableViews
@@ -155,6 +155,8 @@ class BoundedKVManager(TableViews, nn.Module):
         # at commit.
         self._geometry_plan = None
         self._geometries: dict = {}
+        self._routes: dict = {}  # eager `options.route` decisions, by kind of call (`_route`)
+        self._pools: dict = {}  # eager in-place views of each layer's slot pool, by layer (`_slot_pool`)
         cuda = self.device.type == "cuda"
         # Read once, on the host: what the CUDA kernels are tuned and split by.
         self._capability = torch.cuda.get_device_capability(self.device) if cuda else None
@@ -546,14 +548,21 @@ class BoundedKVManager(TableViews, nn.Module):
         return make_mask_mod(plan, self.layout.ring_len, tokens, self.config.query_window, pack_gqa=pack_gqa,
                              causal_step=self.config.causal_step)
 
-    def _eager_geometry(self, plan: BoundedPlan, key: tuple, build: Callable):
-        """The rows path's geometry of `plan` under `key`, built once per plan (eager calls only)."""
+    def _eager_plan_state(self, plan: BoundedPlan) -> dict:
+        """What the eager layers of `plan`'s step share, made by the first layer that needs each part
+        (the rows path's geometry, the write index); dropped when another plan is attended or the
+        step commits."""
         if self._geometry_plan is None or self._geometry_plan() is not plan:
             self._geometry_plan = weakref.ref(plan)
             self._geometries = {}
-        geo = self._geometries.get(key)
+        return self._geometries
+
+    def _eager_geometry(self, plan: BoundedPlan, key: tuple, build: Callable):
+        """The rows path's geometry of `plan` under `key`, built once per plan (eager calls only)."""
+        state = self._eager_plan_state(plan)
+        geo = state.get(key)
         if geo is None:
-            geo = self._geometries[key] = build()
+            geo = state[key] = build()
         return geo
 
     def _check_attend(self, layer_idx, q, k, v, plan) -> None:
@@ -687,10 +696,8 @@ class BoundedKVManager(TableViews, nn.Module):
         keys_in_kernel = (ks is not None and compiling and self._options.quantized_keys_in_kernel
                           and self.device.type == "cuda" and c.slot_dtype == torch.float8_e4m3fn)
         want_lse = sinks is not None or return_lse  # the route's `sinks`: the call needs a log-sum-exp
-        route = self._options.route(self.device.type, T, Hq // H, compiling, dtype=c.dtype,
-                                    flex_exact=self._cpu_kernel_exact,
-                                    score_mod=score_mod is not None or keys_in_kernel, sinks=want_lse,
-                                    quantized=ks is not None)
+        route = self._route(T, Hq // H, compiling, score_mod is not None or keys_in_kernel, want_lse,
+                            ks is not None)
         g = Hq // H if route.pack_gqa else 1
         kc, vc = self._write(layer_idx, k, v, plan)  # after the route, which may refuse the call
         if query_only is not None:
@@ -708,7 +715,7 @@ class BoundedKVManager(TableViews, nn.Module):
         # of KV head h: the same [N, Hq, T] view serves the output and its log-sum-exp.
         qs = (q.reshape(N, H, g * T, D) if route.pack_gqa else q) * (D ** -0.5 if scale is None else scale)
         if route.path == "rows":
-            out, lse = self._attend_rows(qs, kc, vc, plan, route, sm, compiling, want_lse, relative,
+            out, lse = self._attend_rows(layer_idx, qs, kc, vc, plan, route, sm, compiling, want_lse, relative,
                                          scales=None if ks is None else (ks, vs))
         else:
             if keys_in_kernel:
@@ -737,11 +744,35 @@ class BoundedKVManager(TableViews, nn.Module):
         own = (out, lse) if return_lse else out
         return own if query_only is None else (own, extra)
 
+    def _route(self, tokens: int, group: int, compiling: bool, score_mod: bool, sinks: bool,
+               quantized: bool) -> Route:
+        """`options.route` for an attend call; eagerly decided once per kind of call and kept (the
+        options are fixed when the cache is built), compiled decided while tracing."""
+        key = (tokens, group, score_mod, sinks, quantized)
+        route = None if compiling else self._routes.get(key)
+        if route is None:
+            route = self._options.route(self.device.type, tokens, group, compiling, dtype=self.config.dtype,
+                                        flex_exact=self._cpu_kernel_exact, score_mod=score_mod, sinks=sinks,
+                                        quantized=quantized)
+            if not compiling:
+                self._routes[key] = route
+        return route
+
     def _write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan: BoundedPlan):
         """Write the step's keys and values at the plan's cells of layer `layer_idx` (quantized slots:
         quantized, cells and scales side by side); its buffers."""
         kc, vc = self._layer_kv(layer_idx)
         N, H, T, D = k.shape
+        if self.config.slot_dtype is None and not torch.compiler.is_compiling():
+            # Eagerly: one copy per tensor along the cell axis, at the plan's cells made int64 once for
+            # every layer of the step (an advanced-index write costs several times more per call).
+            state = self._eager_plan_state(plan)
+            cells = state.get("write")
+            if cells is None:
+                cells = state["write"] = plan.write_index.long()
+            for buf, x in ((kc, k), (vc, v)):
+                buf.index_copy_(2, cells, x if N == 1 else x.transpose(0, 1).reshape(1, H, N * T, x.shape[3]))
+            return kc, vc
         index = (self._zero_index, self._head_index, plan.write_index.view(1, N * T).long())
         k_in, v_in = k.transpose(0, 1).reshape(H, N * T, D), v.transpose(0, 1).reshape(H, N * T, v.shape[3])
         ks, vs = self._layer_scales(layer_idx)
@@ -759,8 +790,8 @@ class BoundedKVManager(TableViews, nn.Module):
         return flex_kernel_options(self.device.type, qs.shape[2], H, qs.shape[1], qs.shape[3], qs.dtype,
                                    lay.block_size, q_block_size=lay.q_block_size, capability=self._capability)
 
-    def _attend_rows(self, qs, kc, vc, plan: BoundedPlan, route: Route, sm, compiling: bool, lse: bool,
-                     additive: bool = False, scales=None):
+    def _attend_rows(self, layer_idx: int, qs, kc, vc, plan: BoundedPlan, route: Route, sm, compiling: bool,
+                     lse: bool, additive: bool = False, scales=None):
         """The rows path (`flexkv.cache.row_attention`): `(out, log-sum-exp or None)`."""
         lay, T = self.layout, plan.tokens
         pack, gT = route.pack_gqa, qs.shape[2]
@@ -784,10 +815,19 @@ class BoundedKVManager(TableViews, nn.Module):
             geometry = self._eager_geometry(
                 plan, (gT, T, pack, qs.dtype),
                 lambda: row_geometry(lay, plan, self._mask_mod(plan, T, pack), gT, qs.dtype, width))
+        pool = None if compiling or not geometry.in_place else self._slot_pool(layer_idx, kc, vc)
         out = attend_rows(qs, kc, vc, lay, plan, mask_mod, sm, width=width, return_lse=lse, geometry=geometry,
                           additive=additive, scales=scales,
-                          scratch=None if scales is None else self._row_scratch)
+                          scratch=None if scales is None else self._row_scratch, pool=pool)
         return out if lse else (out, None)
+
+    def _slot_pool(self, layer_idx: int, kc: torch.Tensor, vc: torch.Tensor) -> tuple:
+        """`row_attention.slot_pool` of layer `layer_idx`'s buffers `kc`, `vc`, made once per buffer
+        (eager calls only): the buffers are written in place, so their views stay current."""
+        entry = self._pools.get(layer_idx)
+        if entry is None or entry[0] is not kc or entry[1] is not vc:
+            entry = self._pools[layer_idx] = (kc, vc, slot_pool(kc, vc, self.layout))
+        return entry[2]
 
     def _attend_flex(self, qs, kc, vc, plan: BoundedPlan, route: Route, sm, lse: bool):
         """One inline FlexAttention call: `(out, log-sum-exp or None)`."""

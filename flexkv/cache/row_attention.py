@@ -38,6 +38,7 @@ step does not recompile as streams move.
 
 from __future__ import annotations
 
+from array import array
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -49,7 +50,7 @@ from .planner import INTERVALS
 from .quantized import dequantize
 
 __all__ = ["attend_rows", "reads_in_place", "gather_width", "row_geometry", "repeat_queries", "RowGeometry",
-           "dequantize_scratch"]
+           "dequantize_scratch", "slot_pool"]
 
 _NEG_INF = float("-inf")
 
@@ -89,6 +90,12 @@ class RowGeometry(NamedTuple):
     to_batch: Optional[torch.Tensor]
     #: In place: `[N]`, the batch row each plan row's output is read back from.
     back: Optional[torch.Tensor]
+    #: Known on the host: the batch rows are the plan's rows in order (`batch_rows`, `to_batch` and
+    #: `back` are `arange(N)`), so the queries and outputs need no gather. False: not known.
+    identity: bool = False
+    #: Known on the host: every query reads some cell (`reads` and `row_reads` all True), so no
+    #: output needs zeroing. False: not known.
+    all_read: bool = False
 
 
 def repeat_queries(geo: RowGeometry, group: int) -> RowGeometry:
@@ -122,22 +129,39 @@ def _interval_cells(plan, width: int, device) -> tuple:
 
 
 _SLOT_CELLS: dict = {}
+_ARANGE: dict = {}
+_ALL_READ: dict = {}
+#: The array type code of a bias laid out on the host, by dtype (others are laid out in float32 and cast:
+#: 0 and -inf are exact in every float dtype).
+_HOST_FLOAT = {torch.float32: "f", torch.float64: "d"}
+
+
+def _cached(table: dict, key, make):
+    """A small constant tensor (never written to) made once per key and shared by every geometry."""
+    t = table.get(key)
+    if t is None:
+        t = table[key] = make()
+    return t
 
 
 def _one_token_in_place(layout: Layout, plan, q_len: int, dtype: torch.dtype) -> RowGeometry:
     """`row_geometry` of a one-token step that reads in place, from the plan's host table.
 
     A row's one token attends exactly the cells of its intervals (`BoundedPlan.cell_intervals`,
-    the union over its queries, and it has one), so the mask is laid out on the host with slice
-    assignments instead of evaluating `mask_mod` on every cell: a few tensors made from host
-    buffers in place of some forty small device ops per step. The tests check it equals the
-    general construction.
+    the union over its queries, and it has one), so the bias is laid out on the host (0 over each
+    interval, -inf elsewhere) instead of evaluating `mask_mod` on every cell: one tensor made from a
+    host buffer in place of some forty small device ops per step. When the step holds every slot
+    row in order and each reads something (one stream decoding alone, or a full batch), the index
+    and read tensors are shared constants and the geometry says so (`identity`, `all_read`), so
+    that `attend_rows` skips the gathers and the zero fill. The tests check it equals the general
+    construction.
     """
     N = plan.rows
     Lr = layout.slot_row_len
     n_slot = layout.max_slots * layout.rows_per_request
     base = layout.slots_base
-    allowed = bytearray(n_slot * Lr)
+    code = _HOST_FLOAT.get(dtype, "f")
+    bias = array(code, [_NEG_INF]) * (n_slot * Lr)
     batch_rows = [0] * n_slot
     to_batch, live = [], []
     slot_reads = [False] * n_slot
@@ -155,19 +179,31 @@ def _one_token_in_place(layout: Layout, plan, q_len: int, dtype: torch.dtype) ->
         for lo, hi in plan.cell_intervals(i):
             a, b = max(lo, lo_s) - lo_s, min(hi, lo_s + Lr) - lo_s
             if a < b:
-                allowed[s * Lr + a:s * Lr + b] = b"\x01" * (b - a)
+                bias[s * Lr + a:s * Lr + b] = array(code, bytes(bias.itemsize * (b - a)))
                 slot_reads[s] = True
-    key = (base, n_slot, Lr)
-    cells = _SLOT_CELLS.get(key)
-    if cells is None:
-        cells = _SLOT_CELLS[key] = base + torch.arange(n_slot * Lr).view(n_slot, Lr)
-    mask = torch.frombuffer(allowed, dtype=torch.bool).view(n_slot, 1, 1, Lr).expand(n_slot, 1, q_len, Lr)
-    bias = torch.where(mask, torch.zeros((), dtype=dtype), torch.full((), _NEG_INF, dtype=dtype))
-    reads = torch.tensor(slot_reads).view(n_slot, 1, 1).expand(n_slot, 1, q_len)
+    cells = _cached(_SLOT_CELLS, (base, n_slot, Lr), lambda: base + torch.arange(n_slot * Lr).view(n_slot, Lr))
+    bias = torch.frombuffer(bias, dtype=torch.float32 if code == "f" else torch.float64)
+    if bias.dtype != dtype:
+        bias = bias.to(dtype)
+    bias = bias.view(n_slot, 1, 1, Lr).expand(n_slot, 1, q_len, Lr)
     back = [min(t, n_slot - 1) for t in to_batch]
-    row_reads = torch.tensor([slot_reads[b] and ok for b, ok in zip(back, live)]).view(N, 1, 1).expand(N, 1, q_len)
-    return RowGeometry(True, q_len, torch.tensor(batch_rows), cells, bias, reads, row_reads, torch.tensor(to_batch),
-                       torch.tensor(back))
+    row_reads = [slot_reads[b] and ok for b, ok in zip(back, live)]
+    identity = N == n_slot and to_batch == list(range(N))
+    all_read = all(slot_reads) and all(row_reads)
+    if identity:
+        batch_rows = to_batch = back = _cached(_ARANGE, N, lambda: torch.arange(N))
+    else:
+        index = torch.tensor(batch_rows + to_batch + back)
+        batch_rows, to_batch, back = index[:n_slot], index[n_slot:n_slot + N], index[n_slot + N:]
+    if all_read:
+        reads = _cached(_ALL_READ, n_slot, lambda: torch.ones(n_slot, 1, 1, dtype=torch.bool)).expand(n_slot, 1, q_len)
+        row_reads = reads if N == n_slot else _cached(
+            _ALL_READ, N, lambda: torch.ones(N, 1, 1, dtype=torch.bool)).expand(N, 1, q_len)
+    else:
+        flags = torch.tensor(slot_reads + row_reads)
+        reads = flags[:n_slot].view(n_slot, 1, 1).expand(n_slot, 1, q_len)
+        row_reads = flags[n_slot:].view(N, 1, 1).expand(N, 1, q_len)
+    return RowGeometry(True, q_len, batch_rows, cells, bias, reads, row_reads, to_batch, back, identity, all_read)
 
 
 def row_geometry(layout: Layout, plan, mask_mod: Callable, q_len: int, dtype: torch.dtype,
@@ -221,6 +257,14 @@ def mask_geometry(layout: Layout, plan, mask_mod: Callable, q_len: int, dtype: t
         to_batch = back = None
         row_reads = reads
     return RowGeometry(in_place, q_len, batch_rows, cells, bias, reads, row_reads, to_batch, back)
+
+
+def slot_pool(k_cache: torch.Tensor, v_cache: torch.Tensor, layout: Layout) -> tuple:
+    """A layer's slot pool as the in-place batch: keys `[slot rows, H, slot_row_len, D]` and values
+    (`[.., Dv]`), views of the layer tensors `[1, H, S, D]`."""
+    n_slot = layout.max_slots * layout.rows_per_request
+    return tuple(quantized_rows.batch_cells(x, 0, n_slot, None, layout.slots_base, layout.slot_row_len)
+                 for x in (k_cache, v_cache))
 
 
 def _dense(q, keys, values, geo: RowGeometry, score_mod, want_lse, additive=False):
@@ -310,6 +354,7 @@ def attend_rows(
     additive: bool = False,
     scales: Optional[tuple] = None,
     scratch: Optional[torch.Tensor] = None,
+    pool: Optional[tuple] = None,
 ):
     """Attention of `q` (`[N, H, Q, D]`, already scaled; `Q` may hold a folded GQA group) over the
     cells each row may read, with the mask and score modifications of the FlexAttention path.
@@ -325,28 +370,34 @@ def attend_rows(
     `scales`: `(k_scale, v_scale)`, `[1, H, S, 1]` each, for quantized cells
     (`flexkv.cache.quantized`): the cells a row reads are dequantized as they are read, into `q`'s dtype;
     `scratch` (`dequantize_scratch`) holds them a group of rows at a time.
+    `pool`: `slot_pool(k_cache, v_cache, layout)` made once by a caller attending in place eagerly.
     """
     N, H, Q, D = q.shape
     dev = q.device
     geo = geometry if geometry is not None else row_geometry(layout, plan, mask_mod, Q, q.dtype, width)
     if geo.in_place:
         # Each slot row takes its plan row's queries (rows the step leaves out take row 0's, and
-        # read nothing): one gather, no zero fill.
-        q_b, cells, base, row_len = q.index_select(0, geo.batch_rows), None, layout.slots_base, layout.slot_row_len
+        # read nothing): one gather (none when the slot rows are the plan's rows in order).
+        q_b = q if geo.identity else q.index_select(0, geo.batch_rows)
+        cells, base, row_len = None, layout.slots_base, layout.slot_row_len
         B = layout.max_slots * layout.rows_per_request
     else:
         q_b, cells, base, row_len, B = q, geo.cells, 0, 0, N
     if scales is None:
-        keys, values = (quantized_rows.batch_cells(x, 0, B, cells, base, row_len) for x in (k_cache, v_cache))
+        if pool is not None and geo.in_place:
+            keys, values = pool
+        else:
+            keys, values = (quantized_rows.batch_cells(x, 0, B, cells, base, row_len) for x in (k_cache, v_cache))
         out, lse = _dense(q_b, keys, values, geo, score_mod, return_lse, additive)
     else:
         out, lse = _dense_dequantized(q_b, k_cache, v_cache, scales, cells, base, row_len, geo, score_mod, return_lse,
                                       additive, scratch)
-    if geo.in_place:
+    if geo.in_place and not geo.identity:
         out = out.index_select(0, geo.back)
         lse = lse.index_select(0, geo.back) if lse is not None else None
     reads = geo.row_reads
-    out = torch.where(reads.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=dev))
+    if not geo.all_read:
+        out = torch.where(reads.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=dev))
     if return_lse:
         return out, torch.where(reads, lse, _NEG_INF)
     return out
