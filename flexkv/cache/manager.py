@@ -150,11 +150,12 @@ class BoundedKVManager(TableViews, nn.Module):
         # Per-slot buffers kept for this store outside it (the "cache"-mode rotations it made): a
         # fork or reorder copies their slots too. Weak, so a dropped rotation is dropped here.
         self._slot_state = weakref.WeakSet()
-        # Eagerly, the rows path's per-plan work (cells, mask bias) is done once per plan and
-        # reused by every layer: the last plan seen (weakly) and its geometries by shape, dropped
-        # at commit.
-        self._geometry_plan = None
-        self._geometries: dict = {}
+        # Eagerly, the per-plan work (the rows path's cells and mask bias, the write cells) is done
+        # once per plan and reused by every layer: the last plan seen (a weak reference) and what its
+        # layers share, dropped at commit. A plain list, so that a step's start and end do not go
+        # through `nn.Module.__setattr__`.
+        self._eager_step: list = [None, {}]
+        self._gather_width = gather_width(config)  # cells a gathered row holds (the config is frozen)
         self._routes: dict = {}  # eager `options.route` decisions, by kind of call (`_route`)
         self._pools: dict = {}  # eager in-place views of each layer's slot pool, by layer (`_slot_pool`)
         cuda = self.device.type == "cuda"
@@ -440,7 +441,7 @@ class BoundedKVManager(TableViews, nn.Module):
 
     def _end_step(self) -> None:
         """Drop what this store kept for the step's layers (the rows path's eager geometry)."""
-        self._geometry_plan, self._geometries = None, {}
+        self._eager_step[:] = (None, {})
 
     def reset_request(self, request_id: Hashable) -> None:
         """Rewind a request to an empty stream; it keeps its slot and may pick a new source.
@@ -552,10 +553,11 @@ class BoundedKVManager(TableViews, nn.Module):
         """What the eager layers of `plan`'s step share, made by the first layer that needs each part
         (the rows path's geometry, the write index); dropped when another plan is attended or the
         step commits."""
-        if self._geometry_plan is None or self._geometry_plan() is not plan:
-            self._geometry_plan = weakref.ref(plan)
-            self._geometries = {}
-        return self._geometries
+        ref, state = self._eager_step
+        if ref is None or ref() is not plan:
+            state = {}
+            self._eager_step[:] = (weakref.ref(plan), state)
+        return state
 
     def _eager_geometry(self, plan: BoundedPlan, key: tuple, build: Callable):
         """The rows path's geometry of `plan` under `key`, built once per plan (eager calls only)."""
@@ -795,7 +797,7 @@ class BoundedKVManager(TableViews, nn.Module):
         """The rows path (`flexkv.cache.row_attention`): `(out, log-sum-exp or None)`."""
         lay, T = self.layout, plan.tokens
         pack, gT = route.pack_gqa, qs.shape[2]
-        width = gather_width(self.config)
+        width = self._gather_width
         geometry = mask_mod = None
         ahead = getattr(plan, "rows_geometry", None)  # built with the plan (`_plan_from`), unpacked
         if ahead is not None and ahead.bias.dtype == qs.dtype:
@@ -831,7 +833,10 @@ class BoundedKVManager(TableViews, nn.Module):
 
     def _attend_flex(self, qs, kc, vc, plan: BoundedPlan, route: Route, sm, lse: bool):
         """One inline FlexAttention call: `(out, log-sum-exp or None)`."""
-        block_mask = self._block_mask(plan, qs.shape[2], self._mask_mod(plan, plan.tokens, route.pack_gqa))
+        # Compiled, the plan's block lists are views of its one table inside the graph: each gets a
+        # buffer of its own, as in `_flex_layer`.
+        block_mask = self._block_mask(plan, qs.shape[2], self._mask_mod(plan, plan.tokens, route.pack_gqa),
+                                      own_buffers=torch.compiler.is_compiling())
         return _flex(qs, kc, vc, block_mask, self._kernel_options(qs, kc.shape[1]), score_mod=sm, lse=lse)
 
 
