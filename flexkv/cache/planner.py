@@ -137,7 +137,10 @@ def _table_part(name: str) -> property:
     """
 
     def get(self):
-        o, n, view = _part_span(name, self.rows, self.tokens, self.width, self.full_width)
+        if torch.compiler.is_compiling():  # traced: plain arithmetic on the plan's sizes
+            o, n, view = _part_span(name, self.rows, self.tokens, self.width, self.full_width)
+        else:
+            o, n, view = self._spans[name]
         part = self.table[o:o + self.rows * n]
         return part if view is None else part.view(self.rows, *(n if d == "n" else d for d in view))
 

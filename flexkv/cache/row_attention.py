@@ -214,9 +214,8 @@ def row_geometry(layout: Layout, plan, mask_mod: Callable, q_len: int, dtype: to
     queries' dtype (the bias is formed in it), `width` the cells per gathered row
     (`gather_width(config)`; needed unless the step reads in place).
     """
-    dev = plan.write_index.device
-    if (dev.type == "cpu" and plan.tokens == 1 and not torch.compiler.is_compiling()
-            and reads_in_place(layout, plan.rows) and hasattr(plan, "cell_intervals")):
+    if (plan.tokens == 1 and not torch.compiler.is_compiling() and hasattr(plan, "cell_intervals")
+            and plan.table.device.type == "cpu" and reads_in_place(layout, plan.rows)):
         return _one_token_in_place(layout, plan, q_len, dtype)  # eager: reads the host table
     return mask_geometry(layout, plan, mask_mod, q_len, dtype, width)
 
