@@ -103,9 +103,8 @@ def table_spans(rows: int, tokens: int, width: int, full_width: int) -> dict:
     return dict(_spans(rows, tokens, width, full_width))
 
 
-@functools.lru_cache(maxsize=256)
-def _spans(rows: int, tokens: int, width: int, full_width: int) -> dict:
-    """`table_spans`, computed once per plan shape (an eager step plans every token); never changed."""
+def _compute_spans(rows: int, tokens: int, width: int, full_width: int) -> dict:
+    """`table_spans` in plain Python (what a compiled graph traces)."""
     sizes = {"width": width, "full_width": full_width, "tokens": tokens}
     spans = {}
     o = 0
@@ -115,6 +114,10 @@ def _spans(rows: int, tokens: int, width: int, full_width: int) -> dict:
         o += rows * n
     spans[None] = (o, 0, None)  # the end: the table's length
     return spans
+
+
+#: `table_spans`, computed once per plan shape (an eager step plans every token); never changed.
+_spans = functools.lru_cache(maxsize=256)(_compute_spans)
 
 
 def _part_span(name: str, rows: int, tokens: int, width: int, full_width: int) -> tuple:
@@ -240,7 +243,7 @@ def table_views(buf: torch.Tensor, rows: int, tokens: int, width: int, full_widt
     Used by `BoundedPlan` on the table it copies to the device, and inside a compiled graph that
     takes the table as its one plan input. The parts and their order are `PLAN_TABLE`'s.
     """
-    spans = _spans(rows, tokens, width, full_width)
+    spans = _compute_spans(rows, tokens, width, full_width)  # traced in a compiled region: no cache
     end = spans[None][0]
     if end != buf.shape[0]:
         raise AssertionError(f"plan table holds {buf.shape[0]} ints, its views {end}")
