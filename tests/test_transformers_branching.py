@@ -241,3 +241,38 @@ def test_fork_reorder_and_rollback_of_streams_by_hand():
     cache.reorder_streams({"a": "b"})
     assert cache.stream_length("a") == before
     torch.testing.assert_close(feed(["a"], other[None])[0], feed(["b"], other[None])[0], rtol=0, atol=0)
+
+
+def test_compiled_beam_search_reorders_without_recompiling_and_matches_eager():
+    """Beam search (2 beams) with `model.forward` compiled: each step's reorder is a slot copy outside
+    the graph and its plan a new table of the same shape, so once each forward shape has compiled
+    nothing recompiles, and the beams and their scores are the eager run's."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = make_model("llama", dtype=torch.float32, seed=2)
+    ids = torch.stack(prompts((9,), seed=3))
+    beams = dict(num_beams=2, max_new_tokens=2 * WINDOW, do_sample=False, early_stopping=True, output_scores=True,
+                 return_dict_in_generate=True)
+    want = model.generate(ids, cache=FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=2, **KW), **beams)
+    graphs = []
+    forward = model.forward
+    counters.clear()
+    model.forward = torch.compile(forward, fullgraph=True, dynamic=False)
+    shapes, pre = forward_shapes(model)
+    post = model.register_forward_hook(lambda *_: graphs.append(counters["stats"]["unique_graphs"]))
+    try:
+        got = model.generate(ids, cache=FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=2, **KW), **beams)
+    finally:
+        pre.remove()
+        post.remove()
+        model.forward = forward
+    print(f"\nforwards: {shapes}\ngraphs compiled after each: {graphs}")
+    # A graph is compiled for the first forward of each input shape and for no other: the decode steps
+    # (a reorder before each) reuse theirs.
+    assert len(graphs) == len(shapes) and len(shapes) > 2 * WINDOW - 2
+    new_shape = [shape not in shapes[:i] for i, shape in enumerate(shapes)]
+    assert [b - a for a, b in zip([0] + graphs, graphs)] == [int(n) for n in new_shape]
+    assert shapes[-1] == (2, 1) and shapes.count((2, 1)) > 2 * WINDOW - 3
+    assert got.sequences.tolist() == want.sequences.tolist()
+    torch.testing.assert_close(got.sequences_scores, want.sequences_scores, rtol=0, atol=1e-5)
