@@ -34,7 +34,15 @@ from .planner import BoundedPlan, build_plan, table_views
 from .query_only import attend_query_only, check_query_only
 from .relative_position import RelativePositionScores
 from .rotary import SinkRotation, stream_positions
-from .row_attention import attend_rows, dequantize_scratch, gather_width, repeat_queries, row_geometry, slot_pool
+from .row_attention import (
+    attend_rows,
+    dequantize_scratch,
+    device_geometry,
+    gather_width,
+    repeat_queries,
+    row_geometry,
+    slot_pool,
+)
 from .sinks import apply_learned_sinks, check_sinks
 from .slot_copy import SlotBuffer, fork_slot, reorder_slots
 from .slots import SlotsExhausted, SlotTable, SourcesExhausted, TableViews
@@ -414,16 +422,16 @@ class BoundedKVManager(TableViews, nn.Module):
     def _plan_from(self, step: BoundedKVStep, slots: dict, private: dict) -> BoundedPlan:
         """This store's plan of a checked step, from the table's slots and private places.
 
-        A step the rows path will serve on the CPU (a chunk, quantized slots, or `path="rows"`)
-        gets the rows path's geometry with its plan (`rows_geometry`, unpacked queries): formed
-        once per step, device ops on the plan's tensors (nothing read back), and read by every
-        layer, eager or compiled."""
+        A chunk the rows path will serve on the CPU gets the rows path's geometry with its plan
+        (`rows_geometry`, unpacked queries): formed once per step, device ops on the plan's tensors
+        (nothing read back), and read by every layer, eager or compiled. A one-token step builds
+        it at its first layer instead, from the host table (eagerly; `row_geometry`), since that
+        geometry carries host facts of one plan a compiled step must not specialise on."""
         plan = build_plan(self.config, self.layout, step, slots.__getitem__, self.device,
                           self._full_blocks_at(len(step.segments) * self.config.rows_per_request, step.step_tokens),
                           private_source=private.get)
         c, path = self.config, self._options.path
-        if self.device.type == "cpu" and path != "flex" and (plan.tokens > 1 or c.slot_dtype is not None
-                                                              or path == "rows"):
+        if self.device.type == "cpu" and path != "flex" and plan.tokens > 1:
             T = plan.tokens
             plan.rows_geometry = row_geometry(self.layout, plan, self._mask_mod(plan, T, False), T, c.dtype,
                                               gather_width(c))
@@ -805,7 +813,7 @@ class BoundedKVManager(TableViews, nn.Module):
             # compiled step takes it as inputs instead of forming it again in every layer).
             g = gT // T
             if compiling:
-                geometry = repeat_queries(ahead, g)
+                geometry = repeat_queries(device_geometry(ahead), g)
             else:
                 geometry = self._eager_geometry(plan, (gT, T, pack, qs.dtype), lambda: repeat_queries(ahead, g))
         elif compiling:

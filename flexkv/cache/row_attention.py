@@ -49,8 +49,8 @@ from .layout import Layout
 from .planner import INTERVALS
 from .quantized import dequantize
 
-__all__ = ["attend_rows", "reads_in_place", "gather_width", "row_geometry", "repeat_queries", "RowGeometry",
-           "dequantize_scratch", "slot_pool"]
+__all__ = ["attend_rows", "reads_in_place", "gather_width", "row_geometry", "repeat_queries", "device_geometry",
+           "RowGeometry", "dequantize_scratch", "slot_pool"]
 
 _NEG_INF = float("-inf")
 
@@ -96,6 +96,14 @@ class RowGeometry(NamedTuple):
     #: Known on the host: every query reads some cell (`reads` and `row_reads` all True), so no
     #: output needs zeroing. False: not known.
     all_read: bool = False
+
+
+def device_geometry(geo: RowGeometry) -> RowGeometry:
+    """`geo` without what is known of one plan on the host (`identity`, `all_read` left False): what a
+    compiled step may read of a geometry that comes with each plan, since a flag it read would be
+    a guard, and a plan that flips it a recompile."""
+    return RowGeometry(geo.in_place, geo.q_len, geo.batch_rows, geo.cells, geo.bias, geo.reads, geo.row_reads,
+                       geo.to_batch, geo.back)
 
 
 def repeat_queries(geo: RowGeometry, group: int) -> RowGeometry:
