@@ -120,36 +120,6 @@ def _compute_spans(rows: int, tokens: int, width: int, full_width: int) -> dict:
 _spans = functools.lru_cache(maxsize=256)(_compute_spans)
 
 
-def _part_span(name: str, rows: int, tokens: int, width: int, full_width: int) -> tuple:
-    """`table_spans(...)[name]` computed in plain Python (traceable: no cache, no dict built)."""
-    sizes = {"width": width, "full_width": full_width, "tokens": tokens}
-    o = 0
-    for part, per_row, view in PLAN_TABLE:
-        n = sizes.get(per_row, per_row)
-        if part == name:
-            return o, n, view
-        o += rows * n
-    raise AttributeError(name)
-
-
-def _table_part(name: str) -> property:
-    """A `BoundedPlan` attribute: the view of its device table that part `name` of `PLAN_TABLE` is.
-
-    Made when read, not when the plan is made: an eager one-token step reads one or two of the
-    plan's thirty parts, and a compiled step reads them as views of the one table it takes in.
-    """
-
-    def get(self):
-        if torch.compiler.is_compiling():  # traced: plain arithmetic on the plan's sizes
-            o, n, view = _part_span(name, self.rows, self.tokens, self.width, self.full_width)
-        else:
-            o, n, view = self._spans[name]
-        part = self.table[o:o + self.rows * n]
-        return part if view is None else part.view(self.rows, *(n if d == "n" else d for d in view))
-
-    return property(get, doc=f"Part `{name}` of the plan table (see `PLAN_TABLE`), a view of `table`.")
-
-
 class BoundedPlan:
     """Everything `attend` needs for one step, as device tensors.
 
@@ -157,7 +127,7 @@ class BoundedPlan:
     `tokens` (T), which only change when the batch shape changes. `host`
     keeps the packed table as bytes, for equality, hashing and inspection.
     Each part of the table (`PLAN_TABLE`: the per-row fields, block lists and
-    write cells) is an attribute, a view of the device `table` made when read.
+    write cells) is an attribute, a view of the device `table`.
     """
 
     def __init__(self, rows: int, tokens: int, width: int, table: array, device, full_blocks: bool = False):
@@ -178,9 +148,11 @@ class BoundedPlan:
         elif self.device.type != "cpu":
             buf = buf.to(self.device)
         self.table = buf
-        end = self._spans[None][0]
-        if end != buf.shape[0]:
-            raise AssertionError(f"plan table holds {buf.shape[0]} ints, its views {end}")
+        # The parts are made here, as views of the table: a compiled step takes each as an input of
+        # its own (made inside the graph, the CPU template merged the views a score_mod reads and
+        # failed to build).
+        for name, view in table_views(buf, rows, tokens, width, full_width).items():
+            setattr(self, name, view)
 
     @property
     def host(self) -> bytes:
@@ -230,11 +202,6 @@ class BoundedPlan:
 
     def __repr__(self):
         return f"BoundedPlan(rows={self.rows}, tokens={self.tokens}, width={self.width}, device={self.device})"
-
-
-for _name, _, _ in PLAN_TABLE:
-    setattr(BoundedPlan, _name, _table_part(_name))
-del _name
 
 
 def table_views(buf: torch.Tensor, rows: int, tokens: int, width: int, full_width: int) -> dict:
