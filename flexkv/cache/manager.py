@@ -18,19 +18,18 @@ import weakref
 from typing import Callable, Hashable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
 from ..config import BoundedKVConfig, check_config, check_layer_index
 from ..step import BoundedKVStep, StreamPosition
 from . import quantized
 from .attention_options import AttentionOptions, Route
+from .flex_call import flex_call, flex_layer, plan_block_mask
 from .kernel_options import cpu_kernel_block_exact, flex_kernel_options
-from .kernel_sharing import layer_region
 from .layout import Layout
 from .masks import POSITION_MODES, make_mask_mod, make_score_mod
-from .planner import BoundedPlan, build_plan, table_views
+from .planner import BoundedPlan, build_plan
 from .query_only import attend_query_only, check_query_only
 from .relative_position import RelativePositionScores
 from .rotary import SinkRotation, stream_positions
@@ -607,43 +606,8 @@ class BoundedKVManager(TableViews, nn.Module):
             )
 
     def _block_mask(self, plan: BoundedPlan, q_len: int, mask_mod: Callable, own_buffers: bool = False) -> BlockMask:
-        """The plan's block lists as FlexAttention's block mask for a query of `q_len` rows.
-
-        `own_buffers`: the lists are views of one tensor inside the graph (`_PlanView`); each is
-        then made a buffer of its own (`clamp_min(0)` leaves counts and block indices as they are;
-        a clone would be removed as a no-op), since inductor's CPU template names kernel arguments
-        by their storage and would merge them.
-        """
-        lay = self.layout
-        N = plan.rows
-        # Every query block of a row visits the same KV blocks: the plan lists them once per row.
-        nq = lay.q_blocks(q_len)
-        kv_num, kv_idx, full_num, full_idx = (
-            plan.kv_num_blocks, plan.kv_indices, plan.full_kv_num_blocks, plan.full_kv_indices)
-        if own_buffers:
-            kv_num, kv_idx, full_num, full_idx = (x.clamp_min(0) for x in (kv_num, kv_idx, full_num, full_idx))
-        if self.device.type == "cpu" and kv_idx.shape[3] < lay.num_blocks:
-            # The CPU kernel wants block lists as wide as the layer tensor (it reads only the first
-            # kv_num_blocks of each); the plan stays compact and is widened here, on the device side.
-            kv_idx = F.pad(kv_idx, (0, lay.num_blocks - kv_idx.shape[3]))
-        if nq > 1:
-            kv_num, full_num = (x.expand(N, 1, nq).contiguous() for x in (kv_num, full_num))
-            kv_idx, full_idx = (x.expand(N, 1, nq, x.shape[3]).contiguous() for x in (kv_idx, full_idx))
-        if not plan.full_blocks and self.device.type != "cpu":
-            # No full-block tensors at all: CUDA's decode kernel then splits a row by its own blocks.
-            # (The CPU kernel is given the plan's zero counts instead: torch 2.13's compiled CPU
-            # kernel failed to build without full-block tensors.)
-            full_num = full_idx = None
-        return BlockMask.from_kv_blocks(
-            kv_num,
-            kv_idx,
-            full_num,
-            full_idx,
-            BLOCK_SIZE=(lay.q_block_size, lay.block_size),
-            mask_mod=mask_mod,
-            seq_lengths=(q_len, lay.total_len),
-            compute_q_blocks=False,
-        )
+        """The plan's block lists as FlexAttention's block mask (`flexkv.cache.flex_call.plan_block_mask`)."""
+        return plan_block_mask(self.layout, self.device.type, plan, q_len, mask_mod, own_buffers=own_buffers)
 
     def attend(
         self,
@@ -738,7 +702,7 @@ class BoundedKVManager(TableViews, nn.Module):
             elif ks is not None:  # quantized slots: FlexAttention reads a dequantized copy of the layer
                 kc, vc = self._dequantized_layer(kc, ks, vc, vs, q.dtype)
             if route.path == "region":
-                out, lse = _flex_layer(qs, kc, vc, plan.table, self, N, T, plan.width, plan.full_width,
+                out, lse = flex_layer(qs, kc, vc, plan.table, self, N, T, plan.width, plan.full_width,
                                        plan.full_blocks, route.pack_gqa, self._kernel_options(qs, H)), None
             else:
                 out, lse = self._attend_flex(qs, kc, vc, plan, route, sm, want_lse)
@@ -842,38 +806,9 @@ class BoundedKVManager(TableViews, nn.Module):
     def _attend_flex(self, qs, kc, vc, plan: BoundedPlan, route: Route, sm, lse: bool):
         """One inline FlexAttention call: `(out, log-sum-exp or None)`."""
         # Compiled, the plan's block lists are views of its one table inside the graph: each gets a
-        # buffer of its own, as in `_flex_layer`.
+        # buffer of its own, as in `flex_call.flex_layer`.
         block_mask = self._block_mask(plan, qs.shape[2], self._mask_mod(plan, plan.tokens, route.pack_gqa),
                                       own_buffers=torch.compiler.is_compiling())
-        return _flex(qs, kc, vc, block_mask, self._kernel_options(qs, kc.shape[1]), score_mod=sm, lse=lse)
+        return flex_call(qs, kc, vc, block_mask, self._kernel_options(qs, kc.shape[1]), score_mod=sm, lse=lse)
 
 
-def _flex(q, k_cache, v_cache, block_mask: BlockMask, kernel_options: dict, score_mod=None, lse: bool = False):
-    """flexkv's one FlexAttention call (q already scaled): `(out, log-sum-exp or None)`."""
-    out = flex_attention(q, k_cache, v_cache, score_mod=score_mod, block_mask=block_mask, scale=1.0,
-                         enable_gqa=q.shape[1] != k_cache.shape[1], kernel_options=kernel_options,
-                         return_aux=AuxRequest(lse=True) if lse else None)
-    return (out[0], out[1].lse) if lse else (out, None)
-
-
-class _PlanView:
-    """A plan's tensors as views of its table, inside a compiled region (see `_flex_layer`)."""
-
-    def __init__(self, table, rows, tokens, width, full_width, full_blocks):
-        for name, view in table_views(table, rows, tokens, width, full_width).items():
-            setattr(self, name, view)
-        self.rows, self.tokens, self.full_blocks = rows, tokens, full_blocks
-
-
-@layer_region
-def _flex_layer(q, k_cache, v_cache, table, manager, rows, tokens, width, full_width, full_blocks, pack_gqa,
-                options):
-    """One layer's FlexAttention call from the plan's table alone: a region every layer shares.
-
-    The plan enters as its one table (its named tensors are views of it, and a region takes no
-    inputs that alias each other); everything else is static.
-    """
-    plan = _PlanView(table, rows, tokens, width, full_width, full_blocks)
-    group = q.shape[2] // tokens
-    block_mask = manager._block_mask(plan, tokens * group, manager._mask_mod(plan, tokens, pack_gqa), own_buffers=True)
-    return _flex(q, k_cache, v_cache, block_mask, options)[0]
