@@ -23,7 +23,10 @@ the model's own memory:
   and attended in plain torch.
 
 The three parts are one softmax by their log-sum-exp
-(`flexkv.cache.merge.merge_attention`). Run with torchaudio installed:
+(`flexkv.cache.merge.merge_attention`). Both caches step as one
+(`flexkv.model.multi_context.MultiStepContext`): a segment that raises
+anywhere, Ctrl-C included, leaves both as they were, so it can be run again.
+Run with torchaudio installed:
 
     PYTHONPATH=. python examples/emformer_memory_bank.py --threads 1
 
@@ -40,6 +43,7 @@ import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache.merge import merge_attention
+from flexkv.model.multi_context import MultiStepContext
 
 
 def _dense_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
@@ -76,6 +80,8 @@ class FlexkvEmformer:
                                                        **common), "cpu")
         self.bank = BoundedKVManager(BoundedKVConfig(retention=SinkWindow(0, self.M, window_includes_step=True),
                                                      max_step_tokens=1, **common), "cpu")
+        #: The segment's step over both caches, whole or not at all.
+        self.context = MultiStepContext({"frames": self.frames, "bank": self.bank})
         #: Per stream: the memory entry each layer received at the last segment (written to its bank next).
         self.pending: Dict[Hashable, torch.Tensor] = {}
 
@@ -97,19 +103,26 @@ class FlexkvEmformer:
                              f"got {tuple(input.shape)}")
         x = input.permute(1, 0, 2)
         right, utterance = x[U:], x[:U]
-        B = len(ids)
         written = {r: (self.frames.written(r) if r in self.frames.requests else 0) for r in ids}
         fstep = BoundedKVStep(tuple(Segment(r, U) for r in ids), {r: StreamPosition(0, written[r]) for r in ids},
                               tokens=U)
+        # A stream's bank takes one entry a segment from its second segment on; until then its row
+        # is padding (and at a first segment of every stream, the bank's whole step is padding).
         with_bank = [r for r in ids if r in self.pending]
         bstep = BoundedKVStep(tuple(Segment(r, 1) if r in self.pending else Segment(None, 0) for r in ids),
                               {r: StreamPosition(0, self.bank.written(r) if r in self.bank.requests else 0)
-                               for r in with_bank}, tokens=1) if with_bank else None
-        self.frames.admit(fstep)
-        fplan = self.frames.plan(fstep)
-        if bstep is not None:
-            self.bank.admit(bstep)
-            bplan = self.bank.plan(bstep)
+                               for r in with_bank}, tokens=1)
+        # Both caches step as one: an exception anywhere in the segment takes back both.
+        with self.context.stepping({"frames": fstep, "bank": bstep}):
+            out, entered = self._layers(ids, x, right, utterance)
+        for b, r in enumerate(ids):
+            self.pending[r] = torch.stack([e[b] for e in entered])
+        return out.permute(1, 0, 2)
+
+    def _layers(self, ids, x, right, utterance):
+        """Every layer of one segment, attending through the step's two caches."""
+        U, R, B = self.U, self.R, len(ids)
+        frames, bank = self.context["frames"], self.context["bank"]
         mems = self.model.memory_op(utterance.permute(1, 2, 0)).permute(2, 0, 1)  # [1, B, D]
         entered: List[torch.Tensor] = []
         out = utterance
@@ -124,24 +137,23 @@ class FlexkvEmformer:
             q_right, q_utt, q_sum = q[:, :, :R], q[:, :, R:R + U], q[:, :, R + U:]
             # The segment's frames (the step), the look-ahead and the summary (query-only) over
             # the left context and the segment.
-            (o_utt, l_utt), (o_extra, l_extra) = self.frames.attend(
-                li, q_utt.contiguous(), k_all[:, :, R:].contiguous(), v_all[:, :, R:].contiguous(), fplan,
+            (o_utt, l_utt), (o_extra, l_extra) = frames.attend(
+                li, q_utt.contiguous(), k_all[:, :, R:].contiguous(), v_all[:, :, R:].contiguous(),
                 return_lse=True, query_only=torch.cat([q_right, q_sum], 2))
             parts = [(torch.cat([o_extra[:, :, :R], o_utt, o_extra[:, :, R:]], 2),
                       torch.cat([l_extra[:, :, :R], l_utt, l_extra[:, :, R:]], 2))]
             # The look-ahead's keys, recomputed every segment.
             parts.append(_dense_part(q, k_all[:, :, :R], v_all[:, :, :R], att.scaling))
-            if bstep is not None:
-                # The bank: the entry this layer received one segment ago joins it, then everything
-                # but the summary reads it.
-                prev = torch.stack([self.pending[r][li] if r in self.pending else torch.zeros_like(mems[0, 0])
-                                    for r in ids])[None]  # [1, B, D]
-                bk, bv = (self._heads(t) for t in att.emb_to_key_value(prev).chunk(2, dim=2))
-                _, (o_bank, l_bank) = self.bank.attend(
-                    li, torch.zeros(B, self.H, 1, self.d), bk.contiguous(), bv.contiguous(), bplan,
-                    return_lse=True, query_only=q[:, :, :R + U].contiguous())
-                none = torch.full((B, self.H, 1), float("-inf"))
-                parts.append((torch.cat([o_bank, torch.zeros(B, self.H, 1, self.d)], 2), torch.cat([l_bank, none], 2)))
+            # The bank: the entry this layer received one segment ago joins it (a zero entry in a
+            # padding row, which writes nothing), then everything but the summary reads it.
+            prev = torch.stack([self.pending[r][li] if r in self.pending else torch.zeros_like(mems[0, 0])
+                                for r in ids])[None]  # [1, B, D]
+            bk, bv = (self._heads(t) for t in att.emb_to_key_value(prev).chunk(2, dim=2))
+            _, (o_bank, l_bank) = bank.attend(
+                li, torch.zeros(B, self.H, 1, self.d), bk.contiguous(), bv.contiguous(),
+                return_lse=True, query_only=q[:, :, :R + U].contiguous())
+            none = torch.full((B, self.H, 1), float("-inf"))
+            parts.append((torch.cat([o_bank, torch.zeros(B, self.H, 1, self.d)], 2), torch.cat([l_bank, none], 2)))
             attended, _ = merge_attention(*parts)
             result = att.out_proj(self._frames(attended))
             rc_output, out_mems = result[:R + U], result[R + U:]
@@ -150,12 +162,7 @@ class FlexkvEmformer:
             processed = layer._process_attention_output(rc_output, out, right)
             out, right = processed[R:], processed[:R]
             mems = out_mems
-        self.frames.commit(fstep)
-        if bstep is not None:
-            self.bank.commit(bstep)
-        for b, r in enumerate(ids):
-            self.pending[r] = torch.stack([e[b] for e in entered])
-        return out.permute(1, 0, 2)
+        return out, entered
 
     def memory_bytes_per_stream(self) -> int:
         """What flexkv holds for one stream: its slot in both caches (the pending memory entries aside)."""

@@ -63,3 +63,35 @@ class _Forgetful(dict):
 
     def __setitem__(self, key, value):
         pass
+
+
+class _Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("fail_at", [0, 2])
+def test_a_segment_that_fails_midway_leaves_both_caches_as_they_were(model, fail_at):
+    """An exception in the last layer, after both caches' earlier layers wrote, takes the whole segment
+    back in both caches (a first segment's new streams leave both); run again, it gives the model's
+    own output."""
+    port = FlexkvEmformer(model, max_streams=2)
+    g = torch.Generator().manual_seed(2)
+    states = None
+    with torch.no_grad():
+        for s in range(4):
+            x = torch.randn(2, U + R, D, generator=g)
+            want, _, states = model.infer(x, torch.full((2,), U + R), states)
+            if s == fail_at:
+                before = {name: (c.requests, [c.written(r) for r in c.requests])
+                          for name, c in (("frames", port.frames), ("bank", port.bank))}
+                last = port.model.emformer_layers[-1].attention
+                real = last.out_proj.forward
+                last.out_proj.forward = lambda *a: (_ for _ in ()).throw(_Boom())
+                with pytest.raises(_Boom):
+                    port.infer([0, 1], x)
+                last.out_proj.forward = real
+                after = {name: (c.requests, [c.written(r) for r in c.requests])
+                         for name, c in (("frames", port.frames), ("bank", port.bank))}
+                assert after == before
+            got = port.infer([0, 1], x)
+            torch.testing.assert_close(got, want, rtol=0, atol=5e-6, msg=f"segment {s}")
