@@ -9,6 +9,7 @@ calls never run FlexAttention by default, and that the per-plan work is done onc
 import pytest
 import torch
 
+import flexkv.cache.flex_call as flex_call_module
 import flexkv.cache.manager as manager_module
 import flexkv.cache.row_attention as row_attention
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
@@ -85,7 +86,7 @@ def test_eager_default_never_runs_flex_attention_and_shares_the_plan_geometry(to
         counts["geometry"] += 1
         return built(*a, **k)
 
-    monkeypatch.setattr(manager_module, "flex_attention", no_flex)
+    monkeypatch.setattr(flex_call_module, "flex_attention", no_flex)
     monkeypatch.setattr(manager_module, "row_geometry", counting)
     cfg = _config()
     m = BoundedKVManager(cfg, "cpu")
