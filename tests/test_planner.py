@@ -8,6 +8,7 @@ most 4 entries, 2 slots, SinkWindow(3, 4), max_step_tokens 2):
     slot 1 at 13 (ring at 16); scratch 22-23; S = 24 = 3 blocks.
 """
 
+import pytest
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
@@ -242,3 +243,32 @@ def test_table_parts_lie_where_the_one_table_definition_puts_them():
         assert plan.row(i) == {k: int(getattr(plan, k)[i]) for k in plan.row(i)}
         assert plan.write_cells(i) == plan.write_index.view(plan.rows, plan.tokens)[i].tolist()
         assert plan.blocks(i) == plan.kv_indices[i, 0, 0, :int(plan.kv_num_blocks[i])].tolist()
+
+
+def test_a_plan_for_eager_calls_makes_each_part_when_read_as_the_plan_with_parts_does():
+    """`plan(step, eager_only=True)` makes no table part with the plan; each part read later is the
+    same view of the table (offset, shape, strides, values) as the part a plan with its parts made
+    holds, and `make_parts` makes the rest before a graph takes the plan in."""
+    from flexkv.cache.planner import PLAN_TABLE
+
+    m = manager(cfg(max_slots=2))
+    # One token: a chunk's plan reads its parts at once (the rows path's geometry, `_plan_from`).
+    step = start(m, (Segment("a", 1), Segment(None, 0), Segment("b", 1)),
+                 {"a": StreamPosition(2, 9), "b": StreamPosition(0, 3)}, tokens=1)
+    made, lazy = m.plan(step), m.plan(step, eager_only=True)
+    assert made.parts_made and not lazy.parts_made
+    assert made == lazy
+    names = [name for name, _, _ in PLAN_TABLE]
+    assert all(name in vars(made) for name in names) and not any(name in vars(lazy) for name in names)
+    for name in names:
+        a, b = getattr(made, name), getattr(lazy, name)
+        assert (b.data_ptr() - lazy.table.data_ptr(), b.shape, b.stride()) == (
+            a.data_ptr() - made.table.data_ptr(), a.shape, a.stride()), name
+        assert torch.equal(a, b), name
+    assert getattr(lazy, "write_index") is lazy.write_index  # made once, then kept
+    lazy = m.plan(step, eager_only=True)
+    first = lazy.kv_indices
+    lazy.make_parts()
+    assert lazy.parts_made and lazy.kv_indices is first and all(name in vars(lazy) for name in names)
+    with pytest.raises(AttributeError, match="no attribute 'kv_index'"):
+        lazy.kv_index

@@ -257,6 +257,38 @@ def test_compiled_hybrid_decode_does_not_recompile_per_token(slot_dtype):
 
 
 
+def test_eager_decode_plans_make_parts_when_read_and_a_compiled_forward_gets_them_made():
+    """After an eager forward, the next forward's plans are for eager calls only (their table parts
+    made when read, `BoundedKVManager.plan(eager_only=True)`); the first forward of a cache, and any
+    forward run by a compiled `model.forward`, gets plans whose parts are made before the graph. The
+    greedy tokens are those of the whole-history reference either way."""
+    from flexkv.integrations.transformers.plan import compiled_forward
+
+    model = make_model("llama", dtype=torch.float32, seed=2)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
+    seen = []
+    hook = model.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append([p.parts_made for g in kwargs["flexkv_step"].plans for p in g.plans]),
+        with_kwargs=True)
+    ids = prompts((5,), seed=3)[0][None]
+    forward = model.forward
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, cache=cache, max_new_tokens=WINDOW, min_new_tokens=WINDOW, do_sample=False)
+            assert seen[0] and all(seen[0]) and seen[1:] and not any(any(s) for s in seen[1:])
+            assert not compiled_forward(model)
+            model.forward = torch.compile(forward, backend="eager", fullgraph=True, dynamic=False)
+            assert compiled_forward(model)
+            del seen[:]
+            model(input_ids=out[:, -1:], cache=cache)
+            assert seen and all(all(s) for s in seen)
+    finally:
+        model.forward = forward
+        hook.remove()
+    want, _ = reference_greedy(model, ids[0], WINDOW)
+    assert torch.equal(out[0, ids.shape[1]:], want)
+
+
 # ------------------------------------------------------ interrupted forwards
 
 

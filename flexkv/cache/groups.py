@@ -406,14 +406,15 @@ class GroupedKVManager(TableViews, nn.Module):
 
     # -------------------------------------------------------------- lifecycle
 
-    def plan(self, step: BoundedKVStep) -> GroupedPlan:
-        """Plan `step` for every group from one read of the table."""
+    def plan(self, step: BoundedKVStep, *, eager_only: bool = False) -> GroupedPlan:
+        """Plan `step` for every group from one read of the table (`eager_only`: see
+        `BoundedKVManager.plan`)."""
         with self._lock:
             self.slots.check_plannable(step)
             slots = self.slots.slots()
             private = self.slots.private_sources
             self.slots.note_writes(step)
-        return GroupedPlan([m._plan_from(step, slots, private) for m in self._mgrs])
+        return GroupedPlan([m._plan_from(step, slots, private, eager_only) for m in self._mgrs])
 
     def commit(self, step: BoundedKVStep) -> None:
         """Record each request's written tokens (idempotent); every group's eager per-plan state is dropped."""

@@ -405,20 +405,23 @@ class BoundedKVManager(TableViews, nn.Module):
         with self._lock:
             self.slots.check_declaration(request_id, StreamPosition(source_len, 0, source), restart)
 
-    def plan(self, step: BoundedKVStep) -> BoundedPlan:
+    def plan(self, step: BoundedKVStep, *, eager_only: bool = False) -> BoundedPlan:
         """Plan `step` (every request admitted) on host ints.
 
         Pure: it reads the slot table, never device data, and planning the
-        same step twice gives equal plans.
+        same step twice gives equal plans. `eager_only=True`: the plan is
+        read by eager calls only, and its table parts are made when first
+        read (cheaper for a one-token step); a plan that enters a compiled
+        graph must be made without it (`BoundedPlan.make_parts`).
         """
         with self._lock:
             self.slots.check_plannable(step)
             slots = self.slots.slots()
             private = self.slots.private_sources
             self.slots.note_writes(step)
-        return self._plan_from(step, slots, private)
+        return self._plan_from(step, slots, private, eager_only)
 
-    def _plan_from(self, step: BoundedKVStep, slots: dict, private: dict) -> BoundedPlan:
+    def _plan_from(self, step: BoundedKVStep, slots: dict, private: dict, eager_only: bool = False) -> BoundedPlan:
         """This store's plan of a checked step, from the table's slots and private places.
 
         A chunk the rows path will serve on the CPU gets the rows path's geometry with its plan
@@ -428,7 +431,7 @@ class BoundedKVManager(TableViews, nn.Module):
         geometry carries host facts of one plan a compiled step must not specialise on."""
         plan = build_plan(self.config, self.layout, step, slots.__getitem__, self.device,
                           self._full_blocks_at(len(step.segments) * self.config.rows_per_request, step.step_tokens),
-                          private_source=private.get)
+                          private_source=private.get, parts=not eager_only)
         c, path = self.config, self._options.path
         if self.device.type == "cpu" and path != "flex" and plan.tokens > 1:
             T = plan.tokens

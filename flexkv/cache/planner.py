@@ -120,6 +120,21 @@ def _compute_spans(rows: int, tokens: int, width: int, full_width: int) -> dict:
 _spans = functools.lru_cache(maxsize=256)(_compute_spans)
 
 
+def _part_span(name: str, rows: int, tokens: int, width: int, full_width: int) -> tuple:
+    """`table_spans(...)[name]` in plain Python, no cache and no dict built (what a compiled graph traces)."""
+    sizes = {"width": width, "full_width": full_width, "tokens": tokens}
+    o = 0
+    for part, per_row, view in PLAN_TABLE:
+        n = sizes.get(per_row, per_row)
+        if part == name:
+            return o, n, view
+        o += rows * n
+    raise AttributeError(name)
+
+
+_PART_NAMES = frozenset(name for name, _, _ in PLAN_TABLE)
+
+
 class BoundedPlan:
     """Everything `attend` needs for one step, as device tensors.
 
@@ -127,10 +142,15 @@ class BoundedPlan:
     `tokens` (T), which only change when the batch shape changes. `host`
     keeps the packed table as bytes, for equality, hashing and inspection.
     Each part of the table (`PLAN_TABLE`: the per-row fields, block lists and
-    write cells) is an attribute, a view of the device `table`.
+    write cells) is an attribute, a view of the device `table`: made with the
+    plan, or with `parts=False` when first read (`make_parts`).
     """
 
-    def __init__(self, rows: int, tokens: int, width: int, table: array, device, full_blocks: bool = False):
+    #: The rows path's geometry of a chunk, when the manager builds it with the plan (else None).
+    rows_geometry = None
+
+    def __init__(self, rows: int, tokens: int, width: int, table: array, device, full_blocks: bool = False,
+                 parts: bool = True):
         full_width = width if full_blocks else 1
         self.rows = rows
         #: Whether blocks every query reads whole are listed apart (a host bool: it shapes the graph).
@@ -148,11 +168,45 @@ class BoundedPlan:
         elif self.device.type != "cpu":
             buf = buf.to(self.device)
         self.table = buf
-        # The parts are made here, as views of the table: a compiled step takes each as an input of
-        # its own (made inside the graph, the CPU template merged the views a score_mod reads and
-        # failed to build).
-        for name, view in table_views(buf, rows, tokens, width, full_width).items():
-            setattr(self, name, view)
+        end = self._spans[None][0]
+        if end != buf.shape[0]:
+            raise AssertionError(f"plan table holds {buf.shape[0]} ints, its parts {end}")
+        #: Whether the table parts were all made with the plan (False: each is made when first read).
+        self.parts_made = False
+        if parts:
+            self.make_parts()
+
+    def make_parts(self) -> None:
+        """Make every table part (`PLAN_TABLE`) an attribute now, as a view of `table`.
+
+        A plan that enters a compiled graph needs its parts made before the graph: the graph then
+        takes each as an input of its own. Made inside the graph, they would be views of one input,
+        and inductor's CPU FlexAttention template, which names the tensors a `score_mod` reads by
+        their storage, merged them and failed to build. A plan only eager calls read can skip this
+        (`parts=False`): a one-token step reads two or three of the thirty parts, and making them all
+        costs more than planning the step.
+        """
+        if self.parts_made:
+            return
+        for name, view in table_views(self.table, self.rows, self.tokens, self.width, self.full_width).items():
+            self.__dict__.setdefault(name, view)
+        self.parts_made = True
+
+    def __getattr__(self, name: str):
+        # Only reached for an attribute the plan does not hold: a table part of a plan made with
+        # `parts=False`, made now (eagerly kept for the plan's other readers).
+        if name not in _PART_NAMES:
+            raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+        if torch.compiler.is_compiling():  # traced: plain arithmetic on the plan's sizes, nothing kept
+            o, n, view = _part_span(name, self.rows, self.tokens, self.width, self.full_width)
+        else:
+            o, n, view = self._spans[name]
+        part = self.table[o:o + self.rows * n]
+        if view is not None:
+            part = part.view(self.rows, *(n if d == "n" else d for d in view))
+        if not torch.compiler.is_compiling():
+            self.__dict__[name] = part
+        return part
 
     @property
     def host(self) -> bytes:
@@ -282,6 +336,7 @@ def build_plan(
     device,
     full_blocks: bool = False,
     private_source: Optional[Callable[[Hashable], Optional[int]]] = None,
+    parts: bool = True,
 ) -> BoundedPlan:
     """Plan `step` for the cache described by `config`/`layout`.
 
@@ -289,7 +344,8 @@ def build_plan(
     already be valid (the manager checks it); this function only computes.
     `full_blocks`: list the blocks every query of a row attends whole as full
     blocks (FlexAttention skips the mask there). `private_source(request_id)`
-    gives the source place of a request that declares `source=-1`.
+    gives the source place of a request that declares `source=-1`. `parts=False`: the plan's
+    table parts are made when first read (a plan only eager calls read; `BoundedPlan.make_parts`).
     """
     R = layout.rows_per_request
     T = step.step_tokens
@@ -402,10 +458,10 @@ def build_plan(
             writes.extend(base + (j - L) if j < ring_start else ring_base + j % ring for j in own)
             i += 1
 
-    parts = dict(zip(ROW_FIELDS, cols))
-    parts.update(kv_num_blocks=num_blocks, kv_indices=indices, full_kv_num_blocks=full_num,
-                 full_kv_indices=full_indices, write_index=writes)
+    fields = dict(zip(ROW_FIELDS, cols))
+    fields.update(kv_num_blocks=num_blocks, kv_indices=indices, full_kv_num_blocks=full_num,
+                  full_kv_indices=full_indices, write_index=writes)
     table = array("i")
     for name, _, _ in PLAN_TABLE:
-        table.extend(parts[name])
-    return BoundedPlan(rows, T, width, table, device, full_blocks)
+        table.extend(fields[name])
+    return BoundedPlan(rows, T, width, table, device, full_blocks, parts)

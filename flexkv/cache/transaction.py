@@ -102,11 +102,13 @@ class StepTransaction:
             self.add_undo(lambda: cache.undo_admit(admission))
         return admission
 
-    def plan(self, step: BoundedKVStep, cache: Optional[Any] = None) -> Any:
-        """`cache.plan(step)`; the step is committed with the others by `commit`."""
+    def plan(self, step: BoundedKVStep, cache: Optional[Any] = None, *, eager_only: bool = False) -> Any:
+        """`cache.plan(step)`; the step is committed with the others by `commit`. `eager_only=True`
+        (a cache whose `plan` takes it): `cache.plan(step, eager_only=True)`, a plan only eager
+        calls read."""
         self._check_open("plan")
         cache = self._join(cache)
-        plan = cache.plan(step)
+        plan = cache.plan(step, eager_only=True) if eager_only else cache.plan(step)
         self.steps.append(step)
         self._planned.append((cache, step))
         return plan

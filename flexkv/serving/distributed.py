@@ -302,9 +302,9 @@ class ShardedKVManager(BoundedKVManager):
 
     # -------------------------------------------------------------- attention
 
-    def plan(self, step: BoundedKVStep) -> BoundedPlan:
+    def plan(self, step: BoundedKVStep, *, eager_only: bool = False) -> BoundedPlan:
         """Plan `step` as `BoundedKVManager.plan` does; with `check_plans`, also `check_in_sync(plan)`."""
-        plan = super().plan(step)
+        plan = super().plan(step, eager_only=eager_only)
         if self.check_plans:
             self.check_in_sync(plan)
         return plan

@@ -19,7 +19,7 @@ from .branching import BranchingCache
 from .cache_positions import CachePositions
 from .hooks import attention_configs, check_model, enable, switch
 from .model_config import RECURRENT_TYPES, absolute_positions, layer_groups, read_layers, softcap_of
-from .plan import FlexKVForward, Pending, chunk_steps
+from .plan import FlexKVForward, Pending, chunk_steps, compiled_forward
 from .recurrent import RecurrentStates, check_recurrent_forward, probe_states
 from .routing import probe_attention, reconcile
 from .shim import AttentionLayerView, CacheShim, HybridLayerView, RecurrentLayerView
@@ -248,6 +248,9 @@ class FlexKVCache(BranchingCache, CacheShim):
         self._pending: Optional[Pending] = None
         #: stream id -> the token generate() returned last for it and never fed (see `turns`)
         self._owed: dict = {}
+        # Whether the last forward's attention ran eagerly (`FlexKVForward.attend`): the next one's
+        # plans are then made for eager calls only (`eager_forward`).
+        self._ran_eagerly = False
         # Every check passed: only now touch the model.
         enable(model)
         # The model's hook state is read when needed, not kept: disable(model) and enable(model)
@@ -517,8 +520,11 @@ class FlexKVCache(BranchingCache, CacheShim):
                 f"the cache with a larger max_streams"
             ) from exc
         new = [sid for sid in rows if sid not in known]
+        # The last forward ran eagerly and nothing says this one is compiled: plans for eager calls only.
+        eager = self._ran_eagerly and not compiled_forward(self._model())
+        self._ran_eagerly = False
         try:
-            plans = [transaction.plan(step) for step in steps]
+            plans = [transaction.plan(step, eager_only=eager) for step in steps]
             gather = scatter = None
             if real is not None:
                 g, s = [], []

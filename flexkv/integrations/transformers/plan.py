@@ -17,7 +17,7 @@ import torch
 from ...model.attendance import AttendanceRecord
 from ...step import BoundedKVStep, Segment, StreamPosition
 
-__all__ = ["FlexKVForward", "Pending", "chunk_steps"]
+__all__ = ["FlexKVForward", "Pending", "chunk_steps", "compiled_forward"]
 
 _SOFTCAP_MODS: dict = {}
 
@@ -33,6 +33,22 @@ def softcap_mod(cap: float):
 
         _SOFTCAP_MODS[cap] = mod
     return mod
+
+
+def compiled_forward(model) -> bool:
+    """Whether `model`'s forward may run under `torch.compile`: planned while tracing, the module
+    compiled (`model.compile()`), or its `forward` replaced by a compiled one (the model's or its
+    base model's). A forward that may is given plans whose parts are made before the graph."""
+    if torch.compiler.is_compiling():
+        return True
+    for mod in (model, getattr(model, "base_model", None)):
+        if mod is None:
+            continue
+        if getattr(mod, "_compiled_call_impl", None) is not None:
+            return True
+        if hasattr(mod.__dict__.get("forward"), "_torchdynamo_orig_callable"):
+            return True
+    return False
 
 
 def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -95,6 +111,8 @@ class FlexKVForward:
         `v [B, Hkv, T, Dv]` in, `[B, Hq, T, Dv]` out."""
         self.cache._check_layer(layer_idx, sliding_window, softcap)
         self.attendance.attended(layer_idx)
+        if not torch.compiler.is_compiling():
+            self.cache._ran_eagerly = True  # the next forward's plans may be for eager calls only
         kv = self.kv_layer[layer_idx]
         score_mod = None if softcap is None else softcap_mod(softcap)
         if self.gather is not None:
