@@ -163,6 +163,7 @@ class BoundedKVManager(TableViews, nn.Module):
         # through `nn.Module.__setattr__`.
         self._eager_step: list = [None, {}]
         self._gather_width = gather_width(config)  # cells a gathered row holds (the config is frozen)
+        self._kv_names = tuple((f"k_cache_{i}", f"v_cache_{i}") for i in range(config.num_layers))
         self._routes: dict = {}  # eager `options.route` decisions, by kind of call (`_route`)
         self._pools: dict = {}  # eager in-place views of each layer's slot pool, by layer (`_slot_pool`)
         cuda = self.device.type == "cuda"
@@ -232,6 +233,12 @@ class BoundedKVManager(TableViews, nn.Module):
         guard instead of formatting a buffer name from it: each layer then
         gets its graph once, during warm-up, and none later.
         """
+        if not torch.compiler.is_compiling() and type(layer_idx) is int and 0 <= layer_idx < self.config.num_layers:
+            # Eagerly, straight from the module's buffers (nn.Module's attribute lookup and the
+            # formatted names cost more than the rest of a one-token write).
+            k, v = self._kv_names[layer_idx]
+            buffers = self._buffers
+            return buffers[k], buffers[v]
         for i in range(self.config.num_layers):
             if layer_idx == i:
                 return getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")

@@ -328,6 +328,14 @@ def _inside(merged: list, block: int) -> list:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _layout_facts(layout: Layout) -> tuple:
+    """The layout's derived sizes a plan reads, computed once per layout (a frozen dataclass; each
+    is a property that recomputes, and an eager step plans every token)."""
+    return (layout.row_blocks, layout.source_row_len, layout.slot_row_len, layout.slots_base, layout.sink_len,
+            layout.scratch_base)
+
+
 def build_plan(
     config: BoundedKVConfig,
     layout: Layout,
@@ -354,9 +362,8 @@ def build_plan(
     qw = config.query_window
     causal = config.causal_step
     reverse = config.reverse_step_order
-    width = layout.row_blocks
+    width, Ls, Lr, slots_base, sink_len, scratch_base = _layout_facts(layout)
     full_width = width if full_blocks else 1
-    Ls, Lr, slots_base, sink_len = layout.source_row_len, layout.slot_row_len, layout.slots_base, layout.sink_len
     segments = step.segments
     rows = len(segments) * R
 
@@ -370,7 +377,7 @@ def build_plan(
     indices = array("i", bytes(4 * rows * width))
     full_indices = array("i", bytes(4 * rows * full_width))
     writes: list = []
-    scratch = list(range(layout.scratch_base, layout.scratch_base + T))
+    scratch = list(range(scratch_base, scratch_base + T))
 
     i = 0
     for seg in segments:

@@ -112,6 +112,9 @@ class ModelState:
     def __init__(self, configs):
         self.handles: list = []
         self.configs = configs
+        #: each config's instance dict where setting `_attn_implementation_internal` there is all its
+        #: `__setattr__` would do (no validator, no attribute map for it); else the config (`switch`)
+        self.targets = [_plain_target(cfg) for cfg in configs]
         self.depth = 0
         self.saved: list = []
         #: the forward the hooks planned and have not committed or rolled back (None: none)
@@ -192,19 +195,43 @@ def attention_configs(model) -> list:
     return list(found.values())
 
 
+_IMPL = "_attn_implementation_internal"
+
+
+def _plain_target(cfg):
+    """Where `switch` sets `cfg`'s attention implementation: its instance dict when the config's
+    `__setattr__` would only store the value there (transformers' strict configs run the field's
+    validators and map aliased names first; a validator or alias for it means the config itself)."""
+    validators = getattr(type(cfg), "__validators__", None)
+    plain = (isinstance(getattr(cfg, "__dict__", None), dict) and _IMPL in cfg.__dict__
+             and not (isinstance(validators, dict) and validators.get(_IMPL))
+             and _IMPL not in (getattr(cfg, "attribute_map", None) or {}))
+    return cfg.__dict__ if plain else cfg
+
+
 def switch(state: ModelState, on: bool) -> None:
-    """Run the model's attention through flexkv (nesting counted), or restore what it was."""
+    """Run the model's attention through flexkv (nesting counted), or restore what it was.
+
+    Once per forward: each config's value is set in its instance dict where that is all its
+    `__setattr__` would do (`ModelState.targets`), since the strict config's own `__setattr__`
+    costs more than the rest of the switch."""
     if on:
         if state.depth == 0:
-            state.saved = [cfg._attn_implementation_internal for cfg in state.configs]
-            for cfg in state.configs:
-                cfg._attn_implementation_internal = ATTN_IMPLEMENTATION
+            state.saved = [t[_IMPL] if type(t) is dict else getattr(t, _IMPL) for t in state.targets]
+            for t in state.targets:
+                if type(t) is dict:
+                    t[_IMPL] = ATTN_IMPLEMENTATION
+                else:
+                    setattr(t, _IMPL, ATTN_IMPLEMENTATION)
         state.depth += 1
     else:
         state.depth = max(0, state.depth - 1)
         if state.depth == 0:
-            for cfg, value in zip(state.configs, state.saved):
-                cfg._attn_implementation_internal = value
+            for t, value in zip(state.targets, state.saved):
+                if type(t) is dict:
+                    t[_IMPL] = value
+                else:
+                    setattr(t, _IMPL, value)
             state.saved = []
 
 

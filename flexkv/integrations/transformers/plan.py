@@ -41,12 +41,15 @@ def compiled_forward(model) -> bool:
     base model's). A forward that may is given plans whose parts are made before the graph."""
     if torch.compiler.is_compiling():
         return True
-    for mod in (model, getattr(model, "base_model", None)):
+    if model is None:
+        return False
+    # Read from the modules' own dicts: a module's attribute lookup is slow, and this runs per forward.
+    base = model._modules.get(getattr(type(model), "base_model_prefix", None) or "")
+    for mod in (model, base):
         if mod is None:
             continue
-        if getattr(mod, "_compiled_call_impl", None) is not None:
-            return True
-        if hasattr(mod.__dict__.get("forward"), "_torchdynamo_orig_callable"):
+        d = mod.__dict__
+        if d.get("_compiled_call_impl") is not None or hasattr(d.get("forward"), "_torchdynamo_orig_callable"):
             return True
     return False
 
