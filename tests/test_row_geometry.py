@@ -73,3 +73,25 @@ def test_one_token_geometry_from_host_intervals_equals_the_masked_one(query_wind
     assert checked > 20
     if slots == 1:  # one stream decoding alone: the shortcut the flags allow is taken
         assert identities > 0 and all_read > 0
+
+
+def test_a_stream_past_its_window_reuses_its_one_token_geometry_and_a_new_reach_builds_one():
+    """Sink 2 + window 4: once the ring is full the one token reads the whole slot row every step, so
+    the geometry of the step before is returned again; early in the stream each step reads one more
+    cell, and gets a geometry of its own (each equal to the mask evaluated on every cell)."""
+    cfg = BoundedKVConfig(num_layers=1, num_heads=2, head_dim=8, rows_per_request=1, max_source_len=0,
+                          max_sources=0, retention=SinkWindow(2, 4), max_slots=1, max_step_tokens=1)
+    m = BoundedKVManager(cfg, block_size=16)
+    last, same = None, []
+    for n in range(14):
+        step = BoundedKVStep((Segment("s", 1),), {"s": StreamPosition(0, n)})
+        m.admit(step)
+        plan = m.plan(step)
+        got = _one_token_in_place(m.layout, plan, 1, torch.float32)
+        want = mask_geometry(m.layout, plan, m._mask_mod(plan, 1, False), 1, torch.float32)
+        assert torch.equal(*torch.broadcast_tensors(got.bias, want.bias))
+        same.append(got is last)
+        last = got
+        m.commit(step)
+    # n = 0..5 reach one more cell each (and n = 6 the last ring cell: 2 + 4 + 1 cells in all).
+    assert same == [False] * 7 + [True] * 7

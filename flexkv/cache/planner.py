@@ -133,6 +133,7 @@ def _part_span(name: str, rows: int, tokens: int, width: int, full_width: int) -
 
 
 _PART_NAMES = frozenset(name for name, _, _ in PLAN_TABLE)
+_SCALAR_INDEX = {name: f for f, name in enumerate(SCALAR_FIELDS)}
 
 
 class BoundedPlan:
@@ -225,6 +226,10 @@ class BoundedPlan:
         """Flat row `i`'s ints of table part `name`, read from the host table."""
         o, n, _ = self._spans[name]
         return list(self._table[o + i * n:o + (i + 1) * n])
+
+    def field(self, name: str, i: int) -> int:
+        """The host value of flat row `i`'s scalar field `name` (one of `SCALAR_FIELDS`)."""
+        return self._table[_SCALAR_INDEX[name] * self.rows + i]
 
     def row(self, i: int) -> dict:
         """The host values of flat row `i`'s scalar fields, by name (for inspection and tests)."""

@@ -204,6 +204,7 @@ class FlexKVCache(BranchingCache, CacheShim):
         #: model layer -> the KV layer it attends (None: a recurrent-only layer)
         self.kv_layer = tuple(kv_layer)
         self._kv_owner = tuple(s.index for s in specs if s.attends and s.kv_source == s.index)
+        self._attending = tuple(s.index for s in specs if s.attends)  # every forward must attend each once
         self._softcap = softcap_of(cfg)
         self._absolute = absolute_positions(model, cfg)
         self._restarts = sorted({
@@ -479,8 +480,9 @@ class FlexKVCache(BranchingCache, CacheShim):
                     f"attention_mask shape {tuple(attention_mask.shape)} does not cover the forward's "
                     f"{B} rows x {T} tokens"
                 )
-            # The one device read of the integration: which of this forward's columns are padding.
-            flags = attention_mask[:, -T:].bool().to("cpu").tolist()
+            # The one device read of the integration: which of this forward's columns are padding
+            # (read as Python values: a nonzero entry is a token, as `.bool()` would say).
+            flags = attention_mask[:, -T:].tolist()
             if not all(all(r) for r in flags):
                 real = [[t for t, f in enumerate(r) if f] for r in flags]
         lengths = [T] * B if real is None else [len(r) for r in real]
@@ -554,7 +556,7 @@ class FlexKVCache(BranchingCache, CacheShim):
             columns, selection = self._columns, self._selection
             transaction.add_undo(lambda: self._restore(fwd, columns, selection))
             # A forward that skipped (or repeated) an attention layer commits nothing.
-            attending = [s.index for s in self.layer_specs if s.attends]
+            attending = self._attending
             transaction.add_commit_check(lambda _txn: fwd.attendance.check("FlexKVCache.commit", attending))
         except BaseException:
             transaction.abort()
@@ -623,6 +625,8 @@ class FlexKVCache(BranchingCache, CacheShim):
 
     def _to_device(self, rows: List[list]) -> torch.Tensor:
         t = torch.tensor(rows, dtype=torch.long)
+        if self.device.type == "cpu":
+            return t
         if self.device.type == "cuda":
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
