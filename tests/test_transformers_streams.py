@@ -289,6 +289,23 @@ def test_eager_decode_plans_make_parts_when_read_and_a_compiled_forward_gets_the
     assert torch.equal(out[0, ids.shape[1]:], want)
 
 
+def test_the_attention_switch_sets_the_config_itself_and_restores_it():
+    """Each planned forward switches the model's attention to flexkv and back; where the strict
+    config's `__setattr__` would only store the value, the switch stores it in the config's dict.
+    Inside the forward the model reads "flexkv", after it what it read before."""
+    from flexkv.integrations.transformers.hooks import switch
+
+    model = make_model("llama", dtype=torch.float32, seed=2)
+    before = model.config._attn_implementation
+    FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
+    state = model._flexkv_state
+    assert [t is cfg.__dict__ for t, cfg in zip(state.targets, state.configs)] == [True] * len(state.configs)
+    switch(state, on=True)
+    assert all(cfg._attn_implementation == "flexkv" for cfg in state.configs)
+    switch(state, on=False)
+    assert all(cfg._attn_implementation == before for cfg in state.configs)
+
+
 # ------------------------------------------------------ interrupted forwards
 
 
