@@ -11,6 +11,9 @@ is mostly per-token host overhead: flexkv's hooks, planning, positions and
 mask handling against transformers' own cache bookkeeping. `--compiled`
 adds a third column: the same FlexKVCache run with `model.forward`
 compiled (`fullgraph=True`), timed after a warm-up run that compiles.
+Each run's CPU time (this thread's) is printed beside its wall time: on a
+machine shared with other work, wall time also counts the time the thread
+waited for a core, and the CPU seconds move less from run to run.
 
     python -m benchmarks.generate_overhead --threads 1
     python -m benchmarks.generate_overhead --threads 1 --compiled
@@ -40,13 +43,14 @@ def tiny_llama(hidden: int):
     return model
 
 
-def run(model, cache, ids, tokens: int) -> float:
-    t0 = time.perf_counter()
+def run(model, cache, ids, tokens: int) -> tuple:
+    """One timed `generate()`: `(wall seconds, this thread's CPU seconds)`."""
+    t0, c0 = time.perf_counter(), time.thread_time()
     with torch.no_grad():
         out = model.generate(ids, cache=cache, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.thread_time() - c0
     assert out.shape[1] == PROMPT + tokens
-    return elapsed
+    return elapsed, cpu
 
 
 def main(argv=None) -> None:
@@ -68,8 +72,8 @@ def main(argv=None) -> None:
     print(f"greedy generate() of {a.tokens} tokens after a {PROMPT}-token prompt, one stream, float32, "
           f"flexkv SinkWindow(4, {a.window}); medians of {a.repeats} interleaved runs; torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s)")
-    print(f"{'hidden':>6} | {'DynamicCache':>12} | {'FlexKVCache':>11} | {'ratio':>5} | {'per token':>9}"
-          + (f" | {'compiled':>8} | {'ratio':>5}" if a.compiled else ""))
+    print(f"{'hidden':>6} | {'DynamicCache':>12} | {'FlexKVCache':>11} | {'ratio':>5} | {'per token':>9} | "
+          f"{'CPU s':>13} | {'CPU ratio':>9}" + (f" | {'compiled':>8} | {'ratio':>5}" if a.compiled else ""))
     for hidden in a.hidden:
         model = tiny_llama(hidden)
         ids = torch.randint(1, 256, (1, PROMPT), generator=torch.Generator().manual_seed(1))
@@ -96,10 +100,12 @@ def main(argv=None) -> None:
                 model.forward = eager_forward
                 runs["dyn"].append(dyn())  # interleaved with the compiled runs too
             model.forward = eager_forward
-        d, f = statistics.median(runs["dyn"]), statistics.median(runs["flex"])
-        line = (f"{hidden:>6} | {d:>10.2f} s | {f:>9.2f} s | {f / d:>4.2f}x | {(f - d) / a.tokens * 1e3:>+6.3f} ms")
+        (d, dc), (f, fc) = ((statistics.median(r[0] for r in runs[k]), statistics.median(r[1] for r in runs[k]))
+                            for k in ("dyn", "flex"))
+        line = (f"{hidden:>6} | {d:>10.2f} s | {f:>9.2f} s | {f / d:>4.2f}x | {(f - d) / a.tokens * 1e3:>+6.3f} ms | "
+                f"{dc:>5.2f} / {fc:>5.2f} | {fc / dc:>8.2f}x")
         if a.compiled:
-            c = statistics.median(runs["compiled"])
+            c = statistics.median(r[0] for r in runs["compiled"])
             line += f" | {c:>6.2f} s | {c / d:>4.2f}x"
         print(line, flush=True)
 
