@@ -196,8 +196,9 @@ class UncachedHistory(TableViews):
         with self._lock:
             self.slots.check_declaration(request_id, StreamPosition(source_len, 0, source), restart)
 
-    def plan(self, step: BoundedKVStep) -> UncachedPlan:
-        """Check the step as the bounded cache's `plan` does; the plan is the host step itself."""
+    def plan(self, step: BoundedKVStep, *, eager_only: bool = False) -> UncachedPlan:
+        """Check the step as the bounded cache's `plan` does; the plan is the host step itself
+        (read by eager calls only whether or not `eager_only` says so: this cache does not compile)."""
         with self._lock:
             self.slots.check_plannable(step)
             self.slots.note_writes(step)  # as the bounded cache records them: its rollbacks are checked alike
