@@ -72,9 +72,10 @@ def quantize(x: torch.Tensor, slot_dtype: torch.dtype) -> Tuple[torch.Tensor, to
     xf = x.to(SCALE_DTYPE)
     top = xf.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(top > 0, top / qmax, torch.ones((), dtype=SCALE_DTYPE, device=x.device))
-    y = (xf / scale).clamp(-qmax, qmax)
+    # In place after the division: each fresh buffer of a chunk's size costs its pages again.
+    y = torch.div(xf, scale).clamp_(-qmax, qmax)
     if slot_dtype == torch.int8:
-        y = torch.round(y)
+        y.round_()
     return y.to(slot_dtype), scale
 
 
