@@ -34,9 +34,11 @@ def test_a_streams_memory_at_the_same_window_is_at_most_055_of_bfloat16(slot_dty
     assert small.slot_bytes == cells * (128 + 4)
     # memory_bytes counts every buffer the cache holds, scales included, and the fixed float32
     # buffer the eager rows path dequantizes a group of rows into (one slot row here, whose
-    # float32 keys and values outweigh the 4 MiB a group aims at).
+    # float32 keys and values outweigh the 4 MiB a group aims at), float8 cells with half as much
+    # again for the int16 bits they are widened through.
     held = sum(b.numel() * b.element_size() for b in small.buffers() if b.dtype in (slot_dtype, torch.float32))
-    scratch = small.layout.slot_row_len * 8 * (128 + 128) * 4
+    staging = 128 if slot_dtype == torch.float8_e4m3fn else 0
+    scratch = small.layout.slot_row_len * 8 * (128 + 128 + staging) * 4
     assert small.memory_bytes == held + scratch
     assert small.memory_bytes - scratch <= 0.55 * full.memory_bytes
     # Off the CPU ("meta" plans as CUDA) FlexAttention reads a dequantized copy of one layer: counted too.
@@ -226,18 +228,23 @@ def test_forked_reordered_and_rolled_back_quantized_streams_attend_as_the_quanti
 
 
 def test_float8_cells_are_widened_through_their_bits_exactly():
-    """The CPU reads float8 cells through their bits (`quantized._float8_bits_to_float32`): every
-    finite e4m3 value, subnormals and both zeros included, times scales small and large, gives
-    exactly `cells.to(float32) * scale`; int8 cells likewise."""
+    """The CPU reads float8 cells through their bits (`quantized._float8_bits_to_float16`, the
+    numbers times 2**-8, the scale times 2**8): every finite e4m3 value, subnormals and both zeros
+    included, times scales small and large (the largest a finite float32 vector can get: max / 448),
+    gives exactly `cells.to(float32) * scale`; int8 cells likewise."""
     f8 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    scale = torch.tensor([1.0, 3.7e-3, 2.0 ** -40, 2.0 ** 100]).view(4, 1, 1)
-    cells = f8.view(1, 64, 4).expand(4, 64, 4).contiguous()
+    big = torch.finfo(torch.float32).max / 448
+    scale = torch.tensor([1.0, 3.7e-3, 2.0 ** -40, 2.0 ** 100, big, 2.0 ** -149]).view(6, 1, 1)
+    cells = f8.view(1, 64, 4).expand(6, 64, 4).contiguous()
     want = cells.to(torch.float32) * scale
     got = quantized.dequantize(cells, scale, torch.float32)
     finite = ~torch.isnan(want)
-    assert int(finite.sum()) == 4 * 254 and torch.equal(got[finite], want[finite])
+    assert int(finite.sum()) == 6 * 254 and torch.equal(got[finite], want[finite])
     assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite]))  # -0 stays -0
-    i8 = torch.arange(-128, 128, dtype=torch.int8).view(1, 64, 4).expand(4, 64, 4).contiguous()
+    # The unscaled widening: exactly the cells over its factor.
+    widened, factor = quantized.widen_into(torch.empty(256), f8)
+    assert factor == 2.0 ** 8 and torch.equal(widened[finite[0].flatten()] * factor, f8.float()[finite[0].flatten()])
+    i8 = torch.arange(-128, 128, dtype=torch.int8).view(1, 64, 4).expand(6, 64, 4).contiguous()
     assert torch.equal(quantized.dequantize(i8, scale, torch.float32), i8.to(torch.float32) * scale)
     assert torch.equal(quantized.dequantize(cells, scale, torch.bfloat16)[finite], want.bfloat16()[finite])
 

@@ -45,7 +45,7 @@ import torch
 from ..config import SLOT_DTYPES
 
 __all__ = ["SLOT_DTYPES", "SLOT_DTYPE_NAMES", "SCALE_DTYPE", "slot_dtype_named", "quantize", "dequantize",
-           "dequantize_into", "widen_into",
+           "dequantize_into", "widen_into", "F8_WIDEN_FACTOR",
            "round_trip", "cell_bytes", "key_scale_score_mod"]
 
 #: The largest magnitude each cell dtype holds after scaling.
@@ -85,45 +85,57 @@ def dequantize(cells: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return out if out.dtype == dtype else out.to(dtype)
 
 
-def dequantize_into(out: torch.Tensor, cells: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def dequantize_into(out: torch.Tensor, cells: torch.Tensor, scale: torch.Tensor,
+                    staging: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`cells * scale` in float32, written into `out` (float32, the cells' shape); returns `out`.
 
-    The cells are widened into `out`, then multiplied in place: one multiply with type promotion
-    from int8 runs several times slower on the CPU. float8 e4m3 cells are widened through their
-    bits (`_float8_bits_to_float32`), since torch widens float8 one element at a time on the CPU,
-    some fifty times slower than int8. Both give exactly `cells.to(float32) * scale`."""
-    return widen_into(out, cells).mul_(scale)
+    The cells are widened into `out` (`widen_into`), then multiplied in place by the scale and
+    the widening's factor together (a pass over the scales, a `head_dim`-th of the cells): one
+    multiply with type promotion from int8 runs several times slower on the CPU. Exactly
+    `cells.to(float32) * scale`: `out` holds the cells times a power of two and the scale is
+    multiplied by its inverse, so the product has the same exact value and rounds the same."""
+    out, factor = widen_into(out, cells, staging)
+    return out.mul_(scale if factor == 1.0 else scale * factor)
 
 
-def widen_into(out: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
-    """The cells as float32 numbers, unscaled (`cells.to(float32)`, exactly), written into `out`."""
+def widen_into(out: torch.Tensor, cells: torch.Tensor, staging: Optional[torch.Tensor] = None):
+    """The cells as float32 numbers divided by a power of two, written into `out`: returns
+    `(out, factor)` with `out * factor == cells.to(float32)` exactly.
+
+    int8 cells: one copy, factor 1. float8 e4m3 cells on the CPU are widened through their bits
+    (`_float8_bits_to_float16`, factor `2**8`), since torch widens float8 one element at a time
+    there, some fifty times slower than int8; `staging` is an int16 tensor of the cells' shape
+    for their bits (made here if None). Elsewhere, a plain conversion, factor 1."""
     if cells.dtype == torch.float8_e4m3fn and cells.device.type == "cpu":
-        return _float8_bits_to_float32(out, cells)
-    return out.copy_(cells)
+        if staging is None:
+            staging = torch.empty(cells.shape, dtype=torch.int16, device=cells.device)
+        return out.copy_(_float8_bits_to_float16(staging, cells)), F8_WIDEN_FACTOR
+    return out.copy_(cells), 1.0
 
 
-#: float8 e4m3 bits `s eeee mmm` placed as float32 `s 0000eeee mmm0...`: that float32 is the float8
-#: number times 2**-120 (its exponent bias is 127, float8's 7), subnormals included.
-_F8_TO_F32_SHIFT = 20
-_F8_TO_F32_MASK = -0x78100000  # 0x87f00000 as int32: the sign bit and the 7 exponent/mantissa bits
-_F8_TO_F32_FACTOR = 2.0 ** 120
+#: float8 e4m3 bits `s eeee mmm` placed as float16 bits `s 0eeee mmm0000000`: that float16 is the
+#: float8 number times 2**-8 (float16's exponent bias is 15, float8's 7), float8 subnormals as
+#: float16 subnormals, and it widens to float32 exactly (torch's float16 conversion is vectorised).
+F8_WIDEN_FACTOR = 2.0 ** 8
+_F8_TO_F16_SHIFT = 7
+_F8_TO_F16_MASK = -0x4080  # 0xbf80 as int16: the sign bit and the 7 exponent/mantissa bits
 
 
-def _float8_bits_to_float32(out: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
-    """float8 e4m3 cells as float32 numbers, exactly, written into `out` in a few vectorised passes.
+def _float8_bits_to_float16(staging: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+    """float8 e4m3 cells as float16 numbers times 2**-8, exactly, built in `staging` (int16, the
+    cells' shape) in three integer passes over two-byte numbers; returns `staging` viewed as
+    float16.
 
-    Viewed as int8 and widened to int32 (sign-extended), a cell's bits shifted left by 20 hold
-    its sign at bit 31 (extension fills bits 27-30 too, which the mask clears) and its exponent
-    and mantissa at the bottom of float32's exponent and the top of its mantissa; the result is
-    the float8 number times 2**-120 (a subnormal float32 for float8 subnormals, which are
-    subnormal there too), and multiplying by 2**120 is exact. NaN cells (never written: a
-    cell is clamped to +-448) would read as a finite number."""
-    bits = out.view(torch.int32)
-    bits.copy_(cells.view(torch.int8))
-    # The shift as a multiply (|int8| <= 128, so no product leaves int32): torch's in-place left
+    Viewed as int8 and widened to int16 (sign-extended), a cell's bits shifted left by 7 hold its
+    sign at bit 15 (bit 14 too, which the mask clears) and its exponent and mantissa at the bottom
+    of float16's exponent and the top of its mantissa. The exponent then reads 8 too low: the
+    number is the float8 one times 2**-8, subnormal in float16 for float8 subnormals, which are
+    subnormal there too. NaN cells (never written: a cell is clamped to +-448) read as +-480."""
+    staging.copy_(cells.view(torch.int8))
+    # The shift as a multiply (|int8| <= 128, so no product leaves int16): torch's in-place left
     # shift allocates a result and copies it back.
-    bits.mul_(1 << _F8_TO_F32_SHIFT).bitwise_and_(_F8_TO_F32_MASK)
-    return out.mul_(_F8_TO_F32_FACTOR)
+    staging.mul_(1 << _F8_TO_F16_SHIFT).bitwise_and_(_F8_TO_F16_MASK)
+    return staging.view(torch.float16)
 
 
 def round_trip(x: torch.Tensor, slot_dtype: Optional[torch.dtype]) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .quantized import dequantize_into, widen_into
 
-__all__ = ["grouped_attention", "group_rows", "batch_cells", "dequantized_group", "widened_group",
+__all__ = ["grouped_attention", "group_rows", "scratch_width", "batch_cells", "dequantized_group", "widened_group",
            "DEQUANTIZE_GROUP_BYTES", "FUSED_SCALES_MAX_QUERIES"]
 
 #: Quantized cells are dequantized and attended in groups of batch rows whose float32 keys and
@@ -40,9 +40,18 @@ DEQUANTIZE_GROUP_BYTES = 4 << 20
 FUSED_SCALES_MAX_QUERIES = 8
 
 
+def scratch_width(width: int, value_width: int, slot_dtype) -> int:
+    """float32 numbers of the group buffer one cell of one head takes: its key and value widened
+    (`width + value_width`), and for float8 cells the int16 staging their bits pass through
+    (`quantized.widen_into`), for a key and a value together."""
+    cell = width + value_width
+    return cell + (cell + 1) // 2 if slot_dtype == torch.float8_e4m3fn else cell
+
+
 def group_rows(scratch: torch.Tensor, rows: int, heads: int, width: int, cell_width: int) -> int:
-    """How many batch rows of `width` cells over `heads` heads (`cell_width` numbers of a key and a
-    value together) fit in `scratch` at a time (at least one: the cache sizes it for one)."""
+    """How many batch rows of `width` cells over `heads` heads (`cell_width` float32 numbers of
+    the buffer per cell: `scratch_width`) fit in `scratch` at a time (at least one: the cache
+    sizes it for one)."""
     return max(1, min(rows, scratch.numel() // (heads * width * cell_width)))
 
 
@@ -58,20 +67,31 @@ def batch_cells(x: torch.Tensor, b0: int, b1: int, cells: Optional[torch.Tensor]
 
 
 def _group_buffer(scratch: torch.Tensor, offset: int, cells: torch.Tensor) -> torch.Tensor:
-    """The part of `scratch` from `offset` shaped as `cells` (`[rows, H, W, width]`) and laid out as
-    they are (heads outermost), so a widening pass walks both in order."""
+    """The part of `scratch` from `offset` (counted in its own elements) shaped as `cells`
+    (`[rows, H, W, width]`) and laid out as they are (heads outermost), so a widening pass walks
+    both in order."""
     rows, H, W, w = cells.shape
     return scratch[offset:offset + rows * H * W * w].view(H, rows, W, w).transpose(0, 1)
 
 
-def dequantized_group(scratch: torch.Tensor, offset: int, cells: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`cells * scale` (`[rows, H, W, width]`) written into `scratch` from `offset`; float32."""
-    return dequantize_into(_group_buffer(scratch, offset, cells), cells, scale)
+def _staging(scratch: torch.Tensor, offset: Optional[int], cells: torch.Tensor) -> Optional[torch.Tensor]:
+    """int16 room for `cells`' bits in float32 `scratch` from `offset` (None: no room given)."""
+    if offset is None or cells.dtype != torch.float8_e4m3fn:
+        return None
+    return _group_buffer(scratch[offset:].view(torch.int16), 0, cells)
 
 
-def widened_group(scratch: torch.Tensor, offset: int, cells: torch.Tensor) -> torch.Tensor:
-    """`cells` as float32 numbers, unscaled, written into `scratch` from `offset`."""
-    return widen_into(_group_buffer(scratch, offset, cells), cells)
+def dequantized_group(scratch: torch.Tensor, offset: int, cells: torch.Tensor, scale: torch.Tensor,
+                      staging: Optional[int] = None) -> torch.Tensor:
+    """`cells * scale` (`[rows, H, W, width]`) written into `scratch` from `offset`; float32.
+    `staging`: where in `scratch` float8 cells' bits may pass (`scratch_width`)."""
+    return dequantize_into(_group_buffer(scratch, offset, cells), cells, scale, _staging(scratch, staging, cells))
+
+
+def widened_group(scratch: torch.Tensor, offset: int, cells: torch.Tensor, staging: Optional[int] = None):
+    """`cells` as float32 numbers, unscaled and divided by a power of two, written into `scratch`
+    from `offset`: `(numbers, factor)` as `quantized.widen_into` returns them."""
+    return widen_into(_group_buffer(scratch, offset, cells), cells, _staging(scratch, staging, cells))
 
 
 @torch.library.custom_op("flexkv::quantized_rows_attention", mutates_args=("scratch",))
@@ -90,23 +110,31 @@ def grouped_attention(q: torch.Tensor, k_cells: torch.Tensor, v_cells: torch.Ten
     B, H = q.shape[:2]
     W = bias.shape[-1]
     D, Dv = k_cells.shape[-1], v_cells.shape[-1]
-    step = group_rows(scratch, B, H, W, D + Dv)
+    step = group_rows(scratch, B, H, W, scratch_width(D, Dv, k_cells.dtype))
     fused = q.dtype == torch.float32 and q.shape[2] <= FUSED_SCALES_MAX_QUERIES
     outs = []
+    # Read in place, every group's cells and scales are slices of one view per tensor, made once.
+    whole = None if cells is not None else [batch_cells(x, 0, B, None, base, row_len)
+                                            for x in (k_scale, v_scale, k_cells, v_cells)]
     for b0 in range(0, B, step):
         b1 = min(B, b0 + step)
         n = b1 - b0
-        ks, vs = (batch_cells(x, b0, b1, cells, base, row_len) for x in (k_scale, v_scale))
-        kc, vc = (batch_cells(x, b0, b1, cells, base, row_len) for x in (k_cells, v_cells))
+        if whole is None:
+            ks, vs, kc, vc = (batch_cells(x, b0, b1, cells, base, row_len) for x in (k_scale, v_scale, k_cells, v_cells))
+        else:
+            ks, vs, kc, vc = (x[b0:b1] for x in whole)
+        staging = n * H * W * (D + Dv)
         if fused:
-            keys = widened_group(scratch, 0, kc)
-            values = widened_group(scratch, n * H * W * D, vc)
-            scores = torch.addcmul(bias[b0:b1], torch.matmul(q[b0:b1], keys.transpose(-1, -2)), ks.transpose(-1, -2))
+            keys, k_factor = widened_group(scratch, 0, kc, staging)
+            scores = torch.addcmul(bias[b0:b1], torch.matmul(q[b0:b1], keys.transpose(-1, -2)), ks.transpose(-1, -2),
+                                   value=k_factor)
             probs = torch.softmax(scores, dim=-1).mul_(vs.transpose(-1, -2))
-            outs.append(torch.matmul(probs, values))
+            values, v_factor = widened_group(scratch, n * H * W * D, vc, staging)
+            out = torch.matmul(probs, values)
+            outs.append(out if v_factor == 1.0 else out.mul_(v_factor))
             continue
-        keys = dequantized_group(scratch, 0, kc, ks)
-        values = dequantized_group(scratch, n * H * W * D, vc, vs)
+        keys = dequantized_group(scratch, 0, kc, ks, staging)
+        values = dequantized_group(scratch, n * H * W * D, vc, vs, staging)
         outs.append(F.scaled_dot_product_attention(q[b0:b1], keys.to(q.dtype), values.to(q.dtype),
                                                    attn_mask=bias[b0:b1], scale=1.0))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

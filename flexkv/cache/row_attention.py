@@ -329,10 +329,14 @@ def _dense(q, keys, values, geo: RowGeometry, score_mod, want_lse, additive=Fals
 
 def dequantize_scratch(config, layout: Layout, device) -> torch.Tensor:
     """The float32 buffer the rows path dequantizes groups of batch rows into (quantized slots):
-    `quantized_rows.DEQUANTIZE_GROUP_BYTES`, or one batch row of the widest kind if that is more."""
+    `quantized_rows.DEQUANTIZE_GROUP_BYTES` of keys and values, or one batch row of the widest kind
+    if that is more, with room for the staging float8 cells pass through
+    (`quantized_rows.scratch_width`)."""
     width = max(layout.slot_row_len, gather_width(config))
-    row = config.num_heads * width * (config.head_dim + config.value_head_dim)
-    return torch.empty(max(quantized_rows.DEQUANTIZE_GROUP_BYTES // 4, row), dtype=torch.float32, device=device)
+    cell = quantized_rows.scratch_width(config.head_dim, config.value_head_dim, config.slot_dtype)
+    row = config.num_heads * width * cell
+    group = quantized_rows.DEQUANTIZE_GROUP_BYTES // 4 * cell // (config.head_dim + config.value_head_dim)
+    return torch.empty(max(group, row), dtype=torch.float32, device=device)
 
 
 def _dense_dequantized(q, k_cache, v_cache, scales, cells, base, row_len, geo: RowGeometry, score_mod, want_lse,
@@ -350,14 +354,16 @@ def _dense_dequantized(q, k_cache, v_cache, scales, cells, base, row_len, geo: R
                                                 row_len, scratch), None
     if torch.compiler.is_compiling():
         scratch = None  # inductor plans the buffers of the traced path
-    step = B if scratch is None else quantized_rows.group_rows(scratch, B, H, W, D + Dv)
+    step = B if scratch is None else quantized_rows.group_rows(scratch, B, H, W,
+                                                               quantized_rows.scratch_width(D, Dv, k_cache.dtype))
     outs, lses = [], []
     for b0 in range(0, B, step):
         b1 = min(B, b0 + step)
         kv = []
         for x, sc, off in ((k_cache, scales[0], 0), (v_cache, scales[1], (b1 - b0) * H * W * D)):
             c, s = (quantized_rows.batch_cells(t, b0, b1, cells, base, row_len) for t in (x, sc))
-            out = dequantize(c, s, q.dtype) if scratch is None else quantized_rows.dequantized_group(scratch, off, c, s)
+            out = dequantize(c, s, q.dtype) if scratch is None else quantized_rows.dequantized_group(
+                scratch, off, c, s, (b1 - b0) * H * W * (D + Dv))
             kv.append(out if out.dtype == q.dtype else out.to(q.dtype))
         part = geo if (b0, b1) == (0, B) else geo._replace(
             batch_rows=geo.batch_rows[b0:b1], cells=geo.cells[b0:b1], bias=geo.bias[b0:b1], reads=geo.reads[b0:b1])
