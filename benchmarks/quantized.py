@@ -18,12 +18,21 @@ cache of the same mode, and the bytes one stream holds (`slot_bytes`).
     python -m benchmarks.quantized --threads 1                      # eager and compiled, all shapes
     python -m benchmarks.quantized --threads 1 --modes eager        # eager only (no compile time)
     python -m benchmarks.quantized --threads 1 --paths              # compiled: rows and flex paths too
+    python -m benchmarks.quantized --threads 1 --widen              # the widening passes of one group alone
+    python -m benchmarks.quantized --threads 1 --cpu-time           # thread CPU time (a machine others share)
+
+`--widen` times what reading one group of cells costs at the `decode` shape (the keys of one slot
+row: 8 heads x 1024 cells x 64, read in place from a pool of 32 rows) for each cell dtype, pass
+by pass: int8's one copy to float32 against float8's int8-to-int16 copy, shift, mask and float16
+conversion (`quantized.widen_into`), the same through float32 bits (four passes over four-byte
+numbers), and torch's own float8 conversion.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import time
 
 import torch
 
@@ -80,7 +89,7 @@ def _stored_inputs(st: Steady, inputs) -> list:
             for layers in inputs]
 
 
-def run_shape(name: str, slot_dtypes, modes, rounds: int, paths: bool) -> dict:
+def run_shape(name: str, slot_dtypes, modes, rounds: int, paths: bool, clock=time.perf_counter) -> dict:
     base = SHAPES[name]
     rows = {}
     for mode in modes:
@@ -97,7 +106,8 @@ def run_shape(name: str, slot_dtypes, modes, rounds: int, paths: bool) -> dict:
                     errs[(sd, path)] = check(want, runner.step(st.inputs[0]), f"{mode} {sd} {path}")
                 variants[(sd, path)], runners[(sd, path)] = st, runner
                 del twin
-        times = interleaved({key: cycle(r.step, variants[key].inputs) for key, r in runners.items()}, rounds=rounds)
+        times = interleaved({key: cycle(r.step, variants[key].inputs) for key, r in runners.items()}, rounds=rounds,
+                            clock=clock)
         unq = times[("none", "auto")]["median_ms"]
         for key, st in variants.items():
             m = st.manager
@@ -107,6 +117,51 @@ def run_shape(name: str, slot_dtypes, modes, rounds: int, paths: bool) -> dict:
         del runners, variants
         gc.collect()
     return rows
+
+
+def _float8_through_float32_bits(out: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+    """The other exact widening, for comparison: the cell's bits shifted into float32's (the number
+    times 2**-120), then the 2**120 multiplied back (it cannot join the scale, which it may overflow)."""
+    bits = out.view(torch.int32)
+    bits.copy_(cells.view(torch.int8))
+    bits.mul_(1 << 20).bitwise_and_(-0x78100000)
+    return out.mul_(2.0 ** 120)
+
+
+def widen_passes(rounds: int, clock=time.perf_counter) -> None:
+    """Per-pass times of widening one decode group (`--widen`), interleaved, medians of rounds."""
+    heads, rows, row_len, dim = 8, 32, 1024, 64
+    x = torch.randn(1, heads, rows * row_len, dim, generator=torch.Generator().manual_seed(0))
+    pools = {sd: quantized.quantize(x, sd)[0] for sd in (torch.int8, torch.float8_e4m3fn)}
+    out = torch.empty(heads, row_len, dim)
+    staging = torch.empty(heads, row_len, dim, dtype=torch.int16)
+
+    def group(sd, b):
+        return pools[sd][0, :, b * row_len:(b + 1) * row_len]
+
+    def rows_of(fn):
+        return lambda: [fn(b) for b in range(rows)]
+
+    passes = {
+        "int8: copy to float32": lambda b: out.copy_(group(torch.int8, b)),
+        "float8: whole widening": lambda b: quantized.widen_into(out, group(torch.float8_e4m3fn, b), staging),
+        "float8: int8 -> int16 copy": lambda b: staging.copy_(group(torch.float8_e4m3fn, b).view(torch.int8)),
+        "float8: shift (multiply)": lambda b: staging.mul_(1 << quantized._F8_TO_F16_SHIFT),
+        "float8: mask": lambda b: staging.bitwise_and_(quantized._F8_TO_F16_MASK),
+        "float8: float16 -> float32": lambda b: out.copy_(staging.view(torch.float16)),
+        "float8 through float32 bits": lambda b: _float8_through_float32_bits(out, group(torch.float8_e4m3fn, b)),
+    }
+    times = interleaved({name: rows_of(fn) for name, fn in passes.items()}, rounds=rounds, clock=clock)
+    cells = heads * row_len * dim
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), medians of {rounds} interleaved rounds; "
+          f"one group: {cells:,} cells")
+    for name, t in times.items():
+        ms = t["median_ms"] / rows
+        print(f"  {name:28s} {ms:7.3f} ms per group  {ms * 1e6 / cells:6.3f} ns per cell")
+    slow = interleaved({"float8: torch .to(float32)": lambda: out.copy_(group(torch.float8_e4m3fn, 0))}, rounds=3,
+                       clock=clock)
+    ms = slow["float8: torch .to(float32)"]["median_ms"]
+    print(f"  {'float8: torch .to(float32)':28s} {ms:7.3f} ms per group  {ms * 1e6 / cells:6.3f} ns per cell")
 
 
 def main(argv=None) -> None:
@@ -120,18 +175,25 @@ def main(argv=None) -> None:
                                                           "'rows' and 'flex'")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--widen", action="store_true", help="time only the widening passes of one decode group")
+    ap.add_argument("--cpu-time", action="store_true", help="time the calling thread's CPU time instead of wall "
+                                                            "time (with --threads 1, on a machine other jobs share)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    if args.widen:
+        widen_passes(args.rounds, clock)
+        return
     slot_dtypes = args.slot_dtypes.split(",")
     if slot_dtypes[0] != "none":
         slot_dtypes = ["none"] + [s for s in slot_dtypes if s != "none"]
     results = {}
     for name in args.shapes.split(","):
-        results[name] = run_shape(name, slot_dtypes, args.modes.split(","), args.rounds, args.paths)
+        results[name] = run_shape(name, slot_dtypes, args.modes.split(","), args.rounds, args.paths, clock)
         print(f"  {name}: done", flush=True)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), medians of {args.rounds} interleaved "
-          f"rounds; ratio: to the unquantized cache of the same mode")
+          f"rounds of {'thread CPU' if args.cpu_time else 'wall'} time; ratio: to the unquantized cache of the same mode")
     head = ("shape", "mode", "slots", "path", "ms", "ratio", "stream bytes", "first-step diff")
     lines = []
     for name, rows in results.items():

@@ -18,13 +18,17 @@ import torch
 __all__ = ["cycle", "decode_shape_args", "interleaved", "ratio", "round_robin"]
 
 
-def interleaved(fns: Dict[str, Callable[[], object]], rounds: int = 7, min_round_s: float = 0.2) -> Dict[str, dict]:
+def interleaved(fns: Dict[str, Callable[[], object]], rounds: int = 7, min_round_s: float = 0.2,
+                clock: Callable[[], float] = time.perf_counter) -> Dict[str, dict]:
     """Time each `fns[name]()` per call: `{name: {"median_ms", "best_ms", "calls"}}`.
 
     Each variant is called once to warm up, then `rounds` rounds follow; in a
     round every variant runs `k` calls back to back (`k` sized from the
     warm-up so a round of one variant takes about `min_round_s`), the order
-    of the variants rotating from round to round.
+    of the variants rotating from round to round. `clock`: wall time by
+    default; `time.thread_time` counts only the calling thread's CPU time
+    (one torch thread on a machine other jobs share: time spent waiting for
+    a core is left out).
     """
     calls = {}
     for name, fn in fns.items():
@@ -37,10 +41,10 @@ def interleaved(fns: Dict[str, Callable[[], object]], rounds: int = 7, min_round
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             fn, k = fns[name], calls[name]
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(k):
                 fn()
-            per_call[name].append((time.perf_counter() - t0) / k)
+            per_call[name].append((clock() - t0) / k)
     return {name: dict(median_ms=statistics.median(ts) * 1e3, best_ms=min(ts) * 1e3, calls=calls[name])
             for name, ts in per_call.items()}
 
