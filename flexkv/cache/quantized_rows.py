@@ -105,8 +105,10 @@ def grouped_attention(q: torch.Tensor, k_cells: torch.Tensor, v_cells: torch.Ten
     float32 queries, at most `FUSED_SCALES_MAX_QUERIES` per row and head (decode): the scales are
     applied to the scores and the probabilities instead of the cells (`softmax(q.k * k_scale + bias)`, then `(p * v_scale) @ v`), which saves two passes over
     the widened cells; the products round differently from the reference's `q.(k * k_scale)` by
-    a few float32 ulps. Otherwise the cells are dequantized and run through
-    `scaled_dot_product_attention` in `q`'s dtype, as the reference computes."""
+    a few float32 ulps; float8 cells widen to their numbers times 2**-8
+    (`quantized.widen_into`), and the 2**8 joins the scores (`addcmul`'s value) and the output.
+    Otherwise the cells are dequantized and run through `scaled_dot_product_attention` in `q`'s
+    dtype, as the reference computes."""
     B, H = q.shape[:2]
     W = bias.shape[-1]
     D, Dv = k_cells.shape[-1], v_cells.shape[-1]
