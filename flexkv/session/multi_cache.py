@@ -12,6 +12,13 @@ stepped together through one `flexkv.model.multi_context.MultiStepContext`
     out = session.step({"utt0": {"slow": x25, "fast": x50}}, fn)
     out["utt0"]["fast"]     # fn's "fast" output cut to utt0's lane and tokens
 
+A cache may hold sources: a flow-matching decoder's cache ("dit") reading a
+voice prompt shared by every request in that voice, beside two encoder
+caches without any:
+
+    voice = session.add_source("dit", prompt_keys, prompt_values)
+    session.start("utt1", sources={"dit": (voice, prompt_len)})
+
 What differs from `StreamSession`:
 
 - A feed is, per request, a mapping of cache name -> that cache's feed
@@ -31,8 +38,20 @@ What differs from `StreamSession`:
   each name to it). Every cache must have the same `max_slots`: a lane
   without a slot in some cache could not run, a slot without a lane would
   never be used.
-- Every request starts on an empty stream, without a source (shared and
-  private sources are left to a single-cache `StreamSession`).
+- Sources live in one cache each, so every source call names its cache:
+  `add_source(name, keys, values) -> index`, `remove_source(name, index)`,
+  `add_private_source(name, id, keys, values)`,
+  `remove_private_source(name, id)` (`StreamSession`'s, with the cache name
+  first). A request declares a source per cache when it starts,
+  `start(id, sources={name: (source, source_len)})` (`source=-1` its
+  private source in that cache); a cache not named starts on an empty
+  stream without a source, and `step` starts new requests without any.
+  `reset(id, sources={...})` changes the named caches' declarations and
+  keeps the others'; `sources(id)` maps every cache to its `(source,
+  source_len)`. A waiting request keeps its declarations, and
+  `remove_source` / `remove_private_source` refuse a source a waiting
+  request declared; `fork` carries every cache's source; `finish` frees
+  the request's private sources in every cache.
 - `rollback(id, {name: tokens})` names every cache (0 to keep one as it is).
 
 What it keeps: every operation happens in every cache or in none. A step is
@@ -82,8 +101,16 @@ _session_ids = itertools.count()
 @dataclass
 class _Request:
     lane: int
+    sources: Dict[Hashable, Tuple[int, int]]  # cache name -> (source, source_len)
     written: Dict[Hashable, int] = field(default_factory=dict)
     state: Any = None
+
+
+@dataclass
+class _Waiting:
+    request_id: Hashable
+    sources: Dict[Hashable, Tuple[int, int]]
+    blocked: Optional[str] = None  # why it could not take a lane that freed up (a declaration broke)
 
 
 class MultiStepResult(Mapping):
@@ -148,6 +175,15 @@ class MultiStepResult(Mapping):
 
 class MultiCacheSession:
     """Streams requests through several named caches stepped as one (see the module docstring).
+
+    Sources live in one cache each: `add_source(cache_name, keys, values)`
+    returns the source's index in that cache, and a request reads it with
+    `start(request_id, sources={cache_name: (index, source_len)})` (or
+    `(-1, source_len)` after `add_private_source(cache_name, request_id,
+    keys, values)`); caches not named start without a source.
+    `reset(request_id, sources={...})` changes only the caches named;
+    `remove_source(cache_name, index)`, `remove_private_source(cache_name,
+    request_id)` and `sources(request_id)` complete the set.
 
     Args:
         caches: a non-empty mapping of name -> `BoundedKVConfig` (the session
@@ -240,7 +276,7 @@ class MultiCacheSession:
         self._id = next(_session_ids)
         self._requests: Dict[Hashable, _Request] = {}
         self._free_lanes = list(range(self.max_slots))
-        self._queue: deque = deque()  # request ids waiting for a lane, first come first served
+        self._queue: deque = deque()  # _Waiting, first come first served
         self._runners: Dict[Any, Callable] = {}
         self._step_codes: Dict[Any, Any] = {}
         self._warm: set = set()
@@ -258,7 +294,7 @@ class MultiCacheSession:
     @property
     def waiting(self) -> tuple:
         """Request ids waiting for a lane, first in line first."""
-        return tuple(self._queue)
+        return tuple(w.request_id for w in self._queue)
 
     @property
     def free_lanes(self) -> int:
@@ -276,12 +312,51 @@ class MultiCacheSession:
         """The model state a started request carries (`initial_state`), or None."""
         return self._get(request_id).state
 
+    def sources(self, request_id: Hashable) -> Dict[Hashable, Tuple[int, int]]:
+        """Cache name -> the `(source, source_len)` a started or waiting request declared in that cache
+        (`(0, 0)`: no source)."""
+        w = self._waiting(request_id)
+        return dict(w.sources if w is not None else self._get(request_id).sources)
+
     def _get(self, request_id) -> _Request:
         req = self._requests.get(request_id)
         if req is None:
-            where = " (it waits for a lane)" if request_id in self._queue else ""
+            where = " (it waits for a lane)" if self._waiting(request_id) is not None else ""
             raise ValueError(f"request {request_id!r} holds no lane{where}; start() it or feed it to step()")
         return req
+
+    def _waiting(self, request_id) -> Optional[_Waiting]:
+        return next((w for w in self._queue if w.request_id == request_id), None)
+
+    def _cache(self, name, what: str):
+        """The cache called `name`, or a `ValueError` naming the caches there are."""
+        try:
+            known = name in self.caches
+        except TypeError:  # unhashable
+            known = False
+        if not known:
+            raise ValueError(f"MultiCacheSession.{what}: no cache {name!r}; this session's caches are "
+                             f"{list(self.caches)}")
+        return self.caches[name]
+
+    def _declarations(self, sources, what: str, base=None) -> Dict[Hashable, Tuple[int, int]]:
+        """Every cache's `(source, source_len)`: those `sources` names, the others' from `base` (an empty
+        stream without a source when None). Checks the form only; `_check_start` checks the values."""
+        decls = dict(base) if base is not None else {name: (0, 0) for name in self.caches}
+        if sources is None:
+            return decls
+        if not isinstance(sources, Mapping):
+            raise ValueError(f"MultiCacheSession.{what}: sources must map a cache name to (source, source_len), "
+                             f"e.g. sources={{{next(iter(self.caches))!r}: (0, 4)}}, got {sources!r}")
+        for name, decl in sources.items():
+            self._cache(name, what)
+            if not isinstance(decl, (tuple, list)) or len(decl) != 2:
+                raise ValueError(
+                    f"MultiCacheSession.{what}: sources[{name!r}] must be a (source, source_len) pair (source: an "
+                    f"index add_source() returned, or -1 for the request's private source), got {decl!r}"
+                )
+            decls[name] = (decl[0], decl[1])
+        return decls
 
     @contextlib.contextmanager
     def _exclusive(self, what: str):
@@ -299,22 +374,86 @@ class MultiCacheSession:
             self._running = None
             self._guard.release()
 
+    # ----------------------------------------------------------- sources
+
+    def add_source(self, cache_name: Hashable, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Register a shared read-only prefix in cache `cache_name` (that cache's `add_source`: keys and
+        values shaped for its layers and heads); returns its index there."""
+        with self._exclusive("add_source"):
+            c = self._cache(cache_name, "add_source")
+            try:
+                index = c.add_source(keys, values)
+            except Exception as exc:
+                raise named_error(exc, cache_name, "MultiCacheSession.add_source") from None
+            self._admit_waiting()  # a waiting request may have been blocked on this source place
+            return index
+
+    def remove_source(self, cache_name: Hashable, index: int) -> None:
+        """Unregister cache `cache_name`'s shared source `index`; refused while a request reads it, or
+        waits to."""
+        with self._exclusive("remove_source"):
+            c = self._cache(cache_name, "remove_source")
+            readers = [w.request_id for w in self._queue
+                       if w.sources[cache_name][0] == index and w.sources[cache_name][0] != -1
+                       and w.sources[cache_name][1]]
+            if readers:
+                raise ValueError(
+                    f"MultiCacheSession.remove_source: source {index} of cache {cache_name!r} is declared by waiting "
+                    f"requests {readers}; finish() them or reset() them to another source first"
+                )
+            try:
+                c.remove_source(index)
+            except Exception as exc:
+                raise named_error(exc, cache_name, "MultiCacheSession") from None
+
+    def add_private_source(self, cache_name: Hashable, request_id: Hashable, keys: torch.Tensor,
+                           values: torch.Tensor) -> int:
+        """Give `request_id` a prefix of its own in cache `cache_name`; then `start(request_id,
+        sources={cache_name: (-1, source_len)})`. Freed when the request finishes; a reset keeps it."""
+        with self._exclusive("add_private_source"):
+            c = self._cache(cache_name, "add_private_source")
+            try:
+                return c.add_private_source(request_id, keys, values)
+            except Exception as exc:
+                raise named_error(exc, cache_name, "MultiCacheSession") from None
+
+    def remove_private_source(self, cache_name: Hashable, request_id: Hashable) -> None:
+        """Free `request_id`'s private source in cache `cache_name`; refused while its stream there
+        reads it, or waits to."""
+        with self._exclusive("remove_private_source"):
+            c = self._cache(cache_name, "remove_private_source")
+            w = self._waiting(request_id)
+            if w is not None and w.sources[cache_name][0] == -1 and w.sources[cache_name][1]:
+                raise ValueError(
+                    f"MultiCacheSession.remove_private_source: waiting request {request_id!r} is declared on it in "
+                    f"cache {cache_name!r} (source=-1, source_len={w.sources[cache_name][1]}); finish() it or "
+                    f"reset() it to another source first"
+                )
+            try:
+                c.remove_private_source(request_id)
+            except Exception as exc:
+                raise named_error(exc, cache_name, "MultiCacheSession") from None
+
     # --------------------------------------------------------- lifecycle
 
-    def _check_start(self, request_id, restart: bool = False) -> None:
-        """Every cache's declaration checks for a request starting on an empty stream (the cache named)."""
+    def _check_start(self, request_id, decls, restart: bool = False) -> None:
+        """Every cache's declaration checks for a request starting on `decls` (name -> (source,
+        source_len)), before anything changes; the cache that refuses is named."""
         for name, c in self.caches.items():
+            source, source_len = decls[name]
             try:
-                c.check_start(request_id, 0, 0, restart=restart)
+                c.check_start(request_id, source, source_len, restart=restart)
             except Exception as exc:
                 raise named_error(exc, name, "MultiCacheSession") from None
 
-    def _admit(self, request_id, transaction: StepTransaction) -> None:
-        """Give `request_id` the lowest free lane and a slot in every cache, in `transaction` (every
-        cache or none: a cache that refuses is named and the others are taken back with it)."""
+    def _admit(self, request_id, decls, transaction: StepTransaction) -> None:
+        """Give `request_id` the lowest free lane and a slot in every cache on its declarations `decls`,
+        in `transaction` (every cache or none: a cache that refuses is named and the others are taken
+        back with it)."""
         state = None if self._new_state is None else self._new_state(request_id)
-        step = BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(0, 0, 0)})
         for name, c in self.caches.items():
+            source, source_len = decls[name]
+            step = BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(source_len, 0, source)})
             try:
                 transaction.admit(step, c)
             except SlotsExhausted as exc:
@@ -324,77 +463,118 @@ class MultiCacheSession:
             except Exception as exc:
                 raise named_error(exc, name, "MultiCacheSession") from None
         lane = self._free_lanes.pop(0)
-        self._requests[request_id] = _Request(lane, {name: 0 for name in self.caches}, state)
+        self._requests[request_id] = _Request(lane, dict(decls), {name: 0 for name in self.caches}, state)
         transaction.add_undo(lambda: self._give_back_lane(request_id))
 
     def _give_back_lane(self, request_id) -> None:
         self._free_lanes.append(self._requests.pop(request_id).lane)
         self._free_lanes.sort()
 
-    def _admit_now(self, request_id) -> None:
+    def _admit_now(self, request_id, decls) -> None:
         """`_admit` on its own: a transaction that plans nothing, committed when every cache took it."""
         txn = StepTransaction(next(iter(self.caches.values())))
         try:
-            self._admit(request_id, txn)
+            self._admit(request_id, decls, txn)
         except BaseException:
             txn.abort()
             raise
         txn.commit()
 
-    def start(self, request_id: Hashable) -> bool:
-        """Start a request on an empty stream in every cache. True when it holds a lane now, False when
-        it waits (`when_full="queue"`); `when_full="refuse"` raises `SlotsExhausted` when every lane is
-        held. Errors change nothing."""
+    def start(self, request_id: Hashable, *,
+              sources: Optional[Mapping[Hashable, Tuple[int, int]]] = None) -> bool:
+        """Start a request in every cache: on `sources[name] = (source, source_len)` in each cache
+        named (`source`: an index `add_source(name, ...)` returned, or -1 for the request's private
+        source there), on an empty stream without a source in the others. True when it holds a lane
+        now, False when it waits (`when_full="queue"`) with its declarations; `when_full="refuse"`
+        raises `SlotsExhausted` when every lane is held. Every cache's declaration is checked first,
+        whether the request starts or waits; errors change nothing."""
         with self._exclusive("start"):
-            if request_id in self._requests or request_id in self._queue:
+            if request_id in self._requests or self._waiting(request_id) is not None:
                 raise ValueError(f"request {request_id!r} is already started; finish() or reset() it")
-            self._check_start(request_id)
+            decls = self._declarations(sources, "start")
+            self._check_start(request_id, decls)
             if self._free_lanes:
-                self._admit_now(request_id)
+                self._admit_now(request_id, decls)
                 return True
             if self.when_full == "refuse":
                 raise SlotsExhausted(
                     f"all {self.max_slots} lanes are held, so request {request_id!r} cannot start; finish() a "
                     f"request first, raise max_slots, or use when_full='queue'"
                 )
-            self._queue.append(request_id)
+            self._queue.append(_Waiting(request_id, decls))
             return False
 
     def finish(self, request_id: Hashable) -> None:
-        """End a request in every cache: its lane and slots go to the first waiting requests. If
-        starting one of them raises (its `initial_state` fails, an interrupt), the finish has
-        happened, the error is raised after it, and that request keeps its place in the queue."""
+        """End a request in every cache: its lane and slots go to the first waiting requests that can
+        start, and its private sources (in every cache) are freed, also for a request given one and
+        never started. If starting a waiting request raises (its `initial_state` fails, an
+        interrupt), the finish has happened, the error is raised after it, and that request keeps its
+        place in the queue. A waiting request whose declaration no longer holds (its source was
+        removed from the cache behind the session's back) keeps its place and does not take the lane;
+        `step` says why when it is fed, and `reset` or `finish` fixes it."""
         with self._exclusive("finish"):
-            if request_id in self._queue:
-                self._queue.remove(request_id)
+            w = self._waiting(request_id)
+            if w is not None:
+                self._free_private_sources(request_id)
+                self._queue.remove(w)
                 return
+            if request_id not in self._requests and self._free_private_sources(request_id):
+                return  # given a private source, never started
             req = self._get(request_id)
             for c in self.caches.values():
-                c.remove_request(request_id)
+                c.remove_request(request_id)  # frees its private source there too
             del self._requests[request_id]
             self._free_lanes.append(req.lane)
             self._free_lanes.sort()
             self._admit_waiting()
 
-    def _admit_waiting(self) -> None:
-        while self._queue and self._free_lanes:
-            rid = self._queue[0]
-            self._admit_now(rid)  # admitted first, then out of the queue: a failure leaves it waiting
-            self._queue.popleft()
+    def _free_private_sources(self, request_id) -> bool:
+        """Free the private sources of a request that holds no slot; whether it had any."""
+        owners = [c for c in self.caches.values()
+                  if request_id in c.private_sources and request_id not in c.requests]
+        for c in owners:
+            c.remove_private_source(request_id)
+        return bool(owners)
 
-    def reset(self, request_id: Hashable) -> None:
-        """Rewind a request to an empty stream in every cache (a new model state too), keeping its lane.
-        A waiting request is left as it is (it has not started)."""
+    def _admit_waiting(self) -> None:
+        """Give free lanes to waiting requests, first come first served, each checked first."""
+        for w in list(self._queue):
+            if not self._free_lanes:
+                break
+            try:
+                self._check_start(w.request_id, w.sources)
+            except ValueError as exc:
+                w.blocked = str(exc)
+                continue
+            w.blocked = None
+            # Admitted first, then out of the queue: a failure leaves it waiting where it was.
+            self._admit_now(w.request_id, w.sources)
+            self._queue.remove(w)
+
+    def reset(self, request_id: Hashable, *,
+              sources: Optional[Mapping[Hashable, Tuple[int, int]]] = None) -> None:
+        """Rewind a request to an empty stream in every cache (a new model state too), keeping its lane;
+        `sources={name: (source, source_len)}` changes the named caches' declarations, the others keep
+        theirs (`(0, 0)` drops a cache's source). Every cache's new declaration is checked before any
+        changes; a waiting request keeps its place in the queue with the new declarations."""
         with self._exclusive("reset"):
-            if request_id in self._queue:
+            w = self._waiting(request_id)
+            if w is not None:
+                decls = self._declarations(sources, "reset", w.sources)
+                self._check_start(request_id, decls)
+                w.sources, w.blocked = decls, None
+                self._admit_waiting()
                 return
             req = self._get(request_id)
-            self._check_start(request_id, restart=True)
+            decls = self._declarations(sources, "reset", req.sources)
+            self._check_start(request_id, decls, restart=True)
             state = None if self._new_state is None else self._new_state(request_id)
-            step = BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(0, 0, 0)})
-            for c in self.caches.values():
+            for name, c in self.caches.items():
+                source, source_len = decls[name]
                 c.reset_request(request_id)
-                c.admit(step)
+                c.admit(BoundedKVStep((Segment(request_id, 0),),
+                                      {request_id: StreamPosition(source_len, 0, source)}))
+            req.sources = decls
             req.written = {name: 0 for name in self.caches}
             req.state = state
 
@@ -404,7 +584,7 @@ class MultiCacheSession:
         when any cache refuses."""
         with self._exclusive("fork"):
             parent = self._get(request_id)
-            if new_id in self._requests or new_id in self._queue:
+            if new_id in self._requests or self._waiting(new_id) is not None:
                 raise ValueError(f"fork: request {new_id!r} is already started; finish() it or pick another id")
             if not self._free_lanes:
                 raise SlotsExhausted(
@@ -427,7 +607,7 @@ class MultiCacheSession:
                     c.remove_request(new_id)
                 raise
             lane = self._free_lanes.pop(0)
-            self._requests[new_id] = _Request(lane, dict(parent.written), state)
+            self._requests[new_id] = _Request(lane, dict(parent.sources), dict(parent.written), state)
 
     def rollback(self, request_id: Hashable, tokens: Mapping[Hashable, int], *, state=None) -> None:
         """Take back the last `tokens[name]` tokens a started request wrote to each cache (every cache
@@ -546,10 +726,30 @@ class MultiCacheSession:
         if not callable(fn):
             raise ValueError(f"fn must be a callable fn(attn, inputs), got {fn!r}")
         parsed = self._parse(feeds)
-        queued = set(self._queue)
+        for rid in parsed:
+            w = self._waiting(rid)
+            if w is not None and w.blocked is not None:
+                try:  # the reason may be gone (its source registered again)
+                    self._check_start(rid, w.sources)
+                except ValueError as exc:
+                    w.blocked = str(exc)
+                    raise ValueError(
+                        f"request {rid!r} waits for a lane but can no longer start: {w.blocked}; reset() it with "
+                        f"valid sources or finish() it"
+                    ) from None
+                w.blocked = None
+        queued = set(self.waiting)
         new = [rid for rid in parsed if rid not in self._requests and rid not in queued]
+        empty = self._declarations(None, "step")
         for rid in new:
-            self._check_start(rid)
+            private = [name for name, c in self.caches.items() if rid in c.private_sources]
+            if private:
+                raise ValueError(
+                    f"request {rid!r} has a private source in cache {private[0]!r} but was never started: "
+                    f"start({rid!r}, sources={{{private[0]!r}: (-1, source_len)}}) it (a step starts new requests "
+                    f"on empty streams with no source)"
+                )
+            self._check_start(rid, empty)
         free = len(self._free_lanes)
         if len(new) > free and self.when_full == "refuse":
             raise SlotsExhausted(
@@ -560,7 +760,7 @@ class MultiCacheSession:
         running = [rid for rid in parsed if rid in self._requests or rid in starting]
         waiting = tuple(rid for rid in parsed if rid in queued or rid in deferred)
         if not running:
-            self._queue.extend(deferred)
+            self._queue.extend(_Waiting(rid, dict(empty)) for rid in deferred)
             return MultiStepResult(None, {}, {}, {}, {}, waiting, 0.0)
         Ts = {}
         for name, sizes in self.token_sizes.items():
@@ -584,10 +784,11 @@ class MultiCacheSession:
         transaction = StepTransaction(next(iter(self.caches.values())))
         try:
             for rid in starting:
-                self._admit(rid, transaction)
+                self._admit(rid, empty, transaction)
             for rid in deferred:
-                self._queue.append(rid)
-                transaction.add_undo(lambda rid=rid: self._queue.remove(rid))
+                w = _Waiting(rid, dict(empty))
+                self._queue.append(w)
+                transaction.add_undo(lambda w=w: self._queue.remove(w))
             return self._run(parsed, running, lanes, waiting, B, Ts, fn, transaction)
         except BaseException:
             transaction.abort()
@@ -610,8 +811,10 @@ class MultiCacheSession:
                 if rid is None:
                     segments.append(Segment(None, 0))
                     continue
+                req = self._requests[rid]
+                source, source_len = req.sources[name]
                 segments.append(Segment(rid, parsed[rid][name].span))
-                positions[rid] = StreamPosition(0, self._requests[rid].written[name], 0)
+                positions[rid] = StreamPosition(source_len, req.written[name], source)
             steps[name] = BoundedKVStep(tuple(segments), positions, tokens=Ts[name])
         plans = self.context.begin(steps, transaction)
         plan_s = time.perf_counter() - t0
