@@ -579,3 +579,247 @@ def test_a_chunk_with_look_ahead_in_one_cache_writes_only_its_span_there():
     steps = {rid: sum(1 for step in SCHEDULE[:5] if rid in step) for rid in "abc"}
     assert {rid: s.written(rid) for rid in "abc"} == {
         rid: {"slow": n, "fast": 2 * n - 2 * steps[rid]} for rid, n in written.items()}
+
+
+# ------------------------------------------------------------------ sources in one cache of several
+
+# A decoder cache reading a voice prompt (a shared source, or a request's own), beside an encoder cache
+# without sources: a streaming speech pipeline's flow-matching DiT and its conformer.
+DIT = BoundedKVConfig(num_layers=2, num_heads=2, head_dim=4, rows_per_request=1, max_source_len=5, max_sources=3,
+                      retention=SinkWindow(1, 4), max_slots=3, max_step_tokens=3, query_window=4,
+                      dtype=torch.float64)
+VOICED = {"slow": SLOW, "dit": DIT}
+
+
+def voiced(make=None, **kw):
+    make = make or (lambda c: BoundedKVManager(c, block_size=8))
+    return MultiCacheSession({name: make(c) for name, c in VOICED.items()}, compile=False,
+                             token_sizes={"slow": (1, 2, 3), "dit": (1, 2, 3)}, **kw)
+
+
+def voiced_model(attn, x):
+    return {name: torch.stack([attn[name](layer, *qkv(x[name], layer)).transpose(1, 2)
+                               for layer in range(c.num_layers)], dim=2)
+            for name, c in VOICED.items()}
+
+
+def voiced_feeds(lengths, seed):
+    g = torch.Generator().manual_seed(300 + seed)
+    return {rid: {name: torch.randn(n, 3, c.num_heads, c.head_dim, generator=g, dtype=torch.float64)
+                  for name, c in VOICED.items()} for rid, n in lengths.items()}
+
+
+def prompt(length, seed):
+    """A voice prompt for the DiT cache: keys and values `[layers, rows, heads, length, head_dim]`."""
+    g = torch.Generator().manual_seed(400 + seed)
+    shape = (DIT.num_layers, 1, DIT.num_heads, length, DIT.head_dim)
+    return torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+class Voiced:
+    """A voiced session, the same over the uncached twin and a dense reference per cache, changed together."""
+
+    def __init__(self, **kw):
+        self.s, self.twin = voiced(**kw), voiced(UncachedHistory, **kw)
+        self.refs = {name: ReferenceCache(c) for name, c in VOICED.items()}
+
+    def both(self, op, *args, **kw):
+        got = getattr(self.s, op)(*args, **kw)
+        assert getattr(self.twin, op)(*args, **kw) == got
+        return got
+
+    def add_source(self, length, seed):
+        k, v = prompt(length, seed)
+        index = self.both("add_source", "dit", k, v)
+        self.refs["dit"].add_source(index, k, v)
+        return index
+
+    def add_private_source(self, rid, length, seed):
+        k, v = prompt(length, seed)
+        self.both("add_private_source", "dit", rid, k, v)
+        self.refs["dit"].add_private_source(rid, k, v)
+
+    def step(self, lengths, seed):
+        fed = voiced_feeds(lengths, seed)
+        res, want = self.s.step(fed, voiced_model), self.twin.step(fed, voiced_model)
+        assert res.lanes == want.lanes
+        for rid in res.lanes:
+            for name in VOICED:
+                check_close(res[rid][name], want[rid][name], 1e-9, f"step {seed}, cache {name!r}, request {rid!r}")
+        if res.lanes:
+            for name, c in VOICED.items():  # the dense reference of each cache, its sources read from the positions
+                step = res.steps[name]
+                x = torch.zeros(len(step.segments), step.step_tokens, 3, c.num_heads, c.head_dim, dtype=torch.float64)
+                for rid, lane in res.lanes.items():
+                    x[lane, :len(fed[rid][name])] = fed[rid][name]
+                for layer in range(c.num_layers):
+                    ref = self.refs[name].attend(layer, *qkv(x, layer), step).transpose(1, 2)
+                    for rid, lane in res.lanes.items():
+                        check_close(res[rid][name][:, layer], ref[lane, :res.tokens[rid][name]], 1e-9,
+                                    f"step {seed}, cache {name!r}, layer {layer}, request {rid!r}")
+                self.refs[name].commit(step)
+        return res
+
+
+def observed_with_sources(s):
+    """`observed`, and every request's declarations (waiting ones too) and each cache's sources."""
+    return (observed(s), {r: s.sources(r) for r in s.requests + s.waiting},
+            {name: (c.sources, c.private_sources) for name, c in s.caches.items()})
+
+
+def test_a_voice_prompt_in_one_cache_and_none_in_the_other_match_the_references_and_the_twin():
+    """Shared and private prompts in the DiT cache, none in the encoder's; fork carries the prompt, reset moves
+    a request to another, finish frees a private one; every step exact against both."""
+    v = Voiced()
+    voice = v.add_source(5, 0)
+    v.add_private_source("c", 4, 1)
+    assert v.both("start", "a", sources={"dit": (voice, 5)})
+    assert v.both("start", "b", sources={"dit": (voice, 3)})  # reads the first 3 entries of the same prompt
+    assert v.both("start", "c", sources={"dit": (-1, 4)})
+    assert v.s.sources("a") == {"slow": (0, 0), "dit": (voice, 5)}
+    for i, lengths in enumerate(SCHEDULE[:4]):
+        res = v.step(lengths, i)
+    assert res.steps["dit"].positions["a"].source_len == 5 and res.steps["slow"].positions["a"].source_len == 0
+    assert {name: pos.source for name, pos in ((n, res.steps[n].positions["c"]) for n in VOICED)} == {
+        "slow": 0, "dit": -1}
+    v.both("finish", "c")  # frees its private place in the DiT cache (place 1), in both sessions
+    for s in (v.s, v.twin):
+        assert s.caches["dit"].private_sources == {} and "c" not in s.caches["dit"].requests
+    v.refs["slow"].remove_request("c")
+    v.refs["dit"].remove_request("c")
+    v.both("fork", "a", "d")
+    for ref in v.refs.values():
+        ref.fork("a", "d")
+    assert v.s.sources("d") == v.s.sources("a") == {"slow": (0, 0), "dit": (voice, 5)}
+    other = v.add_source(4, 2)
+    assert other == 1  # the private place is free again
+    v.both("reset", "b", sources={"dit": (other, 4)})
+    for ref in v.refs.values():
+        ref.reset_request("b")
+    assert v.s.sources("b") == {"slow": (0, 0), "dit": (other, 4)}
+    for i, lengths in enumerate([{"a": 2, "b": 3, "d": 1}, {"b": 1, "d": 3}, {"a": 3, "b": 2, "d": 2},
+                                 {"a": 1, "b": 3, "d": 3}], start=10):
+        res = v.step(lengths, i)
+    assert res.steps["dit"].positions["d"].source_len == 5 and res.steps["dit"].positions["b"].source == other
+    assert all(n > DIT.retention.window + 1 for n in (v.s.written("d")["dit"], v.s.written("b")["dit"]))
+    v.both("reset", "a")  # no sources named: every cache keeps its declaration
+    assert v.s.sources("a") == {"slow": (0, 0), "dit": (voice, 5)}
+
+
+def test_bad_source_declarations_are_refused_naming_the_value_and_change_nothing():
+    s = voiced(when_full="queue")
+    voice = s.add_source("dit", *prompt(4, 0))
+    s.start("a", sources={"dit": (voice, 4)})
+    s.step(voiced_feeds({"a": 2}, 0), voiced_model)
+    s.start("b")
+    s.start("c")
+    assert not s.start("w", sources={"dit": (voice, 2)})  # waits, with its declaration
+    before = observed_with_sources(s)
+    refusals = [
+        (lambda: s.start("x", sources={"decoder": (voice, 4)}),
+         r"no cache 'decoder'; this session's caches are \['slow', 'dit'\]"),
+        (lambda: s.start("x", sources={"dit": (7, 2)}), r"cache 'dit': request 'x': unknown source 7; registered "
+                                                        r"sources: \[0\]"),
+        (lambda: s.start("x", sources={"dit": (voice, 6)}), r"cache 'dit': .*source_len=6 is outside "
+                                                            r"\[min_source_len=0, max_source_len=5\]"),
+        (lambda: s.start("x", sources={"dit": (voice, 5)}), r"cache 'dit': .*source_len=5 is longer than source 0 "
+                                                            r"\(4 entries\)"),
+        (lambda: s.start("x", sources={"slow": (voice, 1)}), r"cache 'slow': .*max_source_len=0"),
+        (lambda: s.start("x", sources={"dit": (-1, 2)}), r"cache 'dit': .*source=-1 declares a private source"),
+        (lambda: s.start("x", sources={"dit": voice}), r"sources\['dit'\] must be a \(source, source_len\) pair"),
+        (lambda: s.start("x", sources=[("dit", (voice, 2))]), r"sources must map a cache name"),
+        (lambda: s.reset("a", sources={"dit": (voice, 6)}), r"cache 'dit': .*source_len=6"),
+        (lambda: s.reset("w", sources={"dit": (3, 1)}), r"cache 'dit': request 'w': unknown source 3"),
+        (lambda: s.reset("a", sources={"fast": (0, 0)}), r"no cache 'fast'"),
+        (lambda: s.add_source("decoder", *prompt(2, 1)), r"add_source: no cache 'decoder'"),
+        (lambda: s.add_source("slow", *prompt(2, 1)), r"add_source: cache 'slow'"),
+        (lambda: s.remove_source("decoder", voice), r"remove_source: no cache 'decoder'"),
+        (lambda: s.remove_source("dit", voice), r"source 0 of cache 'dit' is declared by waiting requests \['w'\]"),
+        (lambda: s.remove_source("dit", 2), r"cache 'dit': remove_source: no source 2"),
+        (lambda: s.add_private_source("decoder", "x", *prompt(2, 1)), r"no cache 'decoder'"),
+        (lambda: s.add_private_source("dit", "a", *prompt(2, 1)), r"cache 'dit': .*'a' has started its stream"),
+        (lambda: s.remove_private_source("dit", "x"), r"cache 'dit': .*'x' has no private source"),
+    ]
+    for call, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert observed_with_sources(s) == before, message
+    s.finish("a")  # source 0 is still declared by "w", which now runs on it
+    assert s.sources("w") == {"slow": (0, 0), "dit": (voice, 2)} and "w" in s.requests
+    with pytest.raises(ValueError, match=r"cache 'dit': remove_source: source 0 is still read by requests \['w'\]"):
+        s.remove_source("dit", voice)
+
+
+def test_waiting_requests_keep_their_declared_sources_until_they_run():
+    """Lanes full: a request waits on the shared prompt and one on its private prompt; refused removals change
+    nothing; as lanes free up each runs on what it declared (checked against the references)."""
+    v = Voiced()
+    voice = v.add_source(5, 0)
+    for rid in "abc":
+        assert v.both("start", rid)
+    v.step({"a": 2, "b": 1, "c": 3}, 0)
+    v.add_private_source("p", 3, 1)
+    assert not v.both("start", "w", sources={"dit": (voice, 4)})
+    assert not v.both("start", "p", sources={"dit": (-1, 3)})
+    assert v.s.waiting == ("w", "p") and v.s.sources("p") == {"slow": (0, 0), "dit": (-1, 3)}
+    before = observed_with_sources(v.s)
+    with pytest.raises(ValueError, match=r"declared by waiting requests \['w'\]"):
+        v.s.remove_source("dit", voice)
+    with pytest.raises(ValueError, match=r"waiting request 'p' is declared on it in cache 'dit'"):
+        v.s.remove_private_source("dit", "p")
+    with pytest.raises(ValueError, match=r"already started"):
+        v.s.start("w")
+    assert observed_with_sources(v.s) == before
+    for rid in "ab":
+        v.both("finish", rid)
+        for ref in v.refs.values():
+            ref.remove_request(rid)
+    assert v.s.requests == ("w", "p", "c") and v.s.waiting == ()
+    assert v.s.caches["dit"].slots.snapshot() == v.twin.caches["dit"].slots.snapshot()
+    for i, lengths in enumerate([{"w": 3, "p": 2, "c": 1}, {"w": 1, "p": 3}, {"w": 2, "p": 3, "c": 3}], start=1):
+        res = v.step(lengths, i)
+    assert (res.steps["dit"].positions["w"].source, res.steps["dit"].positions["w"].source_len) == (voice, 4)
+    assert (res.steps["dit"].positions["p"].source, res.steps["dit"].positions["p"].source_len) == (-1, 3)
+    # a waiting request given a private source and finished before it ran frees it
+    v.add_private_source("q", 2, 2)
+    assert not v.both("start", "q", sources={"dit": (-1, 2)})
+    v.both("finish", "q")
+    assert "q" not in v.s.caches["dit"].private_sources and v.s.waiting == ()
+    # and so does one given a private source and never started
+    v.add_private_source("r", 2, 3)
+    v.both("finish", "r")
+    assert v.s.caches["dit"].private_sources == {"p": 1}
+
+
+def test_a_waiting_request_whose_source_was_removed_behind_the_session_waits_until_the_place_is_filled_again():
+    s = voiced()
+    voice = s.add_source("dit", *prompt(4, 0))
+    for rid in "abc":
+        s.start(rid)
+    assert not s.start("w", sources={"dit": (voice, 4)})
+    s.caches["dit"].remove_source(voice)  # the cache itself does not know who waits for it
+    s.finish("a")
+    assert s.waiting == ("w",) and s.free_lanes == 1  # the lane stays free: "w" cannot start
+    before = observed_with_sources(s)
+    with pytest.raises(ValueError, match=r"request 'w' waits for a lane but can no longer start: .*cache 'dit'.*"
+                                         r"unknown source 0"):
+        s.step(voiced_feeds({"w": 1, "b": 1}, 0), voiced_model)
+    assert observed_with_sources(s) == before
+    assert s.add_source("dit", *prompt(4, 1)) == voice  # the same place again: "w" takes the lane
+    assert s.requests == ("w", "b", "c") and s.sources("w")["dit"] == (voice, 4)
+    res = s.step(voiced_feeds({"w": 1}, 1), voiced_model)
+    assert res.steps["dit"].positions["w"] == StreamPosition(4, 0, voice)
+
+
+def test_a_new_request_with_a_private_source_must_be_started_on_it_before_a_step():
+    s = voiced()
+    s.add_private_source("dit", "p", *prompt(3, 0))
+    before = observed_with_sources(s)
+    with pytest.raises(ValueError, match=r"request 'p' has a private source in cache 'dit' but was never started: "
+                                         r"start\('p', sources=\{'dit': \(-1, source_len\)\}\)"):
+        s.step(voiced_feeds({"p": 1}, 0), voiced_model)
+    assert observed_with_sources(s) == before
+    s.start("p", sources={"dit": (-1, 3)})
+    with pytest.raises(ValueError, match=r"fork: cache 'dit': fork_request: request 'p' reads its private source"):
+        s.fork("p", "q")  # a private prompt belongs to its request alone
+    assert s.requests == ("p",) and s.caches["slow"].requests == ("p",)
