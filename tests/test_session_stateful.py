@@ -324,17 +324,19 @@ test_session_against_its_model = SessionMachine.TestCase
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# MultiCacheSession: the same lifecycle over two caches of their own shape, retention and step length per request.
+# MultiCacheSession: the same lifecycle over two caches of their own shape, retention and step length per request;
+# the slow cache holds sources (shared and private), the fast one none.
 
 MULTI = {
-    "slow": BoundedKVConfig(num_layers=2, num_heads=1, head_dim=4, rows_per_request=1, max_source_len=0,
-                            retention=SinkWindow(1, 4), max_slots=SLOTS, max_step_tokens=2, query_window=4,
-                            dtype=torch.float64),
+    "slow": BoundedKVConfig(num_layers=2, num_heads=1, head_dim=4, rows_per_request=1, max_source_len=MAX_SOURCE,
+                            max_sources=PLACES, retention=SinkWindow(1, 4), max_slots=SLOTS, max_step_tokens=2,
+                            query_window=4, dtype=torch.float64),
     "fast": BoundedKVConfig(num_layers=1, num_heads=2, head_dim=2, rows_per_request=1, max_source_len=0,
                             retention=SinkWindow(0, 3), max_slots=SLOTS, max_step_tokens=4, query_window=3,
                             dtype=torch.float64),
 }
 RATE = {"slow": 1, "fast": 2}  # tokens each cache takes per step unit of a request
+NO_SOURCE = {n: (0, 0) for n in MULTI}
 
 
 def multi_fn(attn, x):
@@ -345,19 +347,20 @@ def multi_fn(attn, x):
             for name, c in MULTI.items()}
 
 
-def multi_rollback_ok(config, written, reach, tokens) -> bool:
-    """Contract section 5 for a stream on no source, in one cache (see `SessionModel.rollback_ok`)."""
+def multi_rollback_ok(config, source_len, written, reach, tokens) -> bool:
+    """Contract section 5 in one cache (see `SessionModel.rollback_ok`)."""
     if tokens > written:
         return False
-    pol = config.retention_for(0)
-    n, ring = written - tokens, pol.window + config.max_step_tokens
-    return tokens == 0 or n <= pol.sink or max(pol.sink, n - pol.window) >= reach - ring
+    pol = config.retention_for(source_len)
+    ring, ring_start = pol.window + config.max_step_tokens, max(pol.sink, source_len)
+    n = source_len + written - tokens
+    return tokens == 0 or n <= ring_start or max(ring_start, n - pol.window) >= reach - ring
 
 
 class MultiCacheMachine(RuleBasedStateMachine):
-    """Lanes, the queue and each cache's written counts and reach, written from the contract; after every
-    operation the session and both caches must agree with it, and every step's outputs with a dense
-    reference per cache."""
+    """Lanes, the queue, each cache's sources, every request's declarations and each cache's written counts
+    and reach, written from the contract; after every operation the session and both caches must agree with
+    it, and every step's outputs with a dense reference per cache."""
 
     def __init__(self):
         super().__init__()
@@ -367,23 +370,51 @@ class MultiCacheMachine(RuleBasedStateMachine):
                                          compile=False)
         self.refs = {n: ReferenceCache(c) for n, c in MULTI.items()}
         self.lanes: Dict[str, int] = {}
+        self.decl: Dict[str, Dict[str, tuple]] = {}  # running request -> cache -> (source, source_len)
         self.written: Dict[str, Dict[str, int]] = {}
         self.reach: Dict[str, Dict[str, int]] = {}
-        self.queue: List[str] = []
+        self.queue: List[list] = []  # [request, its declarations], first come first served
+        self.shared: Dict[str, Dict[int, int]] = {n: {} for n in MULTI}  # cache -> place -> length
+        self.private: Dict[str, Dict[str, tuple]] = {n: {} for n in MULTI}  # cache -> request -> (place, length)
         self.seed = 0
+
+    def tensors(self, name, length):
+        self.seed += 1
+        c, g = MULTI[name], torch.Generator().manual_seed(self.seed)
+        shape = (c.num_layers, 1, c.num_heads, length, c.head_dim)
+        return torch.randn(*shape, generator=g, dtype=torch.float64), torch.randn(*shape, generator=g,
+                                                                                  dtype=torch.float64)
+
+    def waiting(self, rid) -> Optional[list]:
+        return next((w for w in self.queue if w[0] == rid), None)
 
     def free_lanes(self) -> List[int]:
         return [lane for lane in range(SLOTS) if lane not in self.lanes.values()]
 
-    def run(self, rid):
+    def free_place(self, name) -> Optional[int]:
+        used = set(self.shared[name]) | {p for p, _ in self.private[name].values()}
+        return next((i for i in range(MULTI[name].max_sources) if i not in used), None)
+
+    def declaration_ok(self, rid, name, source, source_len) -> bool:
+        if not 0 <= source_len <= MULTI[name].max_source_len:
+            return False
+        if source_len == 0:
+            return True
+        if source == -1:
+            return rid in self.private[name] and source_len <= self.private[name][rid][1]
+        return source in self.shared[name] and source_len <= self.shared[name][source]
+
+    def run(self, rid, decl):
         self.lanes[rid] = self.free_lanes()[0]
+        self.decl[rid] = dict(decl)
         self.written[rid] = {n: 0 for n in MULTI}
         self.reach[rid] = {n: 0 for n in MULTI}
 
     def observed(self):
         s = self.session
         return (s.requests, {r: (s.lane(r), s.written(r)) for r in s.requests}, s.waiting,
-                {n: c.slots.snapshot() for n, c in s.caches.items()})
+                {r: s.sources(r) for r in s.requests + s.waiting},
+                {n: (c.slots.snapshot(), c.sources, c.private_sources) for n, c in s.caches.items()})
 
     def refused(self, error, call):
         before = self.observed()
@@ -397,43 +428,155 @@ class MultiCacheMachine(RuleBasedStateMachine):
         assert s.requests == tuple(sorted(self.lanes, key=self.lanes.get))
         assert {r: (s.lane(r), s.written(r)) for r in s.requests} == {
             r: (self.lanes[r], self.written[r]) for r in self.lanes}
-        assert s.waiting == tuple(self.queue)
+        assert s.waiting == tuple(w[0] for w in self.queue)
+        assert {r: s.sources(r) for r in s.requests + s.waiting} == {
+            **{r: self.decl[r] for r in self.lanes}, **{w[0]: w[1] for w in self.queue}}
         for n, c in s.caches.items():  # every cache holds exactly the running requests, each where the model says
             assert sorted(c.requests) == sorted(self.lanes) and c.free_slots == SLOTS - len(self.lanes)
             assert {r: c.written(r) for r in c.requests} == {r: w[n] for r, w in self.written.items()}
+            assert c.sources == self.shared[n]
+            assert c.private_sources == {r: p for r, (p, _) in self.private[n].items()}
 
     def pick(self, data, pool):
         pool = sorted(pool)
         return data.draw(st.sampled_from(pool) | st.sampled_from(IDS) if pool else st.sampled_from(IDS))
 
+    @initialize(length=st.integers(1, MAX_SOURCE), reading=st.integers(0, SLOTS - 1), tokens=st.integers(1, 2),
+                full=st.booleans(), private=st.sampled_from([None, "given", "started"]))
+    def a_voice(self, length, reading, tokens, full, private):
+        """Most programs start with a shared source in the slow cache and requests reading it, on their way;
+        some with every lane held (the rest by requests without a source) and "d" waiting on the source;
+        some with "e" given a private source of its own, and maybe started on it (running, or waiting)."""
+        self.add_source("slow", length)
+        for rid in IDS[:reading]:
+            self.start(rid, {"slow": (0, length - int(rid == "b"))})  # "b" reads a shorter part of it
+        if full:
+            for rid in IDS[reading:SLOTS]:
+                self.start(rid, None)
+            self.start("d", {"slow": (0, length)})
+        if private:
+            self.add_private_source("e", MAX_SOURCE - 1)
+        if private == "started":
+            self.start("e", {"slow": (-1, MAX_SOURCE - 1)})
+        started = self.session.requests + self.session.waiting
+        if started:
+            self.step({rid: tokens for rid in started})
+        if full:  # refused while "d" waits on it, whether or not a running request reads it
+            self.remove_slow_source(0)
+        if private == "given":  # refused: "e" must be start()ed on its private source
+            self.step({"e": tokens})
+
+    # ------------------------------------------------------------ sources
+
+    @rule(name=st.sampled_from(["slow", "fast", "nope"]), length=st.integers(1, MAX_SOURCE))
+    def add_source(self, name, length):
+        k, v = self.tensors("fast" if name == "nope" else name, length)
+        if name not in MULTI or length > MULTI[name].max_source_len:  # no such cache; a cache without sources
+            return self.refused(ValueError, lambda: self.session.add_source(name, k, v))
+        place = self.free_place(name)
+        if place is None:
+            return self.refused(SourcesExhausted, lambda: self.session.add_source(name, k, v))
+        assert self.session.add_source(name, k, v) == place
+        self.shared[name][place] = length
+        self.refs[name].add_source(place, k, v)
+
+    @rule(name=st.sampled_from(["slow", "slow", "fast", "nope"]), data=st.data())
+    def remove_source(self, name, data):
+        place = data.draw(st.sampled_from(sorted(self.shared.get(name, {})) or [0]) | st.integers(-1, PLACES - 1))
+        self.remove_slow_source(place, name)
+
+    def remove_slow_source(self, place, name="slow"):
+        call = lambda: self.session.remove_source(name, place)  # noqa: E731
+        if name not in MULTI:
+            return self.refused(ValueError, call)
+        decls = [d[name] for d in self.decl.values()] + [w[1][name] for w in self.queue]
+        if place not in self.shared[name] or any(src == place and length for src, length in decls):
+            return self.refused(ValueError, call)
+        self.session.remove_source(name, place)
+        del self.shared[name][place]
+        self.refs[name].remove_source(place)
+
+    @rule(rid=st.sampled_from(IDS), length=st.integers(1, MAX_SOURCE))
+    def add_private_source(self, rid, length):
+        k, v = self.tensors("slow", length)
+        call = lambda: self.session.add_private_source("slow", rid, k, v)  # noqa: E731
+        if rid in self.private["slow"] or rid in self.lanes:  # a running request's stream has started
+            return self.refused(ValueError, call)
+        place = self.free_place("slow")
+        if place is None:
+            return self.refused(SourcesExhausted, call)
+        assert call() == place
+        self.private["slow"][rid] = (place, length)
+        self.refs["slow"].add_private_source(rid, k, v)
+
     @rule(rid=st.sampled_from(IDS))
-    def start(self, rid):
-        if rid in self.lanes or rid in self.queue:
-            return self.refused(ValueError, lambda: self.session.start(rid))
+    def remove_private_source(self, rid):
+        w = self.waiting(rid)
+        decl = w[1] if w is not None else self.decl.get(rid, NO_SOURCE)
+        if rid not in self.private["slow"] or (decl["slow"][0] == -1 and decl["slow"][1]):
+            return self.refused(ValueError, lambda: self.session.remove_private_source("slow", rid))
+        self.session.remove_private_source("slow", rid)
+        del self.private["slow"][rid]
+
+    # ---------------------------------------------------------- lifecycle
+
+    # Mostly a declaration in the cache with sources; sometimes in the other, or in a cache that does not exist.
+    declaration = st.tuples(st.integers(-1, PLACES - 1), st.integers(0, MAX_SOURCE + 1))
+    declarations = st.none() | st.fixed_dictionaries({"slow": declaration}) | st.dictionaries(
+        st.sampled_from(["slow", "fast", "nope"]), declaration, max_size=2)
+
+    def declared(self, rid, sources, base) -> Optional[dict]:
+        """The declarations `sources` makes over `base`, or None when any cache must refuse them."""
+        decl = dict(base)
+        for name, (src, length) in (sources or {}).items():
+            if name not in MULTI or not self.declaration_ok(rid, name, src, length):
+                return None
+            decl[name] = (src, length)
+        return decl
+
+    @rule(rid=st.sampled_from(IDS), sources=declarations)
+    def start(self, rid, sources):
+        decl = self.declared(rid, sources, NO_SOURCE)
+        call = lambda: self.session.start(rid, sources=sources) if sources is not None else self.session.start(rid)  # noqa: E731,E501
+        if rid in self.lanes or self.waiting(rid) or decl is None:
+            return self.refused(ValueError, call)
         runs = bool(self.free_lanes())
-        assert self.session.start(rid) is runs
-        self.run(rid) if runs else self.queue.append(rid)
+        assert call() is runs
+        self.run(rid, decl) if runs else self.queue.append([rid, decl])
 
     @rule(rid=st.sampled_from(IDS))
     def finish(self, rid):
-        if rid in self.queue:
-            self.queue.remove(rid)
+        w = self.waiting(rid)
+        if w is not None:
+            self.queue.remove(w)
         elif rid in self.lanes:
-            del self.lanes[rid], self.written[rid], self.reach[rid]
+            del self.lanes[rid], self.decl[rid], self.written[rid], self.reach[rid]
             for ref in self.refs.values():
                 ref.remove_request(rid)
-            while self.queue and self.free_lanes():
-                self.run(self.queue.pop(0))
-        else:
+            for w in list(self.queue):  # lanes go to the waiting requests, in order
+                if self.free_lanes():
+                    self.queue.remove(w)
+                    self.run(*w)
+        elif not any(rid in p for p in self.private.values()):
             return self.refused(ValueError, lambda: self.session.finish(rid))
+        for p in self.private.values():  # its private sources go, in every cache
+            p.pop(rid, None)
         self.session.finish(rid)
 
-    @rule(rid=st.sampled_from(IDS))
-    def reset(self, rid):
-        if rid not in self.lanes and rid not in self.queue:
-            return self.refused(ValueError, lambda: self.session.reset(rid))
-        self.session.reset(rid)
-        if rid in self.lanes:
+    @rule(rid=st.sampled_from(IDS), sources=declarations)
+    def reset(self, rid, sources):
+        w = self.waiting(rid)
+        call = lambda: self.session.reset(rid, sources=sources)  # noqa: E731
+        if w is None and rid not in self.lanes:
+            return self.refused(ValueError, call)
+        decl = self.declared(rid, sources, w[1] if w is not None else self.decl[rid])
+        if decl is None:
+            return self.refused(ValueError, call)
+        call()
+        if w is not None:
+            w[1] = decl
+        else:
+            self.decl[rid] = decl
             self.written[rid], self.reach[rid] = {n: 0 for n in MULTI}, {n: 0 for n in MULTI}
             for ref in self.refs.values():
                 ref.reset_request(rid)
@@ -441,14 +584,17 @@ class MultiCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fork(self, data):
         rid = self.pick(data, self.lanes)
-        new = self.pick(data, [r for r in IDS if r not in self.lanes])
+        new = self.pick(data, [r for r in IDS if r not in self.lanes and not self.waiting(r)])
         call = lambda: self.session.fork(rid, new)  # noqa: E731
-        if rid not in self.lanes or new in self.lanes or new in self.queue:
+        if rid not in self.lanes or new in self.lanes or self.waiting(new):
             return self.refused(ValueError, call)
         if not self.free_lanes():
             return self.refused(SlotsExhausted, call)
+        if (self.decl[rid]["slow"][0] == -1 and self.decl[rid]["slow"][1]) or new in self.private["slow"]:
+            return self.refused(ValueError, call)  # a private source is its owner's alone
         self.session.fork(rid, new)
         self.lanes[new] = self.free_lanes()[0]
+        self.decl[new] = dict(self.decl[rid])  # the fork reads its parent's source
         self.written[new], self.reach[new] = dict(self.written[rid]), dict(self.reach[rid])
         for ref in self.refs.values():
             ref.fork(rid, new)
@@ -458,8 +604,9 @@ class MultiCacheMachine(RuleBasedStateMachine):
         rid = self.pick(data, self.lanes)
         w = self.written.get(rid, {n: 0 for n in MULTI})
         tokens = {n: data.draw(st.integers(0, w[n] + 1)) for n in MULTI}
-        if rid not in self.lanes or not all(multi_rollback_ok(MULTI[n], w[n], self.reach[rid][n], tokens[n])
-                                            for n in MULTI):
+        if rid not in self.lanes or not all(
+                multi_rollback_ok(MULTI[n], self.decl[rid][n][1], w[n], self.reach[rid][n], tokens[n])
+                for n in MULTI):
             return self.refused(ValueError, lambda: self.session.rollback(rid, tokens))
         self.session.rollback(rid, tokens)
         for n in MULTI:
@@ -479,18 +626,24 @@ class MultiCacheMachine(RuleBasedStateMachine):
     @rule(fed=st.dictionaries(st.sampled_from(IDS), st.integers(1, 2), min_size=1, max_size=4))
     def step(self, fed):
         feeds = self.feeds(fed)
-        for rid in fed:  # new requests start, lowest free lane first, in feed order, or wait
-            if rid not in self.lanes and rid not in self.queue:
-                self.run(rid) if self.free_lanes() else self.queue.append(rid)
+        new = [r for r in fed if r not in self.lanes and not self.waiting(r)]
+        if any(r in p for r in new for p in self.private.values()):  # given a private source: start() it on it
+            return self.refused(ValueError, lambda: self.session.step(feeds, multi_fn))
+        for rid in new:  # new requests start without sources, lowest free lane first, in feed order, or wait
+            self.run(rid, NO_SOURCE) if self.free_lanes() else self.queue.append([rid, dict(NO_SOURCE)])
         res = self.session.step(feeds, multi_fn)
         running = [r for r in fed if r in self.lanes]
         assert res.lanes == {r: self.lanes[r] for r in running}
-        assert sorted(res.waiting) == sorted(r for r in fed if r in self.queue)
+        assert sorted(res.waiting) == sorted(r for r in fed if self.waiting(r))
         if not running:
             return
         Ts = self.buckets(fed, running)
         assert {n: res.steps[n].step_tokens for n in MULTI} == Ts
         for n, c in MULTI.items():
+            for rid in running:  # each cache's step reads what the request declared there
+                pos = res.steps[n].positions[rid]
+                assert (pos.source_len, pos.written) == (self.decl[rid][n][1], self.written[rid][n])
+                assert not pos.source_len or pos.source == self.decl[rid][n][0]
             x = torch.zeros(len(res.steps[n].segments), Ts[n], 3, c.num_heads, c.head_dim, dtype=torch.float64)
             for rid in running:
                 x[self.lanes[rid], :fed[rid] * RATE[n]] = feeds[rid][n]
@@ -503,7 +656,8 @@ class MultiCacheMachine(RuleBasedStateMachine):
             self.refs[n].commit(res.steps[n])
         for rid in running:
             for n in MULTI:
-                self.reach[rid][n] = max(self.reach[rid][n], self.written[rid][n] + Ts[n])
+                L = self.decl[rid][n][1]
+                self.reach[rid][n] = max(self.reach[rid][n], L + self.written[rid][n] + Ts[n])
                 self.written[rid][n] += fed[rid] * RATE[n]
 
     @rule(fed=st.dictionaries(st.sampled_from(IDS), st.integers(1, 2), min_size=1, max_size=4),
@@ -511,8 +665,9 @@ class MultiCacheMachine(RuleBasedStateMachine):
     def failed_step(self, fed, error):
         """The slow cache attends every layer, then the fast cache's attend is given bad input (None) or the
         model raises: neither cache, no lane and no waiting request changes."""
-        new = [r for r in fed if r not in self.lanes and r not in self.queue]
-        if any(r in self.queue for r in fed) or len(new) > len(self.free_lanes()):
+        new = [r for r in fed if r not in self.lanes and not self.waiting(r)]
+        if any(self.waiting(r) for r in fed) or len(new) > len(self.free_lanes()) or any(
+                r in p for r in new for p in self.private.values()):
             return  # the model function would not run for every fed request
         feeds = self.feeds(fed)
 
@@ -528,7 +683,8 @@ class MultiCacheMachine(RuleBasedStateMachine):
         Ts = self.buckets(fed, running + new)
         for rid in running:  # a planned step may have written its tokens into the ring (contract section 5)
             for n in MULTI:
-                self.reach[rid][n] = max(self.reach[rid][n], self.written[rid][n] + Ts[n])
+                L = self.decl[rid][n][1]
+                self.reach[rid][n] = max(self.reach[rid][n], L + self.written[rid][n] + Ts[n])
 
 
 MultiCacheMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
