@@ -83,7 +83,9 @@ A model that keeps several caches in one step (two attention stacks at
 different frame rates, each with a cache of its own) runs through
 `MultiCacheSession` (`flexkv.session.multi_cache`): the same loop over a
 mapping of named caches, each request feeding every cache its own tokens,
-and every operation applied to every cache or to none.
+and every operation applied to every cache or to none. Its sources live in
+one cache each: `add_source(cache_name, keys, values)`, and
+`start(request_id, sources={cache_name: (source, source_len)})`.
 """
 
 from .feeds import Chunk, PerRequest
