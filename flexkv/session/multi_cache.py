@@ -98,6 +98,15 @@ __all__ = ["MultiCacheSession", "MultiStepResult"]
 _session_ids = itertools.count()
 
 
+@contextlib.contextmanager
+def _named(name: Hashable, where: str = "MultiCacheSession"):
+    """An error raised inside, by cache `name`, raised again with `where` and the cache named."""
+    try:
+        yield
+    except Exception as exc:
+        raise named_error(exc, name, where) from None
+
+
 @dataclass
 class _Request:
     lane: int
@@ -381,10 +390,8 @@ class MultiCacheSession:
         values shaped for its layers and heads); returns its index there."""
         with self._exclusive("add_source"):
             c = self._cache(cache_name, "add_source")
-            try:
+            with _named(cache_name, "MultiCacheSession.add_source"):
                 index = c.add_source(keys, values)
-            except Exception as exc:
-                raise named_error(exc, cache_name, "MultiCacheSession.add_source") from None
             self._admit_waiting()  # a waiting request may have been blocked on this source place
             return index
 
@@ -401,10 +408,8 @@ class MultiCacheSession:
                     f"MultiCacheSession.remove_source: source {index} of cache {cache_name!r} is declared by waiting "
                     f"requests {readers}; finish() them or reset() them to another source first"
                 )
-            try:
+            with _named(cache_name):
                 c.remove_source(index)
-            except Exception as exc:
-                raise named_error(exc, cache_name, "MultiCacheSession") from None
 
     def add_private_source(self, cache_name: Hashable, request_id: Hashable, keys: torch.Tensor,
                            values: torch.Tensor) -> int:
@@ -412,10 +417,8 @@ class MultiCacheSession:
         sources={cache_name: (-1, source_len)})`. Freed when the request finishes; a reset keeps it."""
         with self._exclusive("add_private_source"):
             c = self._cache(cache_name, "add_private_source")
-            try:
+            with _named(cache_name):
                 return c.add_private_source(request_id, keys, values)
-            except Exception as exc:
-                raise named_error(exc, cache_name, "MultiCacheSession") from None
 
     def remove_private_source(self, cache_name: Hashable, request_id: Hashable) -> None:
         """Free `request_id`'s private source in cache `cache_name`; refused while its stream there
@@ -429,10 +432,8 @@ class MultiCacheSession:
                     f"cache {cache_name!r} (source=-1, source_len={w.sources[cache_name][1]}); finish() it or "
                     f"reset() it to another source first"
                 )
-            try:
+            with _named(cache_name):
                 c.remove_private_source(request_id)
-            except Exception as exc:
-                raise named_error(exc, cache_name, "MultiCacheSession") from None
 
     # --------------------------------------------------------- lifecycle
 
@@ -441,10 +442,8 @@ class MultiCacheSession:
         source_len)), before anything changes; the cache that refuses is named."""
         for name, c in self.caches.items():
             source, source_len = decls[name]
-            try:
+            with _named(name):
                 c.check_start(request_id, source, source_len, restart=restart)
-            except Exception as exc:
-                raise named_error(exc, name, "MultiCacheSession") from None
 
     def _admit(self, request_id, decls, transaction: StepTransaction) -> None:
         """Give `request_id` the lowest free lane and a slot in every cache on its declarations `decls`,
@@ -592,10 +591,8 @@ class MultiCacheSession:
                     f"{request_id!r}; finish() a request first or raise max_slots"
                 )
             for name, c in self.caches.items():
-                try:
+                with _named(name, "MultiCacheSession.fork"):
                     c.check_fork(request_id, new_id)
-                except Exception as exc:
-                    raise named_error(exc, name, "MultiCacheSession.fork") from None
             state = None if parent.state is None else map_tensors(lambda t: t.clone(), parent.state)
             forked = []
             try:
@@ -625,10 +622,8 @@ class MultiCacheSession:
                 n = tokens[name]
                 if not is_int(n) or n < 0:
                     raise ValueError(f"rollback: tokens[{name!r}] must be an int >= 0, got {n!r}")
-                try:
+                with _named(name, "MultiCacheSession.rollback"):
                     c.check_rollback(request_id, n)
-                except Exception as exc:
-                    raise named_error(exc, name, "MultiCacheSession.rollback") from None
             if state is not None and self._new_state is None:
                 raise ValueError("rollback: state= is for a session with initial_state; this one carries none")
             if state is None and self._new_state is not None and any(tokens.values()):
