@@ -441,9 +441,10 @@ def test_fork_reset_rollback_and_finish_apply_to_every_cache():
 
 
 def test_the_compiled_step_over_two_caches_is_one_graph_and_equals_eager():
-    """One bucket per cache, so one graph: requests join and leave, each step equals the eager session's."""
+    """One bucket per cache, so one graph: requests join and leave, two of them reading a prompt in the fast
+    cache (a request's source is an input of the graph, not a guard), each step equals the eager session's."""
     slow = SLOW.replace(num_layers=1, dtype=torch.float32)
-    fast = FAST.replace(num_layers=1, dtype=torch.float32)
+    fast = FAST.replace(num_layers=1, dtype=torch.float32, max_source_len=4, max_sources=1)
     kw = dict(token_sizes={"slow": (2,), "fast": (4,)}, block_size=8)
     compiled = MultiCacheSession({"slow": slow, "fast": fast}, **kw)
     eager = MultiCacheSession({"slow": slow, "fast": fast}, compile=False, **kw)
@@ -453,8 +454,14 @@ def test_the_compiled_step_over_two_caches_is_one_graph_and_equals_eager():
                 for name in ("slow", "fast")}
 
     g = torch.Generator().manual_seed(0)
+    prompt = [torch.randn(1, 1, 1, 4, 6, generator=g) for _ in range(2)]
+    for s in (compiled, eager):
+        assert s.add_source("fast", *prompt) == 0
     graphs = None
     for i, rids in enumerate(["a", "ab", "b", "bc"]):
+        if i in (1, 3):  # "b" reads the whole prompt, "c" its first half
+            for s in (compiled, eager):
+                s.start(rids[1], sources={"fast": (0, {1: 4, 3: 2}[i])})
         fed = {r: {"slow": torch.randn(1 + i % 2, 3, 2, 4, generator=g), "fast": torch.randn(4, 3, 1, 6, generator=g)}
                for r in rids}
         got, want = compiled.step(fed, fn), eager.step(fed, fn)
@@ -468,6 +475,8 @@ def test_the_compiled_step_over_two_caches_is_one_graph_and_equals_eager():
         graphs = count if graphs is None else graphs
         assert count == graphs, f"step {i} compiled again"
     assert compiled.written("b") == eager.written("b")
+    assert got.steps["fast"].positions["c"] == StreamPosition(2, 0, 0)
+    assert got.steps["slow"].positions["c"].source_len == 0
 
 
 def test_a_model_state_is_carried_per_request_and_only_a_committed_step_changes_it():

@@ -536,8 +536,10 @@ class MultiCacheMachine(RuleBasedStateMachine):
 
     @rule(rid=st.sampled_from(IDS), sources=declarations)
     def start(self, rid, sources):
+        def call():
+            return self.session.start(rid) if sources is None else self.session.start(rid, sources=sources)
+
         decl = self.declared(rid, sources, NO_SOURCE)
-        call = lambda: self.session.start(rid, sources=sources) if sources is not None else self.session.start(rid)  # noqa: E731,E501
         if rid in self.lanes or self.waiting(rid) or decl is None:
             return self.refused(ValueError, call)
         runs = bool(self.free_lanes())
