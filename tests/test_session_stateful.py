@@ -444,16 +444,19 @@ class MultiCacheMachine(RuleBasedStateMachine):
     @initialize(length=st.integers(1, MAX_SOURCE), reading=st.integers(0, SLOTS - 1), tokens=st.integers(1, 2),
                 full=st.booleans(), private=st.sampled_from([None, "given", "started"]))
     def a_voice(self, length, reading, tokens, full, private):
-        """Most programs start with a shared source in the slow cache and requests reading it, on their way;
-        some with every lane held (the rest by requests without a source) and "d" waiting on the source;
-        some with "e" given a private source of its own, and maybe started on it (running, or waiting)."""
+        """Most programs start with a shared source in the slow cache and either requests reading it, on their
+        way, one of them forked (the fork reads its parent's source), or every lane held by requests without a
+        source and "d" waiting on the source (so remove_source must refuse it); some with "e" given a private
+        source, and maybe started on it (running or waiting; remove_private_source must refuse it, and a
+        waiting "e" may finish, freeing it)."""
         self.add_source("slow", length)
-        for rid in IDS[:reading]:
-            self.start(rid, {"slow": (0, length - int(rid == "b"))})  # "b" reads a shorter part of it
         if full:
-            for rid in IDS[reading:SLOTS]:
+            for rid in IDS[:SLOTS]:
                 self.start(rid, None)
             self.start("d", {"slow": (0, length)})
+        else:
+            for rid in IDS[:reading]:
+                self.start(rid, {"slow": (0, length - int(rid == "b"))})  # "b" reads a shorter part of it
         if private:
             self.add_private_source("e", MAX_SOURCE - 1)
         if private == "started":
@@ -461,8 +464,14 @@ class MultiCacheMachine(RuleBasedStateMachine):
         started = self.session.requests + self.session.waiting
         if started:
             self.step({rid: tokens for rid in started})
-        if full:  # refused while "d" waits on it, whether or not a running request reads it
+        if full:
             self.remove_slow_source(0)
+        elif reading:
+            self.fork_request("a", "c")
+        if private == "started":
+            self.remove_private_source("e")
+            if full and tokens == 2:
+                self.finish("e")
         if private == "given":  # refused: "e" must be start()ed on its private source
             self.step({"e": tokens})
 
@@ -586,7 +595,9 @@ class MultiCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fork(self, data):
         rid = self.pick(data, self.lanes)
-        new = self.pick(data, [r for r in IDS if r not in self.lanes and not self.waiting(r)])
+        self.fork_request(rid, self.pick(data, [r for r in IDS if r not in self.lanes and not self.waiting(r)]))
+
+    def fork_request(self, rid, new):
         call = lambda: self.session.fork(rid, new)  # noqa: E731
         if rid not in self.lanes or new in self.lanes or self.waiting(new):
             return self.refused(ValueError, call)
