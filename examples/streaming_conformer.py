@@ -170,11 +170,14 @@ class FeedForward(nn.Module):
 
 
 class ConformerBlock(nn.Module):
-    def __init__(self, cfg: ConformerConfig, core_factory):
+    """Macaron conformer block. Its self-attention is `RelPositionAttention` on `core_factory`'s core, or
+    any `attention` module `x [N, T, dim] -> [N, T, dim]` given instead."""
+
+    def __init__(self, cfg: ConformerConfig, core_factory=None, attention: Optional[nn.Module] = None):
         super().__init__()
         self.ff1 = FeedForward(cfg)
         self.attn_norm = nn.LayerNorm(cfg.dim)
-        self.attn = RelPositionAttention(cfg, core_factory)
+        self.attn = attention if attention is not None else RelPositionAttention(cfg, core_factory)
         self.conv_norm = nn.LayerNorm(cfg.dim)
         self.conv = ConvModule(cfg)
         self.ff2 = FeedForward(cfg)

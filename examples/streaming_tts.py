@@ -138,7 +138,8 @@ class FlowDiT(nn.Module):
     def __init__(self, cfg: TTSConfig, core: Callable[[int], nn.Module]):
         super().__init__()
         self.cfg = cfg
-        self.token_embed = nn.Embedding(cfg.vocab, cfg.dim)
+        # `vocab=0`: no speech tokens; the conditioning comes as features (`solve`), from an encoder
+        self.token_embed = nn.Embedding(cfg.vocab, cfg.dim) if cfg.vocab else None
         self.in_proj = nn.Linear(cfg.mel + cfg.dim, cfg.dim)
         self.time_mlp = nn.Sequential(nn.Linear(cfg.dim, cfg.dim), nn.SiLU(), nn.Linear(cfg.dim, cfg.dim))
         self.blocks = nn.ModuleList()
@@ -155,7 +156,12 @@ class FlowDiT(nn.Module):
 
     def cond(self, tokens: torch.Tensor) -> torch.Tensor:
         """`tokens [B, T]` -> per-row conditioning `[2B, T, dim]`: conditional rows, then zeros (dropped)."""
-        c = self.token_embed(tokens)
+        return self.guidance_rows(self.token_embed(tokens))
+
+    @staticmethod
+    def guidance_rows(c: torch.Tensor) -> torch.Tensor:
+        """Per-frame features `[B, T, dim]` -> `[2B, T, dim]`: each request's conditional row, then its
+        unconditional one (the features dropped)."""
         return torch.stack([c, torch.zeros_like(c)], dim=1).flatten(0, 1)
 
     def velocity(self, s: int, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
@@ -169,8 +175,12 @@ class FlowDiT(nn.Module):
 
     def forward(self, noise: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Solve one chunk: `noise [B, T, mel]`, `tokens [B, T]` -> mel `[B, T, mel]`."""
+        return self.solve(noise, self.cond(tokens))
+
+    def solve(self, noise: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """Solve one chunk with the Euler steps: `noise [B, T, mel]`, per-row conditioning `cond [2B, T, dim]`
+        (`cond` or `guidance_rows`) -> mel `[B, T, mel]`."""
         cfg = self.cfg
-        cond = self.cond(tokens)
         x = noise
         dt = 1.0 / cfg.solver_steps
         for s in range(cfg.solver_steps):
@@ -192,8 +202,12 @@ class _RecordingAttention(nn.Module):
 
 
 @torch.no_grad()
-def encode_prompt(model: FlowDiT, mel: torch.Tensor, tokens: torch.Tensor):
+def encode_prompt(model: FlowDiT, mel: torch.Tensor, tokens: Optional[torch.Tensor] = None, *,
+                  features: Optional[torch.Tensor] = None):
     """Keys and values of a voice prompt for every layer: two `[layers, 2, heads, L, head_dim]` tensors.
+
+    The prompt's conditioning is its speech tokens `[L]`, or its per-frame `features [L, dim]` for a model
+    conditioned on an encoder's output (`vocab=0`).
 
     At solver step `s` the prompt enters as its clean mel (conditional row:
     with its speech tokens; unconditional row: without), attending only to
@@ -202,7 +216,7 @@ def encode_prompt(model: FlowDiT, mel: torch.Tensor, tokens: torch.Tensor):
     cfg = model.cfg
     rec = FlowDiT(cfg, lambda i: _RecordingAttention()).eval()
     rec.load_state_dict(model.state_dict())
-    cond = rec.cond(tokens.unsqueeze(0))
+    cond = rec.cond(tokens.unsqueeze(0)) if features is None else rec.guidance_rows(features.unsqueeze(0))
     x = mel.unsqueeze(0).repeat_interleave(2, dim=0)
     for s in range(cfg.solver_steps):
         rec.velocity(s, x, cond)

@@ -1,0 +1,413 @@
+"""A whole streaming speech pipeline on flexkv: a two-rate conformer encoder feeding a flow-matching DiT.
+
+The pipeline (random weights, toy widths) turns speech tokens into mel frames
+chunk by chunk, the shape of chunk-aware streaming TTS flow modules:
+
+    tokens [25] -> embed -> conformer stack at 25 frames per chunk (its own left-context cache)
+                -> causal upsample x2
+                -> conformer stack at 50 frames per chunk (its own left-context cache)
+                -> projection: the DiT's per-frame conditioning mu [50, dim]
+    noise [50, mel], mu -> DiT, `solver_steps` Euler steps, classifier-free guidance (two rows per
+                request) over the voice prompt's keys -> mel [50, mel]
+
+Its attention caches follow its own rules, written as such pipelines write
+them (`SpeechPipeline` holds them; `own_stream` runs it):
+
+- encoder self-attention (`RelPosSelfAttention`): ESPnet / Transformer-XL
+  relative positions with the query-dependent term,
+  `((q + u) . k_j + (q + v) . W_pos pe(i - j)) / sqrt(D)`; per layer
+  `kv = torch.cat([cache, kv_chunk]); cache = kv[:, :, -window:]`, and the
+  chunk attends the cache and all of itself;
+- the DiT (`examples.streaming_tts.PipelineCacheAttention`, one per solver
+  step and block): `kv = torch.cat([kv_chunk, cache])` (the chunk in *front*),
+  `cache = kv[:L] + kv[-100:]`, started on the voice prompt's `L` frames;
+- each conformer's convolution and the upsampler's convolution carry their
+  last inputs between chunks.
+
+`FlexkvPipeline` ports it with flexkv's public kit, keeping its modules and
+weights (docs/models.md, "Conventions"): `swap_attention` on the two
+attention classes; the encoder's two caches in one `MultiCacheSession`
+(`SinkWindow(0, window)` each, its own step length, the relative term a
+`RelativePosition` table per step, the convolution states as the requests'
+`initial_state`); the DiT on a `StreamSession` with `reverse_step_order=True`,
+the prompt registered back to front as a source shared by every request in
+that voice and `SinkWindow(100, L)`, `rows_per_request=2`. A chunk is one
+call of `FlexkvPipeline.step`: the encoder step, then the DiT step; if the
+DiT step fails, the encoder step is rolled back (`MultiCacheSession.rollback`
+with the requests' earlier states), so the three caches stay in step.
+
+`python examples/speech_pipeline.py` checks flexkv against the pipeline's own
+streaming (each request alone) and the uncached twin (`UncachedHistory` under
+every cache), then times a chunk step on flexkv and on the pipeline's own
+caches (eager, `--compile` both compiled) and prints memory per stream and the
+adapter's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flexkv import MultiCacheSession, RelativePosition, StreamSession, UncachedHistory, swap_attention
+
+try:
+    from examples.streaming_conformer import ConformerBlock, ConformerConfig
+    from examples.streaming_tts import FlowDiT, PipelineCacheAttention, TTSConfig, encode_prompt
+except ImportError:  # run as a script from examples/
+    from streaming_conformer import ConformerBlock, ConformerConfig
+    from streaming_tts import FlowDiT, PipelineCacheAttention, TTSConfig, encode_prompt
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The encoder's two stacks (`slow`: 25 frames per chunk, `fast`: 50) and the DiT (`vocab=0`: it is
+    conditioned on the encoder's output)."""
+
+    vocab: int = 64
+    slow: ConformerConfig = ConformerConfig(feats=0, dim=64, heads=4, layers=2, chunk=25, lookahead=0, window=50)
+    fast: ConformerConfig = ConformerConfig(feats=0, dim=64, heads=4, layers=2, chunk=50, lookahead=0, window=100)
+    dit: TTSConfig = TTSConfig(vocab=0, chunk=50)
+    upsample: int = 2
+
+    def __post_init__(self):
+        s, f, d = self.slow, self.fast, self.dit
+        if s.dim != f.dim or f.chunk != self.upsample * s.chunk or d.chunk != f.chunk or s.lookahead or f.lookahead \
+                or s.causal or f.causal or d.vocab or not s.max_requests == f.max_requests == d.max_requests:
+            raise ValueError(f"PipelineConfig: the stacks share a width, the fast stack and the DiT run "
+                             f"upsample x the slow chunk, no look-ahead, dit.vocab=0, one max_requests; got {self}")
+
+
+# ------------------------------------------------------------------ the pipeline, with its own caches
+
+
+def rel_encoding(d: torch.Tensor, dim: int) -> torch.Tensor:
+    """ESPnet's sinusoidal relative encoding at signed distances `d [R]` -> `[R, dim]` (sin, cos interleaved)."""
+    div = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64) * -(math.log(10000.0) / dim))
+    ang = d.double().unsqueeze(1) * div
+    return torch.stack([ang.sin(), ang.cos()], dim=-1).flatten(1).float()
+
+
+class RelPosSelfAttention(nn.Module):
+    """ESPnet's relative-position multi-head self-attention with the pipeline's own left-context cache.
+
+    Scores `((q_i + u) . k_j + (q_i + v) . p(i - j)) / sqrt(D)`, `p(d) = linear_pos(pe(d))`. `forward`
+    streams: the chunk's keys go after the cache, the chunk attends all of them, and the cache keeps the
+    last `window` frames (`reset()` empties it).
+    """
+
+    def __init__(self, cfg: ConformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.linear_q, self.linear_k, self.linear_v, self.linear_out = (nn.Linear(cfg.dim, cfg.dim) for _ in range(4))
+        self.linear_pos = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.pos_bias_u = nn.Parameter(torch.randn(cfg.heads, cfg.head_dim) * 0.3)
+        self.pos_bias_v = nn.Parameter(torch.randn(cfg.heads, cfg.head_dim) * 0.3)
+        self.cache = None
+
+    def reset(self) -> None:
+        self.cache = None
+
+    def heads(self, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:  # [N, T, dim] -> [N, H, T, D]
+        return lin(x).view(x.shape[0], x.shape[1], self.cfg.heads, self.cfg.head_dim).transpose(1, 2)
+
+    def bias(self, p: torch.Tensor) -> torch.Tensor:  # [H, D] -> [1, H, 1, D]
+        return p.view(1, self.cfg.heads, 1, self.cfg.head_dim)
+
+    def merge(self, out: torch.Tensor) -> torch.Tensor:  # [N, H, T, D] -> [N, T, dim]
+        return self.linear_out(out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        N, T, _ = x.shape
+        H, D = self.cfg.heads, self.cfg.head_dim
+        q, k, v = (self.heads(x, lin) for lin in (self.linear_q, self.linear_k, self.linear_v))
+        if self.cache is not None:
+            k, v = torch.cat([self.cache[0], k], dim=2), torch.cat([self.cache[1], v], dim=2)
+        Lk = k.shape[2]
+        # distances Lk - 1 .. -(T - 1): column c is distance Lk - 1 - c; query i (key index Lk - T + i)
+        # against key j is distance Lk - T + i - j, column T - 1 - i + j
+        p = self.linear_pos(rel_encoding(Lk - 1 - torch.arange(Lk + T - 1), self.cfg.dim).to(x))
+        p = p.view(-1, H, D).transpose(0, 1)  # [H, R, D]
+        ac = (q + self.bias(self.pos_bias_u)) @ k.transpose(-1, -2)
+        bd = (q + self.bias(self.pos_bias_v)) @ p.transpose(-1, -2)  # [N, H, T, R]
+        col = (T - 1 - torch.arange(T).view(-1, 1) + torch.arange(Lk).view(1, -1)).expand(N, H, T, Lk)
+        bd = bd.gather(-1, col)
+        out = torch.softmax((ac + bd) / math.sqrt(D), dim=-1) @ v
+        self.cache = (k[:, :, -self.cfg.window:], v[:, :, -self.cfg.window:])
+        return self.merge(out)
+
+
+class CausalUpsample(nn.Module):
+    """Nearest-neighbour upsampling by `factor`, then a causal convolution (kernel `2 factor + 1`) whose last
+    `2 factor` inputs are carried between chunks."""
+
+    def __init__(self, dim: int, factor: int):
+        super().__init__()
+        self.factor = factor
+        self.conv = nn.Conv1d(dim, dim, 2 * factor + 1)
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor):  # x [N, T, dim], state [N, dim, 2 factor]
+        h = torch.cat([state, x.repeat_interleave(self.factor, dim=1).transpose(1, 2)], dim=2)
+        return self.conv(h).transpose(1, 2), h[:, :, -2 * self.factor:]
+
+
+class SpeechEncoder(nn.Module):
+    """tokens `[N, T]` -> the DiT's conditioning `[N, upsample T, dit.dim]`, through both stacks."""
+
+    def __init__(self, cfg: PipelineConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.slow.dim)
+        self.slow = nn.ModuleList(ConformerBlock(cfg.slow, attention=RelPosSelfAttention(cfg.slow))
+                                  for _ in range(cfg.slow.layers))
+        self.up = CausalUpsample(cfg.slow.dim, cfg.upsample)
+        self.fast = nn.ModuleList(ConformerBlock(cfg.fast, attention=RelPosSelfAttention(cfg.fast))
+                                  for _ in range(cfg.fast.layers))
+        self.proj = nn.Linear(cfg.fast.dim, cfg.dit.dim)
+
+    def initial_state(self) -> Dict[str, torch.Tensor]:
+        """One stream's convolution state before its first chunk (zeros, no batch dimension)."""
+        s, f = self.cfg.slow, self.cfg.fast
+        return {"slow": torch.zeros(s.layers, s.dim, s.kernel - 1), "up": torch.zeros(s.dim, 2 * self.cfg.upsample),
+                "fast": torch.zeros(f.layers, f.dim, f.kernel - 1)}
+
+    def forward(self, tokens: torch.Tensor, state: Dict[str, torch.Tensor]):
+        x = self.embed(tokens)
+        new = {}
+        for name, stack in (("slow", self.slow), ("fast", self.fast)):
+            if name == "fast":
+                x, new["up"] = self.up(x, state["up"])
+            states = []
+            for i, block in enumerate(stack):
+                x, s = block(x, state[name][:, i], x.shape[1])
+                states.append(s)
+            new[name] = torch.stack(states, dim=1)
+        return self.proj(x), new
+
+
+class SpeechPipeline(nn.Module):
+    """The encoder and the DiT, each attention on the pipeline's own cache; `forward` is one chunk."""
+
+    def __init__(self, cfg: PipelineConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = SpeechEncoder(cfg)
+        self.dit = FlowDiT(cfg.dit, lambda i: PipelineCacheAttention(cfg.dit.sink))
+
+    def reset(self, prompt_kv, batch: int = 1) -> None:
+        """Empty the encoder's caches and start every DiT cache on the voice prompt (`encode_prompt`'s
+        keys and values), the same voice for `batch` requests."""
+        for m in self.encoder.modules():
+            if isinstance(m, RelPosSelfAttention):
+                m.reset()
+        for i, blk in enumerate(self.dit.blocks):
+            blk.core.reset(prompt_kv[0][i].repeat(batch, 1, 1, 1), prompt_kv[1][i].repeat(batch, 1, 1, 1))
+
+    def initial_state(self, batch: int = 1):
+        return {k: v.expand(batch, *v.shape).clone() for k, v in self.encoder.initial_state().items()}
+
+    def forward(self, tokens: torch.Tensor, noise: torch.Tensor, state):
+        """`tokens [B, 25]`, `noise [B, 50, mel]`, the encoder's state -> mel `[B, 50, mel]`, the next state."""
+        mu, state = self.encoder(tokens, state)
+        return self.dit.solve(noise, FlowDiT.guidance_rows(mu)), state
+
+
+def encode_voice(pipe: SpeechPipeline, mel: torch.Tensor, features: torch.Tensor):
+    """A voice prompt's keys and values in every DiT layer (`mel [L, mel]`, its conditioning `features [L, dim]`)."""
+    return encode_prompt(pipe.dit, mel, features=features)
+
+
+@torch.no_grad()
+def own_stream(pipe: SpeechPipeline, prompt_kv, tokens: torch.Tensor, noises: List[torch.Tensor]) -> torch.Tensor:
+    """One request spoken with the pipeline's own caches, chunk by chunk: `tokens [25 n]`, the noise of each
+    chunk `[50, mel]` -> mel `[50 n, mel]`."""
+    own = copy.deepcopy(pipe)
+    own.reset(prompt_kv)
+    state, T = own.initial_state(), pipe.cfg.slow.chunk
+    mels = []
+    for c, noise in enumerate(noises):
+        mel, state = own(tokens[c * T:(c + 1) * T].unsqueeze(0), noise.unsqueeze(0), state)
+        mels.append(mel[0])
+    return torch.cat(mels)
+
+
+# ------------------------------------------------------------------ the port: the adapter
+
+
+def rel_attention_on_flexkv(rel: RelativePosition):
+    """`RelPosSelfAttention.forward` on a flexkv core: the same projections and biases; the position term a
+    per-step table at the stream distances (`rel.scores`), the cache flexkv's."""
+
+    def forward(self: RelPosSelfAttention, attn, x: torch.Tensor) -> torch.Tensor:
+        H, D = self.cfg.heads, self.cfg.head_dim
+        q, k, v = (self.heads(x, lin) for lin in (self.linear_q, self.linear_k, self.linear_v))
+        pos = self.linear_pos(rel_encoding(rel.distances(), self.cfg.dim).to(x)).view(rel.size, H, D)
+        term = rel.scores(q + self.bias(self.pos_bias_v), pos, attn.stream_positions())
+        return self.merge(attn.context.attend(attn.layer_idx, q + self.bias(self.pos_bias_u), k, v, score_mod=term))
+
+    return forward
+
+
+def dit_attention_on_flexkv(self: PipelineCacheAttention, attn, q, k, v):
+    return attn(q, k, v)
+
+
+class FlexkvPipeline:
+    """A copy of `pipe` whose caches are flexkv's: the encoder's stacks on a `MultiCacheSession` (caches
+    "slow" and "fast"), the DiT on a `StreamSession` with the voice prompts as shared sources.
+    `uncached=True` puts `UncachedHistory` under every cache (the twin, eager only)."""
+
+    def __init__(self, pipe: SpeechPipeline, *, uncached: bool = False, compile: bool = False):
+        cfg = self.cfg = pipe.cfg
+        self.model = model = copy.deepcopy(pipe).requires_grad_(False)
+        configs = {"slow": cfg.slow.cache_config(), "fast": cfg.fast.cache_config()}
+        self.encoder = MultiCacheSession(
+            {n: UncachedHistory(c) if uncached else c for n, c in configs.items()}, compile=compile,
+            when_full="refuse", token_sizes={"slow": (cfg.slow.chunk,), "fast": (cfg.fast.chunk,)},
+            initial_state=model.encoder.initial_state)
+        for name in configs:
+            rel = RelativePosition(configs[name])
+            swap_attention(getattr(model.encoder, name), self.encoder.context[name], RelPosSelfAttention,
+                           rel_attention_on_flexkv(rel))
+        dit = cfg.dit.cache_config()
+        self.dit = StreamSession(UncachedHistory(dit) if uncached else dit, compile=compile, when_full="refuse",
+                                 token_sizes=(cfg.dit.chunk,))
+        swap_attention(model.dit, self.dit.context, PipelineCacheAttention, dit_attention_on_flexkv)
+        self.voices: List[tuple] = []  # (source id, prompt length)
+
+        def encode(attn, x, state):  # x["fast"] only sets the fast cache's step length (50 frames)
+            mu, state = model.encoder(x["slow"], state)
+            return {"fast": mu}, state  # named after the cache: cut to each request's 50 frames
+
+        def speak(attn, x):
+            noise, mu = x
+            return model.dit.solve(noise, FlowDiT.guidance_rows(mu))
+
+        self._encode, self._speak = encode, speak
+
+    def add_voice(self, prompt_kv) -> int:
+        """Register a voice prompt's keys and values (`encode_voice`) back to front, shared by its requests."""
+        k, v = prompt_kv
+        self.voices.append((self.dit.add_source(k.flip(-2), v.flip(-2)), k.shape[-2]))
+        return len(self.voices) - 1
+
+    def start(self, rid, voice: int) -> None:
+        self.encoder.start(rid)
+        source, L = self.voices[voice]
+        try:
+            self.dit.start(rid, source=source, source_len=L)
+        except BaseException:
+            self.encoder.finish(rid)
+            raise
+
+    def finish(self, rid) -> None:
+        self.encoder.finish(rid)
+        self.dit.finish(rid)
+
+    def step(self, feeds: Dict) -> Dict:
+        """One chunk for each request: `feeds[rid] = (tokens [25], noise [50, mel])` -> mel `[50, mel]`."""
+        T, T2 = self.cfg.slow.chunk, self.cfg.fast.chunk
+        before = {rid: self.encoder.state(rid) for rid in feeds}
+        enc = self.encoder.step({rid: {"slow": tok, "fast": torch.zeros(T2, 0)} for rid, (tok, _) in feeds.items()},
+                                self._encode)
+        try:
+            out = self.dit.step({rid: (noise, enc[rid]["fast"]) for rid, (_, noise) in feeds.items()}, self._speak)
+        except BaseException:  # the DiT changed nothing: take the encoder's step back too
+            for rid in feeds:
+                self.encoder.rollback(rid, {"slow": T, "fast": T2}, state=before[rid])
+            raise
+        return {rid: out[rid] for rid in feeds}
+
+    def warmup(self) -> float:
+        """Compile both sessions' steps on padding; seconds taken."""
+        c = self.cfg
+        return (self.encoder.warmup(self._encode, {"slow": torch.zeros(c.slow.chunk, dtype=torch.long),
+                                                   "fast": torch.zeros(c.fast.chunk, 0)})
+                + self.dit.warmup(self._speak, (torch.zeros(c.dit.chunk, c.dit.mel), torch.zeros(c.dit.chunk, c.dit.dim))))
+
+    def slot_bytes(self) -> int:
+        """KV memory one stream holds in the three caches (the voice prompts, shared, not counted)."""
+        return sum(c.slot_bytes for c in self.encoder.caches.values()) + self.dit.cache.slot_bytes
+
+
+# ------------------------------------------------------------------ streaming requests, checking, timing
+
+
+@dataclass
+class Request:
+    rid: str
+    voice: int
+    tokens: torch.Tensor  # [25 n] speech tokens
+    start_step: int = 0
+    done: int = 0  # chunks spoken
+
+    def chunks(self, T: int) -> int:
+        return self.tokens.shape[0] // T
+
+
+def make_voices(cfg: PipelineConfig, lengths, seed: int = 0):
+    """Voice prompts: `(mel [L, mel], features [L, dim])`, the features standing for what the encoder made of
+    the prompt's speech tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, cfg.dit.mel, generator=g), torch.randn(n, cfg.dit.dim, generator=g)) for n in lengths]
+
+
+def make_requests(cfg: PipelineConfig, chunks, voices, start_steps=None, seed: int = 1) -> List[Request]:
+    g = torch.Generator().manual_seed(seed)
+    starts = start_steps or [0] * len(chunks)
+    return [Request(f"utt{i}", p, torch.randint(0, cfg.vocab, (c * cfg.slow.chunk,), generator=g), start_step=s)
+            for i, (c, p, s) in enumerate(zip(chunks, voices, starts))]
+
+
+@torch.no_grad()
+def stream(cfg: PipelineConfig, ports: List[FlexkvPipeline], voice_kvs, requests: List[Request], seed: int = 2):
+    """Speak `requests` on every port in lockstep, one chunk per request per step (each voice registered on
+    every port). Returns `mels` (per port, rid -> `[50 n, mel]`), `noise` (rid -> each chunk's), `steps`."""
+    T = cfg.slow.chunk
+    voices = [[port.add_voice(kv) for kv in voice_kvs] for port in ports]
+    g = torch.Generator().manual_seed(seed)
+    mels = [{r.rid: [] for r in requests} for _ in ports]
+    noise = {r.rid: [] for r in requests}
+    steps = 0
+    while any(r.done < r.chunks(T) for r in requests):
+        feeds = {}
+        for r in requests:
+            if r.start_step > steps or r.done >= r.chunks(T):
+                continue
+            if r.done == 0:
+                for port, ids in zip(ports, voices):
+                    port.start(r.rid, ids[r.voice])
+            noise[r.rid].append(torch.randn(cfg.dit.chunk, cfg.dit.mel, generator=g))
+            feeds[r.rid] = (r.tokens[r.done * T:(r.done + 1) * T], noise[r.rid][-1])
+        for port, out in zip(ports, mels):
+            got = port.step(feeds)
+            for rid in feeds:
+                out[rid].append(got[rid])
+        for r in requests:
+            if r.rid in feeds:
+                r.done += 1
+                if r.done == r.chunks(T):
+                    for port in ports:
+                        port.finish(r.rid)
+        steps += 1
+    return {"mels": [{rid: torch.cat(m) for rid, m in out.items()} for out in mels], "noise": noise, "steps": steps}
+
+
+def own_deviation(pipe: SpeechPipeline, voice_kvs, requests: List[Request], res: dict, port: int = 0) -> float:
+    """Largest mel difference of port `port`'s output in `res` (a `stream` run over `requests`) from each
+    request spoken alone on the pipeline's own caches (`own_stream`, the same noise)."""
+    worst = 0.0
+    for r in requests:
+        own = own_stream(pipe, voice_kvs[r.voice], r.tokens, res["noise"][r.rid])
+        worst = max(worst, (res["mels"][port][r.rid] - own).abs().max().item())
+    return worst
