@@ -411,3 +411,132 @@ def own_deviation(pipe: SpeechPipeline, voice_kvs, requests: List[Request], res:
         own = own_stream(pipe, voice_kvs[r.voice], r.tokens, res["noise"][r.rid])
         worst = max(worst, (res["mels"][port][r.rid] - own).abs().max().item())
     return worst
+
+
+def adapter_lines() -> int:
+    """Lines of the port (`rel_attention_on_flexkv`, `dit_attention_on_flexkv`, `FlexkvPipeline`), docstrings,
+    comments and blank lines left out."""
+    n = 0
+    for obj in (rel_attention_on_flexkv, dit_attention_on_flexkv, FlexkvPipeline):
+        in_doc = False
+        for line in inspect.getsource(obj).splitlines():
+            s = line.strip()
+            if s.startswith('"""'):
+                in_doc = not (len(s) > 3 and s.endswith('"""')) if not in_doc else False
+                continue
+            if in_doc:
+                in_doc = not s.endswith('"""')
+                continue
+            if s and not s.startswith("#"):
+                n += 1
+    return n
+
+
+def own_cache_bytes(pipe: SpeechPipeline) -> int:
+    """Bytes the pipeline's own attention caches hold now (every request of its batch)."""
+    n = 0
+    for m in pipe.modules():
+        kv = getattr(m, "cache", None) if isinstance(m, RelPosSelfAttention) else getattr(m, "kv", None)
+        if isinstance(m, (RelPosSelfAttention, PipelineCacheAttention)) and kv is not None:
+            n += sum(t.numel() * t.element_size() for t in kv)
+    return n
+
+
+@torch.no_grad()
+def timing(pipe: SpeechPipeline, voice_kv, streams: int, chunks: int, compile: bool, skip: int = 4) -> dict:
+    """ms per chunk step for `streams` requests in one voice, in lockstep: the pipeline's own caches (batched)
+    and flexkv, taken alternately in one process; medians over the chunks after the first `skip` (the own
+    caches grow until then). Compiled: the compile seconds of each (flexkv: both sessions' warm-up)."""
+    from torch._dynamo.utils import counters
+
+    cfg = pipe.cfg
+    T = cfg.slow.chunk
+    own = copy.deepcopy(pipe).requires_grad_(False)
+    own.reset(voice_kv, batch=streams)
+    own_step = torch.compile(own, dynamic=False) if compile else own
+    port = FlexkvPipeline(pipe, compile=compile)
+    voice = port.add_voice(voice_kv)
+    compile_s = {"flexkv": port.warmup() if compile else 0.0, "own": 0.0}
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, cfg.vocab, (streams, chunks * T), generator=g)
+    state = own.initial_state(streams)
+    rids = [f"s{i}" for i in range(streams)]
+    for rid in rids:
+        port.start(rid, voice)
+    times = {"own": [], "flexkv": []}
+    worst = 0.0
+    for c in range(chunks):
+        noise = torch.randn(streams, cfg.dit.chunk, cfg.dit.mel, generator=g)
+        tok = tokens[:, c * T:(c + 1) * T]
+        graphs = counters["stats"]["unique_graphs"]
+        t0 = time.perf_counter()
+        mel, state = own_step(tok, noise, state)
+        dt = time.perf_counter() - t0
+        if counters["stats"]["unique_graphs"] != graphs:  # this call compiled (the own caches changed shape)
+            compile_s["own"] += dt
+        elif c >= skip:
+            times["own"].append(dt)
+        t0 = time.perf_counter()
+        out = port.step({rid: (tok[i], noise[i]) for i, rid in enumerate(rids)})
+        dt = time.perf_counter() - t0
+        if c >= skip:
+            times["flexkv"].append(dt)
+        worst = max(worst, max((out[rid] - mel[i]).abs().max().item() for i, rid in enumerate(rids)))
+    return {"ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}, "compile_s": compile_s,
+            "max_dev": worst, "own_bytes": own_cache_bytes(own) // streams, "flexkv_bytes": port.slot_bytes(),
+            "source_bytes": sum(t.numel() * t.element_size() for t in voice_kv),
+            "samples": len(times["own"])}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--chunks", type=int, default=12, help="chunks each request speaks in the check")
+    ap.add_argument("--time-chunks", type=int, default=24, help="chunks of the timed run")
+    ap.add_argument("--compile", action="store_true", help="also time both compiled (cold and warm compile)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = PipelineConfig()
+    pipe = SpeechPipeline(cfg).eval().requires_grad_(False)
+    kvs = [encode_voice(pipe, mel, feat) for mel, feat in make_voices(cfg, [60, 80])]
+    n = args.chunks
+    # three requests in voice 0 (one joining late), one in voice 1
+    reqs = make_requests(cfg, [n, n - 3, n, n - 5], [0, 0, 1, 0], start_steps=[0, 0, 2, 4])
+    res = stream(cfg, [FlexkvPipeline(pipe), FlexkvPipeline(pipe, uncached=True)], kvs, reqs)
+    s, f, d = cfg.slow, cfg.fast, cfg.dit
+    print(f"streaming speech pipeline: encoder {s.layers} layers at {s.chunk} frames per chunk (left context "
+          f"{s.window}), upsample x{cfg.upsample}, {f.layers} layers at {f.chunk} (left context {f.window}), width "
+          f"{s.dim}, rel-pos attention; DiT {d.solver_steps} Euler steps x {d.blocks} blocks = {d.layers} cache layers, "
+          f"width {d.dim}, CFG rows, keeps cache[:L] + cache[-{d.sink}:]; {torch.get_num_threads()} threads, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"  check: {len(reqs)} requests, 2 voices, {res['steps']} steps; largest |mel| deviation from the "
+          f"pipeline's own streaming {own_deviation(pipe, kvs, reqs, res):.2e}, from the uncached twin "
+          f"{max((res['mels'][0][r] - res['mels'][1][r]).abs().max().item() for r in res['mels'][0]):.2e} "
+          f"(largest |mel| {max(m.abs().max().item() for m in res['mels'][0].values()):.1f})")
+    print(f"  adapter: {adapter_lines()} lines (rel_attention_on_flexkv, dit_attention_on_flexkv, FlexkvPipeline)")
+    modes = [False, True] if args.compile else [False]
+    for compile in modes:
+        t = timing(pipe, kvs[0], cfg.dit.max_requests, args.time_chunks, compile)
+        mode = "compiled" if compile else "eager"
+        print(f"  {mode}, {cfg.dit.max_requests} streams in lockstep, median of {t['samples']} chunk steps: own "
+              f"caches {t['ms']['own']:.1f} ms, flexkv {t['ms']['flexkv']:.1f} ms ({t['ms']['flexkv'] / t['ms']['own']:.2f}x); "
+              f"largest deviation {t['max_dev']:.1e}")
+        if compile:
+            print(f"    compile: own {t['compile_s']['own']:.1f} s (its first chunks, caches growing), flexkv "
+                  f"{t['compile_s']['flexkv']:.1f} s (warm-up of both sessions)")
+        print(f"    KV memory per stream: own {t['own_bytes'] / 2**10:.0f} KiB, flexkv {t['flexkv_bytes'] / 2**10:.0f} KiB "
+              f"(+ the voice prompt, shared: {t['source_bytes'] / 2**10:.0f} KiB per voice)")
+    if args.compile:  # the same compile again in this process: inductor's caches are warm now
+        torch._dynamo.reset()
+        t0 = time.perf_counter()
+        port = FlexkvPipeline(pipe, compile=True)
+        port.add_voice(kvs[0])
+        port.warmup()
+        print(f"    flexkv compile again, warm caches: {time.perf_counter() - t0:.1f} s")
+    return res
+
+
+if __name__ == "__main__":
+    main()
