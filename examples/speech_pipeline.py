@@ -26,15 +26,13 @@ them (`SpeechPipeline` holds them; `own_stream` runs it):
 
 `FlexkvPipeline` ports it with flexkv's public kit, keeping its modules and
 weights (docs/models.md, "Conventions"): `swap_attention` on the two
-attention classes; the encoder's two caches in one `MultiCacheSession`
+attention classes, and one `MultiCacheSession` over three caches, so a chunk
+is one step, atomic across them: "slow" and "fast" for the encoder's stacks
 (`SinkWindow(0, window)` each, its own step length, the relative term a
 `RelativePosition` table per step, the convolution states as the requests'
-`initial_state`); the DiT on a `StreamSession` with `reverse_step_order=True`,
-the prompt registered back to front as a source shared by every request in
-that voice and `SinkWindow(100, L)`, `rows_per_request=2`. A chunk is one
-call of `FlexkvPipeline.step`: the encoder step, then the DiT step; if the
-DiT step fails, the encoder step is rolled back (`MultiCacheSession.rollback`
-with the requests' earlier states), so the three caches stay in step.
+`initial_state`) and "dit" for the DiT (`reverse_step_order=True`, the prompt
+registered back to front as a source shared by every request in that voice,
+`SinkWindow(100, L)`, `rows_per_request=2`).
 
 `python examples/speech_pipeline.py` checks flexkv against the pipeline's own
 streaming (each request alone) and the uncached twin (`UncachedHistory` under
@@ -52,14 +50,13 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from flexkv import MultiCacheSession, RelativePosition, StreamSession, UncachedHistory, swap_attention
+from flexkv import MultiCacheSession, RelativePosition, UncachedHistory, swap_attention
 
 try:
     from examples.streaming_conformer import ConformerBlock, ConformerConfig
@@ -263,81 +260,62 @@ def dit_attention_on_flexkv(self: PipelineCacheAttention, attn, q, k, v):
 
 
 class FlexkvPipeline:
-    """A copy of `pipe` whose caches are flexkv's: the encoder's stacks on a `MultiCacheSession` (caches
-    "slow" and "fast"), the DiT on a `StreamSession` with the voice prompts as shared sources.
-    `uncached=True` puts `UncachedHistory` under every cache (the twin, eager only)."""
+    """A copy of `pipe` whose caches are flexkv's, all three in one `MultiCacheSession`: "slow" and "fast"
+    (the encoder's stacks) and "dit" (the DiT, the voice prompts its shared sources); one chunk is one step
+    of the session over the three. `uncached=True` puts `UncachedHistory` under every cache (the twin, eager
+    only)."""
 
     def __init__(self, pipe: SpeechPipeline, *, uncached: bool = False, compile: bool = False):
         cfg = self.cfg = pipe.cfg
         self.model = model = copy.deepcopy(pipe).requires_grad_(False)
-        configs = {"slow": cfg.slow.cache_config(), "fast": cfg.fast.cache_config()}
-        self.encoder = MultiCacheSession(
+        configs = {"slow": cfg.slow.cache_config(), "fast": cfg.fast.cache_config(), "dit": cfg.dit.cache_config()}
+        self.session = MultiCacheSession(
             {n: UncachedHistory(c) if uncached else c for n, c in configs.items()}, compile=compile,
-            when_full="refuse", token_sizes={"slow": (cfg.slow.chunk,), "fast": (cfg.fast.chunk,)},
+            when_full="refuse", token_sizes={"slow": (cfg.slow.chunk,), "fast": (cfg.fast.chunk,),
+                                             "dit": (cfg.dit.chunk,)},
             initial_state=model.encoder.initial_state)
-        for name in configs:
-            rel = RelativePosition(configs[name])
-            swap_attention(getattr(model.encoder, name), self.encoder.context[name], RelPosSelfAttention,
-                           rel_attention_on_flexkv(rel))
-        dit = cfg.dit.cache_config()
-        self.dit = StreamSession(UncachedHistory(dit) if uncached else dit, compile=compile, when_full="refuse",
-                                 token_sizes=(cfg.dit.chunk,))
-        swap_attention(model.dit, self.dit.context, PipelineCacheAttention, dit_attention_on_flexkv)
-        self.voices: List[tuple] = []  # (source id, prompt length)
+        for name in ("slow", "fast"):
+            swap_attention(getattr(model.encoder, name), self.session.context[name], RelPosSelfAttention,
+                           rel_attention_on_flexkv(RelativePosition(configs[name])))
+        swap_attention(model.dit, self.session.context["dit"], PipelineCacheAttention, dit_attention_on_flexkv)
+        self.voices: List[tuple] = []  # (source index in "dit", prompt length)
 
-        def encode(attn, x, state):  # x["fast"] only sets the fast cache's step length (50 frames)
+        def step(attn, x, state):  # x["fast"] only gives the fast cache its step length (50 frames)
             mu, state = model.encoder(x["slow"], state)
-            return {"fast": mu}, state  # named after the cache: cut to each request's 50 frames
+            return {"dit": model.dit.solve(x["dit"], FlowDiT.guidance_rows(mu))}, state  # cut to each request
 
-        def speak(attn, x):
-            noise, mu = x
-            return model.dit.solve(noise, FlowDiT.guidance_rows(mu))
-
-        self._encode, self._speak = encode, speak
+        self._step = step
 
     def add_voice(self, prompt_kv) -> int:
-        """Register a voice prompt's keys and values (`encode_voice`) back to front, shared by its requests."""
+        """Register a voice prompt's keys and values (`encode_voice`) back to front in the "dit" cache, a
+        source shared by every request in that voice; returns the voice's index."""
         k, v = prompt_kv
-        self.voices.append((self.dit.add_source(k.flip(-2), v.flip(-2)), k.shape[-2]))
+        self.voices.append((self.session.add_source("dit", k.flip(-2), v.flip(-2)), k.shape[-2]))
         return len(self.voices) - 1
 
     def start(self, rid, voice: int) -> None:
-        self.encoder.start(rid)
-        source, L = self.voices[voice]
-        try:
-            self.dit.start(rid, source=source, source_len=L)
-        except BaseException:
-            self.encoder.finish(rid)
-            raise
+        self.session.start(rid, sources={"dit": self.voices[voice]})
 
     def finish(self, rid) -> None:
-        self.encoder.finish(rid)
-        self.dit.finish(rid)
+        self.session.finish(rid)
 
     def step(self, feeds: Dict) -> Dict:
         """One chunk for each request: `feeds[rid] = (tokens [25], noise [50, mel])` -> mel `[50, mel]`."""
-        T, T2 = self.cfg.slow.chunk, self.cfg.fast.chunk
-        before = {rid: self.encoder.state(rid) for rid in feeds}
-        enc = self.encoder.step({rid: {"slow": tok, "fast": torch.zeros(T2, 0)} for rid, (tok, _) in feeds.items()},
-                                self._encode)
-        try:
-            out = self.dit.step({rid: (noise, enc[rid]["fast"]) for rid, (_, noise) in feeds.items()}, self._speak)
-        except BaseException:  # the DiT changed nothing: take the encoder's step back too
-            for rid in feeds:
-                self.encoder.rollback(rid, {"slow": T, "fast": T2}, state=before[rid])
-            raise
-        return {rid: out[rid] for rid in feeds}
+        empty = torch.zeros(self.cfg.fast.chunk, 0)
+        out = self.session.step({rid: {"slow": tok, "fast": empty, "dit": noise} for rid, (tok, noise) in feeds.items()},
+                                self._step)
+        return {rid: out[rid]["dit"] for rid in feeds}
 
     def warmup(self) -> float:
-        """Compile both sessions' steps on padding; seconds taken."""
+        """Compile the session's step on padding; seconds taken."""
         c = self.cfg
-        return (self.encoder.warmup(self._encode, {"slow": torch.zeros(c.slow.chunk, dtype=torch.long),
-                                                   "fast": torch.zeros(c.fast.chunk, 0)})
-                + self.dit.warmup(self._speak, (torch.zeros(c.dit.chunk, c.dit.mel), torch.zeros(c.dit.chunk, c.dit.dim))))
+        return self.session.warmup(self._step, {"slow": torch.zeros(c.slow.chunk, dtype=torch.long),
+                                                "fast": torch.zeros(c.fast.chunk, 0),
+                                                "dit": torch.zeros(c.dit.chunk, c.dit.mel)})
 
     def slot_bytes(self) -> int:
         """KV memory one stream holds in the three caches (the voice prompts, shared, not counted)."""
-        return sum(c.slot_bytes for c in self.encoder.caches.values()) + self.dit.cache.slot_bytes
+        return sum(c.slot_bytes for c in self.session.caches.values())
 
 
 # ------------------------------------------------------------------ streaming requests, checking, timing

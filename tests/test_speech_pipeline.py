@@ -55,7 +55,9 @@ def test_port_follows_the_pipelines_own_streaming_and_the_uncached_twin(pipeline
     # every cache's retention is passed: 125 frames through a 40-frame and 250 through a 70-frame left context,
     # 250 through the DiT's 20 + L
     assert 5 * CFG.slow.chunk > CFG.slow.window + CFG.slow.chunk and 5 * CFG.dit.chunk > CFG.dit.sink + 30
-    assert bounded.dit.cache.sources == {0: 30, 1: 17}  # each prompt registered once, read by its requests
+    # each prompt registered once in the DiT's cache, read by its requests; the encoder's caches hold none
+    assert bounded.session.caches["dit"].sources == {0: 30, 1: 17}
+    assert not bounded.session.caches["slow"].sources and not bounded.session.caches["fast"].sources
     tol = 1e-4 * _scale(res)
     assert own_deviation(pipe, kvs, reqs, res, port=0) < tol
     assert own_deviation(pipe, kvs, reqs, res, port=1) < tol
@@ -79,8 +81,8 @@ def test_a_wrong_cache_mapping_is_seen(pipeline, monkeypatch):
         res = stream(CFG, [FlexkvPipeline(pipe)], kvs, reqs)
         assert own_deviation(pipe, kvs, reqs, res) > 5e-3
     with monkeypatch.context() as m:
-        m.setattr(FlexkvPipeline, "add_voice", lambda self, kv: (self.voices.append((self.dit.add_source(*kv),
-                                                                                   kv[0].shape[-2])), len(self.voices) - 1)[1])
+        m.setattr(FlexkvPipeline, "add_voice", lambda self, kv: (self.voices.append(
+            (self.session.add_source("dit", *kv), kv[0].shape[-2])), len(self.voices) - 1)[1])
         reqs = make_requests(CFG, *REQUESTS)
         res = stream(CFG, [FlexkvPipeline(pipe)], kvs, reqs)
         assert own_deviation(pipe, kvs, reqs, res) > 5e-3
@@ -92,22 +94,22 @@ def test_a_wrong_cache_mapping_is_seen(pipeline, monkeypatch):
         assert own_deviation(pipe, kvs, reqs, res) > 5e-3
 
 
-def test_a_failed_dit_step_takes_the_encoder_step_back(pipeline):
-    """The encoder's caches and the DiT's are two sessions: a chunk whose DiT step raises leaves the encoder
-    as it was (written counts and carried state), and the stream goes on as if the chunk had not been fed."""
+def test_a_chunk_whose_dit_fails_changes_no_cache(pipeline):
+    """The three caches step as one: a chunk whose DiT raises after the encoder ran leaves every cache's written
+    count and the encoder's carried state as they were, and the stream goes on as if it had not been fed."""
     pipe, kvs = pipeline
     port = FlexkvPipeline(pipe)
-    voice = port.add_voice(kvs[0])
-    port.start("a", voice)
+    port.start("a", port.add_voice(kvs[0]))
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, CFG.vocab, (3 * 25,), generator=g)
     noises = [torch.randn(50, CFG.dit.mel, generator=g) for _ in range(3)]
     got = [port.step({"a": (tokens[:25], noises[0])})["a"]]
-    written, state = port.encoder.written("a"), {k: v.clone() for k, v in port.encoder.state("a").items()}
+    written, state = port.session.written("a"), {k: v.clone() for k, v in port.session.state("a").items()}
+    assert written == {"slow": 25, "fast": 50, "dit": 50}
     with pytest.raises(RuntimeError, match="cannot be multiplied"):  # a noise one mel bin too wide: the DiT raises
         port.step({"a": (tokens[25:50], torch.randn(50, CFG.dit.mel + 1))})
-    assert port.encoder.written("a") == written and port.dit.written("a") == 50
-    assert all(torch.equal(port.encoder.state("a")[k], v) for k, v in state.items())
+    assert port.session.written("a") == written
+    assert all(torch.equal(port.session.state("a")[k], v) for k, v in state.items())
     got += [port.step({"a": (tokens[25 * c:25 * (c + 1)], noises[c])})["a"] for c in (1, 2)]
     res = {"mels": [{"a": torch.cat(got)}], "noise": {"a": noises}}
     req = make_requests(CFG, [3], [0])[0]
