@@ -54,10 +54,7 @@ def run(name: str, rounds: int) -> dict:
         geo = geometry(plan)
 
     def write(l, k, v, plan):
-        kc, vc = m._layer_kv(l)
-        index = (m._zero_index, m._head_index, plan.write_index.view(1, N * T).long())
-        kc.index_put_(index, k.transpose(0, 1).reshape(H, N * T, D))
-        vc.index_put_(index, v.transpose(0, 1).reshape(H, N * T, D))
+        m._write(l, k, v, plan)
 
     def gather(kc, vc, cells):
         W = cells.shape[1]

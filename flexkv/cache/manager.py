@@ -127,9 +127,12 @@ class BoundedKVManager(TableViews, nn.Module):
                 for kv in "kv":
                     self.register_buffer(f"{kv}_scale_{i}", torch.ones(shape[:3] + (1,), dtype=quantized.SCALE_DTYPE,
                                                                       device=self.device))
-        self.register_buffer("_zero_index", torch.zeros(1, 1, dtype=torch.long, device=self.device), persistent=False)
+        # With a plan's write cells `[N, 1, T]`, the index of the step's `[N, H, T, D]` keys in a
+        # layer tensor `[1, H, S, D]`: one index_put per tensor, nothing reshaped.
+        self.register_buffer("_zero_index", torch.zeros(1, 1, 1, dtype=torch.long, device=self.device),
+                             persistent=False)
         self.register_buffer(
-            "_head_index", torch.arange(config.num_heads, device=self.device).view(-1, 1), persistent=False
+            "_head_index", torch.arange(config.num_heads, device=self.device).view(1, -1, 1), persistent=False
         )
         if slots is not None and not isinstance(slots, SlotTable):
             raise ValueError(f"slots must be a flexkv.cache.slots.SlotTable or None, got {type(slots).__name__}")
@@ -231,27 +234,35 @@ class BoundedKVManager(TableViews, nn.Module):
         compiled `attend` called with one layer after another). It is compared
         with each layer here, which specialises the graph on its value with a
         guard instead of formatting a buffer name from it: each layer then
-        gets its graph once, during warm-up, and none later.
+        gets its graph once, during warm-up, and none later. A plain int is
+        looked up directly, compiled too: comparing it with every layer would
+        make tracing a step grow with the square of its layer count.
         """
-        if not torch.compiler.is_compiling() and type(layer_idx) is int and 0 <= layer_idx < self.config.num_layers:
+        if type(layer_idx) is int and 0 <= layer_idx < self.config.num_layers:
+            k, v = self._kv_names[layer_idx]
+            if torch.compiler.is_compiling():
+                return getattr(self, k), getattr(self, v)
             # Eagerly, straight from the module's buffers (nn.Module's attribute lookup and the
             # formatted names cost more than the rest of a one-token write).
-            k, v = self._kv_names[layer_idx]
             buffers = self._buffers
             return buffers[k], buffers[v]
+        return self._layer_named(layer_idx, "k_cache", "v_cache")
+
+    def _layer_named(self, layer_idx, key: str, value: str):
+        """Layer `layer_idx`'s buffers `{key}_{i}` and `{value}_{i}`, for an index that is not a plain
+        int (a symbolic int under `torch.compile`): compared with each layer in turn."""
         for i in range(self.config.num_layers):
             if layer_idx == i:
-                return getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
+                return getattr(self, f"{key}_{i}"), getattr(self, f"{value}_{i}")
         raise ValueError(f"layer_idx must be an int in [0, {self.config.num_layers}), got {layer_idx!r}")
 
     def _layer_scales(self, layer_idx):
         """Layer `layer_idx`'s key and value scales `[1, num_heads, S, 1]` (quantized slots), else (None, None)."""
         if self.config.slot_dtype is None:
             return None, None
-        for i in range(self.config.num_layers):
-            if layer_idx == i:
-                return getattr(self, f"k_scale_{i}"), getattr(self, f"v_scale_{i}")
-        raise ValueError(f"layer_idx must be an int in [0, {self.config.num_layers}), got {layer_idx!r}")
+        if type(layer_idx) is int and 0 <= layer_idx < self.config.num_layers:
+            return getattr(self, f"k_scale_{layer_idx}"), getattr(self, f"v_scale_{layer_idx}")
+        return self._layer_named(layer_idx, "k_scale", "v_scale")
 
     def _dequantized_layer(self, kc, ks, vc, vs, dtype):  # quantized slots
         """Quantized slots on the FlexAttention path: the layer's cells dequantized into scratch tensors
@@ -753,19 +764,20 @@ class BoundedKVManager(TableViews, nn.Module):
             state = self._eager_plan_state(plan)
             cells = state.get("write")
             if cells is None:
-                cells = state["write"] = plan.write_index.long()
+                cells = state["write"] = plan.write_index.view(N * T).long()
             for buf, x in ((kc, k), (vc, v)):
                 buf.index_copy_(2, cells, x if N == 1 else x.transpose(0, 1).reshape(1, H, N * T, x.shape[3]))
             return kc, vc
-        index = (self._zero_index, self._head_index, plan.write_index.view(1, N * T).long())
-        k_in, v_in = k.transpose(0, 1).reshape(H, N * T, D), v.transpose(0, 1).reshape(H, N * T, v.shape[3])
+        # Compiled (and quantized): the keys as they come, at the plan's int32 cells; each op here is
+        # traced again in every layer of a step.
+        index = (self._zero_index, self._head_index, plan.write_index)
         ks, vs = self._layer_scales(layer_idx)
         if ks is not None:
-            (k_in, k_sc), (v_in, v_sc) = (quantized.quantize(x, self.config.slot_dtype) for x in (k_in, v_in))
+            (k, k_sc), (v, v_sc) = (quantized.quantize(x, self.config.slot_dtype) for x in (k, v))
             ks.index_put_(index, k_sc)
             vs.index_put_(index, v_sc)
-        kc.index_put_(index, k_in)
-        vc.index_put_(index, v_in)
+        kc.index_put_(index, k)
+        vc.index_put_(index, v)
         return kc, vc
 
     def _kernel_options(self, qs: torch.Tensor, H: int) -> dict:

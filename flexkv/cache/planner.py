@@ -52,7 +52,9 @@ Per flat row `i` (segment `i // R`, row `i % R`) the table holds:
 then the block lists (`kv_num_blocks`, `kv_indices`, `full_kv_num_blocks`,
 `full_kv_indices`, one list per row: every query block of a row visits the
 same blocks) and the cell each of the step's `T` tokens is written to
-(`write_index`, `[N * T]`, row-major). Padding rows point every region out
+(`write_index`, `[N, 1, T]`: shaped to index a layer tensor `[1, H, S, D]`
+together with a head index `[1, H, 1]`, so that every layer writes the step's
+`[N, H, T, D]` keys as they come). Padding rows point every region out
 of reach, so their mask is empty.
 """
 
@@ -91,7 +93,7 @@ PLAN_TABLE = tuple((name, 1, None) for name in ROW_FIELDS) + (
     ("kv_indices", "width", (1, 1, "n")),
     ("full_kv_num_blocks", 1, (1, 1)),
     ("full_kv_indices", "full_width", (1, 1, "n")),
-    ("write_index", "tokens", None),
+    ("write_index", "tokens", (1, "n")),
 )
 
 

@@ -321,8 +321,8 @@ class SinkRotation(nn.Module):
             live.view(-1, 1), sink_base.view(-1, 1) + offs, self._scratch_base + offs % self._scratch_len
         )
         kc = self.manager._layer_kv(self.layer_idx)[0]
-        index = (self.manager._zero_index, self.manager._head_index, cells.view(1, N * S))
-        kc.index_put_(index, rotated.transpose(0, 1).reshape(H, N * S, D))
+        index = (self.manager._zero_index, self.manager._head_index, cells.view(N, 1, S))
+        kc.index_put_(index, rotated)
 
 
 def check_cache_config(config: BoundedKVConfig) -> None:

@@ -408,7 +408,6 @@ def attend_rows(
     `pool`: `slot_pool(k_cache, v_cache, layout)` made once by a caller attending in place eagerly.
     """
     N, H, Q, D = q.shape
-    dev = q.device
     geo = geometry if geometry is not None else row_geometry(layout, plan, mask_mod, Q, q.dtype, width)
     if geo.in_place:
         # Each slot row takes its plan row's queries (rows the step leaves out take row 0's, and
@@ -432,7 +431,7 @@ def attend_rows(
         lse = lse.index_select(0, geo.back) if lse is not None else None
     reads = geo.row_reads
     if not geo.all_read:
-        out = torch.where(reads.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=dev))
+        out = torch.where(reads.unsqueeze(-1), out, 0.0)
     if return_lse:
         return out, torch.where(reads, lse, _NEG_INF)
     return out
