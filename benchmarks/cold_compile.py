@@ -17,6 +17,11 @@ Cases:
   as one graph: what the model costs to compile without flexkv;
 - `chunk-flexkv`, `chunk-ring`: the same two over a chunk of 50 tokens per step (4 streams,
   the shape of a DiT estimator's chunk), which the CPU serves on the rows path;
+- `dit-flexkv`, `dit-ring`: the same two at the shape of a flow-matching DiT's step over a voice
+  prompt: 2 requests x 2 classifier-free-guidance rows, chunks of 50 frames inserted in front
+  (`reverse_step_order`), the prompt's last 100 frames as the sink (a source of 150) and a window
+  of 200; the ring holds each row's copy of those 100 frames beside its window. flexkv reads the
+  prompt where it lives, so its rows gather their cells;
 - `session-2-buckets`: the flexkv model on a session with two token sizes
   (decode T 1 and chunks of T 16), both compiled at warm-up;
 - `flexkv-run`: `flexkv run` (the built-in workload, 20 steps), its reported
@@ -42,7 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-CASES = ("model-flexkv", "model-ring", "chunk-flexkv", "chunk-ring", "session-2-buckets", "flexkv-run", "example-quickstart", "example-chat",
+CASES = ("model-flexkv", "model-ring", "chunk-flexkv", "chunk-ring", "dit-flexkv", "dit-ring", "session-2-buckets", "flexkv-run", "example-quickstart", "example-chat",
          "example-conformer", "example-tts")
 
 
@@ -66,7 +71,17 @@ def _model_fn(model, layers):
     return fn
 
 
-def _child_model(flexkv: bool, token_sizes=(1,), chunk: int = 0) -> float:
+def _rows_fn(fn, rows: int):
+    """`fn` over a session's feed `[B, T, rows, d]`: the model's rows `[B * rows, T, d]` and back."""
+    def rows_fn(attn, x):
+        B, T = x.shape[:2]
+        out = fn(attn, x.transpose(1, 2).reshape(B * rows, T, -1))
+        return out.view(B, rows, T, -1).transpose(1, 2)
+
+    return rows_fn
+
+
+def _child_model(flexkv: bool, token_sizes=(1,), chunk: int = 0, dit: bool = False) -> float:
     import torch
     import torch.nn.functional as F
 
@@ -74,26 +89,31 @@ def _child_model(flexkv: bool, token_sizes=(1,), chunk: int = 0) -> float:
     from flexkv.cli.stream_model import StreamModel
 
     w = _decode_workload()
-    if chunk:
+    if dit:
+        w = w.replace(tokens=chunk, span=chunk, requests=2, rows=2, source_len=150, sink=100, window=200,
+                      reverse_step_order=True)
+        token_sizes = (chunk,)
+    elif chunk:
         w = w.replace(tokens=chunk, span=chunk, requests=4)
         token_sizes = (chunk,)
     elif max(token_sizes) > 1:
         w = w.replace(tokens=max(token_sizes), span=max(token_sizes))
     model = StreamModel(w)
     T = w.step_tokens
-    x = torch.randn(w.requests, T, w.d_model)
+    N = w.requests * w.rows
     if flexkv:
         session = StreamSession(BoundedKVManager(w.config(), "cpu"), token_sizes=token_sizes)
-        return session.warmup(_model_fn(model, w.layers), x[0])
+        return session.warmup(_rows_fn(_model_fn(model, w.layers), w.rows), torch.randn(T, w.rows, w.d_model))
+    x = torch.randn(N, T, w.d_model)
     C = w.sink + w.window + T
-    K = [torch.zeros(w.requests, w.kv_heads, C, w.head_dim) for _ in range(w.layers)]
+    K = [torch.zeros(N, w.kv_heads, C, w.head_dim) for _ in range(w.layers)]
     V = [torch.zeros_like(k) for k in K]
 
     def step(x, cells, mask):
         def attend(l, q, k, v):
             if T == 1:
-                K[l][torch.arange(w.requests), :, cells] = k[:, :, 0]
-                V[l][torch.arange(w.requests), :, cells] = v[:, :, 0]
+                K[l][torch.arange(N), :, cells] = k[:, :, 0]
+                V[l][torch.arange(N), :, cells] = v[:, :, 0]
                 return F.scaled_dot_product_attention(q, K[l], V[l], enable_gqa=True)
             # a chunk: the ring's write of the step's tokens, then the whole ring under a mask
             K[l][:, :, cells] = k
@@ -103,10 +123,10 @@ def _child_model(flexkv: bool, token_sizes=(1,), chunk: int = 0) -> float:
         return _model_fn(model, w.layers)(attend, x)
 
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
-    cells = torch.arange(w.requests) % C if T == 1 else torch.arange(T) % C
+    cells = torch.arange(N) % C if T == 1 else torch.arange(T) % C
     t0 = time.perf_counter()
     with torch.no_grad():
-        compiled(x, cells, torch.zeros(w.requests, 1, T, C))
+        compiled(x, cells, torch.zeros(N, 1, T, C))
     return time.perf_counter() - t0
 
 
@@ -169,6 +189,8 @@ def child(case: str) -> None:
         s = _child_model(False)
     elif case in ("chunk-flexkv", "chunk-ring"):
         s = _child_model(case == "chunk-flexkv", chunk=50)
+    elif case in ("dit-flexkv", "dit-ring"):
+        s = _child_model(case == "dit-flexkv", chunk=50, dit=True)
     elif case == "session-2-buckets":
         s = _child_model(True, token_sizes=(1, 16))
     elif case == "flexkv-run":
@@ -205,7 +227,7 @@ def main(argv=None) -> None:
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--json", help="write the figures to this file")
     ap.add_argument("--layers", type=int, default=4,
-                    help="layers of the model cases (model-flexkv, model-ring, session-2-buckets); default 4")
+                    help="layers of the model cases (model-, chunk-, dit-, session-2-buckets); default 4")
     args = ap.parse_args(argv)
     if args.child:
         child(args.child)

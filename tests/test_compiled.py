@@ -290,3 +290,51 @@ def test_block_size_the_cpu_kernel_miscomputes_takes_the_rows_path():
     with pytest.raises(Exception, match=r"path=.flex. compiled on the CPU at a KV block size of 8 more"):
         torch.compile(lambda q, k, v, plan: forced.attend(0, q, k, v, plan), fullgraph=True)(q, k, v, plan)
     assert torch.equal(forced.k_cache_0, before)  # refused before the step's write
+
+
+@pytest.mark.parametrize("sources, causal_step", [(False, False), (False, True), (True, True)])
+def test_compiled_chunks_run_the_rows_path_as_one_op_per_layer(monkeypatch, sources, causal_step):
+    """Compiled on the CPU, a chunked step with no score_mod runs each layer's rows path as one op
+    (`row_attention.rows_attention_op`, run as written at every call): in place and gathered
+    (sources), with a mask alike for every query of a row and a per-query one (`causal_step`,
+    repeated for the folded GQA group), through ring wraps and without recompiling, against the
+    reference."""
+    from flexkv.cache import quantized_rows
+
+    calls = []
+    fn = quantized_rows.batch_cells  # the op's body reads every layer's keys and values through it
+    monkeypatch.setattr(quantized_rows, "batch_cells", lambda *a: (calls.append(1), fn(*a))[1])
+    cfg = BoundedKVConfig(
+        num_layers=2, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=5 if sources else 0,
+        retention=SinkWindow(2, 6), max_step_tokens=3, max_slots=3, max_sources=1 if sources else 0,
+        causal_step=causal_step,
+    )
+    work = compiled_workload(cfg, q_heads=4, tokens=3, seed=11, segments=3, churn=0.05, full_blocks=False)
+    assert work.manager.path_for(3) == "rows"
+    run_without_recompiles(work, 30)
+    assert work.worst_relative < 1e-5
+    assert len(calls) == 30 * cfg.num_layers * 2  # keys and values of every layer of every step
+    assert max(work.ref.streams[r][0][0].shape[2] for r in work.ref.streams) > 2 * cfg.window_capacity
+
+
+def test_rows_op_output_is_laid_out_as_the_fused_kernel_lays_out_its_own():
+    """The op returns `[N, Hq, T, Dv]` laid out as `[N, T, Hq, Dv]`: query head `h * g + i` from
+    packed rows `i * T ..` of KV head `h`, equal to the rows path's own result."""
+    from flexkv.cache.row_attention import RowGeometry, attend_rows, rows_attention_op
+
+    torch.manual_seed(0)
+    N, H, g, T, W, D = 2, 2, 2, 3, 5, 4
+    k_cache, v_cache = torch.randn(1, H, N * W, D), torch.randn(1, H, N * W, D)
+    q = torch.randn(N, H, g * T, D)
+    cells = torch.arange(N * W).view(N, W)
+    bias = torch.where(torch.rand(N, 1, T, W) < 0.3, float("-inf"), 0.0)
+    bias[0, 0, 1] = float("-inf")  # a query that reads nothing
+    reads = bias.amax(dim=-1) == 0
+    geo = RowGeometry(False, T, torch.arange(N), cells, bias, reads, reads, None, None)
+    out = rows_attention_op(q, k_cache, v_cache, bias, torch.arange(N), None, reads, cells, 0, 0, T)
+    assert out.shape == (N, H * g, T, D) and out.transpose(1, 2).is_contiguous()
+    packed = geo._replace(q_len=g * T, bias=bias.repeat(1, 1, g, 1), reads=reads.repeat(1, 1, g),
+                          row_reads=reads.repeat(1, 1, g))
+    want = attend_rows(q, k_cache, v_cache, None, None, None, geometry=packed)
+    torch.testing.assert_close(out, want.view(N, H * g, T, D), rtol=0, atol=1e-6)
+    assert bool((out[0, :, 1] == 0).all())

@@ -40,6 +40,7 @@ from .row_attention import (
     gather_width,
     repeat_queries,
     row_geometry,
+    rows_attention_op,
     slot_pool,
 )
 from .sinks import apply_learned_sinks, check_sinks
@@ -116,6 +117,10 @@ class BoundedKVManager(TableViews, nn.Module):
         self.config = config
         self.device = torch.device(device)
         self.layout = Layout.for_config(config, block_size, self.device.type)
+        #: Whether the compiled CPU FlexAttention kernel is exact at this cache's KV block size
+        #: (`flexkv.cache.kernel_options.cpu_kernel_block_exact`; where it is not, `"auto"` takes the
+        #: rows path and `"flex"` is refused). A plain bool: every compiled layer reads it.
+        self._cpu_kernel_exact = self.device.type != "cpu" or cpu_kernel_block_exact(self.layout.block_size)
         shape = (1, config.num_heads, self.layout.total_len, config.head_dim)
         v_shape = shape[:3] + (config.value_head_dim,)
         # Quantized slots (flexkv.cache.quantized): cells in slot_dtype, plus a scale per cell and head.
@@ -240,10 +245,8 @@ class BoundedKVManager(TableViews, nn.Module):
         """
         if type(layer_idx) is int and 0 <= layer_idx < self.config.num_layers:
             k, v = self._kv_names[layer_idx]
-            if torch.compiler.is_compiling():
-                return getattr(self, k), getattr(self, v)
-            # Eagerly, straight from the module's buffers (nn.Module's attribute lookup and the
-            # formatted names cost more than the rest of a one-token write).
+            # Straight from the module's buffers: nn.Module's attribute lookup costs more than the
+            # rest of a one-token write eagerly, and more to trace than the lookup here.
             buffers = self._buffers
             return buffers[k], buffers[v]
         return self._layer_named(layer_idx, "k_cache", "v_cache")
@@ -565,12 +568,6 @@ class BoundedKVManager(TableViews, nn.Module):
                                       quantized=self.config.slot_dtype is not None,
                                       flex_exact=self._cpu_kernel_exact)
 
-    @property
-    def _cpu_kernel_exact(self) -> bool:
-        """Whether the compiled CPU FlexAttention kernel is exact at this cache's KV block size
-        (`flexkv.cache.kernel_options.cpu_kernel_block_exact`; where it is not, `"auto"` takes the
-        rows path and `"flex"` is refused)."""
-        return self.device.type != "cpu" or cpu_kernel_block_exact(self.layout.block_size)
 
     def _mask_mod(self, plan, tokens: int, pack_gqa: bool) -> Callable:
         """The step's retention `mask_mod` (`flexkv.cache.masks`); the one place every path builds it."""
@@ -598,6 +595,13 @@ class BoundedKVManager(TableViews, nn.Module):
     def _check_attend(self, layer_idx, q, k, v, plan) -> None:
         c = self.config
         check_layer_index(layer_idx, c.num_layers)
+        if (isinstance(plan, BoundedPlan) and type(q) is type(k) is type(v) is torch.Tensor
+                and q.dtype == k.dtype == v.dtype == c.dtype and q.device == k.device == v.device == self.device
+                and tuple(k.shape) == (plan.rows, c.num_heads, plan.tokens, c.head_dim)
+                and tuple(v.shape) == (plan.rows, c.num_heads, plan.tokens, c.value_head_dim) and q.dim() == 4
+                and q.shape[0] == plan.rows and q.shape[1] % c.num_heads == 0 and q.shape[2] == plan.tokens
+                and q.shape[3] == c.head_dim and plan.tokens <= c.max_step_tokens):
+            return  # every check below passes: one comparison chain (a compiled step traces this per layer)
         if not isinstance(plan, BoundedPlan):
             raise ValueError(f"attend needs this cache's plan: pass plan=manager.plan(step), got {type(plan).__name__}")
         N, T = plan.rows, plan.tokens
@@ -794,6 +798,13 @@ class BoundedKVManager(TableViews, nn.Module):
         width = self._gather_width
         geometry = mask_mod = None
         ahead = getattr(plan, "rows_geometry", None)  # built with the plan (`_plan_from`), unpacked
+        if (compiling and ahead is not None and ahead.bias.dtype == qs.dtype and sm is None and scales is None
+                and not lse and not qs.requires_grad):
+            # One op per layer, opaque to the graph, on the plan's geometry as it comes: inductor builds
+            # no code of its own for each layer's gathers and mask, and little is traced per layer.
+            return rows_attention_op(qs, kc, vc, ahead.bias, ahead.batch_rows, ahead.back, ahead.row_reads,
+                                     None if ahead.in_place else ahead.cells, lay.slots_base, lay.slot_row_len,
+                                     T), None
         if ahead is not None and ahead.bias.dtype == qs.dtype:
             # Every layer of the step reads the one geometry built with the plan, compiled too (a
             # compiled step takes it as inputs instead of forming it again in every layer).

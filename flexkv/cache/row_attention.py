@@ -435,3 +435,49 @@ def attend_rows(
     if return_lse:
         return out, torch.where(reads, lse, _NEG_INF)
     return out
+
+
+@torch.library.custom_op("flexkv::rows_attention", mutates_args=())
+def rows_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bias: torch.Tensor,
+                      batch_rows: torch.Tensor, back: Optional[torch.Tensor], row_reads: torch.Tensor,
+                      cells: Optional[torch.Tensor], base: int, row_len: int, tokens: int) -> torch.Tensor:
+    """One compiled layer of the rows path without a `score_mod` or log-sum-exp, run as written:
+    `q` (`[N, H, Q, D]`, scaled) over the layer tensors `[1, H, S, D]` with the tensors of the
+    plan's `RowGeometry` for its `tokens` queries (`Q` may fold a GQA group of `Q // tokens`; the
+    mask is repeated for it here). In place (`cells` None): slot rows of `row_len` cells from
+    `base`, the queries gathered into slot order by `batch_rows` and the outputs read back by
+    `back`; gathered: each row's `cells`. Rows that read nothing (`row_reads` False) return zeros.
+
+    Returns `[N, Hq, tokens, Dv]` (`Q = tokens * g` folds a GQA group: query head `h * g + i` at
+    rows `i * tokens ..` of KV head `h`), laid out as `[N, tokens, Hq, Dv]`, as SDPA's fused CPU
+    kernel lays out its output: a model's `transpose(1, 2).reshape(N, T, -1)` then copies nothing."""
+    g = q.shape[2] // tokens
+    if g > 1 and bias.shape[2] > 1:  # a mask alike for every query stays broadcast
+        bias = bias.repeat(1, 1, g, 1)
+    if cells is None:
+        B = batch_rows.shape[0]
+        q_b = q.index_select(0, batch_rows)
+        keys, values = (quantized_rows.batch_cells(x, 0, B, None, base, row_len) for x in (k_cache, v_cache))
+    else:
+        q_b = q
+        keys, values = (quantized_rows.batch_cells(x, 0, q.shape[0], cells, 0, 0) for x in (k_cache, v_cache))
+    out = F.scaled_dot_product_attention(q_b, keys, values, attn_mask=bias, scale=1.0)
+    if cells is None:
+        out = out.index_select(0, back)
+    result = _rows_out(q, v_cache, tokens)
+    N, H, _, Dv = out.shape
+    # `row_reads` is `[N, 1, tokens]`, or `[N, 1, 1]` where every query of a row reads the same cells.
+    keep = row_reads.view(N, 1, 1, row_reads.shape[2], 1)
+    torch.where(keep, out.reshape(N, H, g, tokens, Dv), out.new_zeros(()), out=result.unflatten(1, (H, g)))
+    return result
+
+
+def _rows_out(q: torch.Tensor, v_cache: torch.Tensor, tokens: int) -> torch.Tensor:
+    N, H, Q = q.shape[:3]
+    Hq = H * (Q // tokens)
+    return q.new_empty(N, tokens, Hq, v_cache.shape[-1]).transpose(1, 2)
+
+
+@rows_attention_op.register_fake
+def _(q, k_cache, v_cache, bias, batch_rows, back, row_reads, cells, base, row_len, tokens):
+    return _rows_out(q, v_cache, tokens)
