@@ -40,7 +40,6 @@ from .row_attention import (
     gather_width,
     repeat_queries,
     row_geometry,
-    rows_attention_op,
     slot_pool,
 )
 from .sinks import apply_learned_sinks, check_sinks
@@ -798,13 +797,6 @@ class BoundedKVManager(TableViews, nn.Module):
         width = self._gather_width
         geometry = mask_mod = None
         ahead = getattr(plan, "rows_geometry", None)  # built with the plan (`_plan_from`), unpacked
-        if (compiling and ahead is not None and ahead.bias.dtype == qs.dtype and sm is None and scales is None
-                and not lse and not qs.requires_grad):
-            # One op per layer, opaque to the graph, on the plan's geometry as it comes: inductor builds
-            # no code of its own for each layer's gathers and mask, and little is traced per layer.
-            return rows_attention_op(qs, kc, vc, ahead.bias, ahead.batch_rows, ahead.back, ahead.row_reads,
-                                     None if ahead.in_place else ahead.cells, lay.slots_base, lay.slot_row_len,
-                                     T), None
         if ahead is not None and ahead.bias.dtype == qs.dtype:
             # Every layer of the step reads the one geometry built with the plan, compiled too (a
             # compiled step takes it as inputs instead of forming it again in every layer).

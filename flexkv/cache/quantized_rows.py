@@ -64,7 +64,7 @@ def batch_cells(x: torch.Tensor, b0: int, b1: int, cells: Optional[torch.Tensor]
         return x[0, :, base + b0 * row_len:base + b1 * row_len].view(H, b1 - b0, row_len, w).transpose(0, 1)
     W = cells.shape[1]
     rows = cells if b0 == 0 and b1 == cells.shape[0] else cells[b0:b1]  # (each op is traced in every layer)
-    return x.index_select(2, rows.reshape(-1)).view(H, b1 - b0, W, w).transpose(0, 1)
+    return x[0].index_select(1, rows.reshape(-1)).view(H, b1 - b0, W, w).transpose(0, 1)
 
 
 def _group_buffer(scratch: torch.Tensor, offset: int, cells: torch.Tensor) -> torch.Tensor:
