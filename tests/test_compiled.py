@@ -290,4 +290,3 @@ def test_block_size_the_cpu_kernel_miscomputes_takes_the_rows_path():
     with pytest.raises(Exception, match=r"path=.flex. compiled on the CPU at a KV block size of 8 more"):
         torch.compile(lambda q, k, v, plan: forced.attend(0, q, k, v, plan), fullgraph=True)(q, k, v, plan)
     assert torch.equal(forced.k_cache_0, before)  # refused before the step's write
-
