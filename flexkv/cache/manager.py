@@ -567,7 +567,6 @@ class BoundedKVManager(TableViews, nn.Module):
                                       quantized=self.config.slot_dtype is not None,
                                       flex_exact=self._cpu_kernel_exact)
 
-
     def _mask_mod(self, plan, tokens: int, pack_gqa: bool) -> Callable:
         """The step's retention `mask_mod` (`flexkv.cache.masks`); the one place every path builds it."""
         return make_mask_mod(plan, self.layout.ring_len, tokens, self.config.query_window, pack_gqa=pack_gqa,
