@@ -435,4 +435,3 @@ def attend_rows(
     if return_lse:
         return out, torch.where(reads, lse, _NEG_INF)
     return out
-
