@@ -290,3 +290,58 @@ def test_block_size_the_cpu_kernel_miscomputes_takes_the_rows_path():
     with pytest.raises(Exception, match=r"path=.flex. compiled on the CPU at a KV block size of 8 more"):
         torch.compile(lambda q, k, v, plan: forced.attend(0, q, k, v, plan), fullgraph=True)(q, k, v, plan)
     assert torch.equal(forced.k_cache_0, before)  # refused before the step's write
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_the_cpu_attention_kernel_gives_zeros_where_a_query_reads_nothing(dtype):
+    """What gathered rows on the CPU rely on to skip their zero fill (`row_attention._zeros_empty_rows`):
+    the fused attention kernel, eager and compiled, returns exact zeros for a query whose every key
+    is masked by a -inf bias, and the other queries' outputs as usual."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 3, 8, generator=g).to(dtype)
+    k, v = (torch.randn(2, 2, 5, 8, generator=g).to(dtype) for _ in range(2))
+    bias = torch.zeros(2, 1, 3, 5, dtype=dtype)
+    bias[0, :, 1] = float("-inf")  # one query of a row
+    bias[1] = float("-inf")  # a whole padding row
+    kernel = lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b, scale=1.0)  # noqa: E731
+    with torch.no_grad():
+        for out in (kernel(q, k, v, bias), torch.compile(kernel, fullgraph=True)(q, k, v, bias)):
+            assert torch.equal(out[0, :, 1], torch.zeros_like(out[0, :, 1]))
+            assert torch.equal(out[1], torch.zeros_like(out[1]))
+            assert out[0, :, 0].abs().amax() > 0
+
+
+def test_compiled_gathered_rows_read_keys_and_values_through_one_op():
+    """A compiled step whose rows gather their cells (sources) reads each layer's keys and values
+    through one `flexkv::gather_kv` call, not a gather traced per tensor (two kernels inductor builds
+    again in every layer), and zero-fills nothing on the CPU; the output is the eager step's."""
+    cfg = BoundedKVConfig(num_layers=3, num_heads=2, head_dim=8, rows_per_request=1, max_source_len=4,
+                          retention=SinkWindow(2, 5), max_slots=2, max_step_tokens=2, max_sources=1)
+    manager = BoundedKVManager(cfg, "cpu")
+    assert manager.path_for(2) == "rows"
+    graphs = []
+
+    def inspect(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def model_step(q, k, v, plan):
+        return [manager.attend(l, q, k, v, plan) for l in range(cfg.num_layers)]
+
+    src = manager.add_source(*(torch.randn(cfg.num_layers, 1, cfg.num_heads, 3, 8) for _ in range(2)))
+    step = BoundedKVStep((Segment("a", 2), Segment(None, 0)), {"a": StreamPosition(3, 0, src)},
+                         tokens=2)
+    manager.admit(step)
+    plan = manager.plan(step)
+    q, k, v = (torch.randn(2, 2, 2, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    with torch.no_grad():
+        got = torch.compile(model_step, backend=inspect, fullgraph=True)(q, k, v, plan)
+        want = model_step(q, k, v, plan)  # eager, rewriting the same cells
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.flexkv.gather_kv.default) == cfg.num_layers
+    assert torch.where not in targets and torch.ops.aten.index_select.default not in targets
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert torch.equal(got[0][1], torch.zeros_like(got[0][1]))  # the padding row

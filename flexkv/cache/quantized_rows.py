@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from .quantized import dequantize_into, widen_into
+from .row_cells import batch_cells
 
-__all__ = ["grouped_attention", "group_rows", "scratch_width", "batch_cells", "dequantized_group", "widened_group",
+__all__ = ["grouped_attention", "group_rows", "scratch_width", "dequantized_group", "widened_group",
            "DEQUANTIZE_GROUP_BYTES", "FUSED_SCALES_MAX_QUERIES"]
 
 #: Quantized cells are dequantized and attended in groups of batch rows whose float32 keys and
@@ -53,18 +54,6 @@ def group_rows(scratch: torch.Tensor, rows: int, heads: int, width: int, cell_wi
     the buffer per cell: `scratch_width`) fit in `scratch` at a time (at least one: the cache
     sizes it for one)."""
     return max(1, min(rows, scratch.numel() // (heads * width * cell_width)))
-
-
-def batch_cells(x: torch.Tensor, b0: int, b1: int, cells: Optional[torch.Tensor], base: int, row_len: int):
-    """Batch rows `b0..b1` of layer tensor `x` (`[1, H, S, width]`: cells or scales) as
-    `[b1 - b0, H, W, width]`: slot rows read in place (`cells` None: `row_len` cells from `base`
-    per slot row) or each row's cells gathered (`cells`: `[B, W]` cell indices)."""
-    H, w = x.shape[1], x.shape[-1]
-    if cells is None:
-        return x[0, :, base + b0 * row_len:base + b1 * row_len].view(H, b1 - b0, row_len, w).transpose(0, 1)
-    W = cells.shape[1]
-    rows = cells if b0 == 0 and b1 == cells.shape[0] else cells[b0:b1]  # (each op is traced in every layer)
-    return x[0].index_select(1, rows.reshape(-1)).view(H, b1 - b0, W, w).transpose(0, 1)
 
 
 def _group_buffer(scratch: torch.Tensor, offset: int, cells: torch.Tensor) -> torch.Tensor:
@@ -101,7 +90,7 @@ def grouped_attention(q: torch.Tensor, k_cells: torch.Tensor, v_cells: torch.Ten
                       row_len: int, scratch: torch.Tensor) -> torch.Tensor:
     """Attention of `q` (`[B, H, Q, D]`, scaled) over quantized cells with an additive mask `bias`
     (`[B, 1, Q, W]`), a group of batch rows at a time widened into `scratch` (float32). Batch rows
-    as in `batch_cells`. Returns `[B, H, Q, Dv]` in `q`'s dtype.
+    as in `row_cells.batch_cells`. Returns `[B, H, Q, Dv]` in `q`'s dtype.
 
     float32 queries, at most `FUSED_SCALES_MAX_QUERIES` per row and head (decode): the scales are
     applied to the scores and the probabilities instead of the cells (`softmax(q.k * k_scale + bias)`, then `(p * v_scale) @ v`), which saves two passes over

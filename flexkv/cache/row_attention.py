@@ -48,6 +48,7 @@ from . import quantized_rows
 from .layout import Layout
 from .planner import INTERVALS
 from .quantized import dequantize
+from .row_cells import batch_cells, gather_kv
 
 __all__ = ["attend_rows", "reads_in_place", "gather_width", "row_geometry", "repeat_queries", "device_geometry",
            "RowGeometry", "dequantize_scratch", "slot_pool"]
@@ -292,7 +293,7 @@ def slot_pool(k_cache: torch.Tensor, v_cache: torch.Tensor, layout: Layout) -> t
     """A layer's slot pool as the in-place batch: keys `[slot rows, H, slot_row_len, D]` and values
     (`[.., Dv]`), views of the layer tensors `[1, H, S, D]`."""
     n_slot = layout.max_slots * layout.rows_per_request
-    return tuple(quantized_rows.batch_cells(x, 0, n_slot, None, layout.slots_base, layout.slot_row_len)
+    return tuple(batch_cells(x, 0, n_slot, None, layout.slots_base, layout.slot_row_len)
                  for x in (k_cache, v_cache))
 
 
@@ -341,7 +342,7 @@ def dequantize_scratch(config, layout: Layout, device) -> torch.Tensor:
 
 def _dense_dequantized(q, k_cache, v_cache, scales, cells, base, row_len, geo: RowGeometry, score_mod, want_lse,
                        additive, scratch):
-    """`_dense` over quantized cells, batch rows as in `quantized_rows.batch_cells`. With `scratch`
+    """`_dense` over quantized cells, batch rows as in `row_cells.batch_cells`. With `scratch`
     (`dequantize_scratch`), groups of rows that fit in it are dequantized there and attended one
     after the other: a step without `score_mod` or log-sum-exp as one op
     (`quantized_rows.grouped_attention`, opaque to a compiled graph), others eagerly here; without
@@ -361,7 +362,7 @@ def _dense_dequantized(q, k_cache, v_cache, scales, cells, base, row_len, geo: R
         b1 = min(B, b0 + step)
         kv = []
         for x, sc, off in ((k_cache, scales[0], 0), (v_cache, scales[1], (b1 - b0) * H * W * D)):
-            c, s = (quantized_rows.batch_cells(t, b0, b1, cells, base, row_len) for t in (x, sc))
+            c, s = (batch_cells(t, b0, b1, cells, base, row_len) for t in (x, sc))
             out = dequantize(c, s, q.dtype) if scratch is None else quantized_rows.dequantized_group(
                 scratch, off, c, s, (b1 - b0) * H * W * (D + Dv))
             kv.append(out if out.dtype == q.dtype else out.to(q.dtype))
@@ -373,6 +374,16 @@ def _dense_dequantized(q, k_cache, v_cache, scales, cells, base, row_len, geo: R
     if len(outs) == 1:
         return outs[0], lses[0]
     return torch.cat(outs), (torch.cat(lses) if want_lse else None)
+
+
+def _zeros_empty_rows(geo: RowGeometry, scales, device) -> bool:
+    """Whether `_dense` already gives zeros for the queries that read nothing, so `attend_rows` needs
+    no zero fill (one kernel less per layer of a compiled step): gathered rows (in place, padding
+    rows read another slot row's output back) of unquantized cells on the CPU. There the fused
+    kernel returns zeros for a query whose every score is masked (`tests/test_compiled.py` checks
+    that on every torch release CI runs), and the explicit softmax divides zero weights by its
+    floor."""
+    return not geo.in_place and scales is None and device.type == "cpu"
 
 
 def attend_rows(
@@ -420,8 +431,10 @@ def attend_rows(
     if scales is None:
         if pool is not None and geo.in_place:
             keys, values = pool
+        elif cells is not None and torch.compiler.is_compiling():
+            keys, values = gather_kv(k_cache, v_cache, cells)  # one opaque op, not two gather kernels
         else:
-            keys, values = (quantized_rows.batch_cells(x, 0, B, cells, base, row_len) for x in (k_cache, v_cache))
+            keys, values = (batch_cells(x, 0, B, cells, base, row_len) for x in (k_cache, v_cache))
         out, lse = _dense(q_b, keys, values, geo, score_mod, return_lse, additive)
     else:
         out, lse = _dense_dequantized(q_b, k_cache, v_cache, scales, cells, base, row_len, geo, score_mod, return_lse,
@@ -430,7 +443,7 @@ def attend_rows(
         out = out.index_select(0, geo.back)
         lse = lse.index_select(0, geo.back) if lse is not None else None
     reads = geo.row_reads
-    if not geo.all_read:
+    if not (geo.all_read or _zeros_empty_rows(geo, scales, q.device)):
         out = torch.where(reads.unsqueeze(-1), out, 0.0)
     if return_lse:
         return out, torch.where(reads, lse, _NEG_INF)
