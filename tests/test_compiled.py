@@ -211,14 +211,18 @@ def test_quantized_slots_compiled_with_sources_cfg_rows_and_gqa():
     assert max(work.ref.streams[r][0][0].shape[2] for r in work.ref.streams) > 2 * cfg.window_capacity
 
 
-@pytest.mark.parametrize("slot_dtype, sources, tokens", [(torch.int8, False, 1), (torch.float8_e4m3fn, True, 2)])
+@pytest.mark.parametrize("slot_dtype, sources, tokens, q_heads", [(torch.int8, False, 1, 12),
+                                                                   (torch.float8_e4m3fn, True, 2, 4)])
 def test_quantized_slots_compiled_without_a_score_mod_run_the_grouped_dequantize_op(monkeypatch, slot_dtype, sources,
-                                                                                    tokens):
-    """Compiled on the CPU, a quantized step with no score_mod runs the rows path as one op
-    (`quantized_rows.grouped_attention`: a group of rows dequantized into the cache's scratch and
-    attended at a time), in place (no sources) and gathered (sources), decode and chunked, with GQA,
+                                                                                    tokens, q_heads):
+    """Compiled on the CPU, a quantized step with no score_mod and more queries per row and head
+    than `reduced_decode` takes runs the rows path as one op (`quantized_rows.grouped_attention`: a
+    group of rows dequantized into the cache's scratch and attended at a time), in place (no
+    sources) and gathered (sources), decode and chunked, with GQA (6 and 2 query heads per KV head),
     through ring wraps and without recompiling, against the reference on the dequantized cells."""
     from flexkv.cache import quantized_rows
+
+    assert tokens * q_heads // 2 > quantized_rows.REDUCED_DECODE_MAX_QUERIES[slot_dtype]
 
     monkeypatch.setattr(quantized_rows, "DEQUANTIZE_GROUP_BYTES", 1)  # one batch row per group
     groups = []
@@ -230,12 +234,46 @@ def test_quantized_slots_compiled_without_a_score_mod_run_the_grouped_dequantize
         retention=SinkWindow(2, 6), max_step_tokens=2, max_slots=3, max_sources=1 if sources else 0,
         slot_dtype=slot_dtype,
     )
-    work = compiled_workload(cfg, q_heads=4, tokens=tokens, seed=7, segments=3, churn=0.05, full_blocks=False)
+    work = compiled_workload(cfg, q_heads=q_heads, tokens=tokens, seed=7, segments=3, churn=0.05, full_blocks=False)
     assert work.manager.path_for(tokens) == "rows"
     run_without_recompiles(work, 40)
     assert work.worst_relative < 1e-5
     assert groups and set(groups) == {1}  # the op ran, a row at a time
     assert max(work.ref.streams[r][0][0].shape[2] for r in work.ref.streams) > 2 * cfg.window_capacity
+
+
+@pytest.mark.parametrize("slot_dtype, sources, q_heads", [(torch.int8, False, 8), (torch.int8, True, 2),
+                                                            (torch.float8_e4m3fn, True, 2)])
+def test_compiled_quantized_decode_reads_the_cells_inside_inductors_kernels(monkeypatch, slot_dtype, sources, q_heads):
+    """A compiled CPU decode step over quantized cells with at most `REDUCED_DECODE_MAX_QUERIES` queries
+    per row and head (int8: 4-way GQA folded in; float8: one) traces the sums of products of
+    `quantized_rows.reduced_decode` instead of the group op, in place (no sources) and gathered
+    (sources), through ring wraps and slot reuse, without recompiling, against the reference on the
+    dequantized cells; padding rows read nothing."""
+    from flexkv.cache import quantized_rows
+
+    grouped = []
+    op = quantized_rows.grouped_attention
+    monkeypatch.setattr(quantized_rows, "grouped_attention", lambda *a: (grouped.append(1), op(*a))[1])
+    cfg = BoundedKVConfig(
+        num_layers=2, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=5 if sources else 0,
+        retention=SinkWindow(2, 6), max_step_tokens=1, max_slots=3, max_sources=1 if sources else 0,
+        slot_dtype=slot_dtype,
+    )
+    work = compiled_workload(cfg, q_heads=q_heads, tokens=1, seed=11, segments=3, churn=0.05, full_blocks=False)
+    run_without_recompiles(work, 40)
+    assert work.worst_relative < 1e-5
+    assert not grouped
+    assert max(work.ref.streams[r][0][0].shape[2] for r in work.ref.streams) > 2 * cfg.window_capacity
+    # What the graph holds: sums over the cells, no opaque op (the last plan, its cells written again).
+    graphs = []
+    m, plan = work.manager, work.plan
+    q, k, v = (torch.randn(plan.rows, h, 1, 16) for h in (q_heads, 2, 2))
+    torch.compile(lambda q, k, v, plan: m.attend(0, q, k, v, plan), fullgraph=True,
+                  backend=lambda gm, _: (graphs.append(gm), gm.forward)[1])(q, k, v, plan)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")]
+    assert targets.count("sum") >= 2
+    assert not any(op in t for t in targets for op in ("quantized_rows_attention", "matmul", "scaled_dot_product"))
 
 
 @pytest.mark.parametrize("slot_dtype", [torch.int8, torch.float8_e4m3fn])

@@ -15,6 +15,15 @@ scales, the mask bias), the output, and the scratch buffer it writes. It
 covers the step with no `score_mod` and no log-sum-exp (plain
 `scaled_dot_product_attention` per group); a step with either runs the
 traced rows path.
+
+A compiled decode step (a few queries per row and head, `REDUCED_DECODE_MAX_QUERIES`) instead
+traces `reduced_decode`: the scores and the output written as sums of products over the cells,
+which inductor builds into kernels that read each 8-bit cell once and widen it in registers.
+A decode step reads every cell of the window for one query, so it is bound by the bytes it
+reads: the layer's cells at a quarter of the unquantized bytes, against the group loop's widened
+copies written and read again. Its cost grows with the queries per cell (each query widens the
+cell again, where a matrix product would share it), and float8 cells widen through some twenty
+vector instructions per sixteen cells where int8 takes one, hence the per-dtype limit.
 """
 
 from __future__ import annotations
@@ -27,8 +36,8 @@ import torch.nn.functional as F
 from .quantized import dequantize_into, widen_into
 from .row_cells import batch_cells
 
-__all__ = ["grouped_attention", "group_rows", "scratch_width", "dequantized_group", "widened_group",
-           "DEQUANTIZE_GROUP_BYTES", "FUSED_SCALES_MAX_QUERIES"]
+__all__ = ["grouped_attention", "reduced_decode", "reduces_decode", "group_rows", "scratch_width", "dequantized_group",
+           "widened_group", "DEQUANTIZE_GROUP_BYTES", "FUSED_SCALES_MAX_QUERIES", "REDUCED_DECODE_MAX_QUERIES"]
 
 #: Quantized cells are dequantized and attended in groups of batch rows whose float32 keys and
 #: values take about this many bytes, in a buffer the cache allocates once
@@ -39,6 +48,12 @@ DEQUANTIZE_GROUP_BYTES = 4 << 20
 #: steps apply the scales to scores and probabilities (`grouped_attention`); longer query blocks
 #: dequantize the cells for the fused attention kernel, which is faster there.
 FUSED_SCALES_MAX_QUERIES = 8
+#: A compiled float32 step on the CPU with at most this many queries per batch row and head (a
+#: GQA group folded in) traces `reduced_decode`, by cell dtype: measured against the group loop
+#: (`benchmarks.quantized`), int8 is faster up to 4 queries (0.48x of the unquantized decode step
+#: at 1, 0.71x at 4 against 1.25x and 1.04x), float8 at one (1.53x against 2.01x; 2.15x against
+#: 1.55x at 4).
+REDUCED_DECODE_MAX_QUERIES = {torch.int8: 4, torch.float8_e4m3fn: 1}
 
 
 def scratch_width(width: int, value_width: int, slot_dtype) -> int:
@@ -82,6 +97,28 @@ def widened_group(scratch: torch.Tensor, offset: int, cells: torch.Tensor, stagi
     """`cells` as float32 numbers, unscaled and divided by a power of two, written into `scratch`
     from `offset`: `(numbers, factor)` as `quantized.widen_into` returns them."""
     return widen_into(_group_buffer(scratch, offset, cells), cells, _staging(scratch, staging, cells))
+
+
+def reduces_decode(q: torch.Tensor, cell_dtype: torch.dtype) -> bool:
+    """Whether a step of queries `q` (`[B, H, Q, D]`) over cells of `cell_dtype` takes `reduced_decode`:
+    while a graph is compiled, on the CPU, float32 queries, `Q <= REDUCED_DECODE_MAX_QUERIES[cell_dtype]`."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and torch.compiler.is_compiling()
+            and q.shape[2] <= REDUCED_DECODE_MAX_QUERIES.get(cell_dtype, 0))
+
+
+def reduced_decode(q: torch.Tensor, k_cells: torch.Tensor, v_cells: torch.Tensor, k_scale: torch.Tensor,
+                   v_scale: torch.Tensor, bias: torch.Tensor, cells: Optional[torch.Tensor], base: int,
+                   row_len: int) -> torch.Tensor:
+    """`grouped_attention` (arguments alike, no scratch) as sums of products for a compiled graph:
+    `softmax(sum_d q * k_cells * k_scale + bias) * v_scale`, then its sum with `v_cells` over the
+    cells. Inductor reduces each sum in one kernel that reads every cell once; run without it (an
+    eager backend), the products would be formed in full (`[B, H, Q, W, D]`), so `attend` takes
+    this only while compiling (`reduces_decode`). Equal to the reference up to the order of the
+    float32 sums."""
+    kc, vc, ks, vs = (batch_cells(x, 0, q.shape[0], cells, base, row_len) for x in (k_cells, v_cells, k_scale, v_scale))
+    scores = (q.unsqueeze(3) * kc.to(q.dtype).unsqueeze(2)).sum(-1) * ks.transpose(-1, -2) + bias
+    probs = torch.softmax(scores, dim=-1) * vs.transpose(-1, -2)
+    return (probs.unsqueeze(-1) * vc.to(q.dtype).unsqueeze(2)).sum(3)
 
 
 @torch.library.custom_op("flexkv::quantized_rows_attention", mutates_args=("scratch",))

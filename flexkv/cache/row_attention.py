@@ -346,10 +346,14 @@ def _dense_dequantized(q, k_cache, v_cache, scales, cells, base, row_len, geo: R
     (`dequantize_scratch`), groups of rows that fit in it are dequantized there and attended one
     after the other: a step without `score_mod` or log-sum-exp as one op
     (`quantized_rows.grouped_attention`, opaque to a compiled graph), others eagerly here; without
-    (or compiled with either), all rows at once into fresh tensors."""
+    (or compiled with either), all rows at once into fresh tensors. A compiled decode step without
+    either on the CPU reads the cells inside inductor's kernels (`quantized_rows.reduced_decode`)."""
     B, H = q.shape[:2]
     W = geo.bias.shape[-1]
     D, Dv = k_cache.shape[-1], v_cache.shape[-1]
+    if score_mod is None and not want_lse and quantized_rows.reduces_decode(q, k_cache.dtype):
+        return quantized_rows.reduced_decode(q, k_cache, v_cache, scales[0], scales[1], geo.bias, cells, base,
+                                             row_len), None
     if scratch is not None and score_mod is None and not want_lse:
         return quantized_rows.grouped_attention(q, k_cache, v_cache, scales[0], scales[1], geo.bias, cells, base,
                                                 row_len, scratch), None
