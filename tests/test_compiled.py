@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.kernel_sharing import SHARED_KERNEL_TORCH
+from flexkv.cache.row_attention import gather_width
 from flexkv.model.random_workload import RandomWorkload, score_bias
 
 TOL = 1e-4
@@ -352,13 +353,14 @@ def test_the_cpu_attention_kernel_gives_zeros_where_a_query_reads_nothing(dtype)
 
 
 def test_compiled_gathered_rows_read_keys_and_values_through_one_op():
-    """A compiled step whose rows gather their cells (sources) reads each layer's keys and values
-    through one `flexkv::gather_kv` call, not a gather traced per tensor (two kernels inductor builds
-    again in every layer), and zero-fills nothing on the CPU; the output is the eager step's."""
+    """A compiled step whose rows gather their cells (sources) in a cache too small to keep a gather
+    buffer (`gathered_rows.gather_scratch`) reads each layer's keys and values through one
+    `flexkv::gather_kv` call, not a gather traced per tensor (two kernels inductor builds again in
+    every layer), and zero-fills nothing on the CPU; the output is the eager step's."""
     cfg = BoundedKVConfig(num_layers=3, num_heads=2, head_dim=8, rows_per_request=1, max_source_len=4,
                           retention=SinkWindow(2, 5), max_slots=2, max_step_tokens=2, max_sources=1)
     manager = BoundedKVManager(cfg, "cpu")
-    assert manager.path_for(2) == "rows"
+    assert manager.path_for(2) == "rows" and manager._row_scratch is None
     graphs = []
 
     def inspect(gm, example_inputs):
@@ -383,3 +385,60 @@ def test_compiled_gathered_rows_read_keys_and_values_through_one_op():
     for a, b in zip(got, want):
         assert torch.allclose(a, b, atol=1e-6)
     assert torch.equal(got[0][1], torch.zeros_like(got[0][1]))  # the padding row
+
+
+def test_gathered_attention_in_groups_equals_sdpa_over_the_whole_gather():
+    """`gathered_attention` copies a group of rows into the buffer at a time: whatever the group (one
+    row, two, all), its output is SDPA over every row's cells gathered at once, with values of another
+    width than keys, and zeros where a row reads nothing."""
+    import torch.nn.functional as F
+
+    from flexkv.cache.gathered_rows import gathered_attention
+    from flexkv.cache.row_cells import batch_cells
+
+    g = torch.Generator().manual_seed(5)
+    B, H, Q, W, D, Dv, S = 5, 2, 3, 7, 8, 4, 40
+    q = torch.randn(B, H, Q, D, generator=g)
+    keys, values = torch.randn(1, H, S, D, generator=g), torch.randn(1, H, S, Dv, generator=g)
+    cells = torch.randint(0, S, (B, W), generator=g)
+    bias = torch.where(torch.rand(B, 1, Q, W, generator=g) < 0.3, float("-inf"), 0.0)
+    bias[2] = float("-inf")  # a padding row
+    want = F.scaled_dot_product_attention(q, batch_cells(keys, 0, B, cells, 0, 0), batch_cells(values, 0, B, cells, 0, 0),
+                                          attn_mask=bias, scale=1.0)
+    for rows in (1, 2, B):
+        scratch = torch.full((rows * H * W * (D + Dv),), float("nan"))
+        got = gathered_attention(q, keys, values, bias, cells, scratch)
+        assert torch.allclose(got, want, atol=1e-6), rows
+        assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gathered_rows_attend_a_group_at_a_time_in_the_caches_buffer(monkeypatch, compiled):
+    """A CPU cache whose gathered step is larger than a group keeps a buffer (counted in memory_bytes)
+    and attends gathered rows a group at a time in it (here one row, `GATHER_GROUP_BYTES` made tiny):
+    rows beside a source, with GQA and padding rows, through ring wraps, eager and compiled without
+    recompiling, against the reference."""
+    from flexkv.cache import gathered_rows
+
+    monkeypatch.setattr(gathered_rows, "GATHER_GROUP_BYTES", 1)
+    groups = []
+    fn = gathered_rows.attend_group
+    monkeypatch.setattr(gathered_rows, "attend_group", lambda q, *a: (groups.append(q.shape[0]), fn(q, *a))[1])
+    cfg = BoundedKVConfig(num_layers=2, num_heads=2, head_dim=16, rows_per_request=2, max_source_len=5,
+                          retention=SinkWindow(2, 6), max_step_tokens=3, max_slots=3, max_sources=1)
+    if compiled:
+        work = compiled_workload(cfg, q_heads=4, tokens=3, seed=9, segments=3, churn=0.05, full_blocks=False)
+        run_without_recompiles(work, 40)
+    else:
+        manager = BoundedKVManager(cfg, "cpu")
+        work = RandomWorkload(cfg, q_heads=4, segments=3, seed=9, manager=manager, fixed_tokens=3, churn=0.05,
+                              tolerance=TOL)
+        for _ in range(40):
+            work.step()
+    m = work.manager
+    assert m._row_scratch is not None and m._row_scratch.numel() == 2 * gather_width(cfg) * 32
+    assert m.memory_bytes == sum(b.numel() * b.element_size() for b in m.buffers()
+                                 if b.dtype == torch.float32 and b.dim() == 4) + m._row_scratch.numel() * 4
+    assert work.worst_relative < 1e-5
+    assert groups and set(groups) == {1}  # every gathered step went a row at a time
+    assert max(work.ref.streams[r][0][0].shape[2] for r in work.ref.streams) > 2 * cfg.window_capacity

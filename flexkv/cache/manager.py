@@ -26,6 +26,7 @@ from ..step import BoundedKVStep, StreamPosition
 from . import quantized
 from .attention_options import AttentionOptions, Route
 from .flex_call import flex_call, flex_layer, plan_block_mask
+from .gathered_rows import gather_scratch
 from .kernel_options import cpu_kernel_block_exact, flex_kernel_options
 from .layout import Layout
 from .masks import POSITION_MODES, make_mask_mod, make_score_mod
@@ -158,7 +159,7 @@ class BoundedKVManager(TableViews, nn.Module):
         # Quantized slots on the FlexAttention path: dequantized copies of one layer, allocated now
         # when the options let a step take that path (`_allocate_scratch`).
         self._scratch_k = self._scratch_v = None
-        #: Quantized slots, eager rows path: the buffer groups of rows are dequantized into.
+        #: The rows path's group buffer: quantized cells are dequantized into it, gathered rows copied.
         self._row_scratch = None
         self._allocate_scratch()
         # Per-slot buffers kept for this store outside it (the "cache"-mode rotations it made): a
@@ -280,10 +281,15 @@ class BoundedKVManager(TableViews, nn.Module):
 
     def _allocate_scratch(self) -> None:
         """At construction: allocate the FlexAttention path's dequantized scratch when a quantized
-        cache's options let a step take that path (path "flex", or "auto" off the CPU)."""
-        if self.config.slot_dtype is None:
-            return
+        cache's options let a step take that path (path "flex", or "auto" off the CPU), and the rows
+        path's group buffer when they let a step take that one: quantized cells are widened into it,
+        unquantized gathered rows copied into it (`gathered_rows.gather_scratch`; path "rows", or
+        "auto" on the CPU)."""
         path = self._options.path
+        if self.config.slot_dtype is None:
+            if path == "rows" or (path == "auto" and self.device.type == "cpu"):
+                self._row_scratch = gather_scratch(self.config, gather_width(self.config), self.device)
+            return
         if path != "flex":
             self._row_scratch = dequantize_scratch(self.config, self.layout, self.device)
         if path == "flex" or (path == "auto" and self.device.type != "cpu"):
@@ -299,11 +305,13 @@ class BoundedKVManager(TableViews, nn.Module):
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes held by every layer's key and value tensors (sources, slots, scratch, padding); with
-        quantized slots their scales too, the one layer of dequantized scratch the FlexAttention
-        path reads (allocated with the cache off the CPU, or on it with options path="flex") and the
-        rows path's group buffer (`row_attention.dequantize_scratch`, unless path="flex")."""
-        # Quantized slots: the FlexAttention path's layer copy and the eager rows path's group buffer.
+        """Bytes held by every layer's key and value tensors (sources, slots, scratch, padding), and
+        the rows path's group buffer (`gathered_rows.gather_scratch`: about 4 MiB, on the CPU unless
+        path="flex", for a cache whose gathered step would be larger); with quantized slots their scales too, the one layer of dequantized scratch the
+        FlexAttention path reads (allocated with the cache off the CPU, or on it with options
+        path="flex") and the group buffer cells widen into (`row_attention.dequantize_scratch`, unless
+        path="flex")."""
+        # The FlexAttention path's layer copy (quantized slots) and the rows path's group buffer.
         scratch = [t for t in (self._scratch_k, self._scratch_v, self._row_scratch) if t is not None]
         return sum(b.numel() * b.element_size() for b in (*self._cache_buffers(), *scratch))
 
@@ -816,7 +824,7 @@ class BoundedKVManager(TableViews, nn.Module):
         pool = None if compiling or not geometry.in_place else self._slot_pool(layer_idx, kc, vc)
         out = attend_rows(qs, kc, vc, lay, plan, mask_mod, sm, width=width, return_lse=lse, geometry=geometry,
                           additive=additive, scales=scales,
-                          scratch=None if scales is None else self._row_scratch, pool=pool)
+                          scratch=self._row_scratch, pool=pool)
         return out if lse else (out, None)
 
     def _slot_pool(self, layer_idx: int, kc: torch.Tensor, vc: torch.Tensor) -> tuple:

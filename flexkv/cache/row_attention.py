@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from . import quantized_rows
+from .gathered_rows import gathered_attention
 from .layout import Layout
 from .planner import INTERVALS
 from .quantized import dequantize
@@ -419,7 +420,9 @@ def attend_rows(
     only adds a term to each score (`RelativePositionScores`); see `_dense`.
     `scales`: `(k_scale, v_scale)`, `[1, H, S, 1]` each, for quantized cells
     (`flexkv.cache.quantized`): the cells a row reads are dequantized as they are read, into `q`'s dtype;
-    `scratch` (`dequantize_scratch`) holds them a group of rows at a time.
+    `scratch` (`dequantize_scratch`) holds them a group of rows at a time. Unquantized, `scratch`
+    (`gathered_rows.gather_scratch`) holds gathered rows a group at a time, for steps without a
+    `score_mod` or log-sum-exp (`gathered_rows.gathered_attention`).
     `pool`: `slot_pool(k_cache, v_cache, layout)` made once by a caller attending in place eagerly.
     """
     N, H, Q, D = q.shape
@@ -433,13 +436,17 @@ def attend_rows(
     else:
         q_b, cells, base, row_len, B = q, geo.cells, 0, 0, N
     if scales is None:
-        if pool is not None and geo.in_place:
-            keys, values = pool
-        elif cells is not None and torch.compiler.is_compiling():
-            keys, values = gather_kv(k_cache, v_cache, cells)  # one opaque op, not two gather kernels
+        if cells is not None and scratch is not None and score_mod is None and not return_lse:
+            # Gathered rows, a group at a time in the cache's buffer (one opaque op when compiled).
+            out, lse = gathered_attention(q_b, k_cache, v_cache, geo.bias, cells, scratch), None
+        elif pool is not None and geo.in_place:
+            out, lse = _dense(q_b, *pool, geo, score_mod, return_lse, additive)
         else:
-            keys, values = (batch_cells(x, 0, B, cells, base, row_len) for x in (k_cache, v_cache))
-        out, lse = _dense(q_b, keys, values, geo, score_mod, return_lse, additive)
+            if cells is not None and torch.compiler.is_compiling():
+                keys, values = gather_kv(k_cache, v_cache, cells)  # one opaque op, not two gather kernels
+            else:
+                keys, values = (batch_cells(x, 0, B, cells, base, row_len) for x in (k_cache, v_cache))
+            out, lse = _dense(q_b, keys, values, geo, score_mod, return_lse, additive)
     else:
         out, lse = _dense_dequantized(q_b, k_cache, v_cache, scales, cells, base, row_len, geo, score_mod, return_lse,
                                       additive, scratch)
