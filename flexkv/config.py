@@ -156,7 +156,11 @@ class BoundedKVConfig:
     `slot_dtype` stores the cache's key and value cells quantized: `torch.int8`
     or `torch.float8_e4m3fn`, each cell with a float32 scale per head
     (`flexkv.cache.quantized`); None (the default) keeps cells in `dtype`.
-    Queries, keys and values still enter and leave `attend` in `dtype`.
+    Queries, keys and values still enter and leave `attend` in `dtype`. On
+    the CPU choose int8: it is the more accurate of the two and steps over it
+    run within 1.25x of unquantized ones (compiled decode about twice as
+    fast), where float8 cells, which the CPU widens slowly, cost 1.3-1.7x
+    (docs/benchmarks.md, "Quantized slots").
 
     `max_rollback` is how many of its last committed tokens a request may
     take back (`rollback_request`; speculative decoding's rejected draft
