@@ -414,18 +414,20 @@ def test_gathered_attention_in_groups_equals_sdpa_over_the_whole_gather():
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_gathered_rows_attend_a_group_at_a_time_in_the_caches_buffer(monkeypatch, compiled):
-    """A CPU cache whose gathered step is larger than a group keeps a buffer (counted in memory_bytes)
-    and attends gathered rows a group at a time in it (here one row, `GATHER_GROUP_BYTES` made tiny):
-    rows beside a source, with GQA and padding rows, through ring wraps, eager and compiled without
-    recompiling, against the reference."""
+    """A CPU cache with sources whose gathered step is larger than a group keeps a buffer (counted in
+    memory_bytes) and attends gathered rows a group at a time in it (here one row: a group made one
+    row's bytes): rows beside a source, with GQA and padding rows, through ring wraps, eager and
+    compiled without recompiling, against the reference. The same cache without sources keeps none."""
     from flexkv.cache import gathered_rows
 
-    monkeypatch.setattr(gathered_rows, "GATHER_GROUP_BYTES", 1)
+    cfg = BoundedKVConfig(num_layers=2, num_heads=2, head_dim=16, rows_per_request=2, max_source_len=5,
+                          retention=SinkWindow(2, 6), max_step_tokens=3, max_slots=3, max_sources=1)
+    row_bytes = 2 * gather_width(cfg) * 32 * 4  # keys and values of one gathered row, float32
+    monkeypatch.setattr(gathered_rows, "GATHER_GROUP_BYTES", row_bytes)
+    assert BoundedKVManager(cfg.replace(max_sources=0, max_source_len=0), "cpu")._row_scratch is None
     groups = []
     fn = gathered_rows.attend_group
     monkeypatch.setattr(gathered_rows, "attend_group", lambda q, *a: (groups.append(q.shape[0]), fn(q, *a))[1])
-    cfg = BoundedKVConfig(num_layers=2, num_heads=2, head_dim=16, rows_per_request=2, max_source_len=5,
-                          retention=SinkWindow(2, 6), max_step_tokens=3, max_slots=3, max_sources=1)
     if compiled:
         work = compiled_workload(cfg, q_heads=4, tokens=3, seed=9, segments=3, churn=0.05, full_blocks=False)
         run_without_recompiles(work, 40)
@@ -436,7 +438,7 @@ def test_gathered_rows_attend_a_group_at_a_time_in_the_caches_buffer(monkeypatch
         for _ in range(40):
             work.step()
     m = work.manager
-    assert m._row_scratch is not None and m._row_scratch.numel() == 2 * gather_width(cfg) * 32
+    assert m._row_scratch is not None and m._row_scratch.numel() * 4 == row_bytes
     assert m.memory_bytes == sum(b.numel() * b.element_size() for b in m.buffers()
                                  if b.dtype == torch.float32 and b.dim() == 4) + m._row_scratch.numel() * 4
     assert work.worst_relative < 1e-5

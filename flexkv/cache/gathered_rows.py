@@ -10,8 +10,9 @@ cost as much as SDPA itself. `gathered_attention` instead copies a group of
 rows into the cache's gather buffer (`gather_scratch`, about
 `GATHER_GROUP_BYTES`) and attends it while its cells are still in the CPU's
 caches, then the next group, the way quantized cells are widened
-(`quantized_rows.grouped_attention`). A cache whose whole gather takes less
-than a group keeps gathering the step at once (no buffer).
+(`quantized_rows.grouped_attention`). The buffer is for caches with sources,
+whose rows gather at every step (`gather_scratch` says which); others keep
+gathering the step at once.
 
 It is one op opaque to a compiled graph (`flexkv::gathered_rows_attention`):
 inductor sees the step's queries, the layer tensors, the mask bias and the
@@ -34,16 +35,20 @@ GATHER_GROUP_BYTES = 4 << 20
 
 
 def gather_scratch(config, width: int, device) -> Optional[torch.Tensor]:
-    """The buffer (the cache's dtype) groups of gathered rows are copied into: keys and values of
-    rows of `width` cells (`row_attention.gather_width`), `GATHER_GROUP_BYTES` of them or one row if
-    that is more; None for a cache whose every row gathered at once takes no more than that (its
-    fresh tensors stay small, and the buffer would weigh on a small cache)."""
+    """The buffer (the cache's dtype, `GATHER_GROUP_BYTES`) groups of gathered rows are copied into:
+    keys and values of rows of `width` cells (`row_attention.gather_width`). Only a cache with
+    sources gets one, whose rows gather at every step (without sources only steps holding few of
+    the slot rows gather, measured no faster with it), and only where it is worth its bytes: one
+    row must fit in it, and every row gathered at once must not (a smaller step's fresh tensors
+    stay small). Otherwise None: the step is gathered at once, as before."""
+    if not (config.max_sources and config.max_source_len):
+        return None
     per_row = config.num_heads * width * (config.head_dim + config.value_head_dim)
     rows = config.max_slots * config.rows_per_request
     group = GATHER_GROUP_BYTES // torch.empty((), dtype=config.dtype).element_size()
-    if rows * per_row <= group:
+    if not per_row <= group < rows * per_row:
         return None
-    return torch.empty(max(group, per_row), dtype=config.dtype, device=device)
+    return torch.empty(group, dtype=config.dtype, device=device)
 
 
 @torch.library.custom_op("flexkv::gathered_rows_attention", mutates_args=("scratch",))

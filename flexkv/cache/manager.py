@@ -306,8 +306,8 @@ class BoundedKVManager(TableViews, nn.Module):
     @property
     def memory_bytes(self) -> int:
         """Bytes held by every layer's key and value tensors (sources, slots, scratch, padding), and
-        the rows path's group buffer (`gathered_rows.gather_scratch`: about 4 MiB, on the CPU unless
-        path="flex", for a cache whose gathered step would be larger); with quantized slots their scales too, the one layer of dequantized scratch the
+        the rows path's group buffer (`gathered_rows.gather_scratch`: 4 MiB, on the CPU unless
+        path="flex", for a cache with sources whose gathered step would be larger); with quantized slots their scales too, the one layer of dequantized scratch the
         FlexAttention path reads (allocated with the cache off the CPU, or on it with options
         path="flex") and the group buffer cells widen into (`row_attention.dequantize_scratch`, unless
         path="flex")."""
