@@ -444,3 +444,26 @@ def test_gathered_rows_attend_a_group_at_a_time_in_the_caches_buffer(monkeypatch
     assert work.worst_relative < 1e-5
     assert groups and set(groups) == {1}  # every gathered step went a row at a time
     assert max(work.ref.streams[r][0][0].shape[2] for r in work.ref.streams) > 2 * cfg.window_capacity
+
+
+def test_a_query_that_wants_a_gradient_still_gets_one_beside_a_source(monkeypatch):
+    """The grouped gather (`gathered_rows`) has no backward: a query that requires grad gathers the
+    step whole, as before, and its gradient flows."""
+    from flexkv.cache import gathered_rows
+
+    cfg = BoundedKVConfig(num_layers=1, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=5,
+                          retention=SinkWindow(2, 6), max_step_tokens=2, max_slots=3, max_sources=1)
+    monkeypatch.setattr(gathered_rows, "GATHER_GROUP_BYTES", 2 * gather_width(cfg) * 32 * 4)
+    m = BoundedKVManager(cfg, "cpu")
+    assert m._row_scratch is not None
+    src = m.add_source(*(torch.randn(1, 1, 2, 4, 16) for _ in range(2)))
+    step = BoundedKVStep((Segment("a", 2),), {"a": StreamPosition(4, 0, src)}, tokens=2)
+    m.admit(step)
+    plan = m.plan(step)
+    q = torch.randn(1, 2, 2, 16, requires_grad=True)
+    k, v = torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16)
+    out = m.attend(0, q, k, v, plan)  # gathered whole
+    out.sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
+    with torch.no_grad():
+        assert torch.allclose(out, m.attend(0, q, k, v, plan), atol=1e-6)  # the same cells, in groups

@@ -436,8 +436,10 @@ def attend_rows(
     else:
         q_b, cells, base, row_len, B = q, geo.cells, 0, 0, N
     if scales is None:
-        if cells is not None and scratch is not None and score_mod is None and not return_lse:
-            # Gathered rows, a group at a time in the cache's buffer (one opaque op when compiled).
+        if cells is not None and scratch is not None and score_mod is None and not return_lse and not (
+                q.requires_grad and torch.is_grad_enabled()):
+            # Gathered rows, a group at a time in the cache's buffer (one opaque op when compiled; it
+            # has no backward, so a query that wants a gradient gathers the step as before).
             out, lse = gathered_attention(q_b, k_cache, v_cache, geo.bias, cells, scratch), None
         elif pool is not None and geo.in_place:
             out, lse = _dense(q_b, *pool, geo, score_mod, return_lse, additive)
