@@ -307,10 +307,10 @@ class BoundedKVManager(TableViews, nn.Module):
     def memory_bytes(self) -> int:
         """Bytes held by every layer's key and value tensors (sources, slots, scratch, padding), and
         the rows path's group buffer (`gathered_rows.gather_scratch`: 4 MiB, on the CPU unless
-        path="flex", for a cache with sources whose gathered step would be larger); with quantized slots their scales too, the one layer of dequantized scratch the
-        FlexAttention path reads (allocated with the cache off the CPU, or on it with options
-        path="flex") and the group buffer cells widen into (`row_attention.dequantize_scratch`, unless
-        path="flex")."""
+        path="flex", for a cache with sources whose gathered step would be larger); with quantized
+        slots their scales too, the one layer of dequantized scratch the FlexAttention path reads
+        (allocated with the cache off the CPU, or on it with options path="flex") and the group
+        buffer cells widen into (`row_attention.dequantize_scratch`, unless path="flex")."""
         # The FlexAttention path's layer copy (quantized slots) and the rows path's group buffer.
         scratch = [t for t in (self._scratch_k, self._scratch_v, self._row_scratch) if t is not None]
         return sum(b.numel() * b.element_size() for b in (*self._cache_buffers(), *scratch))
