@@ -28,6 +28,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .row_cells import batch_cells
+
 __all__ = ["gathered_attention", "attend_group", "gather_scratch", "GATHER_GROUP_BYTES"]
 
 #: Rows are gathered and attended in groups whose keys and values take about this many bytes.
@@ -72,11 +74,9 @@ def attend_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias
     """One group of `gathered_attention`: rows `cells` (`[n, W]`) copied into the front of `scratch`, then SDPA."""
     n, W = cells.shape
     H, D, Dv = keys.shape[1], keys.shape[-1], values.shape[-1]
-    rows = cells.reshape(-1)
-    k = torch.index_select(keys[0], 1, rows, out=scratch[:n * H * W * D].view(H, n * W, D))
-    v = torch.index_select(values[0], 1, rows, out=scratch[n * H * W * D:n * H * W * (D + Dv)].view(H, n * W, Dv))
-    return F.scaled_dot_product_attention(q, k.view(H, n, W, D).transpose(0, 1), v.view(H, n, W, Dv).transpose(0, 1),
-                                          attn_mask=bias, scale=1.0)
+    k = batch_cells(keys, 0, n, cells, 0, 0, out=scratch[:n * H * W * D].view(H, n * W, D))
+    v = batch_cells(values, 0, n, cells, 0, 0, out=scratch[n * H * W * D:n * H * W * (D + Dv)].view(H, n * W, Dv))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
 
 
 @gathered_attention.register_fake

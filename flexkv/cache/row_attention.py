@@ -382,12 +382,12 @@ def _dense_dequantized(q, k_cache, v_cache, scales, cells, base, row_len, geo: R
 
 
 def _zeros_empty_rows(geo: RowGeometry, scales, device) -> bool:
-    """Whether `_dense` already gives zeros for the queries that read nothing, so `attend_rows` needs
-    no zero fill (one kernel less per layer of a compiled step): gathered rows (in place, padding
-    rows read another slot row's output back) of unquantized cells on the CPU. There the fused
-    kernel returns zeros for a query whose every score is masked (`tests/test_compiled.py` checks
-    that on every torch release CI runs), and the explicit softmax divides zero weights by its
-    floor."""
+    """Whether `_dense` (or `gathered_rows.gathered_attention`) already gives zeros for the queries
+    that read nothing, so `attend_rows` needs no zero fill (one kernel less per layer of a compiled
+    step): gathered rows of unquantized cells on the CPU (not rows read in place, where a padding
+    row reads another slot row's output back). There the fused kernel returns zeros for a query
+    whose every score is masked (`tests/test_compiled.py` checks that on every torch release CI
+    runs), and the explicit softmax divides zero weights by its floor."""
     return not geo.in_place and scales is None and device.type == "cpu"
 
 

@@ -25,16 +25,18 @@ import torch
 __all__ = ["batch_cells", "gather_kv"]
 
 
-def batch_cells(x: torch.Tensor, b0: int, b1: int, cells: Optional[torch.Tensor], base: int, row_len: int):
+def batch_cells(x: torch.Tensor, b0: int, b1: int, cells: Optional[torch.Tensor], base: int, row_len: int,
+                out: Optional[torch.Tensor] = None):
     """Batch rows `b0..b1` of layer tensor `x` (`[1, H, S, width]`: cells or scales) as
     `[b1 - b0, H, W, width]`: slot rows read in place (`cells` None: `row_len` cells from `base`
-    per slot row) or each row's cells gathered (`cells`: `[B, W]` cell indices)."""
+    per slot row) or each row's cells gathered (`cells`: `[B, W]` cell indices), into `out`
+    (`[H, (b1 - b0) * W, width]`) if given."""
     H, w = x.shape[1], x.shape[-1]
     if cells is None:
         return x[0, :, base + b0 * row_len:base + b1 * row_len].view(H, b1 - b0, row_len, w).transpose(0, 1)
     W = cells.shape[1]
     rows = cells if b0 == 0 and b1 == cells.shape[0] else cells[b0:b1]  # (each op is traced in every layer)
-    return x[0].index_select(1, rows.reshape(-1)).view(H, b1 - b0, W, w).transpose(0, 1)
+    return torch.index_select(x[0], 1, rows.reshape(-1), out=out).view(H, b1 - b0, W, w).transpose(0, 1)
 
 
 @torch.library.custom_op("flexkv::gather_kv", mutates_args=())
