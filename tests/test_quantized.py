@@ -280,3 +280,112 @@ def test_the_eager_rows_path_dequantizes_a_group_of_rows_at_a_time_exactly(monke
         assert work.manager._row_scratch.numel() < 3 * 2 * 9 * 16  # not the pool: one row of the widest kind
         assert calls and max(calls) == 1  # each group one batch row
         assert work.worst_relative < 1e-5
+
+
+def _widening_flex_call(real):
+    """`flex_call` as CUDA's compiled kernels run it on float8 cells: widened to the queries' dtype
+    as they are read (the CPU's eager FlexAttention takes no mixed dtypes); counts the calls that
+    got cells as stored."""
+    def call(q, k, v, *args, **kwargs):
+        call.cells.append((k.dtype, v.dtype))
+        return real(q, k.to(q.dtype), v.to(q.dtype), *args, **kwargs)
+    call.cells = []
+    return call
+
+
+@pytest.mark.parametrize("keys, values", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("q_heads", [2, 4])
+def test_float8_cells_read_as_stored_by_the_kernel_match_the_reference(monkeypatch, keys, values, q_heads):
+    """`AttentionOptions(quantized_keys_in_kernel=..., quantized_values_in_kernel=...)`: FlexAttention
+    reads key cells with their scales in `score_mod`, value cells with their scales as a log in
+    `score_mod` and a second call for the plain log-sum-exp (`quantized.value_scaled_attention`).
+    With a kernel that widens cells as CUDA's does, the outputs and log-sum-exps equal the
+    reference on the dequantized cells through ring wraps, sources, GQA, a score_mod and learned
+    sinks, and each in-kernel tensor reaches the kernel as float8."""
+    from flexkv.cache import manager as manager_module
+    from flexkv.cache.attention_options import AttentionOptions
+    from flexkv.model.random_workload import RandomWorkload, score_bias
+
+    monkeypatch.setattr(quantized, "CELLS_IN_KERNEL", {"cpu": "eager"})
+    call = _widening_flex_call(manager_module.flex_call)
+    monkeypatch.setattr(manager_module, "flex_call", call)
+    cfg = BoundedKVConfig(num_layers=2, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=12,
+                          max_sources=2, retention=SinkWindow(2, 6), max_slots=3, max_step_tokens=2,
+                          slot_dtype=torch.float8_e4m3fn, dtype=torch.float32)
+    options = AttentionOptions.for_cache(cfg, "cpu", path="flex", quantized_keys_in_kernel=keys,
+                                         quantized_values_in_kernel=values)
+    f8 = torch.float8_e4m3fn
+    for kw in (dict(), dict(score_mod=score_bias, sinks=torch.randn(q_heads))):
+        call.cells.clear()
+        manager = BoundedKVManager(cfg, "cpu", block_size=16, options=options)
+        work = RandomWorkload(cfg, manager=manager, q_heads=q_heads, segments=3, seed=5, churn=0.1, tolerance=1e-5,
+                              **kw)
+        for _ in range(14):
+            work.step()
+        assert work.worst_relative < 1e-5
+        # Two calls per layer when values are read as stored, the second over the zero cell.
+        kinds = set(call.cells)
+        want_v = f8 if values else torch.float32
+        assert (f8 if keys else torch.float32, want_v) in kinds
+        assert len(call.cells) == 14 * 2 * (2 if values else 1)
+        if values:
+            assert (f8 if keys else torch.float32, f8) in kinds and manager._lse_values is not None
+
+
+def test_compiled_float8_keys_read_as_stored_match_the_reference_with_no_recompile(monkeypatch):
+    """Compiled, keys read as stored (the CUDA option; the CPU's compiled kernel returns no
+    log-sum-exp, so values read as stored are checked eagerly above): the key scale traced into the
+    step's `score_mod` agrees with the reference on the dequantized cells, with no recompile."""
+    from flexkv.cache import manager as manager_module
+    from flexkv.cache.attention_options import AttentionOptions
+    from flexkv.model.random_workload import RandomWorkload
+
+    monkeypatch.setattr(quantized, "CELLS_IN_KERNEL", {"cpu": "compiled"})
+    real = manager_module.flex_call
+    monkeypatch.setattr(manager_module, "flex_call", lambda q, k, v, *a, **kw: real(q, k.to(q.dtype), v, *a, **kw))
+    cfg = BoundedKVConfig(num_layers=2, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=12,
+                          max_sources=2, retention=SinkWindow(2, 6), max_slots=3, max_step_tokens=1,
+                          slot_dtype=torch.float8_e4m3fn, dtype=torch.float32)
+    options = AttentionOptions.for_cache(cfg, "cpu", path="flex", quantized_keys_in_kernel=True)
+    manager = BoundedKVManager(cfg, "cpu", block_size=16, options=options)
+    manager._scratch_k.fill_(float("nan"))  # the dequantized keys' copy (eager steps' path="flex"): unused
+
+    def model_step(qs, ks, vs, plan):
+        return [manager.attend(layer, qs[layer], ks[layer], vs[layer], plan) for layer in range(cfg.num_layers)]
+
+    compiled = torch.compile(model_step, fullgraph=True)
+    work = RandomWorkload(cfg, manager=manager, q_heads=4, segments=3, seed=5, churn=0.1, fixed_tokens=1,
+                          attend=lambda m, plan, qs, ks, vs: compiled(qs, ks, vs, plan), tolerance=1e-5)
+    torch._dynamo.reset()
+    work.step()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(9):
+            work.step()
+    assert work.worst_relative < 1e-5
+    assert manager._scratch_k.isnan().all() and not manager._scratch_v.isnan().any()
+
+
+def test_value_scaled_attention_gives_zeros_and_minus_infinity_where_a_query_reads_nothing():
+    """A query whose keys are all masked: zeros and a log-sum-exp of -inf, not NaN, and the other
+    queries' rows equal softmax attention over the dequantized values."""
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 4, 16, generator=g), torch.randn(1, 2, 32, 16, generator=g)
+    cells, scale = quantized.quantize(torch.randn(1, 2, 32, 16, generator=g) * 3, torch.float8_e4m3fn)
+    mask = create_block_mask(lambda b, h, qi, kv: (qi > 0) & (kv <= qi * 8), 1, 1, 4, 32, device="cpu",
+                             BLOCK_SIZE=16)
+
+    def call(values, mod):
+        out, aux = flex_attention(q, k, values.to(q.dtype), score_mod=mod, block_mask=mask,
+                                  return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+
+    out, lse = quantized.value_scaled_attention(call, cells, scale, 1, None, quantized.lse_values(cells.dtype, "cpu"))
+    v = quantized.dequantize(cells, scale, torch.float32)
+    allowed = torch.tensor([[(qi > 0) and kv <= qi * 8 for kv in range(32)] for qi in range(4)])
+    scores = (q @ k.transpose(-1, -2) / 4).masked_fill(~allowed, float("-inf"))
+    want = torch.softmax(scores[:, :, 1:], -1) @ v
+    assert torch.equal(out[:, :, 0], torch.zeros(1, 2, 16)) and torch.isneginf(lse[:, :, 0]).all()
+    torch.testing.assert_close(out[:, :, 1:], want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse[:, :, 1:], torch.logsumexp(scores[:, :, 1:], -1), rtol=1e-5, atol=1e-6)

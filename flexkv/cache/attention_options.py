@@ -21,6 +21,9 @@ option              what it does                                           defau
                     (`flexkv.cache.kernel_sharing`)
 `quantized_keys_    float8 slots compiled on CUDA: the kernel reads key    off
 in_kernel`          cells as stored, their scales applied in `score_mod`
+`quantized_values_  float8 slots compiled on CUDA: the kernel reads value  off
+in_kernel`          cells as stored (two calls, exact: see
+                    `flexkv.cache.quantized.value_scaled_attention`)
 ==================  =====================================================  =======================
 
 `"auto"` takes the rows path eagerly (uncompiled FlexAttention forms every
@@ -143,6 +146,10 @@ class AttentionOptions:
     #: scales applied in `score_mod` (values still from the dequantized copy). Off by default until
     #: `benchmarks/cuda_check.py`'s quantized section has shown it correct and faster on a device.
     quantized_keys_in_kernel: bool = False
+    #: Quantized float8 slots, compiled on CUDA: FlexAttention reads the value cells as stored, in two
+    #: calls (`quantized.value_scaled_attention`: the scales as a log in `score_mod`, then a second
+    #: call over no values for the step's own log-sum-exp). Off by default, as the keys' option.
+    quantized_values_in_kernel: bool = False
 
     def __post_init__(self):
         if self.path not in ATTENTION_PATHS:

@@ -159,6 +159,11 @@ class BoundedKVManager(TableViews, nn.Module):
         # Quantized slots on the FlexAttention path: dequantized copies of one layer, allocated now
         # when the options let a step take that path (`_allocate_scratch`).
         self._scratch_k = self._scratch_v = None
+        # Compiled float8 steps on CUDA may read cells as stored (`_cells_in_kernel`); values read so
+        # take a second call over one zero cell (`quantized.lse_values`).
+        self._in_kernel_device = (self.device.type in quantized.CELLS_IN_KERNEL
+                                  and config.slot_dtype == torch.float8_e4m3fn)
+        self._lse_values = None
         #: The rows path's group buffer: quantized cells are dequantized into it, gathered rows copied.
         self._row_scratch = None
         self._allocate_scratch()
@@ -271,13 +276,25 @@ class BoundedKVManager(TableViews, nn.Module):
         """Quantized slots on the FlexAttention path: the layer's cells dequantized into scratch tensors
         of the cache's dtype, allocated once and shared by every layer (FlexAttention takes no
         per-cell value scale, and its CPU kernel no 8-bit input). Written with `copy_`: inductor's
-        CPU FlexAttention template read a dequantize computed inside the graph wrongly."""
-        if self._scratch_k is None:
-            raise RuntimeError("quantized slots on the FlexAttention path, but the cache's options allocated no "
-                               "dequantized scratch (path='rows'?)")
-        self._scratch_k.copy_(quantized.dequantize(kc, ks, dtype))
-        self._scratch_v.copy_(quantized.dequantize(vc, vs, dtype))
-        return self._scratch_k, self._scratch_v
+        CPU FlexAttention template read a dequantize computed inside the graph wrongly. A scale of
+        None leaves its cells as stored (`_cells_in_kernel`)."""
+        out = []
+        for cells, scale, scratch in ((kc, ks, self._scratch_k), (vc, vs, self._scratch_v)):
+            if scale is not None:
+                if scratch is None:
+                    raise RuntimeError("quantized slots on the FlexAttention path, but the cache's options allocated "
+                                       "no dequantized scratch (path='rows'?)")
+                cells = scratch.copy_(quantized.dequantize(cells, scale, dtype))
+            out.append(cells)
+        return out
+
+    def _cells_in_kernel(self, compiling: bool) -> tuple:
+        """`(keys, values)`: whether this step's FlexAttention call reads the key (value) cells as stored
+        (`AttentionOptions.quantized_keys_in_kernel`, `quantized_values_in_kernel`): compiled, float8
+        slots, CUDA, where the kernels widen them in registers."""
+        if not self._in_kernel_device or not (compiling or quantized.CELLS_IN_KERNEL[self.device.type] == "eager"):
+            return False, False
+        return self._options.quantized_keys_in_kernel, self._options.quantized_values_in_kernel
 
     def _allocate_scratch(self) -> None:
         """At construction: allocate the FlexAttention path's dequantized scratch when a quantized
@@ -293,9 +310,16 @@ class BoundedKVManager(TableViews, nn.Module):
         if path != "flex":
             self._row_scratch = dequantize_scratch(self.config, self.layout, self.device)
         if path == "flex" or (path == "auto" and self.device.type != "cpu"):
-            c, S = self.config, self.layout.total_len
-            self._scratch_k = torch.empty(1, c.num_heads, S, c.head_dim, dtype=c.dtype, device=self.device)
-            self._scratch_v = torch.empty(1, c.num_heads, S, c.value_head_dim, dtype=c.dtype, device=self.device)
+            # An eager step on the FlexAttention path (path="flex") reads dequantized cells, in
+            # kernel options or not: only "auto" (eager steps take the rows path) spares a copy.
+            c, S, o = self.config, self.layout.total_len, self._options
+            spared = self._in_kernel_device and path == "auto"
+            if not (spared and o.quantized_keys_in_kernel):
+                self._scratch_k = torch.empty(1, c.num_heads, S, c.head_dim, dtype=c.dtype, device=self.device)
+            if not (spared and o.quantized_values_in_kernel):
+                self._scratch_v = torch.empty(1, c.num_heads, S, c.value_head_dim, dtype=c.dtype, device=self.device)
+            if self._in_kernel_device and o.quantized_values_in_kernel:
+                self._lse_values = quantized.lse_values(c.slot_dtype, self.device)
 
     def _cache_buffers(self):
         for i in range(self.config.num_layers):
@@ -311,8 +335,9 @@ class BoundedKVManager(TableViews, nn.Module):
         slots their scales too, the one layer of dequantized scratch the FlexAttention path reads
         (allocated with the cache off the CPU, or on it with options path="flex") and the group
         buffer cells widen into (`row_attention.dequantize_scratch`, unless path="flex")."""
-        # The FlexAttention path's layer copy (quantized slots) and the rows path's group buffer.
-        scratch = [t for t in (self._scratch_k, self._scratch_v, self._row_scratch) if t is not None]
+        # The FlexAttention path's layer copy (quantized slots), the zero cell of its value-scaled
+        # calls and the rows path's group buffer.
+        scratch = [t for t in (self._scratch_k, self._scratch_v, self._lse_values, self._row_scratch) if t is not None]
         return sum(b.numel() * b.element_size() for b in (*self._cache_buffers(), *scratch))
 
     @property
@@ -697,12 +722,12 @@ class BoundedKVManager(TableViews, nn.Module):
         c = self.config
         ks, vs = self._layer_scales(layer_idx)
         # Quantized float8 slots compiled on CUDA, when the options say so: the kernel reads the key
-        # cells as stored, each score times its key's scale (a score_mod of its own).
-        keys_in_kernel = (ks is not None and compiling and self._options.quantized_keys_in_kernel
-                          and self.device.type == "cuda" and c.slot_dtype == torch.float8_e4m3fn)
+        # cells as stored, each score times its key's scale (a score_mod of its own), and the value
+        # cells as stored, in two calls (`quantized.value_scaled_attention`).
+        keys_in_kernel, values_in_kernel = self._cells_in_kernel(compiling)
         want_lse = sinks is not None or return_lse  # the route's `sinks`: the call needs a log-sum-exp
-        route = self._route(T, Hq // H, compiling, score_mod is not None or keys_in_kernel, want_lse,
-                            ks is not None)
+        route = self._route(T, Hq // H, compiling, score_mod is not None or keys_in_kernel or values_in_kernel,
+                            want_lse or values_in_kernel, ks is not None)
         g = Hq // H if route.pack_gqa else 1
         kc, vc = self._write(layer_idx, k, v, plan)  # after the route, which may refuse the call
         if query_only is not None:
@@ -723,16 +748,21 @@ class BoundedKVManager(TableViews, nn.Module):
             out, lse = self._attend_rows(layer_idx, qs, kc, vc, plan, route, sm, compiling, want_lse, relative,
                                          scales=None if ks is None else (ks, vs))
         else:
-            if keys_in_kernel:
-                # The compiled CUDA kernels take float8 keys with higher-precision queries: keys as
-                # stored, each score times its key's scale; values (whose per-cell scale cannot be
-                # applied inside one softmax) from the dequantized copy.
-                self._scratch_v.copy_(quantized.dequantize(vc, vs, q.dtype))
-                vc = self._scratch_v
-                sm = quantized.key_scale_score_mod(ks, 1 if route.pack_gqa else Hq // H, sm)
-            elif ks is not None:  # quantized slots: FlexAttention reads a dequantized copy of the layer
-                kc, vc = self._dequantized_layer(kc, ks, vc, vs, q.dtype)
-            if route.path == "region":
+            group = 1 if route.pack_gqa else Hq // H
+            if ks is not None:
+                # Quantized slots: FlexAttention reads a dequantized copy of the layer, or (compiled
+                # CUDA kernels take float8 cells with higher-precision queries) the cells as stored.
+                kc, vc = self._dequantized_layer(kc, None if keys_in_kernel else ks, vc,
+                                                 None if values_in_kernel else vs, q.dtype)
+                if keys_in_kernel:
+                    sm = quantized.key_scale_score_mod(ks, group, sm)
+            if values_in_kernel:
+                block_mask = self._step_block_mask(plan, qs, route)
+                options = self._kernel_options(qs, H)
+                out, lse = quantized.value_scaled_attention(
+                    lambda values, mod: flex_call(qs, kc, values, block_mask, options, score_mod=mod, lse=True),
+                    vc, vs, group, sm, self._lse_values)
+            elif route.path == "region":
                 out, lse = flex_layer(qs, kc, vc, plan.table, self, N, T, plan.width, plan.full_width,
                                        plan.full_blocks, route.pack_gqa, self._kernel_options(qs, H)), None
             else:
@@ -839,8 +869,12 @@ class BoundedKVManager(TableViews, nn.Module):
         """One inline FlexAttention call: `(out, log-sum-exp or None)`."""
         # Compiled, the plan's block lists are views of its one table inside the graph: each gets a
         # buffer of its own, as in `flex_call.flex_layer`.
-        block_mask = self._block_mask(plan, qs.shape[2], self._mask_mod(plan, plan.tokens, route.pack_gqa),
-                                      own_buffers=torch.compiler.is_compiling())
-        return flex_call(qs, kc, vc, block_mask, self._kernel_options(qs, kc.shape[1]), score_mod=sm, lse=lse)
+        return flex_call(qs, kc, vc, self._step_block_mask(plan, qs, route), self._kernel_options(qs, kc.shape[1]),
+                         score_mod=sm, lse=lse)
+
+    def _step_block_mask(self, plan: BoundedPlan, qs, route: Route):
+        """The FlexAttention block mask of an inline call (`_attend_flex`) for scaled queries `qs`."""
+        return self._block_mask(plan, qs.shape[2], self._mask_mod(plan, plan.tokens, route.pack_gqa),
+                                own_buffers=torch.compiler.is_compiling())
 
 

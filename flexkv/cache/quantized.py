@@ -46,7 +46,8 @@ from ..config import SLOT_DTYPES
 
 __all__ = ["SLOT_DTYPES", "SLOT_DTYPE_NAMES", "SCALE_DTYPE", "slot_dtype_named", "quantize", "dequantize",
            "dequantize_into", "widen_into", "F8_WIDEN_FACTOR",
-           "round_trip", "cell_bytes", "key_scale_score_mod"]
+           "round_trip", "cell_bytes", "key_scale_score_mod", "value_scale_score_mod",
+           "value_scaled_attention", "lse_values", "LSE_VALUE_WIDTH", "CELLS_IN_KERNEL"]
 
 #: The largest magnitude each cell dtype holds after scaling.
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
@@ -167,3 +168,59 @@ def key_scale_score_mod(k_scale: torch.Tensor, group: int, inner=None):
         return score if inner is None else inner(score, b, h, q_idx, kv_idx)
 
     return score_mod
+
+
+#: Devices whose FlexAttention kernels read float8 cells given with higher-precision queries
+#: (widened in registers), and in which mode: CUDA's compiled kernels (torch 2.11 on); eager
+#: `flex_attention`, and the compiled CPU kernel, take no mixed dtypes.
+CELLS_IN_KERNEL = {"cuda": "compiled"}
+
+
+def value_scale_score_mod(v_scale: torch.Tensor, group: int, inner=None):
+    """A `score_mod` that runs `inner` (if any), then adds the log of its value's scale.
+
+    Under it, FlexAttention's weights are `exp(score) * v_scale` over a sum of the same, so the
+    output is the attention over the dequantized values divided by `sum exp(score) * v_scale /
+    sum exp(score)`: `value_scaled_attention` multiplies that back. `v_scale`, `group`: as
+    `key_scale_score_mod`'s. A zero scale (never written: an all-zero vector stores scale 1)
+    would give a weight of zero, which is what its cell contributes."""
+    vs = v_scale[0, :, :, 0]
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        score = score if inner is None else inner(score, b, h, q_idx, kv_idx)
+        return score + torch.log(vs[h // group if group > 1 else h, kv_idx])
+
+    return score_mod
+
+
+#: Value head size of the second call `value_scaled_attention` makes for the plain log-sum-exp
+#: (the smallest FlexAttention's kernels take); its values are a zero cell repeated (stride 0).
+LSE_VALUE_WIDTH = 16
+
+
+def lse_values(slot_dtype: torch.dtype, device) -> torch.Tensor:
+    """The one zero cell (`[1, 1, 1, LSE_VALUE_WIDTH]` of `slot_dtype`) that `value_scaled_attention`'s
+    second call reads as every value, expanded."""
+    return torch.zeros(1, 1, 1, LSE_VALUE_WIDTH, dtype=slot_dtype, device=device)
+
+
+def value_scaled_attention(call, v_cells: torch.Tensor, v_scale: torch.Tensor, group: int, inner, zero_cell):
+    """Attention over value cells stored with a scale per cell, read as stored: two kernel calls.
+
+    `call(values, score_mod)` runs the step's attention (its queries, keys and mask fixed) and
+    returns `(out, lse)`; `inner` is the step's own `score_mod` (or None), `group` as
+    `key_scale_score_mod`'s. One softmax cannot weight each value by its own scale, so:
+
+    1. `call(v_cells, inner + log v_scale)` gives `out1 = sum_i e_i s_i c_i / sum_i e_i s_i` and
+       `lse1 = log sum_i e_i s_i` (`e_i = exp(score_i)`, `s_i` the scale, `c_i` the cell);
+    2. `call(zero cells, inner)` gives the step's own `lse = log sum_i e_i` (its output, of
+       `LSE_VALUE_WIDTH` zeros, is not used; `zero_cell` expanded reads one cell);
+    3. the output is `out1 * exp(lse1 - lse) = sum_i e_i s_i c_i / sum_i e_i`, the attention over
+       the dequantized values, and `lse` is the step's.
+
+    A query that reads nothing (`lse = -inf`) gets zeros. Returns `(out, lse)`: `out` in `out1`'s
+    dtype, rescaled in float32."""
+    out, lse_scaled = call(v_cells, value_scale_score_mod(v_scale, group, inner))
+    _, lse = call(zero_cell.expand(v_cells.shape[:3] + (zero_cell.shape[-1],)), inner)
+    ratio = torch.where(lse > float("-inf"), torch.exp(lse_scaled.float() - lse.float()), 0.0)
+    return (out.float() * ratio.unsqueeze(-1)).to(out.dtype), lse
