@@ -43,10 +43,13 @@ the timing and the fp32 rows after it; the time budget for optional variants
 5. Quantized slots (after everything above, `--skip-quantized` to leave it
    out): decode at the bench shape with float8 e4m3 cells (a float32 scale
    per cell and head) against bf16 cells, one compiled layer each: as
-   shipped (FlexAttention over the dequantized layer) and with
-   `AttentionOptions(quantized_keys_in_kernel=True)` (key cells read by the kernel as stored, their
-   scale in `score_mod`). Time, bytes the step must read over time, and the
-   norm-relative error against a bf16 cache holding the dequantized cells.
+   shipped (FlexAttention over the dequantized layer), then on CUDA with the
+   kernel reading cells as stored (`QUANTIZED_VARIANTS`): keys and values,
+   keys alone (`AttentionOptions(quantized_keys_in_kernel=True)`, the scale in
+   `score_mod`), values alone (`quantized_values_in_kernel=True`, two calls:
+   `flexkv.cache.quantized.value_scaled_attention`), while the deadline
+   allows. Time, bytes the step must read over time, and the norm-relative
+   error against a bf16 cache holding the dequantized cells.
 
 The kernel options each compiled `flex_attention` call received are printed
 once per distinct call. Without a CUDA device (or with `--cpu`) the same
@@ -416,7 +419,7 @@ class Decode:
     """Every request far past its window (rings wrapped), random cache content, one decode step."""
 
     def __init__(self, device: torch.device, shape: dict, *, full_blocks: Optional[bool] = None, seed: int = 0,
-                 slot_dtype: Optional[torch.dtype] = None, keys_in_kernel: Optional[bool] = None):
+                 slot_dtype: Optional[torch.dtype] = None, in_kernel: tuple = (False, False)):
         s = shape
         self.device, self.s = device, s
         self.cfg = BoundedKVConfig(num_layers=s["layers"], num_heads=s["kv_heads"], head_dim=s["head_dim"],
@@ -424,8 +427,8 @@ class Decode:
                                    max_slots=s["requests"], max_step_tokens=1, max_sources=0, dtype=s["dtype"],
                                    slot_dtype=slot_dtype)
         changes = {} if full_blocks is None else {"full_blocks": full_blocks}
-        if keys_in_kernel is not None:
-            changes["quantized_keys_in_kernel"] = keys_in_kernel
+        if any(in_kernel):
+            changes.update(quantized_keys_in_kernel=in_kernel[0], quantized_values_in_kernel=in_kernel[1])
         options = AttentionOptions.for_cache(self.cfg, device, **changes) if changes else None
         self.m = m = BoundedKVManager(self.cfg, device, block_size=s["block"], options=options)
         g = torch.Generator(device).manual_seed(seed)
@@ -489,8 +492,19 @@ class Decode:
         return kc[:, idx].permute(1, 0, 2, 3).contiguous(), vc[:, idx].permute(1, 0, 2, 3).contiguous()
 
 
-def quantized_decode(device: torch.device, report: dict, save: Callable[[], None]) -> None:
-    """Section 5: float8 cells against bf16 cells at the bench shape, one compiled layer each."""
+#: Section 5's float8 caches, in the order they run: (name, (keys, values) read by the kernel as stored).
+QUANTIZED_VARIANTS = (
+    ("fp8 cells (dequantized layer), 1 layer", (False, False)),
+    ("fp8 cells (keys and values in the kernel), 1 layer", (True, True)),
+    ("fp8 cells (keys in the kernel), 1 layer", (True, False)),
+    ("fp8 cells (values in the kernel), 1 layer", (False, True)),
+)
+
+
+def quantized_decode(device: torch.device, report: dict, save: Callable[[], None],
+                     deadline: Optional[float] = None) -> None:
+    """Section 5: float8 cells against bf16 cells at the bench shape, one compiled layer each; the
+    variants that read cells in the kernel (CUDA only) while `deadline` (monotonic) allows."""
     cuda = device.type == "cuda"
     s = bench_shape(cuda)
     t = report.setdefault("quantized", {})
@@ -521,15 +535,17 @@ def quantized_decode(device: torch.device, report: dict, save: Callable[[], None
     except Exception as e:
         _section_error(report, "quantized/bf16", e)
     save()
-    for name, in_kernel in (("fp8 cells (dequantized layer), 1 layer", False),
-                            ("fp8 cells (keys in the kernel), 1 layer", True)):
-        if in_kernel and not cuda:
+    for name, in_kernel in QUANTIZED_VARIANTS:
+        if any(in_kernel) and not cuda:
+            continue
+        if deadline is not None and time.monotonic() > deadline:
+            report.setdefault("skipped", []).append(f"quantized/{name}: past the deadline")
             continue
         try:
-            # Options are fixed when a cache is built: keys in the kernel is a cache of its own, with the
+            # Options are fixed when a cache is built: each variant is a cache of its own, with the
             # same seed (the same cells and inputs).
-            d8 = Decode(device, s, slot_dtype=torch.float8_e4m3fn, keys_in_kernel=True) if in_kernel else fp8
-            f = d8.layer_fn(0, f"q-fp8-{int(in_kernel)}")
+            d8 = Decode(device, s, slot_dtype=torch.float8_e4m3fn, in_kernel=in_kernel) if any(in_kernel) else fp8
+            f = d8.layer_fn(0, f"q-fp8-{int(in_kernel[0])}{int(in_kernel[1])}")
             plan = d8.m.plan(d8.step())
             with torch.no_grad():
                 got = f(plan, q, k, v).clone()
@@ -911,7 +927,7 @@ def main(argv=None) -> int:
         if not args.skip_quantized and (deadline is None or time.monotonic() < deadline):
             print("quantized slots: float8 cells against bf16 cells at the decode shape (one compiled layer):")
             try:
-                quantized_decode(device, report, save)
+                quantized_decode(device, report, save, deadline)
             except Exception as e:
                 _section_error(report, "quantized", e)
     save()
