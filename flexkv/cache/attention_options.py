@@ -143,8 +143,9 @@ class AttentionOptions:
     epilogue_barrier: bool = False
     share_flex_kernel: bool = False
     #: Quantized float8 slots, compiled on CUDA: FlexAttention reads the key cells as stored, their
-    #: scales applied in `score_mod` (values still from the dequantized copy). Off by default until
-    #: `benchmarks/cuda_check.py`'s quantized section has shown it correct and faster on a device.
+    #: scales applied in `score_mod` (values from the dequantized copy unless the next option is
+    #: on). Off by default until `benchmarks/cuda_check.py`'s quantized section has shown it correct
+    #: and faster on a device.
     quantized_keys_in_kernel: bool = False
     #: Quantized float8 slots, compiled on CUDA: FlexAttention reads the value cells as stored, in two
     #: calls (`quantized.value_scaled_attention`: the scales as a log in `score_mod`, then a second

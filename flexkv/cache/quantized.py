@@ -22,7 +22,10 @@ values separately:
   ulps); the FlexAttention path on a dequantized copy
   of the layer tensor (a value scale per cell cannot be applied inside one
   softmax, and FlexAttention's CPU kernel and eager mode take no mixed
-  dtypes).
+  dtypes). Compiled CUDA kernels may instead read float8 cells as stored
+  (`CELLS_IN_KERNEL`; `AttentionOptions.quantized_keys_in_kernel`, key
+  scales in `score_mod`, and `quantized_values_in_kernel`, two calls:
+  `value_scaled_attention`).
 
 Since quantization is a pure function of each written vector, the dense
 reference runs on `round_trip(x)` of every key and value it is given and the
