@@ -567,7 +567,7 @@ def test_an_operation_called_from_inside_the_model_is_refused_and_changes_nothin
     def reenters(attn, x):
         s.finish("a")
 
-    with pytest.raises(RuntimeError, match=r"finish\(\) was called while step\(\) runs"):
+    with pytest.raises(RuntimeError, match=r"finish\(\) was called while step\(\) is running in the same thread"):
         s.step(feeds({"a": 1, "b": 1}, 1), reenters)
     assert observed(s) == before
 

@@ -64,17 +64,15 @@ attended) leaves every cache, lane and waiting request as it was. `finish`,
 them. Lanes, padding, buckets (`batch_sizes`; `token_sizes` per cache),
 queueing (`when_full`), compiling once per bucket (`compile=True`: every
 `(B, T of each cache)` at warm-up; a later compile warns with the guard
-that failed) and the one-operation-at-a-time rule are `StreamSession`'s.
+that failed) and the one-operation-at-a-time rule are `StreamSession`'s: both
+sessions keep them in one place, `flexkv.session.lanes.LaneSession`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 import time
-import warnings
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, Iterator, Mapping, Optional, Sequence, Tuple
 
@@ -84,18 +82,14 @@ from ..cache.groups import build_cache
 from ..cache.protocol import check_cache
 from ..cache.slots import SlotsExhausted
 from ..cache.transaction import StepTransaction
-from ..compiling import RecompileWarning, fresh_function, watch_recompiles
 from ..config import BoundedKVConfig, is_int
 from ..model.multi_context import MultiStepContext, named_error
 from ..step import BoundedKVStep, Segment, StreamPosition
-from .feeds import flatten, map_tensors, pad_by_lane, parse_feed, unflatten
-from .state import check_new_state, state_factory
-from .step_functions import closure_difference, step_key
-from .stream_session import _RECOMPILE_ADVICE, WHEN_FULL, _sizes
+from .feeds import map_tensors, pad_by_lane, parse_feed, unflatten
+from .lanes import LaneSession, Waiting, bucket_sizes
+from .step_functions import step_key
 
 __all__ = ["MultiCacheSession", "MultiStepResult"]
-
-_session_ids = itertools.count()
 
 
 @contextlib.contextmanager
@@ -113,13 +107,6 @@ class _Request:
     sources: Dict[Hashable, Tuple[int, int]]  # cache name -> (source, source_len)
     written: Dict[Hashable, int] = field(default_factory=dict)
     state: Any = None
-
-
-@dataclass
-class _Waiting:
-    request_id: Hashable
-    sources: Dict[Hashable, Tuple[int, int]]
-    blocked: Optional[str] = None  # why it could not take a lane that freed up (a declaration broke)
 
 
 class MultiStepResult(Mapping):
@@ -182,7 +169,7 @@ class MultiStepResult(Mapping):
         return f"MultiStepResult(requests={list(self.lanes)}, waiting={list(self.waiting)})"
 
 
-class MultiCacheSession:
+class MultiCacheSession(LaneSession):
     """Streams requests through several named caches stepped as one (see the module docstring).
 
     Sources live in one cache each: `add_source(cache_name, keys, values)`
@@ -236,7 +223,7 @@ class MultiCacheSession:
                     f"but cache {name!r} holds {list(c.requests)}; remove_request() them or give the session a "
                     f"cache of its own"
                 )
-            if compile and not c.compilable:
+            if compile is True and not c.compilable:
                 raise ValueError(f"compile=True needs caches whose attention traces: cache {name!r} "
                                  f"({type(c).__name__}) attends on the host; pass compile=False")
             built[name] = c
@@ -246,68 +233,29 @@ class MultiCacheSession:
                 f"every cache of a MultiCacheSession needs the same max_slots (a request holds one lane and one "
                 f"slot in each), got {slots}; give them all max_slots={max(slots.values())}"
             )
-        if when_full not in WHEN_FULL:
-            raise ValueError(f"when_full must be one of {WHEN_FULL}, got {when_full!r}")
-        if not isinstance(compile, bool):
-            raise ValueError(f"compile must be a bool, got {compile!r}")
-        if initial_state is not None and not callable(initial_state):
-            raise ValueError(f"initial_state must be a callable returning a new request's state, got {initial_state!r}")
         if token_sizes is not None and not isinstance(token_sizes, Mapping):
             raise ValueError(f"token_sizes must be a mapping of cache name -> token sizes, got {token_sizes!r}")
         unknown = [n for n in (token_sizes or {}) if n not in built]
         if unknown:
             raise ValueError(f"token_sizes names {unknown}, which are not caches of this session ({list(built)})")
-        self.max_slots = next(iter(slots.values()))
-        batch = _sizes("batch_sizes", batch_sizes, (self.max_slots,), self.max_slots, "max_slots")
-        if batch[-1] != self.max_slots:
-            raise ValueError(
-                f"batch_sizes={list(batch)} cannot hold every lane: requests take lanes 0..{self.max_slots - 1}, so "
-                f"the largest batch size must be {self.max_slots}; add it, or lower max_slots"
-            )
+        super().__init__(next(iter(slots.values())), batch_sizes, when_full, compile, initial_state, "m")
         self.caches: Dict[Hashable, Any] = built
         self.context = MultiStepContext(built)
-        self.batch_sizes = batch
         self.token_sizes: Dict[Hashable, Tuple[int, ...]] = {}
         for name, c in built.items():
             m = c.config.max_step_tokens
-            self.token_sizes[name] = _sizes(f"token_sizes[{name!r}]", (token_sizes or {}).get(name),
-                                            tuple(sorted({1, m})), m, f"cache {name!r}'s max_step_tokens")
-        self.when_full = when_full
-        self.compile = compile
-        self.initial_state = initial_state
-        self._new_state = None if initial_state is None else state_factory(initial_state)
+            self.token_sizes[name] = bucket_sizes(f"token_sizes[{name!r}]", (token_sizes or {}).get(name),
+                                                  tuple(sorted({1, m})), m, f"cache {name!r}'s max_step_tokens")
+        # Every cache starts a request a step starts on an empty stream without a source.
+        self._empty_decl = {name: (0, 0) for name in built}
         # Per cache: whether a per-step window attends every token of the step (so padding would be read).
         self._fill_tokens = {
             name: any(c.layer_config(i).query_window is None and not c.layer_config(i).causal_step
                       for i in range(c.config.num_layers))
             for name, c in built.items()
         }
-        self._id = next(_session_ids)
-        self._requests: Dict[Hashable, _Request] = {}
-        self._free_lanes = list(range(self.max_slots))
-        self._queue: deque = deque()  # _Waiting, first come first served
-        self._runners: Dict[Any, Callable] = {}
-        self._step_codes: Dict[Any, Any] = {}
-        self._warm: set = set()
-        self._compiled_code: Dict[Any, Any] = {}  # a step function's code -> the key first compiled with it
-        self._guard = threading.Lock()
-        self._running: Optional[Tuple[str, int]] = None
 
     # ------------------------------------------------------------- views
-
-    @property
-    def requests(self) -> tuple:
-        """Request ids holding a lane, in lane order."""
-        return tuple(sorted(self._requests, key=lambda r: self._requests[r].lane))
-
-    @property
-    def waiting(self) -> tuple:
-        """Request ids waiting for a lane, first in line first."""
-        return tuple(w.request_id for w in self._queue)
-
-    @property
-    def free_lanes(self) -> int:
-        return len(self._free_lanes)
 
     def lane(self, request_id: Hashable) -> int:
         """The lane (batch row, the same in every cache) a started request holds."""
@@ -317,25 +265,11 @@ class MultiCacheSession:
         """Cache name -> the tokens a started request has written to that cache."""
         return dict(self._get(request_id).written)
 
-    def state(self, request_id: Hashable):
-        """The model state a started request carries (`initial_state`), or None."""
-        return self._get(request_id).state
-
     def sources(self, request_id: Hashable) -> Dict[Hashable, Tuple[int, int]]:
         """Cache name -> the `(source, source_len)` a started or waiting request declared in that cache
         (`(0, 0)`: no source)."""
         w = self._waiting(request_id)
-        return dict(w.sources if w is not None else self._get(request_id).sources)
-
-    def _get(self, request_id) -> _Request:
-        req = self._requests.get(request_id)
-        if req is None:
-            where = " (it waits for a lane)" if self._waiting(request_id) is not None else ""
-            raise ValueError(f"request {request_id!r} holds no lane{where}; start() it or feed it to step()")
-        return req
-
-    def _waiting(self, request_id) -> Optional[_Waiting]:
-        return next((w for w in self._queue if w.request_id == request_id), None)
+        return dict(w.decl if w is not None else self._get(request_id).sources)
 
     def _cache(self, name, what: str):
         """The cache called `name`, or a `ValueError` naming the caches there are."""
@@ -367,22 +301,6 @@ class MultiCacheSession:
             decls[name] = (decl[0], decl[1])
         return decls
 
-    @contextlib.contextmanager
-    def _exclusive(self, what: str):
-        """One operation at a time; a re-entrant or concurrent call raises and changes nothing."""
-        if not self._guard.acquire(blocking=False):
-            running = (self._running or ("an operation",))[0]
-            raise RuntimeError(
-                f"MultiCacheSession.{what}() was called while {running}() runs (from inside the model function, or "
-                f"from another thread); a session runs one operation at a time. Nothing changed"
-            )
-        self._running = (what, threading.get_ident())
-        try:
-            yield
-        finally:
-            self._running = None
-            self._guard.release()
-
     # ----------------------------------------------------------- sources
 
     def add_source(self, cache_name: Hashable, keys: torch.Tensor, values: torch.Tensor) -> int:
@@ -401,8 +319,7 @@ class MultiCacheSession:
         with self._exclusive("remove_source"):
             c = self._cache(cache_name, "remove_source")
             readers = [w.request_id for w in self._queue
-                       if w.sources[cache_name][0] == index and w.sources[cache_name][0] != -1
-                       and w.sources[cache_name][1]]
+                       if w.decl[cache_name][0] == index and index != -1 and w.decl[cache_name][1]]
             if readers:
                 raise ValueError(
                     f"MultiCacheSession.remove_source: source {index} of cache {cache_name!r} is declared by waiting "
@@ -426,10 +343,10 @@ class MultiCacheSession:
         with self._exclusive("remove_private_source"):
             c = self._cache(cache_name, "remove_private_source")
             w = self._waiting(request_id)
-            if w is not None and w.sources[cache_name][0] == -1 and w.sources[cache_name][1]:
+            if w is not None and w.decl[cache_name][0] == -1 and w.decl[cache_name][1]:
                 raise ValueError(
                     f"MultiCacheSession.remove_private_source: waiting request {request_id!r} is declared on it in "
-                    f"cache {cache_name!r} (source=-1, source_len={w.sources[cache_name][1]}); finish() it or "
+                    f"cache {cache_name!r} (source=-1, source_len={w.decl[cache_name][1]}); finish() it or "
                     f"reset() it to another source first"
                 )
             with _named(cache_name):
@@ -449,7 +366,7 @@ class MultiCacheSession:
         """Give `request_id` the lowest free lane and a slot in every cache on its declarations `decls`,
         in `transaction` (every cache or none: a cache that refuses is named and the others are taken
         back with it)."""
-        state = None if self._new_state is None else self._new_state(request_id)
+        state = self._new_request_state(request_id)
         for name, c in self.caches.items():
             source, source_len = decls[name]
             step = BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(source_len, 0, source)})
@@ -461,23 +378,16 @@ class MultiCacheSession:
                 ) from exc
             except Exception as exc:
                 raise named_error(exc, name, "MultiCacheSession") from None
-        lane = self._free_lanes.pop(0)
-        self._requests[request_id] = _Request(lane, dict(decls), {name: 0 for name in self.caches}, state)
-        transaction.add_undo(lambda: self._give_back_lane(request_id))
+        self._take_lane(request_id, lambda lane: _Request(lane, dict(decls), {name: 0 for name in self.caches}, state),
+                        transaction)
 
-    def _give_back_lane(self, request_id) -> None:
-        self._free_lanes.append(self._requests.pop(request_id).lane)
-        self._free_lanes.sort()
+    def _transaction(self) -> StepTransaction:
+        """A transaction over every cache (each admission names its cache)."""
+        return StepTransaction(next(iter(self.caches.values())))
 
-    def _admit_now(self, request_id, decls) -> None:
-        """`_admit` on its own: a transaction that plans nothing, committed when every cache took it."""
-        txn = StepTransaction(next(iter(self.caches.values())))
-        try:
-            self._admit(request_id, decls, txn)
-        except BaseException:
-            txn.abort()
-            raise
-        txn.commit()
+    def _remove_request(self, request_id) -> None:
+        for c in self.caches.values():
+            c.remove_request(request_id)  # frees its private source there too
 
     def start(self, request_id: Hashable, *,
               sources: Optional[Mapping[Hashable, Tuple[int, int]]] = None) -> bool:
@@ -488,20 +398,7 @@ class MultiCacheSession:
         raises `SlotsExhausted` when every lane is held. Every cache's declaration is checked first,
         whether the request starts or waits; errors change nothing."""
         with self._exclusive("start"):
-            if request_id in self._requests or self._waiting(request_id) is not None:
-                raise ValueError(f"request {request_id!r} is already started; finish() or reset() it")
-            decls = self._declarations(sources, "start")
-            self._check_start(request_id, decls)
-            if self._free_lanes:
-                self._admit_now(request_id, decls)
-                return True
-            if self.when_full == "refuse":
-                raise SlotsExhausted(
-                    f"all {self.max_slots} lanes are held, so request {request_id!r} cannot start; finish() a "
-                    f"request first, raise max_slots, or use when_full='queue'"
-                )
-            self._queue.append(_Waiting(request_id, decls))
-            return False
+            return self._start(request_id, self._declarations(sources, "start"))
 
     def finish(self, request_id: Hashable) -> None:
         """End a request in every cache: its lane and slots go to the first waiting requests that can
@@ -512,20 +409,7 @@ class MultiCacheSession:
         removed from the cache behind the session's back) keeps its place and does not take the lane;
         `step` says why when it is fed, and `reset` or `finish` fixes it."""
         with self._exclusive("finish"):
-            w = self._waiting(request_id)
-            if w is not None:
-                self._free_private_sources(request_id)
-                self._queue.remove(w)
-                return
-            if request_id not in self._requests and self._free_private_sources(request_id):
-                return  # given a private source, never started
-            req = self._get(request_id)
-            for c in self.caches.values():
-                c.remove_request(request_id)  # frees its private source there too
-            del self._requests[request_id]
-            self._free_lanes.append(req.lane)
-            self._free_lanes.sort()
-            self._admit_waiting()
+            self._finish(request_id)
 
     def _free_private_sources(self, request_id) -> bool:
         """Free the private sources of a request that holds no slot; whether it had any."""
@@ -534,21 +418,6 @@ class MultiCacheSession:
         for c in owners:
             c.remove_private_source(request_id)
         return bool(owners)
-
-    def _admit_waiting(self) -> None:
-        """Give free lanes to waiting requests, first come first served, each checked first."""
-        for w in list(self._queue):
-            if not self._free_lanes:
-                break
-            try:
-                self._check_start(w.request_id, w.sources)
-            except ValueError as exc:
-                w.blocked = str(exc)
-                continue
-            w.blocked = None
-            # Admitted first, then out of the queue: a failure leaves it waiting where it was.
-            self._admit_now(w.request_id, w.sources)
-            self._queue.remove(w)
 
     def reset(self, request_id: Hashable, *,
               sources: Optional[Mapping[Hashable, Tuple[int, int]]] = None) -> None:
@@ -559,15 +428,12 @@ class MultiCacheSession:
         with self._exclusive("reset"):
             w = self._waiting(request_id)
             if w is not None:
-                decls = self._declarations(sources, "reset", w.sources)
-                self._check_start(request_id, decls)
-                w.sources, w.blocked = decls, None
-                self._admit_waiting()
+                self._redeclare_waiting(w, self._declarations(sources, "reset", w.decl))
                 return
             req = self._get(request_id)
             decls = self._declarations(sources, "reset", req.sources)
             self._check_start(request_id, decls, restart=True)
-            state = None if self._new_state is None else self._new_state(request_id)
+            state = self._new_request_state(request_id)
             for name, c in self.caches.items():
                 source, source_len = decls[name]
                 c.reset_request(request_id)
@@ -582,18 +448,11 @@ class MultiCacheSession:
         state) on the lowest free lane; refused (`SlotsExhausted`, `ValueError`) with nothing changed
         when any cache refuses."""
         with self._exclusive("fork"):
-            parent = self._get(request_id)
-            if new_id in self._requests or self._waiting(new_id) is not None:
-                raise ValueError(f"fork: request {new_id!r} is already started; finish() it or pick another id")
-            if not self._free_lanes:
-                raise SlotsExhausted(
-                    f"fork: all {self.max_slots} lanes are held, so {new_id!r} cannot start as a copy of "
-                    f"{request_id!r}; finish() a request first or raise max_slots"
-                )
+            parent = self._fork_parent(request_id, new_id)
             for name, c in self.caches.items():
                 with _named(name, "MultiCacheSession.fork"):
                     c.check_fork(request_id, new_id)
-            state = None if parent.state is None else map_tensors(lambda t: t.clone(), parent.state)
+            state = self._forked_state(parent)
             forked = []
             try:
                 for c in self.caches.values():
@@ -603,8 +462,7 @@ class MultiCacheSession:
                 for c in forked:  # every cache or none
                     c.remove_request(new_id)
                 raise
-            lane = self._free_lanes.pop(0)
-            self._requests[new_id] = _Request(lane, dict(parent.sources), dict(parent.written), state)
+            self._take_lane(new_id, lambda lane: _Request(lane, dict(parent.sources), dict(parent.written), state))
 
     def rollback(self, request_id: Hashable, tokens: Mapping[Hashable, int], *, state=None) -> None:
         """Take back the last `tokens[name]` tokens a started request wrote to each cache (every cache
@@ -624,19 +482,7 @@ class MultiCacheSession:
                     raise ValueError(f"rollback: tokens[{name!r}] must be an int >= 0, got {n!r}")
                 with _named(name, "MultiCacheSession.rollback"):
                     c.check_rollback(request_id, n)
-            if state is not None and self._new_state is None:
-                raise ValueError("rollback: state= is for a session with initial_state; this one carries none")
-            if state is None and self._new_state is not None and any(tokens.values()):
-                raise ValueError(
-                    f"rollback: request {request_id!r} carries a model state (initial_state), which the session "
-                    f"cannot take back by itself; pass state=... with its state from before those tokens"
-                )
-            if state is not None:
-                leaves, spec = flatten(state, "rollback's state")
-                have, have_spec = flatten(req.state, f"the state of request {request_id!r}")
-                if spec != have_spec or [(t.shape, t.dtype) for t in leaves] != [(t.shape, t.dtype) for t in have]:
-                    raise ValueError(f"rollback: state must be shaped like request {request_id!r}'s state "
-                                     f"({[tuple(t.shape) for t in have]}), got {[tuple(t.shape) for t in leaves]}")
+            self._check_rollback_state(request_id, req, any(tokens.values()), state)
             for name, c in self.caches.items():
                 c.rollback_request(request_id, tokens[name])
                 req.written[name] -= tokens[name]
@@ -644,43 +490,6 @@ class MultiCacheSession:
                 req.state = state
 
     # -------------------------------------------------------------- steps
-
-    def _runner(self, fn: Callable) -> Callable:
-        key = step_key(fn)
-        run = self._runners.get(key)
-        if run is not None:
-            return run
-        context = self.context
-        if self.initial_state is None:
-            def multi_step(plans, inputs):
-                context.bind(plans)  # inside the graph: the plans are inputs, not guards
-                return fn(context, inputs)
-        else:
-            def multi_step(plans, inputs, state):
-                context.bind(plans)
-                return fn(context, inputs, state)
-        if self.compile:
-            fresh = fresh_function(multi_step, f"m{self._id}_{len(self._runners)}")
-            self._step_codes[key] = fresh.__code__
-            multi_step = torch.compile(fresh, fullgraph=True, dynamic=False)
-            self._warn_if_compiled_before(fn, key)
-        self._runners[key] = multi_step
-        return multi_step
-
-    def _warn_if_compiled_before(self, fn: Callable, key) -> None:
-        """Say so when a step function of the same code but other closure values compiles again (a lambda
-        capturing a loop variable, made anew every step)."""
-        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-        if code is None or self._compiled_code.setdefault(code, key) == key:
-            return
-        differ = closure_difference(fn, key, self._compiled_code[code])
-        warnings.warn(
-            f"MultiCacheSession.step: fn {code.co_name!r} ({code.co_filename}:{code.co_firstlineno}) is a new "
-            f"function with the code of one compiled before but other values{f' ({differ})' if differ else ''}, "
-            f"so the model step compiles again (seconds per compile). Define the step function once, outside the "
-            f"step loop, and pass what changes per step as an input or a buffer",
-            RecompileWarning, stacklevel=7,
-        )
 
     def _parse(self, feeds) -> Dict[Hashable, Dict[Hashable, Any]]:
         if not isinstance(feeds, Mapping) or not feeds:
@@ -721,41 +530,10 @@ class MultiCacheSession:
         if not callable(fn):
             raise ValueError(f"fn must be a callable fn(attn, inputs), got {fn!r}")
         parsed = self._parse(feeds)
-        for rid in parsed:
-            w = self._waiting(rid)
-            if w is not None and w.blocked is not None:
-                try:  # the reason may be gone (its source registered again)
-                    self._check_start(rid, w.sources)
-                except ValueError as exc:
-                    w.blocked = str(exc)
-                    raise ValueError(
-                        f"request {rid!r} waits for a lane but can no longer start: {w.blocked}; reset() it with "
-                        f"valid sources or finish() it"
-                    ) from None
-                w.blocked = None
-        queued = set(self.waiting)
-        new = [rid for rid in parsed if rid not in self._requests and rid not in queued]
-        empty = self._declarations(None, "step")
-        for rid in new:
-            private = [name for name, c in self.caches.items() if rid in c.private_sources]
-            if private:
-                raise ValueError(
-                    f"request {rid!r} has a private source in cache {private[0]!r} but was never started: "
-                    f"start({rid!r}, sources={{{private[0]!r}: (-1, source_len)}}) it (a step starts new requests "
-                    f"on empty streams with no source)"
-                )
-            self._check_start(rid, empty)
-        free = len(self._free_lanes)
-        if len(new) > free and self.when_full == "refuse":
-            raise SlotsExhausted(
-                f"the step starts {len(new)} new request(s) but only {free} of {self.max_slots} lanes are free; "
-                f"finish() requests first, raise max_slots, or use when_full='queue'"
-            )
-        starting, deferred = new[:free], new[free:]
-        running = [rid for rid in parsed if rid in self._requests or rid in starting]
-        waiting = tuple(rid for rid in parsed if rid in queued or rid in deferred)
+        self._recheck_blocked(parsed)
+        starting, deferred, running, waiting = self._sort_step(parsed, self._check_new)
         if not running:
-            self._queue.extend(_Waiting(rid, dict(empty)) for rid in deferred)
+            self._queue.extend(Waiting(rid, self._empty_decl) for rid in deferred)
             return MultiStepResult(None, {}, {}, {}, {}, waiting, 0.0)
         Ts = {}
         for name, sizes in self.token_sizes.items():
@@ -770,24 +548,20 @@ class MultiCacheSession:
                         f"separately, or add its length to token_sizes[{name!r}]"
                     )
             Ts[name] = T
-        lanes = {rid: self._requests[rid].lane for rid in running if rid in self._requests}
-        for rid, lane in zip(starting, self._free_lanes):
-            lanes[rid] = lane
-        B = next(s for s in self.batch_sizes if s > max(lanes.values()))
+        lanes, B = self._lanes(running, starting)
+        return self._in_transaction(starting, deferred, lambda transaction: self._run(
+            parsed, running, lanes, waiting, B, Ts, fn, transaction))
 
-        # One transaction over every cache: the new requests' admissions, the queue, then the step.
-        transaction = StepTransaction(next(iter(self.caches.values())))
-        try:
-            for rid in starting:
-                self._admit(rid, empty, transaction)
-            for rid in deferred:
-                w = _Waiting(rid, dict(empty))
-                self._queue.append(w)
-                transaction.add_undo(lambda w=w: self._queue.remove(w))
-            return self._run(parsed, running, lanes, waiting, B, Ts, fn, transaction)
-        except BaseException:
-            transaction.abort()
-            raise
+    def _check_new(self, request_id) -> None:
+        """A request a step starts: on empty streams, so not one given a private source in any cache."""
+        private = [name for name, c in self.caches.items() if request_id in c.private_sources]
+        if private:
+            raise ValueError(
+                f"request {request_id!r} has a private source in cache {private[0]!r} but was never started: "
+                f"start({request_id!r}, sources={{{private[0]!r}: (-1, source_len)}}) it (a step starts new requests "
+                f"on empty streams with no source)"
+            )
+        self._check_start(request_id, self._empty_decl)
 
     def _run(self, parsed, running, lanes, waiting, B, Ts, fn, transaction) -> MultiStepResult:
         first = parsed[running[0]]
@@ -816,30 +590,13 @@ class MultiCacheSession:
         inputs = {name: unflatten(shape[name][0], pad_by_lane({lanes[r]: parsed[r][name].leaves for r in running},
                                                               templates[name], B, Ts[name], shape[name][1]))
                   for name in self.caches}
-        run = self._runner(fn)
-        watch = (watch_recompiles(self._step_codes[step_key(fn)], f"MultiCacheSession.step: the compiled model step "
-                                  f"(B={B}, T={Ts})", _RECOMPILE_ADVICE, stacklevel=6)
-                 if self.compile else contextlib.nullcontext())
-        with torch.no_grad(), watch:
-            if self.initial_state is None:
-                outputs = run(plans, inputs)
-            else:
-                states = {lanes[r]: flatten(self._requests[r].state, f"the state of request {r!r}") for r in running}
-                s_leaves, s_spec = states[lanes[running[0]]]
-                stacked = pad_by_lane({lane: lv for lane, (lv, _) in states.items()}, s_leaves, B, None)
-                outputs, new_state = check_new_state(run(plans, inputs, unflatten(s_spec, stacked)), stacked, s_spec)
-        # Everything that can fail comes before the commit; after it, only plain assignments.
-        self.context.check_attendance(f"MultiCacheSession.step (B={B}, T={Ts})")
-        kept = {}
-        if self.initial_state is not None:
-            kept = {rid: map_tensors(lambda t, lane=lanes[rid]: t[lane], new_state) for rid in running}
-        self.context.commit()
-        for rid in running:
-            req = self._requests[rid]
+        outputs, new_state = self._call(fn, plans, inputs, running, lanes, B, f"B={B}, T={Ts}")
+
+        def advance(rid, req):
             for name in self.caches:
                 req.written[name] += parsed[rid][name].span
-            if self.initial_state is not None:
-                req.state = kept[rid]
+
+        self._commit(new_state, running, lanes, f"B={B}, T={Ts}", advance)
         return MultiStepResult(outputs, {rid: lanes[rid] for rid in running},
                                {rid: {name: parsed[rid][name].tokens for name in self.caches} for rid in running},
                                steps, plans, waiting, plan_s)
@@ -857,9 +614,7 @@ class MultiCacheSession:
     def _warm_up(self, fn, templates, shape) -> float:
         t0 = time.perf_counter()
         run = self._runner(fn)
-        state_leaves = state_spec = None
-        if self._new_state is not None:
-            state_leaves, state_spec = flatten(self._new_state(None), "initial_state()")
+        padding_state = self._padding_state()
         names = list(self.caches)
         for B in self.batch_sizes:
             for Ts in itertools.product(*(self.token_sizes[n] for n in names)):
@@ -868,11 +623,7 @@ class MultiCacheSession:
                 with self.context.stepping(steps) as plans:  # padding alone: it commits nothing a request holds
                     inputs = {n: unflatten(shape[n][0], pad_by_lane({}, templates[n], B, T, shape[n][1]))
                               for n, T in zip(names, Ts)}
-                    with torch.no_grad():
-                        if state_leaves is None:
-                            run(plans, inputs)
-                        else:
-                            run(plans, inputs, unflatten(state_spec, pad_by_lane({}, state_leaves, B, None)))
+                    self._padding_call(run, plans, inputs, B, padding_state)
                     self.context.check_attendance(f"MultiCacheSession warm-up of the model step (B={B}, T={dict(zip(names, Ts))})")
                 self._warm.add((step_key(fn), B, Ts))
         return time.perf_counter() - t0
