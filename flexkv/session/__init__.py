@@ -89,8 +89,8 @@ one cache each: `add_source(cache_name, keys, values)`, and
 """
 
 from .feeds import Chunk, PerRequest
-from .multi_cache import MultiCacheSession, MultiStepResult
-from .result import StepResult
+from .multi_cache import MultiCacheSession
+from .result import MultiStepResult, StepResult
 from .stream_session import WHEN_FULL, StreamSession
 
 __all__ = ["StreamSession", "MultiCacheSession", "Chunk", "PerRequest", "StepResult", "MultiStepResult", "WHEN_FULL"]

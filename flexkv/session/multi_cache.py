@@ -74,7 +74,7 @@ import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Hashable, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -85,11 +85,12 @@ from ..cache.transaction import StepTransaction
 from ..config import BoundedKVConfig, is_int
 from ..model.multi_context import MultiStepContext, named_error
 from ..step import BoundedKVStep, Segment, StreamPosition
-from .feeds import map_tensors, pad_by_lane, parse_feed, unflatten
+from .feeds import pad_by_lane, parse_feed, unflatten
 from .lanes import LaneSession, Waiting, bucket_sizes
+from .result import MultiStepResult
 from .step_functions import step_key
 
-__all__ = ["MultiCacheSession", "MultiStepResult"]
+__all__ = ["MultiCacheSession"]
 
 
 @contextlib.contextmanager
@@ -107,66 +108,6 @@ class _Request:
     sources: Dict[Hashable, Tuple[int, int]]  # cache name -> (source, source_len)
     written: Dict[Hashable, int] = field(default_factory=dict)
     state: Any = None
-
-
-class MultiStepResult(Mapping):
-    """What `MultiCacheSession.step` returns: each request's share of the model's output.
-
-    `result[id]` is `fn`'s output cut to the request: when `fn` returns a
-    mapping, each entry named after a cache has every tensor `[B, T_name,
-    ...]` cut to `t[lane, :tokens]` (the tokens the request fed that cache),
-    and every other entry is cut to its lane (`t[lane]`); any other output is
-    cut to its lane. The whole batch is there too: `outputs`, `lanes`
-    (id -> lane), `tokens` (id -> name -> tokens fed), `steps` and `plans`
-    (name -> the `BoundedKVStep` that ran, its plan), `waiting` (ids fed this
-    step that wait for a lane), `plan_s` (host seconds spent planning).
-    """
-
-    def __init__(self, outputs, lanes: Dict, tokens: Dict, steps: Dict, plans: Dict, waiting: tuple, plan_s: float):
-        self.outputs = outputs
-        self.lanes = lanes
-        self.tokens = tokens
-        self.steps = steps
-        self.plans = plans
-        self.waiting = waiting
-        self.plan_s = plan_s
-
-    def __getitem__(self, request_id):
-        if request_id not in self.lanes:
-            where = "waits for a lane" if request_id in self.waiting else "was not in this step"
-            raise KeyError(f"request {request_id!r} {where}")
-        lane = self.lanes[request_id]
-        B = len(next(iter(self.steps.values())).segments)
-
-        def cut(name):
-            def cut_tensor(t: torch.Tensor) -> torch.Tensor:
-                if t.dim() < 1 or t.shape[0] != B:
-                    raise ValueError(f"an output of shape {tuple(t.shape)} is not [B={B}, ...], so it cannot be cut "
-                                     f"per request; read result.outputs and result.lanes instead")
-                if name is None:
-                    return t[lane]
-                T = self.steps[name].step_tokens
-                if t.dim() < 2 or t.shape[1] != T:
-                    raise ValueError(
-                        f"output {name!r} (named after a cache) of shape {tuple(t.shape)} is not [B={B}, T={T}, ...] "
-                        f"(cache {name!r}'s step), so it cannot be cut to the request's tokens; name it otherwise "
-                        f"to have it cut to the lane only"
-                    )
-                return t[lane, :self.tokens[request_id][name]]
-            return cut_tensor
-
-        if isinstance(self.outputs, Mapping):
-            return {k: map_tensors(cut(k if k in self.steps else None), v) for k, v in self.outputs.items()}
-        return map_tensors(cut(None), self.outputs)
-
-    def __iter__(self) -> Iterator:
-        return iter(self.lanes)
-
-    def __len__(self) -> int:
-        return len(self.lanes)
-
-    def __repr__(self):
-        return f"MultiStepResult(requests={list(self.lanes)}, waiting={list(self.waiting)})"
 
 
 class MultiCacheSession(LaneSession):
