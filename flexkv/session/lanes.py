@@ -39,7 +39,6 @@ import os
 import sys
 import threading
 import warnings
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
@@ -139,7 +138,8 @@ class LaneSession:
         self._code_prefix = f"{code_prefix}{next(_session_ids)}"
         self._requests: Dict[Hashable, Any] = {}  # started requests (the subclass's record, with .lane and .state)
         self._free_lanes: List[int] = list(range(max_slots))
-        self._queue: deque = deque()  # Waiting, first come first served
+        # Waiting requests by id, first come first served (a dict keeps the order it was filled in).
+        self._queue: Dict[Hashable, Waiting] = {}
         # Keyed on step_key(fn): a new but identical function object (a lambda written in the step loop)
         # is the same step and reuses its compiled graphs.
         self._runners: Dict[Any, Callable] = {}
@@ -159,7 +159,7 @@ class LaneSession:
     @property
     def waiting(self) -> tuple:
         """Request ids waiting for a lane, first in line first."""
-        return tuple(w.request_id for w in self._queue)
+        return tuple(self._queue)
 
     @property
     def free_lanes(self) -> int:
@@ -181,7 +181,16 @@ class LaneSession:
         return req
 
     def _waiting(self, request_id) -> Optional[Waiting]:
-        return next((w for w in self._queue if w.request_id == request_id), None)
+        try:
+            return self._queue.get(request_id)
+        except TypeError:  # an unhashable id waits nowhere
+            return None
+
+    def _enqueue(self, w: Waiting) -> None:
+        self._queue[w.request_id] = w
+
+    def _dequeue(self, w: Waiting) -> None:
+        del self._queue[w.request_id]
 
     @contextlib.contextmanager
     def _exclusive(self, what: str):
@@ -250,7 +259,7 @@ class LaneSession:
                 f"all {self.max_slots} lanes are held, so request {request_id!r} cannot start; finish() a request "
                 f"first, raise max_slots, or use when_full='queue'"
             )
-        self._queue.append(Waiting(request_id, decl))
+        self._enqueue(Waiting(request_id, decl))
         return False
 
     def _finish(self, request_id) -> None:
@@ -259,7 +268,7 @@ class LaneSession:
         w = self._waiting(request_id)
         if w is not None:
             self._free_private_sources(request_id)
-            self._queue.remove(w)
+            self._dequeue(w)
             return
         if request_id not in self._requests and self._free_private_sources(request_id):
             return  # given a private source, never started
@@ -270,7 +279,7 @@ class LaneSession:
 
     def _admit_waiting(self) -> None:
         """Give free lanes to waiting requests, first come first served, each checked first."""
-        for w in list(self._queue):
+        for w in list(self._queue.values()):
             if not self._free_lanes:
                 break
             try:
@@ -282,7 +291,7 @@ class LaneSession:
             # Admitted first, then out of the queue: if admitting raises (a failing initial_state, an
             # interrupt), the request still waits where it was.
             self._admit_now(w.request_id, w.decl)
-            self._queue.remove(w)
+            self._dequeue(w)
 
     def _redeclare_waiting(self, w: Waiting, decl) -> None:
         """`reset` of a waiting request: its new declaration, checked, keeps its place in the queue."""
@@ -347,7 +356,7 @@ class LaneSession:
         """Who of the `fed` requests runs: `(starting, deferred, running, waiting)`. New requests (never
         seen) are checked with `check_new`, then start while lanes are free, in feed order; the rest
         wait (or, refusing, the step raises `SlotsExhausted`)."""
-        queued = set(self.waiting)
+        queued = self._queue  # read only here: nothing is queued until the step's transaction
         new = [rid for rid in fed if rid not in self._requests and rid not in queued]
         for rid in new:
             check_new(rid)
@@ -358,8 +367,9 @@ class LaneSession:
                 f"finish() requests first, raise max_slots, or use when_full='queue'"
             )
         starting, deferred = new[:free], new[free:]
-        running = [rid for rid in fed if rid in self._requests or rid in starting]
-        waiting = tuple(rid for rid in fed if rid in queued or rid in deferred)
+        later = set(deferred)
+        running = [rid for rid in fed if rid not in queued and rid not in later]
+        waiting = tuple(rid for rid in fed if rid in queued or rid in later)
         return starting, deferred, running, waiting
 
     def _lanes(self, running, starting) -> Tuple[Dict[Hashable, int], int]:
@@ -379,8 +389,8 @@ class LaneSession:
                 self._admit(rid, self._empty_decl, transaction)
             for rid in deferred:
                 w = Waiting(rid, self._empty_decl)
-                self._queue.append(w)
-                transaction.add_undo(lambda w=w: self._queue.remove(w))
+                self._enqueue(w)
+                transaction.add_undo(lambda w=w: self._dequeue(w))
             return run(transaction)
         except BaseException:
             transaction.abort()  # a failed step leaves no request it started

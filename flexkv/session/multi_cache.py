@@ -259,7 +259,7 @@ class MultiCacheSession(LaneSession):
         waits to."""
         with self._exclusive("remove_source"):
             c = self._cache(cache_name, "remove_source")
-            readers = [w.request_id for w in self._queue
+            readers = [w.request_id for w in self._queue.values()
                        if w.decl[cache_name][0] == index and index != -1 and w.decl[cache_name][1]]
             if readers:
                 raise ValueError(
@@ -474,7 +474,8 @@ class MultiCacheSession(LaneSession):
         self._recheck_blocked(parsed)
         starting, deferred, running, waiting = self._sort_step(parsed, self._check_new)
         if not running:
-            self._queue.extend(Waiting(rid, self._empty_decl) for rid in deferred)
+            for rid in deferred:
+                self._enqueue(Waiting(rid, self._empty_decl))
             return MultiStepResult(None, {}, {}, {}, {}, waiting, 0.0)
         Ts = {}
         for name, sizes in self.token_sizes.items():

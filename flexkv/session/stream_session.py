@@ -127,7 +127,7 @@ class StreamSession(LaneSession):
     def remove_source(self, index: int) -> None:
         """Unregister a shared source that no request reads, or waits to read."""
         with self._exclusive("remove_source"):
-            readers = [w.request_id for w in self._queue if w.decl[0] == index and index != -1 and w.decl[1]]
+            readers = [w.request_id for w in self._queue.values() if w.decl[0] == index and index != -1 and w.decl[1]]
             if readers:
                 raise ValueError(
                     f"remove_source: source {index} is declared by waiting requests {readers}; finish() them or "
@@ -302,7 +302,8 @@ class StreamSession(LaneSession):
         self._recheck_blocked(parsed)
         starting, deferred, running, waiting = self._sort_step(parsed, self._check_new)
         if not running:
-            self._queue.extend(Waiting(rid, self._empty_decl) for rid in deferred)
+            for rid in deferred:
+                self._enqueue(Waiting(rid, self._empty_decl))
             return StepResult(None, {}, {}, None, None, waiting, 0.0)
         T = next(s for s in self.token_sizes if s >= max(parsed[r].tokens for r in running))
         if self._fill_tokens:
