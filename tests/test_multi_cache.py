@@ -832,3 +832,36 @@ def test_a_new_request_with_a_private_source_must_be_started_on_it_before_a_step
     with pytest.raises(ValueError, match=r"fork: cache 'dit': fork_request: request 'p' reads its private source"):
         s.fork("p", "q")  # a private prompt belongs to its request alone
     assert s.requests == ("p",) and s.caches["slow"].requests == ("p",)
+
+
+def test_quantized_caches_with_a_voice_prompt_step_as_their_uncached_twins():
+    """An int8 encoder cache and a float8 DiT cache reading a shared voice prompt, in one session: every step,
+    fork and rollback equals the same session over the uncached twins, which attend on what the cells read
+    back, through both rings' wraps; each cache stores 8-bit cells."""
+    configs = {"slow": replace(SLOW, slot_dtype=torch.int8, max_rollback=2),
+               "dit": replace(DIT, slot_dtype=torch.float8_e4m3fn, max_rollback=2)}
+
+    def make(kind):
+        return MultiCacheSession({name: kind(c) for name, c in configs.items()}, compile=False,
+                                 token_sizes={"slow": (1, 2, 3), "dit": (1, 2, 3)})
+
+    s, twin = make(lambda c: BoundedKVManager(c, block_size=8)), make(UncachedHistory)
+    assert {name: c.k_cache_0.dtype for name, c in s.caches.items()} == {"slow": torch.int8,
+                                                                         "dit": torch.float8_e4m3fn}
+    k, v = prompt(5, 0)
+    assert s.add_source("dit", k, v) == twin.add_source("dit", k, v) == 0
+    for x in (s, twin):
+        x.start("a", sources={"dit": (0, 5)})
+        x.start("b", sources={"dit": (0, 3)})
+    for i, lengths in enumerate(SCHEDULE):
+        if i == 4:
+            for x in (s, twin):
+                x.finish("c")
+                x.fork("a", "d")
+                x.rollback("b", {"slow": 2, "dit": 1})
+        fed = voiced_feeds({**lengths, **({"d": 2} if i >= 4 else {})}, i)
+        res, want = s.step(fed, voiced_model), twin.step(fed, voiced_model)
+        for rid in res.lanes:
+            for name in VOICED:
+                check_close(res[rid][name], want[rid][name], 1e-9, f"step {i}, cache {name!r}, request {rid!r}")
+    assert all(n > DIT.retention.window + 1 for n in s.written("a").values())
