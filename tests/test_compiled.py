@@ -20,12 +20,13 @@ TOL = 1e-4
 
 
 def compiled_workload(cfg, *, q_heads, tokens, seed, score_mod=None, positions="stream", segments=3, views=False,
-                      block_size=8, churn=0.25, full_blocks=True, path="auto"):
+                      block_size=8, churn=0.25, full_blocks=True, path="auto", token_major=False):
     """A RandomWorkload whose model step is compiled once.
 
     With `views`, the step receives q, k, v stacked over layers as 5-D inputs and hands `attend`
     per-layer slices of them (views, not buffers of their own), the case inductor's CPU
-    FlexAttention cannot lower as a query unless `attend` materialises it.
+    FlexAttention cannot lower as a query unless `attend` materialises it. With `token_major`,
+    each query `[N, H, T, D]` is laid out as a model's projection is, `[N, T, H, D]` transposed.
     """
     # full_blocks: the CUDA default; the CPU default (all blocks masked) runs elsewhere
     manager = BoundedKVManager(cfg, "cpu", block_size=block_size,
@@ -42,6 +43,8 @@ def compiled_workload(cfg, *, q_heads, tokens, seed, score_mod=None, positions="
 
     def run(m, plan, qs, ks, vs):
         full_blocks.append(sum(len(plan.blocks(i, full=True)) for i in range(plan.rows)))
+        if token_major:
+            qs = [q.transpose(1, 2).contiguous().transpose(1, 2) for q in qs]
         if views:
             return compiled(torch.stack(qs), torch.stack(ks), torch.stack(vs), plan)
         return compiled(qs, ks, vs, plan)
@@ -241,6 +244,31 @@ def test_quantized_slots_compiled_without_a_score_mod_run_the_grouped_dequantize
     assert work.worst_relative < 1e-5
     assert groups and set(groups) == {1}  # the op ran, a row at a time
     assert max(work.ref.streams[r][0][0].shape[2] for r in work.ref.streams) > 2 * cfg.window_capacity
+
+
+@pytest.mark.parametrize("slot_dtype", [None, torch.int8])
+def test_a_chunk_whose_queries_are_a_models_transposed_projection_runs_the_rows_ops_compiled(monkeypatch,
+                                                                                            slot_dtype):
+    """Queries laid out as a model projects them (`[N, T, H, D]` seen as `[N, H, T, D]`) reach the rows
+    path's ops (`gathered_rows_attention`, `quantized_rows_attention`) in one group: their output is laid
+    out as their fake says, so the compiled step runs and matches the reference."""
+    from flexkv.cache import gathered_rows
+
+    cfg = BoundedKVConfig(
+        num_layers=2, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=5, retention=SinkWindow(2, 6),
+        max_step_tokens=12, max_slots=4, max_sources=1, slot_dtype=slot_dtype,
+    )
+    # Unquantized: a group buffer for two of the four slot rows, so a step of two rows is one group.
+    monkeypatch.setattr(gathered_rows, "GATHER_GROUP_BYTES", 2 * 2 * gather_width(cfg) * 32 * 4)
+    groups = []
+    attend_group = gathered_rows.attend_group
+    monkeypatch.setattr(gathered_rows, "attend_group", lambda q, *a: (groups.append(q.shape[0]), attend_group(q, *a))[1])
+    work = compiled_workload(cfg, q_heads=2, tokens=12, seed=3, segments=2, churn=0.05, full_blocks=False,
+                             token_major=True)
+    assert work.manager.path_for(12) == "rows"
+    run_without_recompiles(work, 8)
+    assert work.worst_relative < 1e-5
+    assert (set(groups) == {2}) == (slot_dtype is None)  # unquantized, the gathered op ran, whole steps at once
 
 
 @pytest.mark.parametrize("slot_dtype, sources, q_heads", [(torch.int8, False, 8), (torch.int8, True, 2),

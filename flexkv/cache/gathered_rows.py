@@ -63,8 +63,8 @@ def gathered_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     B, H = q.shape[:2]
     per_row = H * cells.shape[1] * (keys.shape[-1] + values.shape[-1])
     step = max(1, min(B, scratch.numel() // per_row))
-    if step == B:
-        return attend_group(q, keys, values, bias, cells, scratch)
+    if step == B:  # contiguous, as the op's fake says (SDPA's output is laid out as the queries are)
+        return attend_group(q, keys, values, bias, cells, scratch).contiguous()
     return torch.cat([attend_group(q[b0:b0 + step], keys, values, bias[b0:b0 + step], cells[b0:b0 + step], scratch)
                       for b0 in range(0, B, step)])
 

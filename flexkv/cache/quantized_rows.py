@@ -166,7 +166,9 @@ def grouped_attention(q: torch.Tensor, k_cells: torch.Tensor, v_cells: torch.Ten
         values = dequantized_group(scratch, n * H * W * D, vc, vs, staging)
         outs.append(F.scaled_dot_product_attention(q[b0:b1], keys.to(q.dtype), values.to(q.dtype),
                                                    attn_mask=bias[b0:b1], scale=1.0))
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    # Contiguous, as the op's fake says: SDPA lays its output out as the queries are (a model's
+    # `[B, Q, H, D]` projection seen as `[B, H, Q, D]`), and a compiled graph reads it by the fake's strides.
+    return outs[0].contiguous() if len(outs) == 1 else torch.cat(outs)
 
 
 @grouped_attention.register_fake
