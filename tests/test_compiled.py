@@ -246,6 +246,31 @@ def test_quantized_slots_compiled_without_a_score_mod_run_the_grouped_dequantize
     assert max(work.ref.streams[r][0][0].shape[2] for r in work.ref.streams) > 2 * cfg.window_capacity
 
 
+@pytest.mark.parametrize("queries", [1, 12])
+def test_the_rows_paths_custom_ops_pass_torchs_opcheck_with_token_major_queries(queries):
+    """`torch.library.opcheck` on flexkv's custom ops (schema, fake tensor against the real output's
+    shape and strides, autograd registration, AOT dispatch), with queries laid out as a model projects
+    them (`[B, Q, H, D]` transposed) and the cells of every dtype the rows path reads."""
+    from flexkv.cache import gathered_rows, quantized, quantized_rows, row_cells
+
+    g = torch.Generator().manual_seed(0)
+    B, H, S, W, D = 2, 2, 40, 9, 16
+    q = torch.randn(B, queries, H, D, generator=g).transpose(1, 2)
+    keys, values = torch.randn(1, H, S, D, generator=g), torch.randn(1, H, S, D, generator=g)
+    cells = torch.randint(0, S, (B, W), generator=g)
+    bias = torch.zeros(B, 1, queries, W)
+    scratch = torch.empty(4 * B * H * W * 2 * D)
+    torch.library.opcheck(gathered_rows.gathered_attention, (q, keys, values, bias, cells, scratch))
+    torch.library.opcheck(row_cells.gather_kv, (keys, values, cells))
+    for slot_dtype in (torch.int8, torch.float8_e4m3fn):
+        (kc, ks), (vc, vs) = quantized.quantize(keys, slot_dtype), quantized.quantize(values, slot_dtype)
+        # opcheck's schema test compares float8 inputs with an op the CPU lacks for that dtype.
+        tests = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+        torch.library.opcheck(quantized_rows.grouped_attention, (q, kc, vc, ks, vs, bias, cells, 0, 0, scratch),
+                              test_utils=tests if slot_dtype == torch.float8_e4m3fn else
+                              ("test_schema",) + tests)
+
+
 @pytest.mark.parametrize("slot_dtype", [None, torch.int8])
 def test_a_chunk_whose_queries_are_a_models_transposed_projection_runs_the_rows_ops_compiled(monkeypatch,
                                                                                             slot_dtype):
