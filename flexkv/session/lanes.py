@@ -24,8 +24,8 @@ caches there are lives here, once:
    the state it goes back to.
 
 A subclass says what a request declares (`decl`: `StreamSession`'s
-`(source, source_len)`, `MultiCacheSession`'s per-cache mapping of them) and
-provides `_check_start(request_id, decl, restart=False)`, `_admit(request_id,
+`(source, source_len)`, `MultiCacheSession`'s per-cache mapping of them;
+`_empty_decl` is what a request a step starts declares) and provides `_check_start(request_id, decl, restart=False)`, `_admit(request_id,
 decl, transaction)` (a slot in every cache, then `_take_lane`),
 `_transaction()`, `_remove_request(request_id)` and
 `_free_private_sources(request_id)`.
