@@ -38,13 +38,15 @@ registered back to front as a source shared by every request in that voice,
 streaming (each request alone) and the uncached twin (`UncachedHistory` under
 every cache), then times a chunk step on flexkv and on the pipeline's own
 caches (eager, `--compile` both compiled) and prints memory per stream and the
-adapter's size.
+adapter's size. `--slot-dtype int8` (or `fp8`) stores flexkv's cells in 8 bits
+(`BoundedKVConfig.slot_dtype`); the twin then reads the same cells back.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import inspect
 import math
 import os
@@ -57,6 +59,7 @@ import torch
 from torch import nn
 
 from flexkv import MultiCacheSession, RelativePosition, UncachedHistory, swap_attention
+from flexkv.cache.quantized import SLOT_DTYPE_NAMES, slot_dtype_named
 
 try:
     from examples.streaming_conformer import ConformerBlock, ConformerConfig
@@ -265,10 +268,12 @@ class FlexkvPipeline:
     of the session over the three. `uncached=True` puts `UncachedHistory` under every cache (the twin, eager
     only)."""
 
-    def __init__(self, pipe: SpeechPipeline, *, uncached: bool = False, compile: bool = False):
+    def __init__(self, pipe: SpeechPipeline, *, uncached: bool = False, compile: bool = False, slot_dtype=None):
         cfg = self.cfg = pipe.cfg
         self.model = model = copy.deepcopy(pipe).requires_grad_(False)
         configs = {"slow": cfg.slow.cache_config(), "fast": cfg.fast.cache_config(), "dit": cfg.dit.cache_config()}
+        # Quantized slots (`--slot-dtype`): every cell of the three caches in 8 bits, prompts included.
+        configs = {n: dataclasses.replace(c, slot_dtype=slot_dtype) for n, c in configs.items()}
         self.session = MultiCacheSession(
             {n: UncachedHistory(c) if uncached else c for n, c in configs.items()}, compile=compile,
             when_full="refuse", token_sizes={"slow": (cfg.slow.chunk,), "fast": (cfg.fast.chunk,),
@@ -421,10 +426,12 @@ def own_cache_bytes(pipe: SpeechPipeline) -> int:
 
 
 @torch.no_grad()
-def timing(pipe: SpeechPipeline, voice_kv, streams: int, chunks: int, compile: bool, skip: int = 4) -> dict:
+def timing(pipe: SpeechPipeline, voice_kv, streams: int, chunks: int, compile: bool, skip: int = 4,
+           slot_dtype=None) -> dict:
     """ms per chunk step for `streams` requests in one voice, in lockstep: the pipeline's own caches (batched)
-    and flexkv, taken alternately in one process; medians over the chunks after the first `skip` (the own
-    caches grow until then). Compiled: the compile seconds of each (flexkv: both sessions' warm-up)."""
+    and flexkv (its cells in `slot_dtype`), taken alternately in one process; medians over the chunks after
+    the first `skip` (the own caches grow until then). Compiled: the compile seconds of each (flexkv: both
+    sessions' warm-up)."""
     from torch._dynamo.utils import counters
 
     cfg = pipe.cfg
@@ -432,7 +439,7 @@ def timing(pipe: SpeechPipeline, voice_kv, streams: int, chunks: int, compile: b
     own = copy.deepcopy(pipe).requires_grad_(False)
     own.reset(voice_kv, batch=streams)
     own_step = torch.compile(own, dynamic=False) if compile else own
-    port = FlexkvPipeline(pipe, compile=compile)
+    port = FlexkvPipeline(pipe, compile=compile, slot_dtype=slot_dtype)
     voice = port.add_voice(voice_kv)
     compile_s = {"flexkv": port.warmup() if compile else 0.0, "own": 0.0}
     own_graphs = 0
@@ -475,7 +482,10 @@ def main(argv=None):
     ap.add_argument("--time-chunks", type=int, default=24, help="chunks of the timed run")
     ap.add_argument("--compile", action="store_true", help="also time both compiled (cold and warm compile)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--slot-dtype", default="none", choices=["none", *SLOT_DTYPE_NAMES],
+                    help="flexkv's cells in 8 bits with a scale per cell and head (default: the model's dtype)")
     args = ap.parse_args(argv)
+    slot_dtype = slot_dtype_named(args.slot_dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -485,12 +495,14 @@ def main(argv=None):
     n = args.chunks
     # three requests in voice 0 (one joining late), one in voice 1
     reqs = make_requests(cfg, [n, n - 3, n, n - 5], [0, 0, 1, 0], start_steps=[0, 0, 2, 4])
-    res = stream(cfg, [FlexkvPipeline(pipe), FlexkvPipeline(pipe, uncached=True)], kvs, reqs)
+    res = stream(cfg, [FlexkvPipeline(pipe, slot_dtype=slot_dtype),
+                       FlexkvPipeline(pipe, uncached=True, slot_dtype=slot_dtype)], kvs, reqs)
     s, f, d = cfg.slow, cfg.fast, cfg.dit
     print(f"streaming speech pipeline: encoder {s.layers} layers at {s.chunk} frames per chunk (left context "
           f"{s.window}), upsample x{cfg.upsample}, {f.layers} layers at {f.chunk} (left context {f.window}), width "
           f"{s.dim}, rel-pos attention; DiT {d.solver_steps} Euler steps x {d.blocks} blocks = {d.layers} cache layers, "
-          f"width {d.dim}, CFG rows, keeps cache[:L] + cache[-{d.sink}:]; {torch.get_num_threads()} threads, "
+          f"width {d.dim}, CFG rows, keeps cache[:L] + cache[-{d.sink}:]; flexkv's cells "
+          f"{args.slot_dtype if slot_dtype is not None else 'unquantized'}; {torch.get_num_threads()} threads, "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"  check: {len(reqs)} requests, 2 voices, {res['steps']} steps; largest |mel| deviation from the "
           f"pipeline's own streaming {own_deviation(pipe, kvs, reqs, res):.2e}, from the uncached twin "
@@ -499,7 +511,7 @@ def main(argv=None):
     print(f"  adapter: {adapter_lines()} lines (rel_attention_on_flexkv, dit_attention_on_flexkv, FlexkvPipeline)")
     modes = [False, True] if args.compile else [False]
     for compile in modes:
-        t = timing(pipe, kvs[0], cfg.dit.max_requests, args.time_chunks, compile)
+        t = timing(pipe, kvs[0], cfg.dit.max_requests, args.time_chunks, compile, slot_dtype=slot_dtype)
         mode = "compiled" if compile else "eager"
         print(f"  {mode}, {cfg.dit.max_requests} streams in lockstep, median of {t['samples']} chunk steps: own "
               f"caches {t['ms']['own']:.1f} ms, flexkv {t['ms']['flexkv']:.1f} ms ({t['ms']['flexkv'] / t['ms']['own']:.2f}x); "
@@ -513,7 +525,7 @@ def main(argv=None):
     if args.compile:  # the same compile again in this process: inductor's caches are warm now
         torch._dynamo.reset()
         t0 = time.perf_counter()
-        port = FlexkvPipeline(pipe, compile=True)
+        port = FlexkvPipeline(pipe, compile=True, slot_dtype=slot_dtype)
         port.add_voice(kvs[0])
         port.warmup()
         print(f"    flexkv compile again, warm caches: {time.perf_counter() - t0:.1f} s")
