@@ -217,12 +217,12 @@ class StreamSession(LaneSession):
         """
         with self._exclusive("reset"):
             w = self._waiting(request_id)
-            was = w.decl if w is not None else (self._get(request_id).source, self._get(request_id).source_len)
+            req = None if w is not None else self._get(request_id)
+            was = w.decl if w is not None else (req.source, req.source_len)
             decl = (was[0] if source is None else source, was[1] if source_len is None else source_len)
             if w is not None:
                 self._redeclare_waiting(w, decl)
                 return
-            req = self._get(request_id)
             self._check_start(request_id, decl, restart=True)
             state = self._new_request_state(request_id)
             src, L = decl
