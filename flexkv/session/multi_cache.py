@@ -164,7 +164,7 @@ class MultiCacheSession(LaneSession):
                     f"but cache {name!r} holds {list(c.requests)}; remove_request() them or give the session a "
                     f"cache of its own"
                 )
-            if compile is True and not c.compilable:
+            if compile is True and not c.compilable:  # (a compile that is not a bool is refused below)
                 raise ValueError(f"compile=True needs caches whose attention traces: cache {name!r} "
                                  f"({type(c).__name__}) attends on the host; pass compile=False")
             built[name] = c

@@ -88,7 +88,9 @@ class StreamSession(LaneSession):
             raise ValueError("block_size and groups are for a cache the session builds from a BoundedKVConfig; "
                              f"this {type(cache).__name__} already has its layout")
         check_cache(cache, "StreamSession")
-        if compile is True and not cache.compilable:
+        c = cache.config
+        super().__init__(c.max_slots, batch_sizes, when_full, compile, initial_state, "s")
+        if compile and not cache.compilable:
             raise ValueError(f"compile=True needs a cache whose attention traces: this {type(cache).__name__} "
                              f"attends on the host (float64) and is not traceable; pass compile=False")
         if cache.requests:
@@ -97,8 +99,6 @@ class StreamSession(LaneSession):
                 f"but this {type(cache).__name__} holds {list(cache.requests)}; remove_request() them first or give "
                 f"the session a cache of its own"
             )
-        c = cache.config
-        super().__init__(c.max_slots, batch_sizes, when_full, compile, initial_state, "s")
         self.cache = cache
         self.config = c
         self.context = StepContext(cache)
