@@ -333,8 +333,9 @@ class BoundedKVManager(TableViews, nn.Module):
         the rows path's group buffer (`gathered_rows.gather_scratch`: 4 MiB, on the CPU unless
         path="flex", for a cache with sources whose gathered step would be larger); with quantized
         slots their scales too, the one layer of dequantized scratch the FlexAttention path reads
-        (allocated with the cache off the CPU, or on it with options path="flex") and the group
-        buffer cells widen into (`row_attention.dequantize_scratch`, unless path="flex")."""
+        (allocated with the cache off the CPU, or on it with options path="flex"; under path="auto"
+        without the keys' or the values' half where the kernel reads those cells as stored) and
+        the group buffer cells widen into (`row_attention.dequantize_scratch`, unless path="flex")."""
         # The FlexAttention path's layer copy (quantized slots), the zero cell of its value-scaled
         # calls and the rows path's group buffer.
         scratch = [t for t in (self._scratch_k, self._scratch_v, self._lse_values, self._row_scratch) if t is not None]
