@@ -389,3 +389,25 @@ def test_value_scaled_attention_gives_zeros_and_minus_infinity_where_a_query_rea
     assert torch.equal(out[:, :, 0], torch.zeros(1, 2, 16)) and torch.isneginf(lse[:, :, 0]).all()
     torch.testing.assert_close(out[:, :, 1:], want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse[:, :, 1:], torch.logsumexp(scores[:, :, 1:], -1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("keys, values", [(True, False), (False, True), (True, True)])
+def test_a_cache_whose_kernel_reads_cells_as_stored_allocates_no_dequantized_copy_of_them(monkeypatch, keys, values):
+    """Under path="auto" (eager steps take the rows path), a float8 cache whose compiled kernel reads its key
+    (value) cells as stored keeps no dequantized copy of them: `memory_bytes` is less by exactly that copy,
+    and a cache reading values so holds the zero cell of its second call. "meta" stands for a device
+    whose kernels read float8 cells (`quantized.CELLS_IN_KERNEL`)."""
+    from flexkv.cache.attention_options import AttentionOptions
+
+    monkeypatch.setattr(quantized, "CELLS_IN_KERNEL", {"meta": "compiled"})
+    cfg = config(slot_dtype=torch.float8_e4m3fn)
+    copy = cfg.num_heads * BoundedKVManager(cfg, "meta").layout.total_len * cfg.head_dim * 2  # bfloat16, one layer
+    base = BoundedKVManager(cfg, "meta")
+    opts = AttentionOptions.for_cache(cfg, "meta", quantized_keys_in_kernel=keys, quantized_values_in_kernel=values)
+    reads = BoundedKVManager(cfg, "meta", options=opts)
+    zero_cell = quantized.LSE_VALUE_WIDTH if values else 0  # float8: a byte each
+    assert base.memory_bytes - reads.memory_bytes == copy * (keys + values) - zero_cell
+    assert (reads._scratch_k is None) == keys and (reads._scratch_v is None) == values
+    forced = BoundedKVManager(cfg, "meta", options=AttentionOptions.for_cache(
+        cfg, "meta", path="flex", quantized_keys_in_kernel=keys, quantized_values_in_kernel=values))
+    assert forced._scratch_k is not None and forced._scratch_v is not None  # eager flex steps read the copies
