@@ -156,12 +156,18 @@ class RelativePositionScores:
 
     def __init__(self, bd: torch.Tensor, rows: torch.Tensor, lo: int):
         self.bd, self.rows, self.lo = bd, rows, lo
-        self.tokens, self.size = bd.shape[2], bd.shape[3]
+        self.heads, self.tokens, self.size = bd.shape[1], bd.shape[2], bd.shape[3]
+        # Read through one index into the flat table where its positions fit in int32 (FlexAttention's
+        # index dtype): one gather instead of four broadcast indices, about twice as fast on the
+        # rows path, which forms the whole [B, H, T, W] term at once.
+        self.flat = bd.reshape(-1) if bd.is_contiguous() and bd.numel() < 2 ** 31 else None
 
     def at(self, score, b, h, t, q_pos, kv_pos):
         """The score of query token `t` (at stream index `q_pos`) against the key at `kv_pos`."""
         d = (q_pos - kv_pos - self.lo).clamp(0, self.size - 1)
-        return score + self.bd[b, h, t, d]
+        if self.flat is None:
+            return score + self.bd[b, h, t, d]
+        return score + self.flat[((b * self.heads + h) * self.tokens + t) * self.size + d]
 
     def __call__(self, score, b, h, q_pos, kv_pos):
         return self.at(score, b, h, self.rows[b, q_pos % self.tokens], q_pos, kv_pos)
