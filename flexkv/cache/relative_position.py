@@ -167,7 +167,14 @@ class RelativePositionScores:
         d = (q_pos - kv_pos - self.lo).clamp(0, self.size - 1)
         if self.flat is None:
             return score + self.bd[b, h, t, d]
-        return score + self.flat[((b * self.heads + h) * self.tokens + t) * self.size + d]
+        row = (b * self.heads + h) * self.tokens + t
+        if row.dim() == 4 and d.dim() == 4 and row.shape[-1] == 1:
+            # The rows path's whole [B, H, T, W] block (FlexAttention calls this per score, on
+            # scalars): the table's rows for each (b, h, t), then each key's distance along them.
+            shape = torch.broadcast_shapes(row.shape, d.shape)
+            rows = self.bd.view(-1, self.size).index_select(0, row.expand(shape[:-1] + (1,)).reshape(-1))
+            return score + rows.view(shape[:-1] + (self.size,)).gather(-1, d.expand(shape))
+        return score + self.flat[row * self.size + d]
 
     def __call__(self, score, b, h, q_pos, kv_pos):
         return self.at(score, b, h, self.rows[b, q_pos % self.tokens], q_pos, kv_pos)
