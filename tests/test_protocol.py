@@ -75,3 +75,27 @@ def test_a_cache_missing_a_member_is_named():
     with pytest.raises(ValueError, match=r"StepContext: the cache must be a flexkv cache .* Partial lacks compilable, "
                                          r"layer_config, requests"):
         check_cache(Partial(), "StepContext")
+
+
+@pytest.mark.parametrize("name", CACHES)
+def test_position_is_the_one_record_of_where_a_stream_stands(name):
+    """A request's position (source, source length, tokens written) is the cache's to answer: it
+    follows admit, commit, rollback and reset, as the step's `positions` must repeat it."""
+    from flexkv.step import BoundedKVStep, Segment, StreamPosition
+
+    cache = CACHES[name]()
+    shape = (CONFIG.num_layers, CONFIG.rows_per_request, CONFIG.num_heads, 2, CONFIG.head_dim)
+    src = cache.add_source(torch.zeros(shape), torch.zeros(shape))
+    with pytest.raises(ValueError, match="'a' is not admitted"):
+        cache.position("a")
+    start = BoundedKVStep((Segment("a", 0),), {"a": StreamPosition(2, 0, src)})
+    cache.admit(start)
+    cache.commit(start)
+    assert cache.position("a") == StreamPosition(2, 0, src)
+    step = BoundedKVStep((Segment("a", 1),), {"a": cache.position("a")}, tokens=1)
+    cache.admit(step)
+    cache.commit(step)  # commit alone advances the record (no attend needed for the table)
+    assert cache.position("a") == StreamPosition(2, 1, src) and cache.written("a") == 1
+    cache.reset_request("a")
+    with pytest.raises(ValueError, match="was reset and has not declared its source yet"):
+        cache.position("a")

@@ -31,7 +31,7 @@ from typing import Any, Callable, Hashable, Optional, Protocol, runtime_checkabl
 import torch
 
 from ..config import BoundedKVConfig
-from ..step import BoundedKVStep
+from ..step import BoundedKVStep, StreamPosition
 from .slots import Admission
 
 __all__ = ["StreamCache", "check_cache", "PROTOCOL_MEMBERS", "protocol_members"]
@@ -53,6 +53,8 @@ class StreamCache(Protocol):
     def requests(self) -> tuple: ...
 
     def written(self, request_id: Hashable) -> int: ...
+
+    def position(self, request_id: Hashable) -> StreamPosition: ...
 
     def slot_of(self, request_id: Hashable) -> int: ...
 

@@ -106,6 +106,17 @@ class SlotTable:
         self.slot_of(request_id)
         return self._requests[request_id].written
 
+    def position(self, request_id: Hashable) -> StreamPosition:
+        """Where an admitted request's stream stands: its source, source length and written tokens."""
+        self.slot_of(request_id)
+        req = self._requests[request_id]
+        if req.source_len is None:
+            raise ValueError(
+                f"request {request_id!r} was reset and has not declared its source yet; its next admitted "
+                f"step declares it (StreamPosition(source_len, 0, source))"
+            )
+        return StreamPosition(req.source_len, req.written, req.source)
+
     @property
     def requests(self) -> tuple:
         return tuple(self._requests)
@@ -565,6 +576,12 @@ class TableViews:
         """Tokens the request has committed to its stream."""
         with self._lock:
             return self.slots.written(request_id)
+
+    def position(self, request_id: Hashable) -> StreamPosition:
+        """Where an admitted request's stream stands (`StreamPosition(source_len, written, source)`):
+        the one record of it, which a step's `positions` must repeat."""
+        with self._lock:
+            return self.slots.position(request_id)
 
     @property
     def sources(self) -> dict:

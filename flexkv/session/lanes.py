@@ -455,20 +455,18 @@ class LaneSession:
             stacked = pad_by_lane({lane: lv for lane, (lv, _) in states.items()}, s_leaves, B, None)
             return check_new_state(run(plans, inputs, unflatten(s_spec, stacked)), stacked, s_spec)
 
-    def _commit(self, new_state, running, lanes, what: str, advance: Callable[[Hashable, Any], None]) -> None:
-        """Refuse a step that left a declared layer unattended, else commit it: the context's commit,
-        then `advance(rid, record)` and the new state of every running request (plain assignments
-        only after the commit)."""
+    def _commit(self, new_state, running, lanes, what: str) -> None:
+        """Refuse a step that left a declared layer unattended, else commit it: the context's commit
+        (the caches advance every stream), then the new state of every running request (plain
+        assignments only after the commit)."""
         self.context.check_attendance(f"{type(self).__name__}.step ({what})")
         kept = {}
         if new_state is not None:
             kept = {rid: map_tensors(lambda t, lane=lanes[rid]: t[lane], new_state) for rid in running}
         self.context.commit()
         for rid in running:
-            req = self._requests[rid]
-            advance(rid, req)
             if new_state is not None:
-                req.state = kept[rid]
+                self._requests[rid].state = kept[rid]
 
     def _padding_state(self):
         """The `(leaves, spec)` of a new request's state for warm-up steps, or None without `initial_state`."""

@@ -73,7 +73,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Hashable, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -104,9 +104,10 @@ def _named(name: Hashable, where: str = "MultiCacheSession"):
 
 @dataclass
 class _Request:
+    """What the session keeps of a started request: its lane and model state. Where its stream stands
+    in each cache (source, source length, tokens written) is that cache's to answer (`position`)."""
+
     lane: int
-    sources: Dict[Hashable, Tuple[int, int]]  # cache name -> (source, source_len)
-    written: Dict[Hashable, int] = field(default_factory=dict)
     state: Any = None
 
 
@@ -203,14 +204,23 @@ class MultiCacheSession(LaneSession):
         return self._get(request_id).lane
 
     def written(self, request_id: Hashable) -> Dict[Hashable, int]:
-        """Cache name -> the tokens a started request has written to that cache."""
-        return dict(self._get(request_id).written)
+        """Cache name -> the tokens a started request has written to that cache (each cache's record)."""
+        self._get(request_id)
+        return {name: c.written(request_id) for name, c in self.caches.items()}
 
     def sources(self, request_id: Hashable) -> Dict[Hashable, Tuple[int, int]]:
         """Cache name -> the `(source, source_len)` a started or waiting request declared in that cache
         (`(0, 0)`: no source)."""
         w = self._waiting(request_id)
-        return dict(w.decl if w is not None else self._get(request_id).sources)
+        if w is not None:
+            return dict(w.decl)
+        self._get(request_id)
+        return self._declared(request_id)
+
+    def _declared(self, request_id) -> Dict[Hashable, Tuple[int, int]]:
+        """Cache name -> the `(source, source_len)` a started request's stream holds in that cache."""
+        return {name: (pos.source, pos.source_len)
+                for name, pos in ((name, c.position(request_id)) for name, c in self.caches.items())}
 
     def _cache(self, name, what: str):
         """The cache called `name`, or a `ValueError` naming the caches there are."""
@@ -319,8 +329,7 @@ class MultiCacheSession(LaneSession):
                 ) from exc
             except Exception as exc:
                 raise named_error(exc, name, "MultiCacheSession") from None
-        self._take_lane(request_id, lambda lane: _Request(lane, dict(decls), {name: 0 for name in self.caches}, state),
-                        transaction)
+        self._take_lane(request_id, lambda lane: _Request(lane, state), transaction)
 
     def _transaction(self) -> StepTransaction:
         """A transaction over every cache (each admission names its cache)."""
@@ -372,7 +381,7 @@ class MultiCacheSession(LaneSession):
                 self._redeclare_waiting(w, self._declarations(sources, "reset", w.decl))
                 return
             req = self._get(request_id)
-            decls = self._declarations(sources, "reset", req.sources)
+            decls = self._declarations(sources, "reset", self._declared(request_id))
             self._check_start(request_id, decls, restart=True)
             state = self._new_request_state(request_id)
             for name, c in self.caches.items():
@@ -380,8 +389,6 @@ class MultiCacheSession(LaneSession):
                 c.reset_request(request_id)
                 c.admit(BoundedKVStep((Segment(request_id, 0),),
                                       {request_id: StreamPosition(source_len, 0, source)}))
-            req.sources = decls
-            req.written = {name: 0 for name in self.caches}
             req.state = state
 
     def fork(self, request_id: Hashable, new_id: Hashable) -> None:
@@ -403,7 +410,7 @@ class MultiCacheSession(LaneSession):
                 for c in forked:  # every cache or none
                     c.remove_request(new_id)
                 raise
-            self._take_lane(new_id, lambda lane: _Request(lane, dict(parent.sources), dict(parent.written), state))
+            self._take_lane(new_id, lambda lane: _Request(lane, state))
 
     def rollback(self, request_id: Hashable, tokens: Mapping[Hashable, int], *, state=None) -> None:
         """Take back the last `tokens[name]` tokens a started request wrote to each cache (every cache
@@ -426,7 +433,6 @@ class MultiCacheSession(LaneSession):
             self._check_rollback_state(request_id, req, any(tokens.values()), state)
             for name, c in self.caches.items():
                 c.rollback_request(request_id, tokens[name])
-                req.written[name] -= tokens[name]
             if state is not None:
                 req.state = state
 
@@ -515,17 +521,15 @@ class MultiCacheSession(LaneSession):
         t0 = time.perf_counter()
         by_lane = {lanes[rid]: rid for rid in running}
         steps = {}
-        for name in self.caches:
+        for name, cache in self.caches.items():
             segments, positions = [], {}
             for lane in range(B):
                 rid = by_lane.get(lane)
                 if rid is None:
                     segments.append(Segment(None, 0))
                     continue
-                req = self._requests[rid]
-                source, source_len = req.sources[name]
                 segments.append(Segment(rid, parsed[rid][name].span))
-                positions[rid] = StreamPosition(source_len, req.written[name], source)
+                positions[rid] = cache.position(rid)
             steps[name] = BoundedKVStep(tuple(segments), positions, tokens=Ts[name])
         plans = self.context.begin(steps, transaction)
         plan_s = time.perf_counter() - t0
@@ -533,12 +537,7 @@ class MultiCacheSession(LaneSession):
                                                               templates[name], B, Ts[name], shape[name][1]))
                   for name in self.caches}
         outputs, new_state = self._call(fn, plans, inputs, running, lanes, B, f"B={B}, T={Ts}")
-
-        def advance(rid, req):
-            for name in self.caches:
-                req.written[name] += parsed[rid][name].span
-
-        self._commit(new_state, running, lanes, f"B={B}, T={Ts}", advance)
+        self._commit(new_state, running, lanes, f"B={B}, T={Ts}")
         return MultiStepResult(outputs, {rid: lanes[rid] for rid in running},
                                {rid: {name: parsed[rid][name].tokens for name in self.caches} for rid in running},
                                steps, plans, waiting, plan_s)

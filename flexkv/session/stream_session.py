@@ -24,10 +24,10 @@ __all__ = ["StreamSession", "WHEN_FULL"]
 
 @dataclass
 class _Request:
+    """What the session keeps of a started request: its lane and model state. Where its stream
+    stands (source, source length, tokens written) is the cache's to answer (`cache.position`)."""
+
     lane: int
-    source: int
-    source_len: int
-    written: int = 0
     state: Any = None
 
 
@@ -112,8 +112,9 @@ class StreamSession(LaneSession):
     # ------------------------------------------------------------- views
 
     def written(self, request_id: Hashable) -> int:
-        """Tokens a started request has written to its stream."""
-        return self._get(request_id).written
+        """Tokens a started request has written to its stream (the cache's record of it)."""
+        self._get(request_id)
+        return self.cache.written(request_id)
 
     # ----------------------------------------------------------- sources
 
@@ -171,7 +172,7 @@ class StreamSession(LaneSession):
         source, source_len = decl
         state = self._new_request_state(request_id)
         transaction.admit(BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(source_len, 0, source)}))
-        self._take_lane(request_id, lambda lane: _Request(lane, source, source_len, 0, state), transaction)
+        self._take_lane(request_id, lambda lane: _Request(lane, state), transaction)
 
     def _remove_request(self, request_id) -> None:
         self.cache.remove_request(request_id)  # frees its private source too
@@ -218,7 +219,11 @@ class StreamSession(LaneSession):
         with self._exclusive("reset"):
             w = self._waiting(request_id)
             req = None if w is not None else self._get(request_id)
-            was = w.decl if w is not None else (req.source, req.source_len)
+            if w is not None:
+                was = w.decl
+            else:
+                pos = self.cache.position(request_id)
+                was = (pos.source, pos.source_len)
             decl = (was[0] if source is None else source, was[1] if source_len is None else source_len)
             if w is not None:
                 self._redeclare_waiting(w, decl)
@@ -228,7 +233,7 @@ class StreamSession(LaneSession):
             src, L = decl
             self.cache.reset_request(request_id)
             self.cache.admit(BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(L, 0, src)}))
-            req.source, req.source_len, req.written, req.state = src, L, 0, state
+            req.state = state
 
     # ------------------------------------------------- fork and roll back
 
@@ -245,8 +250,7 @@ class StreamSession(LaneSession):
             self.cache.check_fork(request_id, new_id)
             state = self._forked_state(parent)
             self.cache.fork_request(request_id, new_id)
-            self._take_lane(new_id, lambda lane: _Request(lane, parent.source, parent.source_len, parent.written,
-                                                          state))
+            self._take_lane(new_id, lambda lane: _Request(lane, state))
 
     def rollback(self, request_id: Hashable, tokens: int, *, state=None) -> None:
         """Take back the last `tokens` tokens a started request wrote (the cache's `rollback_request`):
@@ -262,7 +266,6 @@ class StreamSession(LaneSession):
             self.cache.check_rollback(request_id, tokens)
             self._check_rollback_state(request_id, req, bool(tokens), state)
             self.cache.rollback_request(request_id, tokens)
-            req.written -= tokens
             if state is not None:
                 req.state = state
 
@@ -341,9 +344,9 @@ class StreamSession(LaneSession):
             if rid is None:
                 segments.append(Segment(None, 0))
                 continue
-            req = self._requests[rid]
             segments.append(Segment(rid, parsed[rid].span))
-            positions[rid] = StreamPosition(req.source_len, req.written, req.source)
+            # a request this step starts was admitted on its declaration just now: the cache knows it too
+            positions[rid] = self.cache.position(rid)
         step = BoundedKVStep(tuple(segments), positions, tokens=T)
         plan = self.context.begin(step, transaction)
         plan_s = time.perf_counter() - t0
@@ -351,10 +354,7 @@ class StreamSession(LaneSession):
                                              per_request))
         outputs, new_state = self._call(fn, plan, inputs, running, lanes, B, f"B={B}, T={T}")
 
-        def advance(rid, req):
-            req.written += parsed[rid].span
-
-        self._commit(new_state, running, lanes, f"B={B}, T={T}", advance)
+        self._commit(new_state, running, lanes, f"B={B}, T={T}")
         return StepResult(outputs, {rid: lanes[rid] for rid in running},
                           {rid: parsed[rid].tokens for rid in running}, step, plan, waiting, plan_s)
 
