@@ -16,9 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexkv import SinkWindow  # noqa: E402
-from flexkv.integrations.transformers import FlexKVCache  # noqa: E402
-from hf_models import (  # noqa: E402  (skips this module without the transformers extra)
+from hf_models import (
     CHUNK,
     SINK,
     WINDOW,
@@ -29,7 +27,13 @@ from hf_models import (  # noqa: E402  (skips this module without the transforme
     reference_greedy,
     streaming_llm_attention,
 )
-from single_thread import one_thread  # noqa: E402,F401
+from single_thread import one_thread  # noqa: F401
+
+# hf_models above skips this module without the transformers extra: it imports before transformers, flexkv
+# isort: split
+
+from flexkv import SinkWindow
+from flexkv.integrations.transformers import FlexKVCache
 
 KW = dict(prefill_chunk=CHUNK, block_size=16)
 N = 3 * WINDOW  # new tokens: every stream evicts
