@@ -26,7 +26,8 @@ The three parts are one softmax by their log-sum-exp
 (`flexkv.cache.merge.merge_attention`). Both caches step as one
 (`flexkv.model.multi_context.MultiStepContext`): a segment that raises
 anywhere, Ctrl-C included, leaves both as they were, so it can be run again.
-Run with torchaudio installed:
+Run with torchaudio installed (not a flexkv dependency: the release built for
+your torch, `pip install "torchaudio==2.X.*"`; without it the example says so):
 
     PYTHONPATH=. python examples/emformer_memory_bank.py --threads 1
 
@@ -174,6 +175,20 @@ def own_state_bytes(states) -> int:
     return sum(t.numel() * t.element_size() // t.shape[1] for layer in states for t in layer[:3])
 
 
+def _emformer_class():
+    """torchaudio's `Emformer`, or exit saying what to install (torchaudio is not a flexkv dependency)."""
+    try:
+        from torchaudio.models import Emformer
+    except ImportError as exc:
+        release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+        raise SystemExit(
+            f"examples/emformer_memory_bank.py runs torchaudio's Emformer, and torchaudio cannot be imported "
+            f"({exc}). Install the torchaudio release built for your torch {torch.__version__}: "
+            f"pip install 'torchaudio=={release}.*' (flexkv itself does not need torchaudio)"
+        ) from None
+    return Emformer
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=None)
@@ -182,7 +197,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from torchaudio.models import Emformer
+    Emformer = _emformer_class()
 
     torch.manual_seed(0)
     model = Emformer(64, 4, 128, 3, segment_length=4, left_context_length=8, right_context_length=2,

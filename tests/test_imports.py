@@ -187,3 +187,31 @@ def test_modules_import_only_their_layer_or_below():
             if layer_of(dep) > layer_of(name):
                 upward.append(f"{name} ({LAYERS[layer_of(name)][0]}) imports {dep} ({LAYERS[layer_of(dep)][0]})")
     assert not upward, "imports pointing up a layer:\n" + "\n".join(upward)
+
+
+#: Run in a fresh interpreter: hide transformers (as a core-only install has it), then collect every test module.
+_COLLECT_WITHOUT_TRANSFORMERS = """
+import sys
+
+class _NoTransformers:
+    def find_spec(self, name, path=None, target=None):
+        if name == "transformers" or name.startswith("transformers."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NoTransformers())
+import pytest
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", sys.argv[1]]))
+"""
+
+
+def test_every_test_module_collects_without_the_transformers_extra():
+    """The core-only install (`pip install -e .`) collects the whole suite with no error: the transformers
+    test modules skip themselves (through `hf_models`) before they import transformers or the integration."""
+    tests = Path(__file__).parent
+    out = subprocess.run([sys.executable, "-c", _COLLECT_WITHOUT_TRANSFORMERS, str(tests)], capture_output=True,
+                         text=True, cwd=PACKAGE.parent, env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    errors = [line for line in out.stdout.splitlines() if line.startswith("ERROR")]
+    assert out.returncode == 0 and not errors, errors or out.stdout[-2000:] + out.stderr[-2000:]
+    collected = [line for line in out.stdout.splitlines() if line.startswith("tests/test_transformers")]
+    assert not collected, f"collected with transformers hidden: {collected[:3]}"

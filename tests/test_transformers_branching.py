@@ -16,9 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexkv import SinkWindow  # noqa: E402
-from flexkv.integrations.transformers import FlexKVCache  # noqa: E402
-from hf_models import (  # noqa: E402  (skips this module without the transformers extra)
+from hf_models import (
     CHUNK,
     SINK,
     WINDOW,
@@ -29,7 +27,13 @@ from hf_models import (  # noqa: E402  (skips this module without the transforme
     reference_greedy,
     streaming_llm_attention,
 )
-from single_thread import one_thread  # noqa: E402,F401
+from single_thread import one_thread  # noqa: F401
+
+# hf_models above skips this module without the transformers extra: it imports before transformers, flexkv
+# isort: split
+
+from flexkv import SinkWindow, SlotsExhausted
+from flexkv.integrations.transformers import FlexKVCache
 
 KW = dict(prefill_chunk=CHUNK, block_size=16)
 N = 3 * WINDOW  # new tokens: every stream evicts
@@ -201,6 +205,28 @@ def test_num_return_sequences_of_named_streams_forks_each_prompt_once():
                          position_ids=torch.arange(L)[None], use_cache=False).logits[0, len(ps[0]) - 1:]
             torch.testing.assert_close(logits[row].double(), want.double(), rtol=0, atol=1e-5)
     assert len({tuple(s.tolist()) for s in out.sequences[:3]}) == 3  # three samples of one prompt
+
+
+def test_a_beam_search_refused_for_want_of_slots_changes_nothing():
+    """Two streams of 13 tokens fill `max_streams=2`; 2 beams each need 2 more slots. The refusal comes
+    before the prompts are prefilled: 11 prompt tokens per stream are more than a slot can take back
+    (`prefill_chunk=8`), so a prefill before the refusal would leave both streams longer."""
+    model = make_model("llama", seed=2)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=2, **KW)
+    with torch.no_grad():
+        model(input_ids=torch.stack(prompts((13, 13), seed=3)), cache=cache.select(["a", "b"]))
+    before = {sid: cache.stream_length(sid) for sid in cache.streams}
+    assert before == {"a": 13, "b": 13}
+    ids = torch.stack(prompts((12, 12), seed=4))
+    with pytest.raises(SlotsExhausted, match=r"2 stream copies need 2 free slots but 0 are free \(max_streams=2\)"):
+        model.generate(ids, cache=cache.select(["a", "b"]), max_new_tokens=4, num_beams=2, do_sample=False)
+    assert {sid: cache.stream_length(sid) for sid in cache.streams} == before
+    assert cache.selection == ("a", "b") and cache.get_seq_length() == 0
+    assert model.config._attn_implementation != "flexkv"
+    # Unselected, the new streams the prefill would open count too: 1 prompt, 3 beams, 1 free slot.
+    with pytest.raises(SlotsExhausted, match=r"2 stream copies and 1 new streams need 3 free slots but 1 are free"):
+        model.generate(ids[:1], cache=FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=1, **KW),
+                       max_new_tokens=4, num_beams=3, do_sample=False)
 
 
 def test_fork_reorder_and_rollback_of_streams_by_hand():

@@ -20,14 +20,19 @@ import warnings
 
 import pytest
 import torch
-import transformers  # noqa: E402
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
-import hf_models  # noqa: E402  (skips this module without the transformers extra)
-from flexkv import SinkWindow  # noqa: E402
-from flexkv.integrations.transformers import FlexKVCache  # noqa: E402
-from single_thread import one_thread  # noqa: E402,F401
+import hf_models
+from single_thread import one_thread  # noqa: F401
+
+# hf_models above skips this module without the transformers extra: it imports before transformers, flexkv
+# isort: split
+
+import transformers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from flexkv import SinkWindow
+from flexkv.integrations.transformers import FlexKVCache
 
 pytestmark = pytest.mark.families
 

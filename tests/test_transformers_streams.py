@@ -461,3 +461,28 @@ def test_a_continued_stream_that_cannot_take_its_last_token_first_is_refused():
                                          r"never fed, but this call has 1 prompt rows for 2 streams"):
         model.generate(ids, cache=cache.select(["a", "b"]), max_new_tokens=3, do_sample=True, num_return_sequences=2)
     assert [cache.stream_length(s) for s in "ab"] == lengths and cache.get_seq_length() == 0
+
+
+def test_a_chat_continued_with_only_new_ids_and_no_select_is_refused_naming_the_documented_forms():
+    """After a `generate()` the selection was fed 10 columns; a 3-token message alone is no longer than that,
+    and transformers feeds only the columns past `get_seq_length()`: refused before anything runs, naming
+    `select()`. Both documented forms then continue the chat with the same tokens."""
+    model = make_model("llama", seed=2)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=1, prefill_chunk=CHUNK, block_size=16)
+    p, q = prompts((7, 3), seed=3)
+    out = model.generate(p[None], cache=cache, max_new_tokens=4, do_sample=False)
+    assert cache.get_seq_length() == 10 and cache.selection == (0,)
+    with pytest.raises(ValueError, match=r"generate\(\) was given 3 columns of input_ids, but streams \[0\] were fed "
+                                         r"10 columns since the last select\(\).*call cache\.select\(\[0\]\) first"):
+        model.generate(q[None], cache=cache, max_new_tokens=4, do_sample=False)
+    assert cache.stream_length(0) == 10 and cache.get_seq_length() == 10 and cache.selection == (0,)
+    with pytest.raises(ValueError, match=r"at least one token per row, got input of shape \(1, 0\); the selected "
+                                         r"streams were fed 10 columns since select\(\)"), torch.no_grad():
+        model(input_ids=q[None, :0], cache=cache)  # what generate() would have fed
+    want, _ = reference_greedy(model, torch.cat([out[0], q]), 4)
+    got = model.generate(q[None], cache=cache.select([0]), max_new_tokens=4, do_sample=False)
+    assert got[0, 3:].tolist() == want.tolist()
+    other = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=1, prefill_chunk=CHUNK, block_size=16)
+    model.generate(p[None], cache=other, max_new_tokens=4, do_sample=False)
+    got = model.generate(torch.cat([out, q[None]], dim=1), cache=other, max_new_tokens=4, do_sample=False)
+    assert got[0, out.shape[1] + 3:].tolist() == want.tolist()

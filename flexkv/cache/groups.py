@@ -25,6 +25,7 @@ differs.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Hashable, Optional, Sequence, Tuple
 
@@ -337,7 +338,11 @@ class GroupedKVManager(TableViews, nn.Module):
         return self._route[check_layer_index(layer_idx, len(self._route))]
 
     def layer_manager(self, layer_idx: int) -> Tuple[BoundedKVManager, int]:
-        """The store holding model layer `layer_idx`, and the layer's index in it."""
+        """The store holding model layer `layer_idx`, and the layer's index in it. Deprecated, goes in
+        flexkv 0.3 (nothing calls it): `group_of` says where a layer lives, `layer_config` its config."""
+        warnings.warn("GroupedKVManager.layer_manager() is deprecated and goes in flexkv 0.3; group_of(layer_idx) "
+                      "gives (group, index in it) and layer_config(layer_idx) the layer's config",
+                      DeprecationWarning, stacklevel=2)
         g, i = self.group_of(layer_idx)
         return self._mgrs[g], i
 

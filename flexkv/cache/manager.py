@@ -14,6 +14,7 @@ reach every group's tensors) go through the grouped cache.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Callable, Hashable, Optional
 
@@ -214,7 +215,11 @@ class BoundedKVManager(TableViews, nn.Module):
         return self.config
 
     def layer_manager(self, layer_idx: int):
-        """`(manager, index in it)` holding layer `layer_idx`: this manager and the same index."""
+        """`(manager, index in it)` holding layer `layer_idx`: this manager and the same index.
+        Deprecated, goes in flexkv 0.3 (nothing calls it: a layer's config is `layer_config`)."""
+        warnings.warn("BoundedKVManager.layer_manager() is deprecated and goes in flexkv 0.3; the layer lives in "
+                      "this cache at the index you hold, and layer_config(layer_idx) gives its config",
+                      DeprecationWarning, stacklevel=2)
         return self, check_layer_index(layer_idx, self.config.num_layers)
 
     def rotation(self, layer_idx: int, rotary, mode: str = "stream") -> SinkRotation:

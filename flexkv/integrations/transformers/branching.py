@@ -163,17 +163,29 @@ class BranchingCache:
                 self.manager.remove_request(sid)
         self._selection = tuple(rows[i] for i in keep)
 
+    def _check_fork_room(self, plan, opening=()) -> None:
+        """Refuse, changing nothing, unless the free slots hold the streams of `opening` not open yet
+        and every copy of `plan` (`[(stream, [its copies])]`; a copy that replaces a stream of its name
+        reuses that stream's slot)."""
+        new = [c for _, copies in plan for c in copies]
+        stale = [c for c in new if c in self.manager.requests]
+        starting = [s for s in opening if s not in self.manager.requests]
+        free = self.manager.free_slots
+        need = len(starting) + len(new) - len(stale)
+        if need > free:
+            what = f"{len(new)} stream copies" + (f" and {len(starting)} new streams" if starting else "")
+            raise SlotsExhausted(
+                f"{what} need {need} free slots but {free} are free (max_streams={self.manager.config.max_slots}); "
+                f"build the cache with max_streams at least the batch size times the copies per prompt, or "
+                f"finish() streams you no longer need"
+            )
+
     def _select_forks(self, plan) -> None:
         """`plan`: `[(stream, [its copies])]` in row order: fork every copy (replacing a stream of the
         same name that holds tokens from earlier), then select them all; on any error no copy is left."""
+        self._check_fork_room(plan)
         new = [c for _, copies in plan for c in copies]
         stale = [c for c in new if c in self.manager.requests]
-        if self.manager.free_slots + len(stale) < len(new):
-            raise SlotsExhausted(
-                f"{len(new)} stream copies need {len(new)} free slots but {self.manager.free_slots} are free "
-                f"(max_streams={self.manager.config.max_slots}); build the cache with max_streams at least the "
-                f"batch size times the copies per prompt"
-            )
         for c in stale:
             self.manager.remove_request(c)
         made: List[Hashable] = []
@@ -272,6 +284,8 @@ def _prefill_once(cache, model, ids: torch.Tensor, k: int, args, kwargs) -> dict
         mask = torch.ones_like(ids)
         kwargs = dict(kwargs, attention_mask=mask)
     extra = {"logits_to_keep": 1} if getattr(model, "_supports_logits_to_keep", lambda: False)() else {}
+    # Before the prefill: a prefill cannot always be taken back (more tokens than a slot can roll back).
+    cache._check_fork_room(list(zip(streams, copies)), opening=streams)
     cache.select(streams)
     with torch.no_grad():
         model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], cache=cache, **extra)

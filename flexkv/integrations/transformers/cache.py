@@ -464,7 +464,12 @@ class FlexKVCache(BranchingCache, CacheShim):
             )
         B, T = int(ref.shape[0]), int(ref.shape[1])
         if T < 1:
-            raise ValueError("a forward through FlexKVCache needs at least one token per row")
+            raise ValueError(
+                f"a forward through FlexKVCache needs at least one token per row, got input of shape "
+                f"{tuple(ref.shape)}" + (
+                    f"; the selected streams were fed {self._columns} columns since select() (get_seq_length()), "
+                    f"which generate() slices off the front of input_ids: to continue with only new ids, call "
+                    f"cache.select(stream_ids) before generate()" if self._columns else ""))
         rows = self._rows(B)
         real = None
         if attention_mask is not None:

@@ -28,7 +28,7 @@ from .model_config import text_config
 from .plan import FlexKVForward
 from .registration import ATTN_IMPLEMENTATION, register
 from .shim import CacheShim
-from .turns import record_owed_tokens, strip_first_column, with_owed_tokens
+from .turns import check_continuation, record_owed_tokens, strip_first_column, with_owed_tokens
 
 __all__ = ["enable", "disable", "switch", "ModelState", "check_model", "attention_configs", "SUPPORTED_MODES"]
 
@@ -304,6 +304,7 @@ def _guarded_generate(state: ModelState, model, generate, *args, **kwargs):
             f"{list(cache._recurrent.layers)} keep a state that cannot be taken back"
         )
     # A stream continued with only new tokens first attends the token generate() returned last (turns.py).
+    check_continuation(cache, args, kwargs)
     columns = cache._columns
     owed = with_owed_tokens(cache, model, args, kwargs)
     if owed is not None:

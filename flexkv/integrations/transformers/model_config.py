@@ -12,6 +12,7 @@ layer and the reason, what flexkv cannot serve exactly.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -45,9 +46,13 @@ class LayerSpec:
     """One decoder layer as the cache serves it.
 
     `window`: the model's own sliding window of an attention layer (None:
-    full attention). `kv_source`: the layer whose keys and values this layer
-    attends (itself, or, for Gemma 3n/4's shared-KV layers, the last layer
-    of its type that computes them).
+    full attention). `kv_heads`, `head_dim`, `value_head_dim`: the layer's
+    keys and values as its attention receives them (the names of
+    `BoundedKVConfig`). `kv_source`: the layer whose keys and values this
+    layer attends (itself, or, for Gemma 3n/4's shared-KV layers, the last
+    layer of its type that computes them). `v_head_dim`, the earlier name
+    of `value_head_dim`, is still accepted and read, with a
+    `DeprecationWarning`, until flexkv 0.3.
     """
 
     index: int
@@ -57,8 +62,34 @@ class LayerSpec:
     window: Optional[int] = None
     kv_heads: int = 0
     head_dim: int = 0
-    v_head_dim: int = 0
+    value_head_dim: int = 0
     kv_source: Optional[int] = None
+
+    @property
+    def v_head_dim(self) -> int:
+        _warn_v_head_dim()
+        return self.value_head_dim
+
+
+def _warn_v_head_dim() -> None:
+    warnings.warn("LayerSpec.v_head_dim is deprecated and goes in flexkv 0.3; use LayerSpec.value_head_dim",
+                  DeprecationWarning, stacklevel=3)
+
+
+_layer_spec_init = LayerSpec.__init__
+
+
+def _init_accepting_v_head_dim(self, *args, v_head_dim: Optional[int] = None, **kwargs):
+    if v_head_dim is not None:
+        _warn_v_head_dim()
+        if "value_head_dim" in kwargs or len(args) > 7:
+            raise TypeError("LayerSpec() got both value_head_dim and its deprecated name v_head_dim "
+                            "(dataclasses.replace() passes every field): give value_head_dim only")
+        kwargs["value_head_dim"] = v_head_dim
+    _layer_spec_init(self, *args, **kwargs)
+
+
+LayerSpec.__init__ = _init_accepting_v_head_dim
 
 
 def text_config(config):
@@ -117,7 +148,7 @@ def _layer_types(cfg, layers: int) -> List[str]:
 
 
 def _head_sizes(cfg, i: int) -> tuple:
-    """`(kv_heads, head_dim, v_head_dim)` of layer `i`'s keys and values as its attention receives them."""
+    """`(kv_heads, head_dim, value_head_dim)` of layer `i`'s keys and values as its attention receives them."""
     heads = getattr(cfg, "num_attention_heads", None)
     nope, rope, v_dim = (getattr(cfg, n, None) for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
     if _positive_int(rope) and _positive_int(v_dim) and isinstance(nope, int):
@@ -183,21 +214,21 @@ def read_layers(model) -> tuple:
     for i, t in enumerate(types):
         attends = t not in RECURRENT_TYPES
         recurrent = t in RECURRENT_TYPES or t in HYBRID_TYPES
-        kv_heads = head_dim = v_head_dim = 0
+        kv_heads = head_dim = value_head_dim = 0
         if attends:
-            kv_heads, head_dim, v_head_dim = _head_sizes(cfg, i)
-            for name, val in (("KV heads", kv_heads), ("head_dim", head_dim), ("value head_dim", v_head_dim)):
+            kv_heads, head_dim, value_head_dim = _head_sizes(cfg, i)
+            for name, val in (("KV heads", kv_heads), ("head_dim", head_dim), ("value head_dim", value_head_dim)):
                 if not _positive_int(val):
                     raise ValueError(
                         f"layer {i}: the model config gives no usable {name} (got {val!r}); "
                         f"FlexKVCache needs a decoder-only LM config"
                     )
-        specs.append(LayerSpec(i, t, attends, recurrent, windows[i], kv_heads, head_dim, v_head_dim,
+        specs.append(LayerSpec(i, t, attends, recurrent, windows[i], kv_heads, head_dim, value_head_dim,
                                sources[i] if attends else None))
     for s in specs:
         src = specs[s.kv_source] if s.attends else None
-        if src is not None and (src.window, src.kv_heads, src.head_dim, src.v_head_dim) != (
-            s.window, s.kv_heads, s.head_dim, s.v_head_dim
+        if src is not None and (src.window, src.kv_heads, src.head_dim, src.value_head_dim) != (
+            s.window, s.kv_heads, s.head_dim, s.value_head_dim
         ):
             raise ValueError(
                 f"layer {s.index} attends the keys and values of layer {src.index}, but the config gives the two "
@@ -220,7 +251,7 @@ def layer_groups(specs, retention: SinkWindow, sliding_retention: Optional[SinkW
     kv_layer = [kv_index[s.kv_source] if s.attends else None for s in specs]
     keys = []
     for s in owners:
-        key = (s.window, s.kv_heads, s.head_dim, s.v_head_dim)
+        key = (s.window, s.kv_heads, s.head_dim, s.value_head_dim)
         if key not in keys:
             keys.append(key)
     # Full-attention groups first, then sliding windows from narrow to wide (stable for reports).
@@ -228,9 +259,9 @@ def layer_groups(specs, retention: SinkWindow, sliding_retention: Optional[SinkW
     shapes = {k[1:] for k in keys}
     sizes = sorted({k[0] for k in keys if k[0] is not None})
     groups = []
-    for window, kv_heads, head_dim, v_head_dim in keys:
-        layers = tuple(kv_index[s.index] for s in owners if (s.window, s.kv_heads, s.head_dim, s.v_head_dim) == (
-            window, kv_heads, head_dim, v_head_dim))
+    for window, kv_heads, head_dim, value_head_dim in keys:
+        layers = tuple(kv_index[s.index] for s in owners if (s.window, s.kv_heads, s.head_dim, s.value_head_dim) == (
+            window, kv_heads, head_dim, value_head_dim))
         if window is None:
             keep, name = retention, "full_attention"
         else:
@@ -247,7 +278,7 @@ def layer_groups(specs, retention: SinkWindow, sliding_retention: Optional[SinkW
         if len(shapes) > 1 and sum(1 for k in keys if k[0] == window) > 1:
             name += f"[{kv_heads}x{head_dim}]"
         groups.append(LayerGroup(layers, keep, keep.window, name, num_heads=kv_heads, head_dim=head_dim,
-                                 value_head_dim=v_head_dim))
+                                 value_head_dim=value_head_dim))
     return tuple(groups), kv_layer
 
 

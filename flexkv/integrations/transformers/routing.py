@@ -36,7 +36,7 @@ class _Recorder:
 
 
 def probe_attention(model, configs) -> Dict[int, Tuple[int, int, int]]:
-    """`{layer: (kv_heads, head_dim, v_head_dim)}` as each layer's attention received them in a one-token forward.
+    """`{layer: (kv_heads, head_dim, value_head_dim)}` as each layer's attention received them in a one-token forward.
 
     `configs`: the config objects the model's attention reads `_attn_implementation` from; each is
     switched to flexkv for the probe and restored afterwards. Raises `ValueError` when the model
@@ -95,8 +95,8 @@ def reconcile(model, specs, seen) -> list:
         )
     out = []
     for s in specs:
-        if s.attends and seen[s.index] != (s.kv_heads, s.head_dim, s.v_head_dim):
+        if s.attends and seen[s.index] != (s.kv_heads, s.head_dim, s.value_head_dim):
             heads, dim, vdim = seen[s.index]
-            s = replace(s, kv_heads=heads, head_dim=dim, v_head_dim=vdim)
+            s = replace(s, kv_heads=heads, head_dim=dim, value_head_dim=vdim)
         out.append(s)
     return out

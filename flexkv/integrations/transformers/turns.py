@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["with_owed_tokens", "strip_first_column", "record_owed_tokens"]
+__all__ = ["check_continuation", "with_owed_tokens", "strip_first_column", "record_owed_tokens"]
 
 
 def _inputs(args, kwargs):
@@ -31,6 +31,24 @@ def _inputs(args, kwargs):
         if kwargs.get(name) is not None:
             return kwargs[name], name
     return None, None
+
+
+def check_continuation(cache, args, kwargs) -> None:
+    """Refuse, before anything runs, a `generate()` call whose ids are no longer than what the selected
+    streams were fed since `select()`: transformers feeds only the columns past `get_seq_length()`, so such
+    a call (a chat continued with only the new message's ids, without `select()`) would feed nothing."""
+    columns = cache._columns
+    ids, _ = _inputs(args, kwargs)
+    if not columns or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] > columns:
+        return
+    rows = list(cache._selection or ())
+    raise ValueError(
+        f"generate() was given {ids.shape[1]} columns of input_ids, but streams {rows} were fed {columns} "
+        f"columns since the last select() (get_seq_length() == {columns}), and generate() feeds only the "
+        f"columns past get_seq_length(): this call has nothing to feed. To continue with only the new "
+        f"message's ids, call cache.select({rows}) first (the cache then feeds the token the last generate() "
+        f"returned before them); or hand generate() its previous output followed by the new ids"
+    )
 
 
 def with_owed_tokens(cache, model, args, kwargs) -> Optional[tuple]:
