@@ -549,3 +549,18 @@ def test_the_layout_names_every_module_and_only_modules_that_exist():
            if p.name not in ("__init__.py", "__main__.py", "__pycache__")}
     assert entries == top, f"the layout's tree {sorted(entries)} is not flexkv/'s top level {sorted(top)}"
 
+
+# ------------------------------------------------------------------ the README's three front doors
+
+def test_the_readme_shows_the_three_front_doors_in_order_with_code_that_parses():
+    """README.md's "Three ways in": transformers, then a model of your own, then engines, each with an example
+    that is Python (the examples themselves are run by hand when they change: they compile, which is slow)."""
+    section = _section(ROOT / "README.md", "Three ways in")
+    doors = re.findall(r"^### (.*)$", section, re.M)
+    assert len(doors) == 3, doors
+    for door, names in zip(doors, (["FlexKVCache"], ["StreamSession", "swap_attention"], ["StreamCache"])):
+        assert all(name in door for name in names), f"the README's door {door!r} should name {names}"
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 3, f"each door has one Python example; found {len(blocks)}"
+    for block in blocks:
+        ast.parse(block)
