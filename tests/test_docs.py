@@ -521,27 +521,46 @@ def test_the_anchor_of_a_heading_is_githubs():
     assert _anchor("4. The configuration") == "4-the-configuration"
 
 
-# ------------------------------------------------------------------ the README's package layout
+# ------------------------------------------------------------------ the package layout
 
-def _readme_section(title: str) -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def _section(path: Path, title: str) -> str:
+    text = path.read_text(encoding="utf-8")
     start = text.index(f"\n## {title}")
     end = text.find("\n## ", start + 1)
     return text[start:end if end >= 0 else len(text)]
 
 
-def test_the_readme_layout_names_every_module_and_only_modules_that_exist():
-    """README's "Package layout" has one line per module: a new, moved or removed module shows there."""
+def test_the_layout_names_every_module_and_only_modules_that_exist():
+    """docs/architecture.md's "Package layout" has one line per module: a new, moved or removed module shows there."""
     package = ROOT / "flexkv"
-    section = _readme_section("Package layout")
+    section = _section(ARCHITECTURE, "Package layout")
     named = {Path(p).name for p in re.findall(r"`((?:[\w]+/)*\w+\.py)`", section) if not p.startswith("tests/")}
     # The transformers integration's modules are listed in its package docstring, not here.
     modules = {p.name for p in package.rglob("*.py")
                if p.name not in ("__init__.py", "__main__.py") and "integrations" not in p.relative_to(package).parts}
-    assert modules <= named, f"modules the README's package layout does not name: {sorted(modules - named)}"
-    assert named <= modules, f"the README's package layout names modules that do not exist: {sorted(named - modules)}"
+    assert modules <= named, f"modules the package layout does not name: {sorted(modules - named)}"
+    assert named <= modules, f"the package layout names modules that do not exist: {sorted(named - modules)}"
     tree = re.search(r"```\nflexkv/\n(.*?)```", section, re.S).group(1)
     entries = set(re.findall(r"([\w]+(?:\.py|/))", tree))
     top = {p.name + ("/" if p.is_dir() else "") for p in package.iterdir()
            if p.name not in ("__init__.py", "__main__.py", "__pycache__")}
     assert entries == top, f"the layout's tree {sorted(entries)} is not flexkv/'s top level {sorted(top)}"
+
+
+# ------------------------------------------------------------------ the README's three front doors
+
+def test_the_readme_shows_the_three_front_doors_in_order_with_code_that_parses():
+    """README.md's "Three ways in": transformers, then a model of your own, then engines, each with an example
+    that is Python (the examples themselves are run by hand when they change: they compile, which is slow)."""
+    section = _section(ROOT / "README.md", "Three ways in")
+    doors = re.findall(r"^### (.*)$", section, re.M)
+    assert len(doors) == 3, doors
+    for door, names in zip(doors, (["FlexKVCache"], ["StreamSession", "swap_attention"], ["StreamCache"])):
+        assert all(name in door for name in names), f"the README's door {door!r} should name {names}"
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 3, f"each door has one Python example; found {len(blocks)}"
+    for block in blocks:
+        ast.parse(block)
