@@ -111,3 +111,76 @@ def test_load_pretrained_refuses_what_it_cannot_load(tmp_path):
 def test_stream_nll_refuses_a_batch():
     with pytest.raises(ValueError, match=r"one stream of shape \[1, N\], got \(2, 3\)"):
         stream_nll(None, torch.zeros(2, 3, dtype=torch.long), None)
+
+
+TINY = """\
+name: tiny-chat
+layers: 1
+kv_heads: 1
+head_dim: 8
+sink: 4
+window: 16
+span: 2
+requests: 3
+stream_len: [20, 50]
+arrival: 0.3
+steps: 40
+seed: 0
+"""
+
+
+@needs_model
+def test_flexkv_run_model_streams_the_traffic_as_each_request_alone(smol, tmp_path, capsys):
+    """`flexkv run CONFIG --model`: requests arrive and leave as batch rows of one cache; each one's tokens
+    must score as that request streamed alone through a cache of the same retention."""
+    from flexkv.cli import main
+    from flexkv.cli.real_model import request_start
+    from flexkv.cli.traffic import Traffic
+    from flexkv.cli.workload import load_workload
+
+    model, _ = smol
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    out = tmp_path / "report.json"
+    assert main(["run", str(config), "--model", MODEL, "--json", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "perplexity" in printed and "reference" in printed and ": ok" in printed
+    import json
+
+    rep = json.loads(out.read_text())
+    assert rep["memory"]["flat"] and rep["requests"]["longest_stream"] > 4 + 16  # streams ran past the window
+    assert rep["reference"]["steps"] > 0 and rep["reference"]["max_abs_error"] < 1e-3
+
+    # replay the seeded traffic: how far each request got, then score each alone
+    w = load_workload(str(config), "small")
+    traffic, written = Traffic(w), {}
+    for _ in range(w.steps):
+        for r in traffic.active:
+            written[r.rid] = r.written + w.span
+        traffic.advance()
+    _, tokenizer = load_pretrained(MODEL)
+    text = tokenizer(reference_text(), return_tensors="pt").input_ids
+    total, count = 0.0, 0
+    for rid, n in written.items():
+        start = request_start(rid, text.shape[1], w)
+        alone = stream_nll(model, text[:, start:start + n + 1], FlexKVCache(model, SinkWindow(4, 16), max_streams=1),
+                           chunk=w.span)
+        total, count = total + alone.sum().item(), count + alone.numel()
+    assert count == rep["perplexity"]["tokens"] == rep["tokens"]
+    assert abs(rep["perplexity"]["all"] / torch.tensor(total / count).exp().item() - 1) < 1e-5
+
+
+def test_flexkv_run_model_refuses_what_it_cannot_stream_exactly(tmp_path, capsys):
+    from flexkv.cli import main
+
+    # a workload a language model cannot stream exactly is refused before any model loads
+    assert main(["run", "configs/per-query.yaml", "--model", "owner/any-model"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be streamed through a language model exactly: query_window 249" in err
+    assert "Traceback" not in err
+    # a model that is not there: the reason and what to pass, no traceback
+    assert main(["run", "--model", str(tmp_path / "missing.gguf"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "is not an existing file or folder" in err and "pass a GGUF file" in err and "Traceback" not in err
+    assert main(["run", "--model", "owner/x", "--compile", "graph"]) == 2
+    assert "a trained model runs eagerly here; drop --compile" in capsys.readouterr().err
