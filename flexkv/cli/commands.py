@@ -72,6 +72,9 @@ def _parser() -> _Parser:
     r.add_argument("--json", metavar="FILE", help="write the report as JSON to FILE ('-' for stdout)")
     r.add_argument("--plot", metavar="FILE.png", help="draw memory and step time over the run (needs matplotlib)")
     r.add_argument("--quiet", action="store_true", help="no progress lines")
+    r.add_argument("--model", metavar="ID_OR_PATH", help="stream the workload through this trained language model "
+                   "(hub id, transformers folder or GGUF file; needs the transformers extra, and the real extra "
+                   "for GGUF) and report its perplexity too")
 
     s = sub.add_parser("show", help="print what each query of one step attends and where it lives",
                        description="Print, for one request at one position, which stream entries each query of "
@@ -217,6 +220,8 @@ def _cmd_run(args) -> int:
         raise UsageError(f"--device {args.device!r} is not a torch device (try cpu or cuda)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: CUDA is not available in this torch build/machine")
+    if args.model is not None:
+        return _cmd_run_model(args, w, size, device)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -258,6 +263,80 @@ def _cmd_run(args) -> int:
         plot_report(rep, args.plot, title)
         if not to_stdout_json:
             print(f"plot         {args.plot}")
+    return 0
+
+
+def format_model_report(rep: dict, title: str) -> str:
+    """The text report of `flexkv run --model` (docs/cli.md): the built-in run's lines plus perplexity."""
+    m, st, req, ppl, ref = rep["memory"], rep["step_ms"], rep["requests"], rep["perplexity"], rep["reference"]
+    lines = [title, f"  {rep['model']}: {rep['layers']} layers, {rep['kv_heads']}x{rep['head_dim']} KV heads; "
+                    f"sink {req['sink']}, window {req['window']}"
+                    + (f", {req['slot_dtype']} slots" if req["slot_dtype"] != "none" else "")]
+    lines.append(f"steps        {rep['steps']} model steps ({rep['calls']} forwards), {rep['tokens']} tokens written, "
+                 f"{rep['tokens_per_s']:.0f} tokens/s")
+    lines.append(f"step time    p50 {st['p50']:.2f} ms, p95 {st['p95']:.2f} ms, mean {st['mean']:.2f} ms "
+                 f"({rep['threads']} threads, {rep['device']}, eager)")
+    lines.append(f"memory       {m['max_slots']} streams x {_bytes(m['stream_bytes'])}, cache total "
+                 f"{_bytes(m['memory_bytes'])}, {'flat' if m['flat'] else 'NOT flat'} over the run")
+    ratio = m["unbounded_bytes_end"] / m["slots_in_use_bytes_end"] if m["slots_in_use_bytes_end"] else float("nan")
+    lines.append(f"             unbounded cache by the end: {_bytes(m['unbounded_bytes_end'])} "
+                 f"(peak {_bytes(m['unbounded_bytes_peak'])}) vs {_bytes(m['slots_in_use_bytes_end'])} "
+                 f"in the streams in use ({ratio:.1f}x)")
+    wrapped = req["longest_stream"] > req["sink"] + req["window"]
+    lines.append(f"requests     {req['arrived']} arrived, {req['finished']} finished; longest stream "
+                 f"{req['longest_stream']} tokens (sink {req['sink']} + window {req['window']}"
+                 f"{': evicting' if wrapped else ': nothing evicted'})")
+    lines.append(f"perplexity   {ppl['all']:.3f} over {ppl['tokens']} predicted tokens; {ppl['past_first_eviction']:.3f} "
+                 f"over the {ppl['tokens_past_first_eviction']} past each stream's first eviction")
+    if ref["steps"]:
+        ok = "ok" if ref["max_abs_error"] < 1e-3 else "TOO LARGE"
+        lines.append(f"reference    max |logit difference| {ref['max_abs_error']:.2e} vs the model's own cache over "
+                     f"request #{ref['request']}'s first {ref['steps']} steps (its whole stream in the window): {ok}")
+    else:
+        lines.append("reference    no step checked (no request ran)")
+    lines.append(f"wall time    {_dur(rep['wall_s'])}")
+    return "\n".join(lines)
+
+
+def _cmd_run_model(args, w, size, device) -> int:
+    from .real_model import check_streamable, run_model
+
+    if args.compile is not None:
+        raise UsageError(f"--compile {args.compile} with --model: a trained model runs eagerly here; drop --compile")
+    if args.plot:
+        raise UsageError("--plot with --model: the plot draws the built-in run's series; drop --plot "
+                         "(python -m benchmarks.streaming_perplexity --plot draws a model's perplexity)")
+    check_streamable(w)  # before the model loads
+    try:
+        from ..integrations.transformers.pretrained import load_pretrained
+    except ImportError as error:
+        raise UsageError(f"--model needs transformers ({error}): pip install 'flexkv[transformers]'") from None
+    title = f"flexkv run --model {args.model}: {w.name} ({size})"
+    if not args.quiet:
+        sys.stderr.write(f"{title}: loading the model...\n")
+    model, tokenizer = load_pretrained(args.model)
+    tty = sys.stderr.isatty()
+
+    def progress(p):
+        if args.quiet:
+            return
+        line = (f"[{p['step']}/{p['steps']}] active {p['active']:>3}  step p50 {p['p50_ms']:.2f} ms  "
+                f"memory {_bytes(p['bounded_bytes'])} (unbounded {_bytes(p['unbounded_bytes'])})  "
+                f"{_dur(p['elapsed_s'])}")
+        sys.stderr.write(("\r" + line + "\033[K" + ("\n" if p["step"] == p["steps"] else "")) if tty else line + "\n")
+        sys.stderr.flush()
+
+    rep = run_model(w, model, tokenizer, device=device, progress=progress)
+    rep["size"] = size
+    if args.json:
+        text = json.dumps(_finite(rep), indent=1)
+        if args.json == "-":
+            sys.stdout.write(text + "\n")
+        else:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+    if args.json != "-":
+        print(format_model_report(rep, title))
     return 0
 
 
