@@ -23,9 +23,11 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
-from flexkv import SinkWindow  # noqa: E402
+from flexkv import BoundedKVConfig, SinkWindow  # noqa: E402
 from flexkv.cache.masks import query_window_attends  # noqa: E402
+from flexkv.integrations.vllm.backend import sink_window_attention  # noqa: E402
 from flexkv.integrations.vllm.spec import SinkWindowManager, SinkWindowSpec, block_bound  # noqa: E402
+from flexkv.model.reference import attended_indices  # noqa: E402
 
 SINK, WINDOW, BLOCK = 4, 60, 32
 #: tokens generated: ten windows past the first eviction (the query at sink + window + 1 drops entry `sink`)
@@ -70,6 +72,42 @@ def test_the_manager_frees_the_gap_on_vllms_block_pool(sink, window, chunk):
     assert freed_any and peak <= bound, (peak, bound)
     mgr.free("r")
     assert pool.get_num_free_blocks() == free0
+
+
+@pytest.mark.parametrize("sink, window, lens, steps", [
+    (4, 20, [70, 30, 100], [1, 30, 7]), (4, 200, [70, 30, 100], [1, 30, 7]), (0, 5, [9, 3], [9, 1]),
+    (50, 3, [40, 120], [40, 2]), (4, 60, [65, 66, 64], [65, 1, 2]),
+])
+def test_the_batched_attention_attends_the_contracts_set(sink, window, lens, steps):
+    """Every query token of a mixed batch against softmax over flexkv's dense reference set
+    (`attended_indices` of a per-query window), keys read through a shuffled block table."""
+    torch.manual_seed(0)
+    h, g, d, bs, nblk = 2, 2, 32, BLOCK, 40
+    kc, vc = torch.randn(nblk, h, bs, d), torch.randn(nblk, h, bs, d)
+    table = torch.zeros(len(lens), 4, dtype=torch.int32)
+    free = iter((torch.randperm(nblk - 1) + 1).tolist())  # block 0 is vLLM's null block
+    for r, n in enumerate(lens):
+        for b in range(-(-n // bs)):
+            table[r, b] = next(free)
+    q = torch.randn(sum(steps), h * g, d)
+    starts = torch.tensor([0] + torch.tensor(steps).cumsum(0).tolist(), dtype=torch.int32)
+    cfg = BoundedKVConfig(num_layers=1, num_heads=h, head_dim=d, rows_per_request=1, max_source_len=0,
+                          max_sources=0, retention=SinkWindow(sink, window), query_window=window, max_step_tokens=128)
+    want = torch.zeros_like(q)
+    t = 0
+    for r, (n, span) in enumerate(zip(lens, steps)):
+        keys = torch.stack([kc[table[r, j // bs], :, j % bs] for j in range(n)])
+        values = torch.stack([vc[table[r, j // bs], :, j % bs] for j in range(n)])
+        for js in attended_indices(cfg, 0, n - span, span, span):
+            for head in range(h * g):
+                w = torch.softmax(keys[js, head // g] @ q[t, head] * d ** -0.5, 0)
+                want[t, head] = w @ values[js, head // g]
+            t += 1
+    for max_len in (None, max(lens)):
+        got = torch.zeros_like(q)
+        sink_window_attention(q, kc, vc, table, starts, torch.tensor(lens, dtype=torch.int32), sink, window,
+                              d ** -0.5, got, max_len=max_len)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

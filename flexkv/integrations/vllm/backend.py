@@ -32,7 +32,7 @@ TILE_BYTES = 64 << 20
 
 
 def sink_window_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                          sink: int, window: int, scale: float, out) -> None:
+                          sink: int, window: int, scale: float, out, max_len=None) -> None:
     """Attention of every query token under a per-query sink + window, written into `out`.
 
     `query` `[N, Hq, D]` are the step's tokens of every request in order; `query_start_loc` `[R + 1]`
@@ -49,9 +49,15 @@ def sink_window_attention(query, key_cache, value_cache, block_table, query_star
     tokens = torch.arange(n, device=dev)
     row = torch.searchsorted(starts[1:], tokens, right=True)
     pos = seq_lens.to(torch.long)[row] - (starts[row + 1] - tokens)  # stream index of each query
-    slots = sink + window + 1
-    offsets = torch.cat([torch.arange(sink, device=dev), torch.arange(-window, 1, device=dev)])
-    is_sink = torch.arange(slots, device=dev) < sink
+    # Candidate slots: the sinks, then the window up to the query. In streams no longer than
+    # `max_len` a window wider than `max_len - 1` already reaches the stream's start, and there are
+    # at most `max_len` sinks: the candidates shrink, the attended set (decided below) does not.
+    sinks, wide = sink, window
+    if max_len is not None:
+        sinks, wide = min(sink, max_len), min(window, max(max_len - 1, 0))
+    slots = sinks + wide + 1
+    offsets = torch.cat([torch.arange(sinks, device=dev), torch.arange(-wide, 1, device=dev)])
+    is_sink = torch.arange(slots, device=dev) < sinks
     per_token = slots * h * d * 4
     tile = max(1, TILE_BYTES // per_token)
     for t0 in range(0, n, tile):
@@ -112,7 +118,7 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
         out = output[:n].view(n, self.num_heads, self.head_size)
         sink_window_attention(query[:n].view(n, self.num_heads, self.head_size), key_cache, value_cache,
                               attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens,
-                              pol.sink, pol.window, self.scale, out)
+                              pol.sink, pol.window, self.scale, out, max_len=attn_metadata.max_seq_len)
         return output
 
 
