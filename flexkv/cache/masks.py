@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["stream_index", "make_mask_mod", "make_score_mod", "POSITION_MODES"]
+__all__ = ["stream_index", "query_window_attends", "make_mask_mod", "make_score_mod", "POSITION_MODES"]
 
 POSITION_MODES = ("stream", "cache")
 
@@ -51,6 +51,15 @@ def stream_index(plan, ring_len: int, tokens: int, b, kv_idx):
 
     j = torch.where(in_src, rel_src, torch.where(in_sink, src_len + rel_sink, j_ring))
     return in_src | in_sink | in_ring, j
+
+
+def query_window_attends(j, p, sink, window):
+    """Whether the query at stream index `p` attends entry `j` under a per-query window (contract
+    section 2): `j <= p`, and `j` is a sink (`j < sink`) or one of the `window` entries before `p`.
+
+    Works on ints and on tensors (broadcast); `sink` and `window` may be either too.
+    """
+    return (j <= p) & ((j >= p - window) | (j < sink))
 
 
 def make_mask_mod(plan, ring_len: int, tokens: int, query_window: Optional[int], pack_gqa: bool = False,
@@ -90,7 +99,7 @@ def make_mask_mod(plan, ring_len: int, tokens: int, query_window: Optional[int],
         def mask_mod(b, h, q_idx, kv_idx):
             valid, j = stream_index(plan, ring_len, tokens, b, kv_idx)
             p = plan.n[b] + (q_idx % tokens if pack_gqa else q_idx)
-            return valid & (j <= p) & ((j >= p - query_window) | (j < plan.sink[b]))
+            return valid & query_window_attends(j, p, plan.sink[b], query_window)
 
     return mask_mod
 

@@ -1,0 +1,70 @@
+"""What `register` installs into vLLM, in every process vLLM starts.
+
+- `SinkWindowSpec` and `SinkWindowManager` in vLLM's KV-cache spec registry
+  (`KVCacheSpecRegistry.register`), as a kind of layer of their own;
+- `FlexKVCPUBackend` as the class behind `AttentionBackendEnum.CPU_ATTN` (`register_backend`):
+  vLLM's CPU platform selects no other backend, so the CPU backend itself is what a plugin replaces;
+- a wrapper of `Attention.get_kv_cache_spec`: a layer whose implementation keeps a flexkv
+  retention reports a `SinkWindowSpec` instead of vLLM's full-attention spec. vLLM offers no hook
+  for this; every other layer reports what vLLM's own method says.
+
+Calling `install` again changes nothing (vLLM may load plugins more than once).
+"""
+
+from __future__ import annotations
+
+__all__ = ["install"]
+
+_installed = False
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    from .backend import FlexKVCPUImpl
+    from .options import check_engine
+    from .spec import SinkWindowManager, SinkWindowSpec
+
+    # vLLM registers its own specs only when the registry is empty: fill it first.
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(SinkWindowSpec, SinkWindowManager, uniform_type_base_spec=SinkWindowSpec)
+    register_backend(AttentionBackendEnum.CPU_ATTN, "flexkv.integrations.vllm.backend.FlexKVCPUBackend")
+
+    own = Attention.get_kv_cache_spec
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = own(self, vllm_config)
+        impl = getattr(self, "impl", None)
+        if not isinstance(impl, FlexKVCPUImpl):
+            if isinstance(spec, FullAttentionSpec) and check_engine(vllm_config) is not None:
+                raise ValueError(
+                    f"flexkv cannot serve additional_config['flexkv'] for layer {self.layer_name}: its attention "
+                    f"backend is {type(impl).__name__}, and flexkv's retention runs in vLLM's CPU backend only"
+                )
+            return spec
+        pol = impl.retention
+        if pol is None or isinstance(spec, SlidingWindowSpec):
+            return spec
+        if type(spec) is not FullAttentionSpec:
+            raise ValueError(f"flexkv cannot serve {pol!r} for layer {self.layer_name}: vLLM describes its cache as "
+                             f"{type(spec).__name__}, and flexkv bounds plain full-attention layers only")
+        return SinkWindowSpec(
+            block_size=spec.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            head_size_v=spec.head_size_v,
+            dtype=spec.dtype,
+            kv_quant_mode=spec.kv_quant_mode,
+            sliding_window=pol.window + 1,
+            sink=pol.sink,
+        )
+
+    get_kv_cache_spec.__wrapped__ = own
+    Attention.get_kv_cache_spec = get_kv_cache_spec
+    _installed = True

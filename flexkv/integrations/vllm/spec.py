@@ -1,0 +1,90 @@
+"""The KV-cache spec and block manager of a sink + window layer.
+
+`SinkWindowSpec` is vLLM's `SlidingWindowSpec` with `sink` added: vLLM's `sliding_window` counts
+the keys a decode query attends with itself included, so flexkv's `window` (entries before the
+query) is `sliding_window - 1`. The spec gives vLLM the per-request block bound that both its
+start-up pool sizing and its admission use; `SinkWindowManager` frees, as a request advances,
+every block that lies wholly between the sink blocks and the window, and hands back nothing
+else until the request ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+from ...config import SinkWindow
+
+__all__ = ["SinkWindowSpec", "SinkWindowManager", "block_bound"]
+
+
+def block_bound(retention: SinkWindow, block_size: int, tokens_in_flight: int) -> int:
+    """The most blocks one request holds under `retention`, whatever its length:
+    `ceil(sink / B) + ceil((window - 1 + tokens_in_flight) / B) + 1`.
+
+    A step writing `T` tokens from stream index `n` reads the sinks (the first `ceil(sink / B)`
+    blocks) and `n - window .. n + T - 1`, `window + T` entries, which touch at most
+    `ceil((window + T - 1) / B) + 1` blocks when they do not start at a block's edge.
+    """
+    return cdiv(retention.sink, block_size) + cdiv(retention.window - 1 + tokens_in_flight, block_size) + 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class SinkWindowSpec(SlidingWindowSpec):
+    """A decoder layer under `SinkWindow(sink, sliding_window - 1)` with a per-query window."""
+
+    sink: int = 0
+
+    @property
+    def retention(self) -> SinkWindow:
+        return SinkWindow(self.sink, self.sliding_window - 1)
+
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+        return min(block_bound(self.retention, self.block_size, max_in_flight_tokens),
+                   cdiv(max_model_len, self.block_size))
+
+    def is_uniform_with_collection(self, kv_cache_specs) -> bool:
+        return all(isinstance(s, SinkWindowSpec) and s.sliding_window == self.sliding_window and s.sink == self.sink
+                   for s in kv_cache_specs.values())
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+
+class SinkWindowManager(SlidingWindowManager):
+    """Keeps a request's sink blocks and the blocks its next query's window touches; frees the rest.
+
+    Freed blocks become vLLM's null block in the request's block table (as the sliding-window
+    manager does), so block indices keep meaning stream positions. Prefix caching is refused at
+    start-up (`options.refusals`), so no cache hit is ever looked up here.
+    """
+
+    def __init__(self, kv_cache_spec: SinkWindowSpec, **kwargs) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self.retention = kv_cache_spec.retention
+        #: the first block that may be freed: every block before it holds a sink
+        self.first_gap_block = cdiv(self.retention.sink, self.block_size)
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        # vLLM reads this as "the first N tokens are gone"; here the sinks stay, so no prefix is skipped.
+        return 0
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens=None) -> None:
+        # The next query (stream index `processed_computed_tokens`) and every later one read nothing
+        # below its window's start except the sinks: free the blocks wholly in between.
+        lo = self.retention.window_start(processed_computed_tokens, 0)
+        self._remove_blocks_in_range(request_id, self.first_gap_block, lo // self.block_size)
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
+                               drop_eagle_block, alignment_tokens, dcp_world_size=1, pcp_world_size=1):
+        return tuple([] for _ in kv_cache_group_ids), 0
+
+    def held_blocks(self, request_id: str) -> int:
+        """Blocks `request_id` holds now (its table's entries that are not the null block)."""
+        return sum(1 for b in self.req_to_blocks.get(request_id, ()) if not b.is_null)

