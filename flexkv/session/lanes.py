@@ -456,14 +456,13 @@ class LaneSession:
             return check_new_state(run(plans, inputs, unflatten(s_spec, stacked)), stacked, s_spec)
 
     def _commit(self, new_state, running, lanes, what: str) -> None:
-        """Refuse a step that left a declared layer unattended, else commit it: the context's commit
-        (the caches advance every stream), then the new state of every running request (plain
-        assignments only after the commit)."""
-        self.context.check_attendance(f"{type(self).__name__}.step ({what})")
+        """Commit the step: the context's commit (its one attendance check refuses a step that left a
+        declared layer unattended; then the caches advance every stream), then the new state of every
+        running request (plain assignments only after the commit)."""
         kept = {}
         if new_state is not None:
             kept = {rid: map_tensors(lambda t, lane=lanes[rid]: t[lane], new_state) for rid in running}
-        self.context.commit()
+        self.context.commit(f"{type(self).__name__}.step ({what})")
         for rid in running:
             if new_state is not None:
                 self._requests[rid].state = kept[rid]

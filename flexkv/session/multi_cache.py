@@ -561,10 +561,11 @@ class MultiCacheSession(LaneSession):
             for Ts in itertools.product(*(self.token_sizes[n] for n in names)):
                 steps = {n: BoundedKVStep(tuple(Segment(None, 0) for _ in range(B)), {}, tokens=T)
                          for n, T in zip(names, Ts)}
-                with self.context.stepping(steps) as plans:  # padding alone: it commits nothing a request holds
+                # Padding alone: it commits nothing a request holds; its commit check refuses a bad graph.
+                where = f"MultiCacheSession warm-up of the model step (B={B}, T={dict(zip(names, Ts))})"
+                with self.context.stepping(steps, where) as plans:
                     inputs = {n: unflatten(shape[n][0], pad_by_lane({}, templates[n], B, T, shape[n][1]))
                               for n, T in zip(names, Ts)}
                     self._padding_call(run, plans, inputs, B, padding_state)
-                    self.context.check_attendance(f"MultiCacheSession warm-up of the model step (B={B}, T={dict(zip(names, Ts))})")
                 self._warm.add((step_key(fn), B, Ts))
         return time.perf_counter() - t0

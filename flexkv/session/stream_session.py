@@ -380,12 +380,10 @@ class StreamSession(LaneSession):
         for B in self.batch_sizes:
             for T in self.token_sizes:
                 step = BoundedKVStep(tuple(Segment(None, 0) for _ in range(B)), {}, tokens=T)
-                # A step of padding alone: it reads and writes nothing a request holds, and commits nothing.
-                with self.context.stepping(step) as plan:
+                # A step of padding alone: it reads and writes nothing a request holds. The graph attends
+                # what every later step of this shape will, so its commit check refuses a bad one here.
+                with self.context.stepping(step, f"StreamSession warm-up of the model step (B={B}, T={T})") as plan:
                     inputs = unflatten(spec, pad_by_lane({}, template, B, T, per_request))
                     self._padding_call(run, plan, inputs, B, padding_state)
-                    # The graph attends what every later step of this shape will: refuse it here, on a
-                    # padding step that changed nothing a request holds.
-                    self.context.check_attendance(f"StreamSession warm-up of the model step (B={B}, T={T})")
                 self._warm.add((step_key(fn), B, T))
         return time.perf_counter() - t0
