@@ -441,6 +441,55 @@ def test_fork_reset_rollback_and_finish_apply_to_every_cache():
     assert all("b" not in c.requests for c in s.caches.values()) and s.free_lanes == 2
 
 
+def test_one_session_class_runs_one_cache_or_named_ones():
+    """`StreamSession({name: cache})` is the session over named caches (`MultiCacheSession` only spells its
+    arguments): the same steps, lifecycle and results; a one-cache session is its one-entry case."""
+    from flexkv import StreamSession
+
+    assert issubclass(MultiCacheSession, StreamSession)
+    assert set(MultiCacheSession.__dict__) <= {"__init__", "__doc__", "__module__", "__qualname__"}
+    a, b = StreamSession(bounded(), compile=False, token_sizes=TOKEN_SIZES), session()
+    assert type(a.context) is type(b.context) and a.token_sizes == b.token_sizes == TOKEN_SIZES
+    for s in (a, b):
+        s.start("p", sources={"slow": (0, 0)})
+        s.fork("p", "q")
+    for i, lengths in enumerate(SCHEDULE[:5]):
+        fed = feeds({**lengths, "p": 1, "q": 2}, i)
+        ra, rb = a.step(fed, model), b.step(fed, model)
+        assert type(ra) is type(rb) and ra.lanes == rb.lanes and ra.tokens == rb.tokens
+        for rid in ra:
+            for name in CONFIGS:
+                assert torch.equal(ra[rid][name], rb[rid][name]), (i, rid, name)
+    a.rollback("q", {"slow": 1, "fast": 0})
+    b.rollback("q", {"slow": 1, "fast": 0})
+    assert observed(a)[:4] == observed(b)[:4] and a.sources("q") == {"slow": (0, 0), "fast": (0, 0)}
+
+
+def test_each_spelling_refuses_the_forms_of_the_other_naming_its_own():
+    from flexkv import StreamSession
+
+    one, named = StreamSession(SLOW, compile=False), session()
+    before = observed(named)
+    with pytest.raises(ValueError, match=r"start: sources= is for a session over named caches; .* source= and "):
+        one.start("a", sources={"slow": (0, 0)})
+    with pytest.raises(ValueError, match=r"MultiCacheSession.start: this session's caches are named \['slow', 'fast'\]"
+                                         r"; declare a source per cache, sources=\{name: \(source, source_len\)\}"):
+        named.start("a", source=1, source_len=2)
+    k = torch.zeros(SLOW.num_layers, 1, SLOW.num_heads, 1, SLOW.head_dim, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"MultiCacheSession.add_source\(cache_name, keys, values\) takes 3 arguments "
+                                        r"\(the caches are \['slow', 'fast'\]\), got 2"):
+        named.add_source(k, k)
+    with pytest.raises(TypeError, match=r"StreamSession.remove_source\(index\) takes 1 arguments, got 2"):
+        one.remove_source("slow", 0)
+    with pytest.raises(AttributeError, match=r"over named caches \['slow', 'fast'\] has no one cache; use caches"):
+        named.cache
+    with pytest.raises(ValueError, match=r"groups is for one cache"):
+        StreamSession(CONFIGS, groups=[SinkWindow(1, 5)] * 2, compile=False)
+    assert observed(named) == before and one.requests == () and one.cache.requests == ()
+    one.start("a", source_len=0)
+    assert one.sources("a") == (0, 0) and one.caches == {None: one.cache}
+
+
 # ------------------------------------------------------------------ compiled (the default)
 
 

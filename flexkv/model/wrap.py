@@ -64,7 +64,7 @@ from ..step import BoundedKVStep
 from .attendance import AttendanceRecord
 
 __all__ = ["StepContext", "CacheAttention", "attention", "ROW_ORDERS",
-           "rows_by_request", "rows_stacked", "named_error"]
+           "rows_by_request", "rows_stacked", "named_error", "naming_errors"]
 
 #: How a model orders a step's `N = B * R` attention rows (`R = rows_per_request`): request by request
 #: (row `lane * R + r`, flexkv's order), or stacked (row `r * B + lane`: every request's first row, then every
@@ -97,6 +97,15 @@ def named_error(exc: BaseException, name: Hashable, where: str) -> BaseException
         return exc
     named.__cause__ = exc
     return named
+
+
+@contextlib.contextmanager
+def naming_errors(name: Hashable, where: str):
+    """An `Exception` raised inside, by cache `name`, raised again by `named_error`."""
+    try:
+        yield
+    except Exception as exc:
+        raise named_error(exc, name, where) from None
 
 
 class StepContext:
