@@ -31,7 +31,7 @@ from flexkv import (
 from flexkv.model.attendance import AttendanceError
 from flexkv.model.random_workload import check_close
 from flexkv.model.reference import ReferenceCache
-from flexkv.model.wrap import attention
+from flexkv.model.wrap import StepContext, attention
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 SLOW = BoundedKVConfig(num_layers=2, num_heads=2, head_dim=4, rows_per_request=1, max_source_len=0,
@@ -61,11 +61,15 @@ def qkv(x, layer):
     return tuple((x[:, :, i] * (layer + 1)).transpose(1, 2) for i in range(3))
 
 
+def stack(attn, x, name):
+    """Cache `name`'s stack through its one-cache context `attn` on its feed: `[B, T, layers, H, D]`."""
+    return torch.stack([attn(layer, *qkv(x, layer)).transpose(1, 2) for layer in range(CONFIGS[name].num_layers)],
+                       dim=2)
+
+
 def model(attn, x):
     """Each cache's stack on its own feed: name -> `[B, T_name, layers, H, D]`."""
-    return {name: torch.stack([attn[name](layer, *qkv(x[name], layer)).transpose(1, 2)
-                               for layer in range(CONFIGS[name].num_layers)], dim=2)
-            for name in CONFIGS}
+    return {name: stack(attn[name], x[name], name) for name in CONFIGS}
 
 
 def feeds(lengths, seed):
@@ -437,6 +441,55 @@ def test_fork_reset_rollback_and_finish_apply_to_every_cache():
     assert all("b" not in c.requests for c in s.caches.values()) and s.free_lanes == 2
 
 
+def test_one_session_class_runs_one_cache_or_named_ones():
+    """`StreamSession({name: cache})` is the session over named caches (`MultiCacheSession` only spells its
+    arguments): the same steps, lifecycle and results; a one-cache session is its one-entry case."""
+    from flexkv import StreamSession
+
+    assert issubclass(MultiCacheSession, StreamSession)
+    assert set(MultiCacheSession.__dict__) <= {"__init__", "__doc__", "__module__", "__qualname__"}
+    a, b = StreamSession(bounded(), compile=False, token_sizes=TOKEN_SIZES), session()
+    assert type(a.context) is type(b.context) and a.token_sizes == b.token_sizes == TOKEN_SIZES
+    for s in (a, b):
+        s.start("p", sources={"slow": (0, 0)})
+        s.fork("p", "q")
+    for i, lengths in enumerate(SCHEDULE[:5]):
+        fed = feeds({**lengths, "p": 1, "q": 2}, i)
+        ra, rb = a.step(fed, model), b.step(fed, model)
+        assert type(ra) is type(rb) and ra.lanes == rb.lanes and ra.tokens == rb.tokens
+        for rid in ra:
+            for name in CONFIGS:
+                assert torch.equal(ra[rid][name], rb[rid][name]), (i, rid, name)
+    a.rollback("q", {"slow": 1, "fast": 0})
+    b.rollback("q", {"slow": 1, "fast": 0})
+    assert observed(a)[:4] == observed(b)[:4] and a.sources("q") == {"slow": (0, 0), "fast": (0, 0)}
+
+
+def test_each_spelling_refuses_the_forms_of_the_other_naming_its_own():
+    from flexkv import StreamSession
+
+    one, named = StreamSession(SLOW, compile=False), session()
+    before = observed(named)
+    with pytest.raises(ValueError, match=r"start: sources= is for a session over named caches; .* source= and "):
+        one.start("a", sources={"slow": (0, 0)})
+    with pytest.raises(ValueError, match=r"MultiCacheSession.start: this session's caches are named \['slow', 'fast'\]"
+                                         r"; declare a source per cache, sources=\{name: \(source, source_len\)\}"):
+        named.start("a", source=1, source_len=2)
+    k = torch.zeros(SLOW.num_layers, 1, SLOW.num_heads, 1, SLOW.head_dim, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"MultiCacheSession.add_source\(cache_name, keys, values\) takes 3 arguments "
+                                        r"\(the caches are \['slow', 'fast'\]\), got 2"):
+        named.add_source(k, k)
+    with pytest.raises(TypeError, match=r"StreamSession.remove_source\(index\) takes 1 arguments, got 2"):
+        one.remove_source("slow", 0)
+    with pytest.raises(AttributeError, match=r"over named caches \['slow', 'fast'\] has no one cache; use caches"):
+        named.cache
+    with pytest.raises(ValueError, match=r"groups is for one cache"):
+        StreamSession(CONFIGS, groups=[SinkWindow(1, 5)] * 2, compile=False)
+    assert observed(named) == before and one.requests == () and one.cache.requests == ()
+    one.start("a", source_len=0)
+    assert one.sources("a") == (0, 0) and one.caches == {None: one.cache}
+
+
 # ------------------------------------------------------------------ compiled (the default)
 
 
@@ -557,6 +610,61 @@ def test_a_multi_step_context_refuses_a_commit_that_skipped_a_layer_naming_the_c
     with multi.stepping(steps):
         model(multi, x)
     assert {name: c.written("a") for name, c in caches.items()} == {"slow": 1, "fast": 1}
+
+
+def test_one_context_class_steps_one_cache_or_several_named_ones():
+    """`StepContext({name: cache})` is the step object over named caches (`MultiStepContext` adds nothing to
+    it): each name's one-cache context, driven through it, gives what that context gives stepped alone."""
+    assert issubclass(MultiStepContext, StepContext) and MultiStepContext.__dict__.keys() <= {"__module__",
+                                                                                            "__doc__", "__qualname__"}
+    caches, alone = bounded(), bounded()
+    named, one = StepContext(caches), {name: StepContext(c) for name, c in alone.items()}
+    assert isinstance(named["slow"], StepContext) and one["slow"][None] is one["slow"] and list(named) == ["slow", "fast"]
+    x = feeds({"a": 2}, 0)["a"]
+    x = {name: t.unsqueeze(0) for name, t in x.items()}
+    for written in range(3):
+        steps = {name: BoundedKVStep((Segment("a", len(x[name][0])),), {"a": StreamPosition(0, written * len(x[name][0]))})
+                 for name in CONFIGS}
+        with named.stepping(steps) as plans:
+            got = model(named, x)
+        assert set(plans) == set(CONFIGS) and named.plans == plans
+        want = {}
+        for name, ctx in one.items():
+            with ctx.stepping(steps[name]):
+                want[name] = stack(ctx, x[name], name)
+        for name in CONFIGS:
+            assert torch.equal(got[name], want[name]), name
+    assert {n: c.written("a") for n, c in caches.items()} == {"slow": 6, "fast": 12}
+    with pytest.raises(ValueError, match=r"StepContext.attend: this context steps the caches \['slow', 'fast'\]; call "
+                                         r"it on one of them, context\[name\].attend"):
+        named(0, *qkv(x["slow"], 0))
+    with pytest.raises(ValueError, match=r"context\[name\].attention"):
+        attention(named, 0)
+
+
+@pytest.mark.parametrize("caches", [1, 2])
+def test_a_session_step_checks_attendance_once_per_cache_as_its_commit_check(caches, monkeypatch):
+    """The attendance check runs once per step (per cache), inside the step transaction's commit, for every
+    door: a session step, a hand-driven context, and a warm-up step."""
+    from flexkv import StreamSession
+    from flexkv.model.attendance import AttendanceRecord
+
+    checks = []
+    real = AttendanceRecord.check
+    monkeypatch.setattr(AttendanceRecord, "check", lambda self, where, layers=None: (checks.append(where),
+                                                                                       real(self, where, layers))[1])
+    if caches == 1:
+        s = StreamSession(BoundedKVManager(SLOW, block_size=8), compile=False, token_sizes=(1, 2, 3))
+        fed = {"a": feeds({"a": 2}, 0)["a"]["slow"]}
+        fn = lambda attn, x: stack(attn, x, "slow")  # noqa: E731
+    else:
+        s, fed, fn = session(), feeds({"a": 2}, 0), model
+    s.step(fed, fn)
+    assert checks == [f"{type(s).__name__}.step (B=3, T={({'slow': 2, 'fast': 4} if caches == 2 else 2)})"
+                      + ("" if caches == 1 else f" (cache {name!r})") for name in list(CONFIGS)[:caches]]
+    checks.clear()
+    s.warmup(fn, fed["a"])
+    assert len(checks) == caches * len(s.batch_sizes) * (3 if caches == 1 else 9) and "warm-up" in checks[0]
 
 
 def test_an_operation_called_from_inside_the_model_is_refused_and_changes_nothing():

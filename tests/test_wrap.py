@@ -99,3 +99,23 @@ def test_stream_offsets_are_each_rows_first_stream_index():
     rev.begin(BoundedKVStep((Segment("a", 2),), {"a": StreamPosition(0, 0)}, tokens=2))
     with pytest.raises(ValueError, match=r"reverse_step_order=True .* count down.*use stream_positions\(\)"):
         rev.stream_offsets()
+
+
+def test_the_core_attends_through_its_context():
+    """`CacheAttention` is one more caller of `StepContext.attend` (the one place a layer's call is counted for
+    the attendance check and handed to the cache), with its scale and score_mod passed on."""
+    ctx = StepContext(BoundedKVManager(_config(), block_size=16))
+    calls = []
+    attend = ctx.attend
+    ctx.attend = lambda layer, q, k, v, **kw: (calls.append((layer, sorted(kw))), attend(layer, q, k, v, **kw))[1]
+    core = attention(ctx, 1, scale=0.5)
+    with ctx.stepping(BoundedKVStep((Segment("a", 2),), {"a": StreamPosition(0, 0)}, tokens=2)):
+        q, kv = torch.randn(R, HQ, 2, D), torch.randn(R, H, 2, D)
+        out = core(q, kv, kv)
+        ctx.attend(0, q, kv, kv)
+    assert calls == [(1, ["positions", "scale", "score_mod"]), (0, [])]
+    assert ctx.attendance.counts == [1, 1]
+    want = StepContext(BoundedKVManager(_config(), block_size=16))
+    with want.stepping(BoundedKVStep((Segment("a", 2),), {"a": StreamPosition(0, 0)}, tokens=2)):
+        want(0, q, kv, kv)
+        torch.testing.assert_close(out, want(1, q, kv, kv, scale=0.5), rtol=0, atol=0)

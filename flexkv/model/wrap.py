@@ -36,12 +36,20 @@ binds it before running the model::
     context.commit()
 
 Passing the plan as an argument makes it a graph input explicitly.
+
+A model that keeps several caches (two attention stacks at different
+frame rates) steps them with one context over named caches,
+`StepContext({"slow": cache_25, "fast": cache_50})`: the same class, whose
+`begin`, `bind` and `stepping` take mappings of name -> step or plan, and
+whose `context[name]` is the one-cache context that cache's layers are
+built on (`flexkv.model.multi_context` says what a step over several caches
+guarantees; `MultiStepContext` is that spelling's name).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Hashable, List, Optional
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optional
 
 import torch
 from torch import nn
@@ -49,13 +57,14 @@ from torch import nn
 from ..cache.masks import POSITION_MODES
 from ..cache.protocol import check_cache
 from ..cache.rotary import ROPE_POSITIONS, Rotary
+from ..cache.slots import SlotsExhausted
 from ..cache.transaction import StepTransaction
 from ..config import check_layer_index
 from ..step import BoundedKVStep
 from .attendance import AttendanceRecord
 
 __all__ = ["StepContext", "CacheAttention", "attention", "ROW_ORDERS",
-           "rows_by_request", "rows_stacked"]
+           "rows_by_request", "rows_stacked", "named_error", "naming_errors"]
 
 #: How a model orders a step's `N = B * R` attention rows (`R = rows_per_request`): request by request
 #: (row `lane * R + r`, flexkv's order), or stacked (row `r * B + lane`: every request's first row, then every
@@ -77,71 +86,233 @@ def rows_stacked(x: torch.Tensor, rows_per_request: int) -> torch.Tensor:
     return x.unflatten(0, (-1, rows_per_request)).transpose(0, 1).flatten(0, 1)
 
 
+def named_error(exc: BaseException, name: Hashable, where: str) -> BaseException:
+    """`exc` again, of its own type, with `where` and the cache `name` in front of its message (the
+    original when its type cannot be rebuilt from one message, or it is not an `Exception`)."""
+    if not isinstance(exc, Exception):
+        return exc
+    try:
+        named = type(exc)(f"{where}: cache {name!r}: {exc}")
+    except Exception:
+        return exc
+    named.__cause__ = exc
+    return named
+
+
+@contextlib.contextmanager
+def naming_errors(name: Hashable, where: str):
+    """An `Exception` raised inside, by cache `name`, raised again by `named_error`."""
+    try:
+        yield
+    except Exception as exc:
+        raise named_error(exc, name, where) from None
+
+
 class StepContext:
-    """The cache a model's attention layers share, and the step they are running.
+    """The caches a model's attention layers share, and the step they are running.
 
-    `cache` is any flexkv cache (`flexkv.cache.protocol.StreamCache`). Host side:
-    `begin(step) -> plan`, then `commit()` after the forward (or `abort()`
-    when it raised); `stepping(step)` is both as a `with` block. In a
-    compiled step, call `bind(plan)` inside the compiled function.
+    `StepContext(cache)`: one cache (any `flexkv.cache.protocol.StreamCache`).
+    `begin(step) -> plan`, the model's forward, then `commit()` (or `abort()`
+    when it raised); `stepping(step)` is both as a `with` block. In a compiled
+    step, call `bind(plan)` inside the compiled function. `plan` is the plan
+    the layers read: the one place a cache's current plan lives (caches keep
+    none; every `attend` is given it).
 
-    `plan` is the plan the layers read: the one place a step's current plan
-    lives (caches keep none; every `attend` is given it).
+    `StepContext({name: cache, ...})`: several named caches stepped as one
+    (`flexkv.model.multi_context` says what that guarantees). Then `begin`,
+    `bind` and `stepping` take and return mappings of name -> step or plan,
+    and `context[name]` is the one-cache context of that cache, what the layers
+    of that cache are built on (`attention(context[name], layer)`) and call
+    (`context[name](layer, q, k, v)`); it shares that cache's plan and attendance
+    record with this context. A mapping value may be such a one-cache context
+    already. A one-cache context is the one-entry case: `context[None]` is
+    itself.
+
+    Either way a step is one `flexkv.cache.transaction.StepTransaction` over
+    every cache, with one commit check: every declared layer of every cache
+    attended exactly once (`flexkv.model.attendance`).
     """
 
-    def __init__(self, cache):
-        self.cache = check_cache(cache, "StepContext")
-        self.step: Optional[BoundedKVStep] = None
-        self.plan: Any = None
+    def __init__(self, caches):
+        self._one = not isinstance(caches, Mapping)
+        kind = type(self).__name__
         #: The step begun last (`flexkv.cache.transaction.StepTransaction`), None before the first.
         self.transaction: Optional[StepTransaction] = None
+        #: The plan the layers read (a one-cache context; None on a named one, whose plans live in `context[name]`).
+        self.plan: Any = None
+        #: The step begun last (a one-cache context).
+        self.step: Optional[BoundedKVStep] = None
+        self._where = f"{kind}.commit"  # who commits, named in an attendance error
         self._checks: List[Callable[[BoundedKVStep], None]] = []
-        #: attend calls per cache layer in the current step; `commit` refuses a step that did not attend
-        #: every layer exactly once (`flexkv.model.attendance`)
-        self.attendance = AttendanceRecord(self.cache.config.num_layers)
-        self._commit_where = "StepContext.commit"  # who commits, for the attendance error (a session says so)
+        if self._one:
+            self.cache = check_cache(caches, kind)
+            #: attend calls per cache layer in the current step; the commit check refuses a step that did not
+            #: attend every layer exactly once (`flexkv.model.attendance`)
+            self.attendance: Optional[AttendanceRecord] = AttendanceRecord(self.cache.config.num_layers)
+            #: name -> one-cache context; a one-cache context is its own one entry
+            self.contexts: Dict[Hashable, StepContext] = {None: self}
+            return
+        if not caches:
+            raise ValueError(f"{kind} needs a cache or a non-empty mapping of name -> cache (or one-cache "
+                             f"StepContext), got {caches!r}")
+        self.cache, self.attendance = None, None
+        contexts: Dict[Hashable, StepContext] = {}
+        for name, c in caches.items():
+            if isinstance(c, StepContext) and not c._one:
+                raise ValueError(f"{kind}: {name!r} is a context over several caches; give its caches one name each")
+            ctx = c if isinstance(c, StepContext) else StepContext(c)
+            same = next((n for n, o in contexts.items() if o.cache is ctx.cache), None)
+            if same is not None:
+                raise ValueError(
+                    f"{kind}: caches {same!r} and {name!r} are the same cache object; each name needs a "
+                    f"cache of its own (two names over one cache would write every step to it twice)"
+                )
+            contexts[name] = ctx
+        self.contexts = contexts
+
+    # ------------------------------------------------------------- the caches
+
+    def __getitem__(self, name) -> "StepContext":
+        try:
+            return self.contexts[name]
+        except (KeyError, TypeError):
+            raise KeyError(f"no cache named {name!r}; this step's caches are {list(self.contexts)}") from None
+
+    def __iter__(self) -> Iterator:
+        return iter(self.contexts)
+
+    def __len__(self) -> int:
+        return len(self.contexts)
+
+    def __contains__(self, name) -> bool:
+        try:
+            return name in self.contexts
+        except TypeError:
+            return False
+
+    def keys(self):
+        return self.contexts.keys()
+
+    def values(self):
+        return self.contexts.values()
+
+    def items(self):
+        return self.contexts.items()
+
+    @property
+    def caches(self) -> Dict[Hashable, Any]:
+        """name -> cache (a one-cache context: `{None: cache}`)."""
+        return {name: ctx.cache for name, ctx in self.contexts.items()}
+
+    @property
+    def plans(self) -> Optional[Dict[Hashable, Any]]:
+        """name -> the plan each cache's layers read (None before the first step)."""
+        if self.transaction is None:
+            return None
+        return {name: ctx.plan for name, ctx in self.contexts.items()}
+
+    def _the_cache(self, what: str) -> None:
+        """Refuse `what` on a context over several caches (it belongs to one of them)."""
+        if not self._one:
+            raise ValueError(f"{type(self).__name__}.{what}: this context steps the caches {list(self.contexts)}; "
+                             f"call it on one of them, context[name].{what}")
 
     @property
     def config(self):
+        self._the_cache("config")
         return self.cache.config
+
+    # ------------------------------------------------------------- the step
 
     def add_check(self, check: Callable[[BoundedKVStep], None]) -> None:
         """Run `check(step)` in every `begin` (host-side validation a layer needs)."""
+        self._the_cache("add_check")
         if check not in self._checks:
             self._checks.append(check)
 
-    def begin(self, step: BoundedKVStep, transaction: Optional[StepTransaction] = None):
-        """Check `step` (the layers' checks first, so a refused step admits nothing), admit and plan it;
-        returns the plan.
+    def check_steps(self, steps: Mapping[Hashable, BoundedKVStep], where: Optional[str] = None) -> None:
+        """Raise unless `steps` gives exactly one `BoundedKVStep` per named cache."""
+        where = where or f"{type(self).__name__}.begin"
+        if not isinstance(steps, Mapping):
+            raise ValueError(f"{where}: steps must be a mapping of cache name -> BoundedKVStep, got {steps!r}")
+        unknown = [n for n in steps if n not in self.contexts]
+        missing = [n for n in self.contexts if n not in steps]
+        if unknown or missing:
+            raise ValueError(
+                f"{where}: give one step per cache, named {list(self.contexts)}; "
+                + (f"no cache is named {unknown}" if unknown else "")
+                + ("; " if unknown and missing else "")
+                + (f"no step for {missing} (a cache that no request feeds this step takes a step of padding "
+                   f"segments: its layers are still attended, once each)" if missing else "")
+            )
+        for name, step in steps.items():
+            if not isinstance(step, BoundedKVStep):
+                raise ValueError(f"{where}: the step of cache {name!r} must be a BoundedKVStep, got {step!r}")
 
-        The step runs in `transaction` (a door that admitted more in it first, such as a
-        session starting requests, or a step over several caches whose transaction this
-        context's cache joins: `flexkv.model.multi_context`) or a new one. Refused while the
-        step begun last is still open: `commit()` or `abort()` it first.
+    def begin(self, step, transaction: Optional[StepTransaction] = None):
+        """Check, admit and plan the step; returns its plan (name -> plan over named caches).
+
+        `step` is a `BoundedKVStep` (one cache) or name -> `BoundedKVStep`, one per cache (a cache no
+        request feeds takes a step of padding segments). Each cache's layer checks run first, then
+        its admission and plan, cache by cache; if any cache refuses, no cache keeps anything of
+        the step (and over named caches the error names the cache). The step runs in `transaction`
+        (a door that admitted more in it first, such as a session starting requests) or a new one.
+        Refused while the step begun last is still open: `commit()` or `abort()` it first.
         """
-        if self.transaction is not None and self.transaction.is_open:
-            raise ValueError("StepContext.begin: the step begun last is still open; commit() it after its "
-                             "forward, or abort() it if the forward failed")
-        for check in self._checks:
-            check(step)
-        txn = StepTransaction(self.cache) if transaction is None else transaction
-        plan = txn.begin(step, self.cache)
-        self.transaction, self.step, self.plan = txn, step, plan
-        self.attendance.start()
-        # Before anything commits: every declared cache layer attended exactly once.
-        txn.add_commit_check(lambda _txn: self.check_attendance(self._commit_where))
-        return plan
+        where = f"{type(self).__name__}.begin"
+        if any(c.transaction is not None and c.transaction.is_open for c in (self, *self.contexts.values())):
+            raise ValueError(f"{where}: the step begun last is still open; commit() it after its forward, or "
+                             f"abort() it if the forward failed")
+        if self._one:
+            steps = {None: step}
+        else:
+            self.check_steps(step, where)
+            steps = step
+        txn = StepTransaction(next(iter(self.contexts.values())).cache) if transaction is None else transaction
+        plans: Dict[Hashable, Any] = {}
+        name = None
+        try:
+            for name, ctx in self.contexts.items():
+                for check in ctx._checks:  # before the admission, so a refused step admits nothing here
+                    check(steps[name])
+                plans[name] = txn.begin(steps[name], ctx.cache)
+        except SlotsExhausted as exc:
+            txn.abort()
+            if self._one:
+                raise
+            raise SlotsExhausted(f"{where}: cache {name!r} has no free slot for the step's new requests ({exc}); "
+                                 f"the step was admitted in no cache") from exc
+        except BaseException as exc:
+            txn.abort()
+            if self._one:
+                raise
+            raise named_error(exc, name, where) from None
+        for name, ctx in self.contexts.items():
+            ctx.transaction, ctx.step, ctx.plan = txn, steps[name], plans[name]
+            ctx.attendance.start()
+        self.transaction, self._where = txn, f"{type(self).__name__}.commit"
+        # The step's one attendance check, before anything commits: every declared layer of every cache once.
+        txn.add_commit_check(lambda _txn: self.check_attendance(self._where))
+        return plans[None] if self._one else plans
 
     def bind(self, plan) -> None:
-        """Make `plan` the one the layers read (call it inside a compiled step, on its argument)."""
-        self.plan = plan
+        """Make `plan` the one the layers read (name -> plan over named caches); call it inside a
+        compiled step, on its argument."""
+        if self._one:
+            self.plan = plan
+        else:
+            for name, ctx in self.contexts.items():
+                ctx.plan = plan[name]
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-        """Attention of layer `layer_idx` for the bound step, with no attention module in between:
+        """Attention of layer `layer_idx` for the bound step, counted for the step's attendance check:
         the cache's `attend(layer_idx, q, k, v, plan, **kwargs)`. Calling the context does the
-        same: `context(layer_idx, q, k, v)`."""
+        same: `context(layer_idx, q, k, v)` (over named caches, `context[name](layer_idx, q, k, v)`)."""
+        if not self._one:
+            self._the_cache("attend")
         if self.plan is None:
-            raise ValueError("StepContext.attend: no step; call begin(step) (and bind(plan) when compiled) first")
+            raise ValueError(f"{type(self).__name__}.attend: no step; call begin(step) (and bind(plan) when "
+                             f"compiled) first")
         self.attendance.attended(layer_idx)
         return self.cache.attend(layer_idx, q, k, v, self.plan, **kwargs)
 
@@ -155,8 +326,9 @@ class StepContext:
         encoding) needs. On the device and traceable for a bounded cache.
         Padding rows count from 0.
         """
+        self._the_cache("stream_positions")
         if self.plan is None:
-            raise ValueError("StepContext.stream_positions: no step; call begin(step) first")
+            raise ValueError(f"{type(self).__name__}.stream_positions: no step; call begin(step) first")
         return self.cache.stream_positions(self.plan, tokens)
 
     def stream_offsets(self) -> torch.Tensor:
@@ -164,8 +336,9 @@ class StepContext:
         position encoding that adds `arange(T)` itself takes (`stream_positions()` is
         `stream_offsets()[:, None] + arange(T)`). Refused with `reverse_step_order`, whose positions
         count down inside a step."""
+        self._the_cache("stream_offsets")
         if self.plan is None:
-            raise ValueError("StepContext.stream_offsets: no step; call begin(step) first")
+            raise ValueError(f"{type(self).__name__}.stream_offsets: no step; call begin(step) first")
         if self.config.reverse_step_order:
             raise ValueError(
                 "stream_offsets(): with reverse_step_order=True a step's tokens sit at n + span - 1 - t (they "
@@ -173,40 +346,58 @@ class StepContext:
             )
         return self.cache.stream_positions(self.plan, 1)[:, 0]
 
-    def check_attendance(self, where: str = "StepContext.commit") -> None:
-        """Raise `flexkv.model.attendance.AttendanceError` unless the bound step attended every cache layer
-        exactly once (`commit` does it before committing anything)."""
-        self.attendance.check(where)
+    def check_attendance(self, where: Optional[str] = None) -> None:
+        """Raise `flexkv.model.attendance.AttendanceError` unless the bound step attended every declared
+        layer of every cache exactly once (the first cache that fails is named, over named caches).
+        The step's commit check; `where` says who commits (default `<class>.commit`)."""
+        where = where or f"{type(self).__name__}.commit"
+        if self._one:
+            self.attendance.check(where)
+            return
+        for name, ctx in self.contexts.items():
+            ctx.attendance.check(f"{where} (cache {name!r})")
 
-    def commit(self) -> None:
-        """Commit the step begun last (its transaction's commit checks first); refused (nothing
-        committed, the step aborted) when the step did not attend every cache layer exactly once."""
+    def commit(self, where: Optional[str] = None) -> None:
+        """Commit the step begun last in every cache: its transaction's commit checks first (the
+        attendance check among them), then every cache's commit. A check that fails commits nothing
+        in any cache and aborts the step. `where` names who commits in an attendance error (a
+        session's step says so)."""
         if self.transaction is None:
-            raise ValueError("StepContext.commit: no step was begun; call begin(step) first")
+            raise ValueError(f"{type(self).__name__}.commit: no step was begun; call begin(step) first")
+        if where is not None:
+            self._where = where
         self.transaction.commit()
 
     def abort(self) -> bool:
-        """Take back the step begun last (its forward failed): the cache is as it was before
-        `begin`. Returns False when no step is open (nothing to undo)."""
+        """Take back the step begun last in every cache: each is as it was before `begin`. Returns
+        False when no step is open (nothing to undo)."""
         return self.transaction is not None and self.transaction.abort()
 
     @contextlib.contextmanager
-    def stepping(self, step: BoundedKVStep):
-        """`with context.stepping(step) as plan:` begins `step`, commits it when the block ends,
-        and aborts it when the block raises (any exception, `KeyboardInterrupt` included)."""
+    def stepping(self, step, where: Optional[str] = None):
+        """`with context.stepping(step) as plan:` begins `step`, commits it when the block ends (`where`
+        as in `commit`), and aborts it when the block raises (any exception, `KeyboardInterrupt`
+        included)."""
         plan = self.begin(step)
         try:
             yield plan
         except BaseException:
             self.abort()
             raise
-        self.commit()
+        self.commit(where)
 
     def reset_request(self, request_id: Hashable) -> None:
+        self._the_cache("reset_request")
         self.cache.reset_request(request_id)
 
     def remove_request(self, request_id: Hashable) -> None:
+        self._the_cache("remove_request")
         self.cache.remove_request(request_id)
+
+    def __repr__(self):
+        if self._one:
+            return f"{type(self).__name__}({type(self.cache).__name__})"
+        return f"{type(self).__name__}({', '.join(f'{n!r}: {type(c.cache).__name__}' for n, c in self.contexts.items())})"
 
 
 class CacheAttention(nn.Module):
@@ -248,6 +439,7 @@ class CacheAttention(nn.Module):
         super().__init__()
         if not isinstance(context, StepContext):
             raise ValueError(f"expected a StepContext, got {type(context).__name__}")
+        context._the_cache("attention")  # a layer attends one cache: context[name] of a named context
         if rows not in ROW_ORDERS:
             raise ValueError(f"rows must be one of {ROW_ORDERS} (the model's order of a step's rows), got {rows!r}")
         check_layer_index(layer_idx, context.config.num_layers)
@@ -284,12 +476,11 @@ class CacheAttention(nn.Module):
         if self.rope is not None:
             q, k = self.rope(q, k, plan)
         kw = {} if self.sinks is None else {"sinks": self.sinks}
-        self.context.attendance.attended(self.layer_idx)
-        # `attend` gives q a buffer of its own (it folds the scale into q), so a q that is a view
-        # of a projection's output lowers in compiled CPU FlexAttention.
-        out = self.context.cache.attend(
-            self.layer_idx, q, k, v, plan, scale=self.scale, score_mod=self.score_mod, positions=self.positions, **kw
-        )
+        # The context's attend counts the call for the step's attendance check. The cache's `attend`
+        # gives q a buffer of its own (it folds the scale into q), so a q that is a view of a
+        # projection's output lowers in compiled CPU FlexAttention.
+        out = self.context.attend(self.layer_idx, q, k, v, scale=self.scale, score_mod=self.score_mod,
+                                  positions=self.positions, **kw)
         return rows_stacked(out, R) if R > 1 else out
 
     def stream_positions(self, tokens: Optional[int] = None) -> torch.Tensor:

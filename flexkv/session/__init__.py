@@ -80,11 +80,12 @@ thread-safe and not re-entrant: an operation called while another runs
 `RuntimeError` and changes nothing.
 
 A model that keeps several caches in one step (two attention stacks at
-different frame rates, each with a cache of its own) runs through
-`MultiCacheSession` (`flexkv.session.multi_cache`): the same loop over a
-mapping of named caches, each request feeding every cache its own tokens,
-and every operation applied to every cache or to none. Its sources live in
-one cache each: `add_source(cache_name, keys, values)`, and
+different frame rates, each with a cache of its own) runs through the same
+session over a mapping of named caches, `StreamSession({"slow": ...,
+"fast": ...})`, or `MultiCacheSession` (`flexkv.session.multi_cache`), the
+same class spelled for that use: each request feeding every cache its own
+tokens, and every operation applied to every cache or to none. Its sources
+live in one cache each: `add_source(cache_name, keys, values)`, and
 `start(request_id, sources={cache_name: (source, source_len)})`.
 """
 

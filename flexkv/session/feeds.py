@@ -10,7 +10,7 @@ Per-request model state goes through the same functions, stacked `[B, ...]`.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 from ..config import is_int
 
 __all__ = ["Chunk", "PerRequest", "Feed", "flatten", "feed_leaves", "unflatten", "map_tensors", "parse_feed",
-           "pad_by_lane"]
+           "parse_feeds", "pad_by_lane"]
 
 
 class Chunk(NamedTuple):
@@ -126,6 +126,52 @@ def parse_feed(request_id, feed, largest: int) -> Feed:
     if not is_int(span) or not 0 <= span <= n:
         raise ValueError(f"request {request_id!r}: Chunk span must be an int in [0, {n}] (tokens fed), got {span!r}")
     return Feed(leaves, spec, n, span, per_request)
+
+
+def parse_feeds(feeds, token_sizes: Mapping[Hashable, Tuple[int, ...]],
+                one: bool) -> Dict[Hashable, Dict[Hashable, Feed]]:
+    """A step's feeds, checked and taken apart: request id -> cache name -> `Feed`.
+
+    `token_sizes` names the session's caches (each with its token buckets). `one`: a one-cache
+    session, whose requests feed its cache directly; otherwise each request feeds a mapping with one
+    feed per cache. Every request must feed each cache the same structure, trailing shapes and dtypes.
+    """
+    names = list(token_sizes)
+    if not isinstance(feeds, Mapping) or not feeds:
+        raise ValueError("feeds must be a non-empty mapping of request id -> "
+                         + ("tokens (or Chunk)" if one else "{cache name: tokens (or Chunk)}"))
+    parsed: Dict[Hashable, Dict[Hashable, Feed]] = {}
+    for rid, feed in feeds.items():
+        if one:
+            parsed[rid] = {names[0]: parse_feed(rid, feed, token_sizes[names[0]][-1])}
+            continue
+        if not isinstance(feed, Mapping) or set(feed) != set(names):
+            got = list(feed) if isinstance(feed, Mapping) else type(feed).__name__
+            raise ValueError(f"request {rid!r} must feed a mapping with one feed per cache, named {names} (each "
+                             f"cache has its own step length), got {got}")
+        parsed[rid] = {}
+        for name in names:
+            try:
+                parsed[rid][name] = parse_feed(rid, feed[name], token_sizes[name][-1])
+            except ValueError as exc:
+                raise ValueError(f"cache {name!r}: {exc}") from None
+    first = next(iter(parsed))
+    for name in names:
+        sig = parsed[first][name].signature
+        for rid, feed in parsed.items():
+            s = feed[name].signature
+            if s == sig:
+                continue
+            if one:
+                raise ValueError(
+                    f"requests {first!r} and {rid!r} feed differently shaped inputs ({sig[1]} vs {s[1]} after the "
+                    f"token dim); every request of a step must feed the same structure, trailing shapes and dtypes"
+                )
+            raise ValueError(
+                f"requests {first!r} and {rid!r} feed cache {name!r} differently shaped inputs; every request of a "
+                f"step must feed each cache the same structure, trailing shapes and dtypes"
+            )
+    return parsed
 
 
 def pad_by_lane(per_lane: Dict[int, Sequence[torch.Tensor]], template: Sequence[torch.Tensor], B: int,

@@ -9,7 +9,7 @@ import torch
 
 from .feeds import map_tensors
 
-__all__ = ["StepResult", "MultiStepResult"]
+__all__ = ["StepResult", "MultiStepResult", "step_result"]
 
 
 class _PerRequest(Mapping):
@@ -120,3 +120,12 @@ class MultiStepResult(_PerRequest):
         if isinstance(self.outputs, Mapping):
             return {k: map_tensors(cut(k if k in self.steps else None), v) for k, v in self.outputs.items()}
         return map_tensors(cut(None), self.outputs)
+
+
+def step_result(one: bool, outputs, lanes: Dict, tokens: Dict, steps: Dict, plans, waiting: tuple, plan_s: float):
+    """A session step's result: `tokens` (request id -> cache name -> tokens fed) and `steps` (cache name ->
+    step) per cache; a `StepResult` for a session over `one` cache (named None), else a `MultiStepResult`."""
+    if one:
+        return StepResult(outputs, lanes, {rid: t[None] for rid, t in tokens.items()}, steps.get(None), plans,
+                          waiting, plan_s)
+    return MultiStepResult(outputs, lanes, tokens, steps, {} if plans is None else plans, waiting, plan_s)

@@ -14,14 +14,52 @@ A function with the same code but other closure values (a loop variable
 captured in the step) is another step; `closure_difference` says which
 closure variable differs, for the warning the session gives when it compiles
 such a function again.
+
+`CompiledSteps` keeps a session's step functions, one per key: each the
+model function behind a `bind` of the step's plans to the session's
+context (inside the graph, so the plans are an input, not a guard), under
+`torch.compile(fullgraph=True, dynamic=False)` with `compile=True`, with a
+code object of its own, a warning when the same code compiles again with
+other closure values, and a watch for recompiles after warm-up.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import os
+import sys
 import types
-from typing import Any, Callable, Hashable, Optional
+import warnings
+from typing import Any, Callable, Dict, Hashable, Optional
 
-__all__ = ["step_key", "closure_difference"]
+import torch
+
+from ..compiling import RecompileWarning, fresh_function, watch_recompiles
+
+__all__ = ["step_key", "closure_difference", "CompiledSteps", "RECOMPILE_ADVICE"]
+
+#: What a recompile after warm-up means and what to do, after the guard that failed.
+RECOMPILE_ADVICE = (
+    "The session compiles the model step once per (B, T) at warm-up; a later compile means the graph depends "
+    "on a Python value that changed between steps, such as an int or flag kept on a module (a position offset "
+    "or step counter of a model left in its own streaming or caching mode), a global, or the length of a "
+    "Python list. Keep such values out of the step: switch the model's own cache and streaming state off "
+    "(flexkv keeps the stream), take positions from the cache (attn.stream_positions()), and pass anything "
+    "else that changes per step as a tensor input or buffer. TORCH_LOGS=recompiles logs every recompile."
+)
+
+_session_ids = itertools.count()
+_SESSION_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def caller_stacklevel() -> int:
+    """The `stacklevel` at which a warning raised by the function calling this one names the first
+    frame outside `flexkv.session`: the user's call into the session."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _SESSION_DIR:
+        frame, level = frame.f_back, level + 1
+    return level
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 
@@ -69,3 +107,76 @@ def closure_difference(fn: Callable, key: Hashable, other_key: Hashable) -> Opti
     if key[3:6] != other_key[3:6]:
         differ.append("its default arguments")
     return ", ".join(differ) or None
+
+
+class CompiledSteps:
+    """The step functions of one session (module docstring): `runner(fn)` and `watch(fn, what)`.
+
+    `context`: the session's `flexkv.model.wrap.StepContext`; `compile`: compile the steps;
+    `stateful`: the steps take and return the requests' carried state; `kind` names the session in
+    warnings. `warm` holds the `(key, B, T)` buckets the session has warmed up.
+    """
+
+    def __init__(self, context, compile: bool, stateful: bool, kind: str):
+        self.context = context
+        self.compile = compile
+        self.stateful = stateful
+        self.kind = kind
+        self.warm: set = set()
+        self._prefix = f"s{next(_session_ids)}"
+        # Keyed on step_key(fn): a new but identical function object (a lambda written in the step loop)
+        # is the same step and reuses its compiled graphs.
+        self._runners: Dict[Any, Callable] = {}
+        self._codes: Dict[Any, Any] = {}  # key -> code object of its compiled step (for recompile reports)
+        self._compiled_code: Dict[Any, Any] = {}  # a step function's code -> the key first compiled with it
+
+    def runner(self, fn: Callable) -> Callable:
+        """The (compiled) step of `fn`: `step(plans, inputs[, state])` binds the plans to the context
+        inside the graph and calls `fn(context, inputs[, state])`."""
+        key = step_key(fn)
+        run = self._runners.get(key)
+        if run is not None:
+            return run
+        context = self.context
+        if not self.stateful:
+            def session_step(plans, inputs):
+                context.bind(plans)
+                return fn(context, inputs)
+        else:
+            def session_step(plans, inputs, state):
+                context.bind(plans)
+                return fn(context, inputs, state)
+        if self.compile:
+            # A code object of its own: compiled graphs are cached per code object, and another
+            # session's (or another fn's) entries must not be walked or evicted by this one.
+            fresh = fresh_function(session_step, f"{self._prefix}_{len(self._runners)}")
+            self._codes[key] = fresh.__code__
+            session_step = torch.compile(fresh, fullgraph=True, dynamic=False)
+            self._warn_if_compiled_before(fn, key)
+        self._runners[key] = session_step
+        return session_step
+
+    def _warn_if_compiled_before(self, fn: Callable, key) -> None:
+        """Say so when a step function of the same code, with other closure values, compiles again (a
+        lambda capturing a loop variable, made anew every step)."""
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if code is None or self._compiled_code.setdefault(code, key) == key:
+            return
+        differ = closure_difference(fn, key, self._compiled_code[code])
+        warnings.warn(
+            f"{self.kind}.step: fn {getattr(code, 'co_name', fn)!r} ({code.co_filename}:"
+            f"{code.co_firstlineno}) is a new function with the code of one compiled before but other values"
+            f"{f' ({differ})' if differ else ''}, so the model step compiles again (seconds per compile, every "
+            f"time such a function is made). Define the step function once, outside the step loop, and pass "
+            f"what changes per step as an input (a tensor in the feed) or a buffer",
+            RecompileWarning, stacklevel=caller_stacklevel(),
+        )
+
+    def watch(self, fn: Callable, what: str):
+        """Around a compiled step of `fn`: a recompile after warm-up warns with the guard that failed
+        (`what` names the step's bucket); nothing when not compiling."""
+        if not self.compile:
+            return contextlib.nullcontext()
+        # The warning is raised in the watch's generator, two frames below the caller (contextlib's exit).
+        return watch_recompiles(self._codes[step_key(fn)], f"{self.kind}.step: the compiled model step ({what})",
+                                RECOMPILE_ADVICE, stacklevel=caller_stacklevel() + 1)

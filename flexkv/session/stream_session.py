@@ -1,71 +1,93 @@
-"""`StreamSession`: the step loop (see `flexkv.session`)."""
+"""`StreamSession`: the step loop over one cache or several named ones (see `flexkv.session`).
+
+One class: a session over one cache is the one-entry case of a session over
+named caches (the one cache is named None inside). The spellings differ in
+what crosses the door: a one-cache session's requests feed tensors and
+declare `source=`, `source_len=`; one over named caches (`StreamSession({
+"slow": ..., "fast": ...})`, or `MultiCacheSession`) takes a feed per cache,
+`sources={name: (source, source_len)}`, source calls that name their cache
+first, and answers per cache.
+
+A step, top to bottom (`step`): parse the feeds, sort the requests (who
+runs, starts, waits: `flexkv.session.lanes.Lanes`), pick each cache's `T`
+and the batch bucket `B`, warm up a compiled step the first time, then in
+one `StepTransaction`: admit the new requests in every cache, queue the
+deferred ones, build and begin every cache's step in the session's
+`StepContext`, run the (compiled) model function on the padded inputs, and
+commit (the context's one attendance check first). A failure anywhere takes
+all of it back.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Hashable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..cache.groups import build_cache
-from ..cache.protocol import check_cache
+from ..cache.slots import SlotsExhausted
 from ..cache.transaction import StepTransaction
-from ..config import BoundedKVConfig
-from ..model.wrap import StepContext
+from ..config import is_int
+from ..model.multi_context import MultiStepContext
+from ..model.wrap import StepContext, named_error, naming_errors
 from ..step import BoundedKVStep, Segment, StreamPosition
-from .feeds import Chunk, feed_leaves, pad_by_lane, parse_feed, unflatten
-from .lanes import WHEN_FULL, LaneSession, Waiting, bucket_sizes
-from .result import StepResult
-from .step_functions import step_key
+from .feeds import Chunk, feed_leaves, map_tensors, pad_by_lane, parse_feeds, unflatten
+from .lanes import WHEN_FULL, Lanes, OneAtATime, Waiting, declarations, session_caches, source_call
+from .result import step_result
+from .state import check_new_state, check_rollback_state, lane_states, stack_states, state_factory
+from .step_functions import CompiledSteps, step_key
 
 __all__ = ["StreamSession", "WHEN_FULL"]
+
+ONE = None  # the name of a one-cache session's cache
 
 
 @dataclass
 class _Request:
-    """What the session keeps of a started request: its lane and model state. Where its stream
-    stands (source, source length, tokens written) is the cache's to answer (`cache.position`)."""
+    """What the session keeps of a started request: its lane and model state. Where its stream stands in
+    each cache (source, source length, tokens written) is that cache's to answer (`cache.position`)."""
 
     lane: int
     state: Any = None
 
 
-class StreamSession(LaneSession):
-    """Streams requests through a bounded cache: positions, lanes, padding, compile and the step.
+class StreamSession:
+    """Streams requests through a bounded cache, or several named ones stepped as one: positions, lanes,
+    padding, compile and the step (the package docstring, `flexkv.session`, describes it in full).
 
     Args:
-        cache: a `BoundedKVConfig` (the session builds the cache on
-            `device`: a `BoundedKVManager`, or with `groups` a
-            `GroupedKVManager`), or any flexkv cache
-            (`flexkv.cache.protocol.StreamCache`): a `BoundedKVManager`, a
-            `GroupedKVManager`, or an `UncachedHistory` (the same model
-            without eviction, for checking; needs `compile=False`).
-        groups: with a config, the layer groups that keep their own
+        cache: a `BoundedKVConfig` (the session builds the cache on `device`:
+            a `BoundedKVManager`, or with `groups` a `GroupedKVManager`), or
+            any flexkv cache (`flexkv.cache.protocol.StreamCache`), such as an
+            `UncachedHistory` for checking (with `compile=False`); or a
+            non-empty mapping of name -> such a config or cache, all with the
+            same `max_slots` (`flexkv.session.multi_cache`). Caches of the
+            session's own, holding no request.
+        groups: with one config, the layer groups that keep their own
             retention: `LayerGroup`s, or one `SinkWindow` per layer.
         device: where a cache built from a config lives.
         batch_sizes: the batch sizes `B` (lanes) a step is padded to; default
-            `(max_slots,)`, one batch shape. Each needs its own compile; the
-            largest must be `max_slots` (every lane must fit a batch).
+            `(max_slots,)`. Each needs its own compile; the largest must be
+            `max_slots` (every lane must fit a batch).
         token_sizes: the token counts `T` a step is padded to; default
-            `(1, max_step_tokens)`. With a per-step window (`query_window`
-            None in some layer) every query attends the step's whole `T`, so
-            each feed must hold exactly `T` tokens; with per-query windows or
-            causal per-step windows (`causal_step`) in every layer feeds may
-            be shorter (queries never see later tokens).
+            `(1, max_step_tokens)` (over named caches: name -> sizes, a cache
+            left out keeps its default). With a per-step window in some layer
+            (`query_window` None, not `causal_step`) every query attends the
+            step's whole `T`, so each feed must hold exactly `T` tokens.
         when_full: ``"queue"`` or ``"refuse"``: what `start` (or a step with a
-            new request) does when every lane is held (see `flexkv.session`).
-        compile: run `fn` under `torch.compile(fullgraph=True,
-            dynamic=False)`, warmed up on every bucket at its first step.
-            With False, `fn` runs as given (it may hold compiled parts of its
-            own; `attn.plan` is the step's plan).
+            new request) does when every lane is held.
+        compile: run `fn` under `torch.compile(fullgraph=True, dynamic=False)`,
+            warmed up on every bucket at its first step; with False `fn` runs
+            as given (`attn.plan` is the step's plan).
         initial_state: a callable returning the model state of a new (or
-            reset) request: a tensor or tuple/list/dict of tensors. It may
-            take the request id (`initial_state(request_id)`) to start
-            requests differently. Then `fn` is called `fn(attn, inputs,
-            state)` with every request's state stacked by lane (zeros on
-            padded lanes) and returns `(outputs, new_state)`, `new_state`
-            shaped like `state`; each request keeps `new_state[lane]`.
+            reset) request, a tensor or tuple/list/dict of tensors; it may take
+            the request id. Then `fn(attn, inputs, state)` gets every request's
+            state stacked by lane (zeros on padded lanes) and returns
+            `(outputs, new_state)` shaped like it; each request keeps
+            `new_state[lane]`.
         block_size: FlexAttention's KV block size of a cache built from a config.
     """
 
@@ -82,111 +104,213 @@ class StreamSession(LaneSession):
         initial_state: Optional[Callable[..., Any]] = None,
         block_size: Optional[int] = None,
     ):
-        if isinstance(cache, BoundedKVConfig):
-            cache = build_cache(cache, groups, device, block_size=block_size)
-        elif block_size is not None or groups is not None:
-            raise ValueError("block_size and groups are for a cache the session builds from a BoundedKVConfig; "
-                             f"this {type(cache).__name__} already has its layout")
-        check_cache(cache, "StreamSession")
-        c = cache.config
-        super().__init__(c.max_slots, batch_sizes, when_full, compile, initial_state, "s")
-        if compile and not cache.compilable:
-            raise ValueError(f"compile=True needs a cache whose attention traces: this {type(cache).__name__} "
-                             f"attends on the host (float64) and is not traceable; pass compile=False")
-        if cache.requests:
-            raise ValueError(
-                f"StreamSession needs a cache that holds no request (the session gives out its lanes and slots), "
-                f"but this {type(cache).__name__} holds {list(cache.requests)}; remove_request() them first or give "
-                f"the session a cache of its own"
-            )
-        self.cache = cache
-        self.config = c
-        self.context = StepContext(cache)
-        self.token_sizes = bucket_sizes("token_sizes", token_sizes, tuple(sorted({1, c.max_step_tokens})),
-                                        c.max_step_tokens, "max_step_tokens")
-        # Whether padding a row's tokens would be attended: a per-step window in some layer
-        # attends every token of the step (a causal one never reads a token after the query).
-        self._fill_tokens = any(cache.layer_config(i).query_window is None and not cache.layer_config(i).causal_step
-                                for i in range(c.num_layers))
+        kind = type(self).__name__
+        self._one = one = not isinstance(cache, Mapping)
+        caches, sizes = session_caches(kind, cache, device, groups, block_size, token_sizes, compile)
+        if initial_state is not None and not callable(initial_state):
+            raise ValueError(f"initial_state must be a callable returning a new request's state, got {initial_state!r}")
+        self._lanes = Lanes(next(iter(caches.values())).config.max_slots, batch_sizes, when_full)
+        self.caches: Dict[Hashable, Any] = caches
+        self.max_slots, self.batch_sizes, self.when_full = self._lanes.max_slots, self._lanes.batch_sizes, when_full
+        self.compile, self.initial_state = compile, initial_state
+        self._new_state = None if initial_state is None else state_factory(initial_state)
+        #: The step context the model's layers read the step from (`fn`'s `attn`).
+        self.context = StepContext(caches[ONE]) if one else MultiStepContext(caches)
+        self._steps = CompiledSteps(self.context, compile, initial_state is not None, kind)
+        self._token_sizes: Dict[Hashable, Tuple[int, ...]] = sizes  # name -> the cache's token buckets
+        self.token_sizes = sizes[ONE] if one else dict(sizes)
+        # Per cache: whether padding a row's tokens would be attended (a per-step window in some layer
+        # attends every token of the step; a causal one never reads a token after the query).
+        self._fill_tokens = {name: any(c.layer_config(i).query_window is None and not c.layer_config(i).causal_step
+                                       for i in range(c.config.num_layers)) for name, c in caches.items()}
+        self._empty_decl = {name: (0, 0) for name in caches}  # a request a step starts: empty streams, no source
+        self._exclusive = OneAtATime(kind)  # `with self._exclusive("step"):` around every operation
 
     # ------------------------------------------------------------- views
 
-    def written(self, request_id: Hashable) -> int:
-        """Tokens a started request has written to its stream (the cache's record of it)."""
-        self._get(request_id)
-        return self.cache.written(request_id)
+    @property
+    def cache(self):
+        """The session's one cache (over named caches, `caches[name]`)."""
+        if not self._one:
+            raise AttributeError(f"a {type(self).__name__} over named caches {list(self.caches)} has no one cache; "
+                                 f"use caches[name]")
+        return self.caches[ONE]
+
+    @property
+    def config(self):
+        """The one cache's `BoundedKVConfig`."""
+        return self.cache.config
+
+    @property
+    def requests(self) -> tuple:
+        """Request ids holding a lane, in lane order."""
+        return tuple(sorted(self._lanes.records, key=lambda r: self._lanes.records[r].lane))
+
+    @property
+    def waiting(self) -> tuple:
+        """Request ids waiting for a lane, first in line first."""
+        return tuple(self._lanes.queue)
+
+    @property
+    def free_lanes(self) -> int:
+        return len(self._lanes.free)
+
+    def lane(self, request_id: Hashable) -> int:
+        """The lane (batch row, the same in every cache) a started request holds."""
+        return self._lanes.get(request_id).lane
+
+    def state(self, request_id: Hashable):
+        """A started request's carried model state (None without `initial_state`)."""
+        return self._lanes.get(request_id).state
+
+    def written(self, request_id: Hashable):
+        """Tokens a started request has written to its stream (each cache's record; over named caches,
+        name -> tokens)."""
+        self._lanes.get(request_id)
+        written = {name: c.written(request_id) for name, c in self.caches.items()}
+        return written[ONE] if self._one else written
+
+    def sources(self, request_id: Hashable):
+        """The `(source, source_len)` a started or waiting request declared (`(0, 0)`: no source; over
+        named caches, name -> that cache's)."""
+        w = self._lanes.waiting(request_id)
+        if w is None:
+            self._lanes.get(request_id)
+        decls = dict(w.decl) if w is not None else self._declared(request_id)
+        return decls[ONE] if self._one else decls
+
+    def _declared(self, request_id) -> Dict[Hashable, Tuple[int, int]]:
+        """Cache name -> the `(source, source_len)` a started request's stream holds in that cache."""
+        return {name: (pos.source, pos.source_len)
+                for name, pos in ((name, c.position(request_id)) for name, c in self.caches.items())}
+
+    def _naming(self, name, where: Optional[str] = None):
+        """Over named caches, an error raised inside by cache `name` names it, after `where` (`named_error`)."""
+        return contextlib.nullcontext() if self._one else naming_errors(name, where or type(self).__name__)
 
     # ----------------------------------------------------------- sources
 
-    def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Register a shared read-only prefix (see `BoundedKVManager.add_source`); returns its index."""
+    def add_source(self, *args) -> int:
+        """`add_source(keys, values)`: register a shared read-only prefix (see `BoundedKVManager.add_source`);
+        returns its index. Over named caches `add_source(cache_name, keys, values)`: in that cache (keys
+        and values shaped for its layers and heads), the index there."""
         with self._exclusive("add_source"):
-            index = self.cache.add_source(keys, values)
+            name, cache, (keys, values) = source_call(type(self).__name__, self._one, self.caches, "add_source", args)
+            with self._naming(name, f"{type(self).__name__}.add_source"):
+                index = cache.add_source(keys, values)
             self._admit_waiting()  # a waiting request may have been blocked on this source place
             return index
 
-    def remove_source(self, index: int) -> None:
-        """Unregister a shared source that no request reads, or waits to read."""
+    def remove_source(self, *args) -> None:
+        """`remove_source(index)` (over named caches `remove_source(cache_name, index)`): unregister a shared
+        source; refused while a request reads it, or waits to."""
         with self._exclusive("remove_source"):
-            readers = [w.request_id for w in self._queue.values() if w.decl[0] == index and index != -1 and w.decl[1]]
+            name, cache, (index,) = source_call(type(self).__name__, self._one, self.caches, "remove_source", args)
+            readers = [w.request_id for w in self._lanes.queue.values()
+                       if w.decl[name][0] == index and index != -1 and w.decl[name][1]]
             if readers:
                 raise ValueError(
-                    f"remove_source: source {index} is declared by waiting requests {readers}; finish() them or "
-                    f"reset() them to another source first"
+                    f"{'' if self._one else type(self).__name__ + '.'}remove_source: source {index}"
+                    f"{'' if self._one else f' of cache {name!r}'} is declared by waiting requests {readers}; "
+                    f"finish() them or reset() them to another source first"
                 )
-            self.cache.remove_source(index)
+            with self._naming(name):
+                cache.remove_source(index)
 
-    def add_private_source(self, request_id: Hashable, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Give `request_id` a prefix of its own (see `BoundedKVManager.add_private_source`); then
-        `start(request_id, source=-1, source_len=...)`. It is freed when the request finishes; a reset
-        keeps it."""
+    def add_private_source(self, *args) -> int:
+        """`add_private_source(request_id, keys, values)` (over named caches with `cache_name` first): give
+        `request_id` a prefix of its own (see `BoundedKVManager.add_private_source`); then start it on
+        it (`source=-1`). It is freed when the request finishes; a reset keeps it."""
         with self._exclusive("add_private_source"):
-            return self.cache.add_private_source(request_id, keys, values)
+            name, cache, (request_id, keys, values) = source_call(type(self).__name__, self._one, self.caches, "add_private_source", args)
+            with self._naming(name):
+                return cache.add_private_source(request_id, keys, values)
 
-    def remove_private_source(self, request_id: Hashable) -> None:
-        """Free `request_id`'s private source; refused while its stream reads it, or waits to."""
+    def remove_private_source(self, *args) -> None:
+        """`remove_private_source(request_id)` (over named caches with `cache_name` first): free
+        `request_id`'s private source; refused while its stream reads it, or waits to."""
         with self._exclusive("remove_private_source"):
-            w = self._waiting(request_id)
-            if w is not None and w.decl[0] == -1 and w.decl[1]:
+            name, cache, (request_id,) = source_call(type(self).__name__, self._one, self.caches, "remove_private_source", args)
+            w = self._lanes.waiting(request_id)
+            if w is not None and w.decl[name][0] == -1 and w.decl[name][1]:
                 raise ValueError(
-                    f"remove_private_source: waiting request {request_id!r} is declared on it (source=-1, "
-                    f"source_len={w.decl[1]}); finish() it or reset() it to another source first"
+                    f"{'' if self._one else type(self).__name__ + '.'}remove_private_source: waiting request "
+                    f"{request_id!r} is declared on it{'' if self._one else f' in cache {name!r}'} (source=-1, "
+                    f"source_len={w.decl[name][1]}); finish() it or reset() it to another source first"
                 )
-            self.cache.remove_private_source(request_id)
+            with self._naming(name):
+                cache.remove_private_source(request_id)
 
     # --------------------------------------------------------- lifecycle
 
-    _empty_decl = (0, 0)  # a request a step starts: an empty stream, no source
+    def _check_start(self, request_id, decls, restart: bool = False) -> None:
+        """Every cache's own declaration checks (the one home of them) for a request starting on `decls`
+        (name -> (source, source_len)) now or later; over named caches the cache that refuses is named."""
+        for name, c in self.caches.items():
+            source, source_len = decls[name]
+            with self._naming(name):
+                c.check_start(request_id, source, source_len, restart=restart)
 
-    def _check_start(self, request_id, decl, restart: bool = False) -> None:
-        """The cache's own declaration checks (the one home of them) of `decl = (source, source_len)`,
-        for a request starting now or later."""
-        self.cache.check_start(request_id, decl[0], decl[1], restart=restart)
+    def _admit(self, request_id, decls, transaction: StepTransaction) -> None:
+        """A slot in every cache on `decls` (a span-0 step each), then the lowest free lane, in
+        `transaction` (all of it taken back if it aborts; a cache that refuses is named)."""
+        state = None if self._new_state is None else self._new_state(request_id)
+        for name, c in self.caches.items():
+            source, source_len = decls[name]
+            step = BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(source_len, 0, source)})
+            try:
+                transaction.admit(step, c)
+            except SlotsExhausted as exc:
+                if self._one:
+                    raise
+                raise SlotsExhausted(
+                    f"cache {name!r} has no free slot for request {request_id!r} ({exc}); it is admitted in no cache"
+                ) from exc
+            except Exception as exc:
+                if self._one:
+                    raise
+                raise named_error(exc, name, type(self).__name__) from None
+        self._lanes.take(request_id, lambda lane: _Request(lane, state), transaction)
 
-    def _transaction(self) -> StepTransaction:
-        return StepTransaction(self.cache)
+    def _admit_now(self, request_id, decls) -> None:
+        """`_admit` on its own: a transaction that plans nothing, committed when every cache took it."""
+        transaction = StepTransaction(next(iter(self.caches.values())))
+        try:
+            self._admit(request_id, decls, transaction)
+        except BaseException:
+            transaction.abort()
+            raise
+        transaction.commit()
 
-    def _admit(self, request_id, decl, transaction: StepTransaction) -> None:
-        """The cache's slot for a request on `decl = (source, source_len)` (a span-0 step), then the
-        lowest free lane, in `transaction` (both taken back if it aborts)."""
-        source, source_len = decl
-        state = self._new_request_state(request_id)
-        transaction.admit(BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(source_len, 0, source)}))
-        self._take_lane(request_id, lambda lane: _Request(lane, state), transaction)
-
-    def _remove_request(self, request_id) -> None:
-        self.cache.remove_request(request_id)  # frees its private source too
+    def _admit_waiting(self) -> None:
+        """Give free lanes to waiting requests, first come first served, each checked first. One whose
+        declaration broke keeps its place and says why when it is fed (`_recheck_blocked`)."""
+        for w in list(self._lanes.queue.values()):
+            if not self._lanes.free:
+                break
+            try:
+                self._check_start(w.request_id, w.decl)
+            except ValueError as exc:
+                w.blocked = str(exc)
+                continue
+            w.blocked = None
+            # Admitted first, then out of the queue: if admitting raises (a failing initial_state, an
+            # interrupt), the request still waits where it was.
+            self._admit_now(w.request_id, w.decl)
+            self._lanes.dequeue(w)
 
     def _free_private_sources(self, request_id) -> bool:
-        """Free the private source of a request that holds no slot; whether it had one."""
-        cache = self.cache
-        if request_id in cache.private_sources and request_id not in cache.requests:
-            cache.remove_private_source(request_id)
-            return True
-        return False
+        """Free the private sources of a request that holds no slot; whether it had any."""
+        owners = [c for c in self.caches.values() if request_id in c.private_sources and request_id not in c.requests]
+        for c in owners:
+            c.remove_private_source(request_id)
+        return bool(owners)
 
-    def start(self, request_id: Hashable, *, source: int = 0, source_len: int = 0) -> bool:
-        """Start a request on an empty stream, optionally after `source_len` entries of source `source`.
+    def start(self, request_id: Hashable, *, source: int = 0, source_len: int = 0,
+              sources: Optional[Mapping[Hashable, Tuple[int, int]]] = None) -> bool:
+        """Start a request on an empty stream, optionally after `source_len` entries of source `source`
+        (-1: its private source); over named caches, on `sources[name] = (source, source_len)` in each
+        cache named and without a source in the others.
 
         Returns True when it holds a lane now, False when it waits for one
         (`when_full="queue"`); with `when_full="refuse"` a full pool raises
@@ -194,198 +318,283 @@ class StreamSession(LaneSession):
         starts or waits; errors change nothing.
         """
         with self._exclusive("start"):
-            return self._start(request_id, (source, source_len))
+            decls = declarations(type(self).__name__, "start", self._one, self._empty_decl, source, source_len, sources)
+            if self._lanes.known(request_id):
+                raise ValueError(f"request {request_id!r} is already started; finish() or reset() it")
+            self._check_start(request_id, decls)
+            if self._lanes.free:
+                self._admit_now(request_id, decls)
+                return True
+            if self.when_full == "refuse":
+                self._lanes.refuse_full(request_id)
+            self._lanes.enqueue(Waiting(request_id, decls))
+            return False
 
     def finish(self, request_id: Hashable) -> None:
-        """End a request: its lane and slot go to the first waiting requests that can start.
+        """End a request: its lane and slots go to the first waiting requests that can start.
 
-        Its private source, if any, is freed (also for a request that was
-        given one and never started).
-
-        A waiting request whose declaration no longer holds (its source was
-        removed behind the session's back) keeps its place in the queue and
-        does not take the lane; `step` says why when it is fed, and `reset`
-        or `finish` fixes it.
+        Its private sources, if any, are freed (also for a request given one and never started). A
+        waiting request whose declaration no longer holds (its source was removed behind the session's
+        back) keeps its place and does not take the lane; `step` says why when it is fed, and `reset` or
+        `finish` fixes it.
         """
         with self._exclusive("finish"):
-            self._finish(request_id)
+            w = self._lanes.waiting(request_id)
+            if w is not None:
+                self._free_private_sources(request_id)
+                self._lanes.dequeue(w)
+                return
+            if request_id not in self._lanes.records and self._free_private_sources(request_id):
+                return  # given a private source, never started
+            self._lanes.get(request_id)
+            for c in self.caches.values():
+                c.remove_request(request_id)  # frees its private source there too
+            self._lanes.give_back(request_id)
+            self._admit_waiting()
 
-    def reset(self, request_id: Hashable, *, source: Optional[int] = None, source_len: Optional[int] = None) -> None:
-        """Rewind a request to an empty stream (new state too), keeping its lane; optionally a new source.
+    def reset(self, request_id: Hashable, *, source: Optional[int] = None, source_len: Optional[int] = None,
+              sources: Optional[Mapping[Hashable, Tuple[int, int]]] = None) -> None:
+        """Rewind a request to an empty stream (new state too), keeping its lane; optionally a new source
+        (over named caches, `sources={name: (source, source_len)}` changes the named caches'
+        declarations and the others keep theirs).
 
         The new declaration is checked before anything changes; a waiting
         request keeps its place in the queue with the new declaration.
         """
         with self._exclusive("reset"):
-            w = self._waiting(request_id)
-            req = None if w is not None else self._get(request_id)
+            w = self._lanes.waiting(request_id)
+            if w is None:
+                self._lanes.get(request_id)
+            base = w.decl if w is not None else self._declared(request_id)
+            decls = declarations(type(self).__name__, "reset", self._one, base, source, source_len, sources)
             if w is not None:
-                was = w.decl
-            else:
-                pos = self.cache.position(request_id)
-                was = (pos.source, pos.source_len)
-            decl = (was[0] if source is None else source, was[1] if source_len is None else source_len)
-            if w is not None:
-                self._redeclare_waiting(w, decl)
+                self._check_start(request_id, decls)
+                w.decl, w.blocked = decls, None
+                self._admit_waiting()
                 return
-            self._check_start(request_id, decl, restart=True)
-            state = self._new_request_state(request_id)
-            src, L = decl
-            self.cache.reset_request(request_id)
-            self.cache.admit(BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(L, 0, src)}))
-            req.state = state
-
-    # ------------------------------------------------- fork and roll back
+            self._check_start(request_id, decls, restart=True)
+            state = None if self._new_state is None else self._new_state(request_id)
+            for name, c in self.caches.items():
+                src, length = decls[name]
+                c.reset_request(request_id)
+                c.admit(BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(length, 0, src)}))
+            self._lanes.records[request_id].state = state
 
     def fork(self, request_id: Hashable, new_id: Hashable) -> None:
         """Start `new_id` as a copy of the started request `request_id`: the lowest free lane, a copy of
-        its slot (the cache's `fork_request`), its position and source, and a copy of its model state.
+        its slot in every cache (the cache's `fork_request`), its positions and sources, and a copy of
+        its model state.
 
         A fork takes a lane now or is refused (`SlotsExhausted`, whatever `when_full` says); a waiting,
         finished or unknown request, an id already in use, and a request reading its private source
-        are refused with `ValueError`. Atomic: on any error nothing changes.
+        are refused with `ValueError`. Atomic: on any error nothing changes in any cache.
         """
         with self._exclusive("fork"):
-            parent = self._fork_parent(request_id, new_id)
-            self.cache.check_fork(request_id, new_id)
-            state = self._forked_state(parent)
-            self.cache.fork_request(request_id, new_id)
-            self._take_lane(new_id, lambda lane: _Request(lane, state))
+            parent = self._lanes.check_fork(request_id, new_id)
+            for name, c in self.caches.items():
+                with self._naming(name, f"{type(self).__name__}.fork"):
+                    c.check_fork(request_id, new_id)
+            state = None if parent.state is None else map_tensors(lambda t: t.clone(), parent.state)
+            forked = []
+            try:
+                for c in self.caches.values():
+                    c.fork_request(request_id, new_id)
+                    forked.append(c)
+            except BaseException:
+                for c in forked:  # every cache or none
+                    c.remove_request(new_id)
+                raise
+            self._lanes.take(new_id, lambda lane: _Request(lane, state))
 
-    def rollback(self, request_id: Hashable, tokens: int, *, state=None) -> None:
-        """Take back the last `tokens` tokens a started request wrote (the cache's `rollback_request`):
-        its stream is then as if they had never been fed.
+    def rollback(self, request_id: Hashable, tokens, *, state=None) -> None:
+        """Take back the last `tokens` tokens a started request wrote (the cache's `rollback_request`): its
+        stream is then as if they had never been fed. Over named caches `tokens` maps every cache name
+        to the tokens to take back there (0 keeps one as it is).
 
         How many a cache can take back is fixed by its config (`max_rollback`, contract section 5);
-        more is refused with `ValueError` and nothing changed. A session with `initial_state` cannot
-        undo a model state by itself: pass the request's `state` as it was before those tokens
-        (shaped like its current state), or the rollback is refused.
+        more is refused with `ValueError` and nothing changed (every cache is checked first). A
+        session with `initial_state` cannot undo a model state by itself: pass the request's `state`
+        as it was before those tokens (shaped like its current state), or the rollback is refused.
         """
         with self._exclusive("rollback"):
-            req = self._get(request_id)
-            self.cache.check_rollback(request_id, tokens)
-            self._check_rollback_state(request_id, req, bool(tokens), state)
-            self.cache.rollback_request(request_id, tokens)
+            req = self._lanes.get(request_id)
+            if self._one:
+                counts = {ONE: tokens}
+            elif not isinstance(tokens, Mapping) or set(tokens) != set(self.caches):
+                raise ValueError(
+                    f"rollback: tokens must map every cache name {list(self.caches)} to the tokens to take back "
+                    f"from it (0 for none; each cache has its own step lengths), got {tokens!r}"
+                )
+            else:
+                counts = dict(tokens)
+                bad = next((n for n, k in counts.items() if not is_int(k) or k < 0), None)
+                if bad is not None:
+                    raise ValueError(f"rollback: tokens[{bad!r}] must be an int >= 0, got {counts[bad]!r}")
+            for name, c in self.caches.items():
+                with self._naming(name, f"{type(self).__name__}.rollback"):
+                    c.check_rollback(request_id, counts[name])
+            check_rollback_state(request_id, self._new_state is not None, req.state, any(counts.values()), state)
+            for name, c in self.caches.items():
+                c.rollback_request(request_id, counts[name])
             if state is not None:
                 req.state = state
 
     # -------------------------------------------------------------- steps
 
-    def step(self, feeds: Mapping[Hashable, Any], fn: Callable) -> StepResult:
-        """Run one step of `fn` for the requests in `feeds` (see `flexkv.session`); returns a `StepResult`.
+    def step(self, feeds: Mapping[Hashable, Any], fn: Callable):
+        """Run one step of `fn` for the requests in `feeds` (see `flexkv.session`); returns a `StepResult`
+        (over named caches, whose feeds name every cache, a `MultiStepResult`).
 
-        Requests not started yet start here (empty stream, no source). Any
-        error is raised before the cache or any request changes, and a `fn`
-        that raises (any exception, `KeyboardInterrupt` included) commits
-        nothing and starts no request. The session compiles once per step
-        function (and bucket): a new function object with the same code and
-        the same closure contents (`lambda attn, x: model(x)` written in the
-        loop) is the same step; one that captures other values compiles again
-        and warns (`RecompileWarning`).
+        Requests not started yet start here (empty stream, no source). Any error is raised before any
+        cache or request changes, and a `fn` that raises (`KeyboardInterrupt` included) commits nothing
+        and starts no request. The session compiles once per step function (and bucket): a new function
+        with the same code and closure contents (`lambda attn, x: model(x)` written in the loop) is the
+        same step; one that captures other values compiles again and warns (`RecompileWarning`).
         """
         with self._exclusive("step"):
-            return self._step(feeds, fn)
-
-    def _step(self, feeds, fn) -> StepResult:
-        if not isinstance(feeds, Mapping) or not feeds:
-            raise ValueError("feeds must be a non-empty mapping of request id -> tokens (or Chunk)")
-        if not callable(fn):
-            raise ValueError(f"fn must be a callable fn(attn, inputs), got {fn!r}")
-        parsed = {rid: parse_feed(rid, feed, self.token_sizes[-1]) for rid, feed in feeds.items()}
-        sig = None
-        for rid, feed in parsed.items():
-            s = feed.signature
-            if sig is None:
-                sig, first = s, rid
-            elif s != sig:
-                raise ValueError(
-                    f"requests {first!r} and {rid!r} feed differently shaped inputs ({sig[1]} vs {s[1]} after the "
-                    f"token dim); every request of a step must feed the same structure, trailing shapes and dtypes"
-                )
-        self._recheck_blocked(parsed)
-        starting, deferred, running, waiting = self._sort_step(parsed, self._check_new)
-        if not running:
-            for rid in deferred:
-                self._enqueue(Waiting(rid, self._empty_decl))
-            return StepResult(None, {}, {}, None, None, waiting, 0.0)
-        T = next(s for s in self.token_sizes if s >= max(parsed[r].tokens for r in running))
-        if self._fill_tokens:
-            for rid in running:
-                if parsed[rid].tokens != T:
+            kind, lanes = type(self).__name__, self._lanes
+            if not callable(fn):
+                raise ValueError(f"fn must be a callable fn(attn, inputs), got {fn!r}")
+            parsed = parse_feeds(feeds, self._token_sizes, self._one)  # request -> cache name -> Feed
+            self._recheck_blocked(parsed)
+            new = lanes.new(parsed)
+            for rid in new:
+                self._check_new(rid)
+            starting, deferred, running, waiting = lanes.sort(parsed, new)
+            if not running:
+                for rid in deferred:
+                    lanes.enqueue(Waiting(rid, dict(self._empty_decl)))
+                return step_result(self._one, None, {}, {}, {}, None, waiting, 0.0)
+            # Each cache's T: the smallest of its token sizes that holds every running request's feed.
+            Ts = {}
+            for name, sizes in self._token_sizes.items():
+                Ts[name] = T = next(s for s in sizes if s >= max(parsed[r][name].tokens for r in running))
+                short = [r for r in running if parsed[r][name].tokens != T] if self._fill_tokens[name] else []
+                if short:
                     raise ValueError(
-                        f"request {rid!r} feeds {parsed[rid].tokens} tokens in a step of T={T}; with a per-step window "
-                        f"every query attends all T tokens of its row, so padding would be attended. Feed T tokens "
-                        f"(Chunk(inputs, span=k) writes only k), step it separately, or add its length to token_sizes"
+                        f"request {short[0]!r} feeds {'' if self._one else f'cache {name!r} '}"
+                        f"{parsed[short[0]][name].tokens} tokens in a step of T={T}; with a per-step window every "
+                        f"query attends all T tokens of its row, so padding would be attended. Feed T tokens "
+                        f"(Chunk(inputs, span=k) writes only k), step it separately, or add its length to "
+                        f"token_sizes{'' if self._one else f'[{name!r}]'}"
                     )
-        lanes, B = self._lanes(running, starting)
-        return self._in_transaction(starting, deferred, lambda transaction: self._run(
-            parsed, running, lanes, waiting, B, T, fn, transaction))
+            lane_of, B = lanes.place(running, starting)
+            what = f"B={B}, T={Ts[ONE] if self._one else Ts}"
+            first = parsed[running[0]]
+            if self.compile and (step_key(fn), B, tuple(Ts.values())) not in self._steps.warm:
+                self._warm_up(fn, {name: (f.leaves, f.spec, f.per_request) for name, f in first.items()})
+            # From here on the session changes, in one step transaction: start the new requests, queue the
+            # deferred ones, begin every cache's step, run the model, commit. A failure takes all of it back.
+            transaction = StepTransaction(next(iter(self.caches.values())))
+            try:
+                for rid in starting:
+                    self._admit(rid, self._empty_decl, transaction)
+                for rid in deferred:
+                    lanes.enqueue(Waiting(rid, dict(self._empty_decl)), transaction)
+                t0 = time.perf_counter()
+                by_lane = {lane_of[rid]: rid for rid in running}
+                steps = {}
+                for name, c in self.caches.items():
+                    segments, positions = [], {}
+                    for lane in range(B):
+                        rid = by_lane.get(lane)
+                        if rid is None:
+                            segments.append(Segment(None, 0))
+                            continue
+                        segments.append(Segment(rid, parsed[rid][name].span))
+                        positions[rid] = c.position(rid)  # a request this step starts was admitted just now
+                    steps[name] = BoundedKVStep(tuple(segments), positions, tokens=Ts[name])
+                plans = self.context.begin(steps[ONE] if self._one else steps, transaction)
+                plan_s = time.perf_counter() - t0
+                inputs = {name: unflatten(f.spec, pad_by_lane({lane_of[r]: parsed[r][name].leaves for r in running},
+                                                              f.leaves, B, Ts[name], f.per_request))
+                          for name, f in first.items()}
+                run = self._steps.runner(fn)
+                with torch.no_grad(), self._steps.watch(fn, what):
+                    args = (plans, inputs[ONE] if self._one else inputs)
+                    if self._new_state is None:
+                        outputs, kept = run(*args), {}
+                    else:
+                        leaves, spec = stack_states({lane_of[r]: lanes.records[r].state for r in running}, B)
+                        outputs, new_state = check_new_state(run(*args, unflatten(spec, leaves)), leaves, spec)
+                        kept = lane_states(new_state, {rid: lane_of[rid] for rid in running})
+                self.context.commit(f"{kind}.step ({what})")  # the attendance check, then every cache's commit
+            except BaseException:
+                transaction.abort()  # a failed step leaves no request it started
+                raise
+            for rid, state in kept.items():  # plain assignments, after the commit
+                lanes.records[rid].state = state
+            return step_result(self._one, outputs, {rid: lane_of[rid] for rid in running},
+                               {rid: {n: f.tokens for n, f in parsed[rid].items()} for rid in running}, steps, plans,
+                               waiting, plan_s)
+
+    def _recheck_blocked(self, fed) -> None:
+        """A fed request waiting with a broken declaration: checked again (the reason may be gone), and
+        refused with that reason if not."""
+        for rid in fed:
+            w = self._lanes.waiting(rid)
+            if w is not None and w.blocked is not None:
+                try:
+                    self._check_start(rid, w.decl)
+                except ValueError as exc:
+                    w.blocked = str(exc)
+                    raise ValueError(
+                        f"request {rid!r} waits for a lane but can no longer start: {w.blocked}; reset() it with a "
+                        f"valid declaration or finish() it"
+                    ) from None
+                w.blocked = None
 
     def _check_new(self, request_id) -> None:
-        """A request a step starts: on an empty stream, so not one given a private source."""
-        if request_id in self.cache.private_sources:
-            raise ValueError(
-                f"request {request_id!r} has a private source but was never started: start({request_id!r}, "
-                f"source=-1, source_len=...) it (a step starts new requests on an empty stream with no source)"
-            )
+        """A request a step starts: on empty streams, so not one given a private source in any cache."""
+        private = [name for name, c in self.caches.items() if request_id in c.private_sources]
+        if private:
+            where, how = ("", "source=-1, source_len=...") if self._one else (
+                f" in cache {private[0]!r}", f"sources={{{private[0]!r}: (-1, source_len)}}")
+            raise ValueError(f"request {request_id!r} has a private source{where} but was never started: "
+                             f"start({request_id!r}, {how}) it (a step starts new requests on "
+                             f"{'an empty stream' if self._one else 'empty streams'} with no source)")
         self._check_start(request_id, self._empty_decl)
 
-    def _run(self, parsed, running, lanes, waiting, B, T, fn, transaction: StepTransaction) -> StepResult:
-        spec = parsed[running[0]].spec
-        template = parsed[running[0]].leaves
-        per_request = parsed[running[0]].per_request
-        if self.compile and (step_key(fn), B, T) not in self._warm:
-            self._warm_up(fn, template, spec, per_request)
-        t0 = time.perf_counter()
-        by_lane = {lanes[rid]: rid for rid in running}
-        segments, positions = [], {}
-        for lane in range(B):
-            rid = by_lane.get(lane)
-            if rid is None:
-                segments.append(Segment(None, 0))
-                continue
-            segments.append(Segment(rid, parsed[rid].span))
-            # a request this step starts was admitted on its declaration just now: the cache knows it too
-            positions[rid] = self.cache.position(rid)
-        step = BoundedKVStep(tuple(segments), positions, tokens=T)
-        plan = self.context.begin(step, transaction)
-        plan_s = time.perf_counter() - t0
-        inputs = unflatten(spec, pad_by_lane({lanes[r]: parsed[r].leaves for r in running}, template, B, T,
-                                             per_request))
-        outputs, new_state = self._call(fn, plan, inputs, running, lanes, B, f"B={B}, T={T}")
-
-        self._commit(new_state, running, lanes, f"B={B}, T={T}")
-        return StepResult(outputs, {rid: lanes[rid] for rid in running},
-                          {rid: parsed[rid].tokens for rid in running}, step, plan, waiting, plan_s)
-
     def warmup(self, fn: Callable, example) -> float:
-        """Compile `fn` for every `(B, T)` bucket on all-padding steps (with `compile=False`, run it
-        once per bucket); returns the seconds it took.
+        """Compile `fn` for every bucket (`B`, and a `T` per cache) on all-padding steps (with
+        `compile=False`, run it once per bucket); returns the seconds it took.
 
-        `example` is one request's feed (a tensor or structure of tensors with
-        any number of tokens, or a `Chunk`): its trailing shapes and dtypes are
-        what later steps feed. Padding steps read and write nothing a request
-        holds. `step` does this itself the first time it meets `fn` when
-        `compile=True`.
+        `example` is one request's feed (a tensor or structure of tensors with any number of tokens, or
+        a `Chunk`; over named caches one per cache): its trailing shapes and dtypes are what later steps
+        feed. Padding steps read and write nothing a request holds. `step` does this itself the first
+        time it meets `fn` when `compile=True`.
         """
         with self._exclusive("warmup"):
-            inputs = example.inputs if isinstance(example, Chunk) else example
-            template, spec, per_request = feed_leaves(inputs, "warmup's example")
-            return self._warm_up(fn, template, spec, per_request)
+            if self._one:
+                inputs = example.inputs if isinstance(example, Chunk) else example
+                return self._warm_up(fn, {ONE: feed_leaves(inputs, "warmup's example")})
+            parsed = parse_feeds({None: example}, self._token_sizes, False)[None]
+            return self._warm_up(fn, {name: (f.leaves, f.spec, f.per_request) for name, f in parsed.items()})
 
-    def _warm_up(self, fn, template, spec, per_request=()) -> float:
+    def _warm_up(self, fn, templates) -> float:
+        """Run `fn`'s step on padding alone for every bucket; `templates`: name -> (leaves, spec, per_request)
+        of one feed. A padding step commits nothing a request holds; the graph attends what every later
+        step of its shape will, so the commit's attendance check refuses a bad one here."""
         t0 = time.perf_counter()
-        run = self._runner(fn)
-        padding_state = self._padding_state()
+        run = self._steps.runner(fn)
+        padding_state = None if self._new_state is None else self._new_state(None)
+        names = list(self.caches)
         for B in self.batch_sizes:
-            for T in self.token_sizes:
-                step = BoundedKVStep(tuple(Segment(None, 0) for _ in range(B)), {}, tokens=T)
-                # A step of padding alone: it reads and writes nothing a request holds, and commits nothing.
-                with self.context.stepping(step) as plan:
-                    inputs = unflatten(spec, pad_by_lane({}, template, B, T, per_request))
-                    self._padding_call(run, plan, inputs, B, padding_state)
-                    # The graph attends what every later step of this shape will: refuse it here, on a
-                    # padding step that changed nothing a request holds.
-                    self.context.check_attendance(f"StreamSession warm-up of the model step (B={B}, T={T})")
-                self._warm.add((step_key(fn), B, T))
+            for Ts in itertools.product(*(self._token_sizes[n] for n in names)):
+                steps = {n: BoundedKVStep(tuple(Segment(None, 0) for _ in range(B)), {}, tokens=T)
+                         for n, T in zip(names, Ts)}
+                T_of = Ts[0] if self._one else dict(zip(names, Ts))
+                where = f"{type(self).__name__} warm-up of the model step (B={B}, T={T_of})"
+                with self.context.stepping(steps[ONE] if self._one else steps, where) as plans:
+                    inputs = {n: unflatten(templates[n][1], pad_by_lane({}, templates[n][0], B, T, templates[n][2]))
+                              for n, T in zip(names, Ts)}
+                    args = (plans, inputs[ONE] if self._one else inputs)
+                    with torch.no_grad():
+                        if padding_state is None:
+                            run(*args)
+                        else:
+                            leaves, spec = stack_states({}, B, padding_state)
+                            run(*args, unflatten(spec, leaves))
+                self._steps.warm.add((step_key(fn), B, Ts))
         return time.perf_counter() - t0
+
