@@ -43,7 +43,7 @@ class Streams:
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for layer in range(L):
-                for buf in self.m._layer_kv(layer):
+                for buf in self.m.store.layer_kv(layer):
                     buf.copy_(torch.randn(buf.shape, generator=g))
         self.rids = list(range(B))
         self.inputs = {T: [tuple(torch.randn(B, h, T, D, generator=g) for h in (s["q_heads"], H, H))

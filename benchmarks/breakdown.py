@@ -63,7 +63,7 @@ def run(name: str, rounds: int) -> dict:
                 vc[0].index_select(1, flat).view(H, -1, W, vc.shape[-1]).transpose(0, 1))
 
     def kv_of(l):
-        kc, vc = m._layer_kv(l)
+        kc, vc = m.store.layer_kv(l)
         if not geo.in_place:
             return gather(kc, vc, geo.cells)
         n_slot, Lr, base = lay.max_slots * lay.rows_per_request, lay.slot_row_len, lay.slots_base
@@ -79,7 +79,7 @@ def run(name: str, rounds: int) -> dict:
     cw = torch.compile(write, fullgraph=True, dynamic=False)
     cg = torch.compile(geometry, fullgraph=True, dynamic=False)
     qs_plain = [q.reshape(N, H, Q, D) * D ** -0.5 for q, _, _ in inputs]
-    rows = [torch.compile(lambda q, p, l=l: attend_rows(q, *m._layer_kv(l), lay, p, None, geometry=geo),
+    rows = [torch.compile(lambda q, p, l=l: attend_rows(q, *m.store.layer_kv(l), lay, p, None, geometry=geo),
                           fullgraph=True, dynamic=False) for l in range(L)]
     attends = [torch.compile(lambda q, k, v, p, l=l: m.attend(l, q, k, v, p), fullgraph=True, dynamic=False)
                for l in range(L)]

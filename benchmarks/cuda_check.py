@@ -77,7 +77,7 @@ from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.benchmark import Timer
 
-import flexkv.cache.manager as manager_module
+import flexkv.cache.flex_call as flex_call_module
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache import quantized
 from flexkv.cache.attention_options import AttentionOptions
@@ -126,9 +126,10 @@ def kernel_options_as(options: Optional[Callable], drop_full_blocks: bool = Fals
     guards on the patched global, so a function compiled inside the context
     must also run inside it.
     """
-    if not hasattr(manager_module, "flex_attention"):
-        raise RuntimeError("flexkv.cache.manager no longer calls flex_attention by that name; cannot set kernel options")
-    original = manager_module.flex_attention
+    if not hasattr(flex_call_module, "flex_attention"):
+        raise RuntimeError("flexkv.cache.flex_call no longer calls flex_attention by that name; cannot set kernel "
+                           "options")
+    original = flex_call_module.flex_attention
 
     def flex_attention(query, key, value, *args, **kwargs):
         block_mask = kwargs.get("block_mask", args[1] if len(args) > 1 else None)
@@ -144,11 +145,11 @@ def kernel_options_as(options: Optional[Callable], drop_full_blocks: bool = Fals
             kwargs["kernel_options"] = options(query, key, block_mask)
         return original(query, key, value, *args, **kwargs)
 
-    manager_module.flex_attention = flex_attention
+    flex_call_module.flex_attention = flex_attention
     try:
         yield
     finally:
-        manager_module.flex_attention = original
+        flex_call_module.flex_attention = original
 
 
 class CompiledOptions:
@@ -220,7 +221,7 @@ class Stream:
         if full_blocks:
             # Every step planned with full blocks, whatever the batch (CUDA's default turns them off
             # for small decode batches): the kernels' full-block branch is what this checks.
-            m._full_blocks_at = lambda rows, tokens: True
+            m.paths.full_blocks_at = lambda rows, tokens: True
         gen = torch.Generator().manual_seed(seed)
         learned = (torch.randn(q_heads, generator=gen) * 2).to(m.device) if sinks else None
         layers = cfg.num_layers
@@ -515,8 +516,8 @@ def quantized_decode(device: torch.device, report: dict, save: Callable[[], None
     twin = Decode(device, s)
     with torch.no_grad():
         for l in range(s["layers"]):
-            for i, buf in enumerate(twin.m._layer_kv(l)):
-                buf.copy_(quantized.dequantize(fp8.m._layer_kv(l)[i], fp8.m._layer_scales(l)[i], s["dtype"]))
+            for i, buf in enumerate(twin.m.store.layer_kv(l)):
+                buf.copy_(quantized.dequantize(fp8.m.store.layer_kv(l)[i], fp8.m.store.layer_scales(l)[i], s["dtype"]))
     k = quantized.round_trip(fp8.k[0], torch.float8_e4m3fn)
     v = quantized.round_trip(fp8.v[0], torch.float8_e4m3fn)
     q = fp8.q

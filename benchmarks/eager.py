@@ -44,7 +44,7 @@ class Eager:
         self.m = m = BoundedKVManager(self.cfg, "cpu", options=AttentionOptions.for_cache(self.cfg, "cpu", path=path))
         with torch.no_grad():
             for l in range(L):
-                for buf in m._layer_kv(l):
+                for buf in m.store.layer_kv(l):
                     buf.copy_(torch.randn(buf.shape, generator=g))
         self.rids = list(range(B))
         self.ring_len = s["window"] + 1  # the ring keeps the window and the step's token
@@ -57,7 +57,7 @@ class Eager:
         C = s["sink"] + self.ring_len
         self.K, self.V = [], []
         for l in range(L):
-            kc, vc = m._layer_kv(l)
+            kc, vc = m.store.layer_kv(l)
             K = torch.zeros(B, H, C, D)
             V = torch.zeros_like(K)
             for i, n in enumerate(self.written):

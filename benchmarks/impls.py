@@ -63,7 +63,7 @@ class Steady:
             raise ValueError("benchmarks time the regular step; a writing last chunk is not modelled")
         with torch.no_grad():
             for l in range(w.layers):
-                for buf in m._layer_kv(l):
+                for buf in m.store.layer_kv(l):
                     buf.copy_(torch.randn(buf.shape, generator=g))
         self.sources = []
         for s in range(w.sources if w.source_len else 0):
@@ -99,7 +99,7 @@ class Steady:
             cells.append([entry_cell(row, ring, j)[1] for j in kept])
         idx = torch.tensor(cells)  # [N, kept]
         for l in range(w.layers):
-            kc, vc = (t[0] for t in m._layer_kv(l))  # [H, S, D]
+            kc, vc = (t[0] for t in m.store.layer_kv(l))  # [H, S, D]
             self.keys.append(kc[:, idx].permute(1, 0, 2, 3).contiguous())  # [N, H, kept, D]
             self.values.append(vc[:, idx].permute(1, 0, 2, 3).contiguous())
         self.inputs = []

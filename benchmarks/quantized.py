@@ -52,7 +52,7 @@ def _fill(st: Steady, reference: Steady, seed: int) -> None:
     sd, dt = m.config.slot_dtype, m.config.dtype
     with torch.no_grad():
         for l in range(m.config.num_layers):
-            for i, (buf, ref_buf) in enumerate(zip(m._layer_kv(l), r._layer_kv(l))):
+            for i, (buf, ref_buf) in enumerate(zip(m.store.layer_kv(l), r.store.layer_kv(l))):
                 x = torch.randn(buf.shape, generator=g).to(dt)
                 if sd is None:
                     buf.copy_(x)
@@ -60,7 +60,7 @@ def _fill(st: Steady, reference: Steady, seed: int) -> None:
                     continue
                 cells, scale = quantized.quantize(x, sd)
                 buf.copy_(cells)
-                m._layer_scales(l)[i].copy_(scale)
+                m.store.layer_scales(l)[i].copy_(scale)
                 ref_buf.copy_(quantized.dequantize(cells, scale, dt))
 
 

@@ -413,7 +413,7 @@ def test_compiled_gathered_rows_read_keys_and_values_through_one_op():
     cfg = BoundedKVConfig(num_layers=3, num_heads=2, head_dim=8, rows_per_request=1, max_source_len=4,
                           retention=SinkWindow(2, 5), max_slots=2, max_step_tokens=2, max_sources=1)
     manager = BoundedKVManager(cfg, "cpu")
-    assert manager.path_for(2) == "rows" and manager._row_scratch is None
+    assert manager.path_for(2) == "rows" and manager.store.scratch["rows"] is None
     graphs = []
 
     def inspect(gm, example_inputs):
@@ -477,7 +477,7 @@ def test_gathered_rows_attend_a_group_at_a_time_in_the_caches_buffer(monkeypatch
                           retention=SinkWindow(2, 6), max_step_tokens=3, max_slots=3, max_sources=1)
     row_bytes = 2 * gather_width(cfg) * 32 * 4  # keys and values of one gathered row, float32
     monkeypatch.setattr(gathered_rows, "GATHER_GROUP_BYTES", row_bytes)
-    assert BoundedKVManager(cfg.replace(max_sources=0, max_source_len=0), "cpu")._row_scratch is None
+    assert BoundedKVManager(cfg.replace(max_sources=0, max_source_len=0), "cpu").store.scratch["rows"] is None
     groups = []
     fn = gathered_rows.attend_group
     monkeypatch.setattr(gathered_rows, "attend_group", lambda q, *a: (groups.append(q.shape[0]), fn(q, *a))[1])
@@ -491,9 +491,9 @@ def test_gathered_rows_attend_a_group_at_a_time_in_the_caches_buffer(monkeypatch
         for _ in range(40):
             work.step()
     m = work.manager
-    assert m._row_scratch is not None and m._row_scratch.numel() * 4 == row_bytes
+    assert m.store.scratch["rows"] is not None and m.store.scratch["rows"].numel() * 4 == row_bytes
     assert m.memory_bytes == sum(b.numel() * b.element_size() for b in m.buffers()
-                                 if b.dtype == torch.float32 and b.dim() == 4) + m._row_scratch.numel() * 4
+                                 if b.dtype == torch.float32 and b.dim() == 4) + m.store.scratch["rows"].numel() * 4
     assert work.worst_relative < 1e-5
     assert groups and set(groups) == {1}  # every gathered step went a row at a time
     assert max(work.ref.streams[r][0][0].shape[2] for r in work.ref.streams) > 2 * cfg.window_capacity
@@ -508,7 +508,7 @@ def test_a_query_that_wants_a_gradient_still_gets_one_beside_a_source(monkeypatc
                           retention=SinkWindow(2, 6), max_step_tokens=2, max_slots=3, max_sources=1)
     monkeypatch.setattr(gathered_rows, "GATHER_GROUP_BYTES", 2 * gather_width(cfg) * 32 * 4)
     m = BoundedKVManager(cfg, "cpu")
-    assert m._row_scratch is not None
+    assert m.store.scratch["rows"] is not None
     src = m.add_source(*(torch.randn(1, 1, 2, 4, 16) for _ in range(2)))
     step = BoundedKVStep((Segment("a", 2),), {"a": StreamPosition(4, 0, src)}, tokens=2)
     m.admit(step)

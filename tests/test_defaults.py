@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import flexkv.cache.flex_call as flex_call_module
-import flexkv.cache.manager as manager_module
 import flexkv.cache.row_attention as row_attention
+import flexkv.cache.rows_path as rows_path_module
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.kernel_sharing import shares_flex_kernel
@@ -87,7 +87,7 @@ def test_eager_default_never_runs_flex_attention_and_shares_the_plan_geometry(to
         return built(*a, **k)
 
     monkeypatch.setattr(flex_call_module, "flex_attention", no_flex)
-    monkeypatch.setattr(manager_module, "row_geometry", counting)
+    monkeypatch.setattr(rows_path_module, "row_geometry", counting)
     cfg = _config()
     m = BoundedKVManager(cfg, "cpu")
     _stream(m, ReferenceCache(cfg), 8, tokens, monkeypatch, counts)
@@ -102,7 +102,7 @@ def test_eager_geometry_is_rebuilt_for_a_new_plan_of_the_same_step():
     q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
 
     def geometries():  # the geometries the manager keeps for the plan its layers last attended
-        return [g for g in m._eager_step[1].values() if isinstance(g, RowGeometry)]
+        return [g for g in m.store._eager_step[1].values() if isinstance(g, RowGeometry)]
 
     first = m.plan(step)
     m.attend(0, q, k, v, first)
@@ -147,9 +147,9 @@ def test_commit_drops_the_eager_geometry():
     m.admit(step)
     plan = m.plan(step)
     m.attend(0, torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), plan)
-    assert any(isinstance(g, RowGeometry) for g in m._eager_step[1].values())
+    assert any(isinstance(g, RowGeometry) for g in m.store._eager_step[1].values())
     m.commit(step)
-    assert m._eager_step == [None, {}]
+    assert m.store._eager_step == [None, {}]
 
 
 def _decode_config(slots, sink=4, window=1020, **kw):

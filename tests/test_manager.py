@@ -242,7 +242,7 @@ def test_memory_is_fixed_while_streams_advance():
     c = config(min_source_len=0)
     mgr = BoundedKVManager(c, "cpu", block_size=8)
     before = mgr.memory_bytes
-    ptrs = [b.data_ptr() for b in mgr._cache_buffers()]
+    ptrs = [b.data_ptr() for b in mgr.store.cell_buffers()]
     for w in range(0, 30, 3):
         s = step(("a", 3), a=StreamPosition(0, w))
         mgr.admit(s)
@@ -250,7 +250,7 @@ def test_memory_is_fixed_while_streams_advance():
         mgr.attend(0, torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4), p)
         mgr.commit(s)
     assert mgr.memory_bytes == before
-    assert [b.data_ptr() for b in mgr._cache_buffers()] == ptrs
+    assert [b.data_ptr() for b in mgr.store.cell_buffers()] == ptrs
 
 
 # -------------------------------------------------------------------- threads

@@ -277,7 +277,7 @@ def test_the_eager_rows_path_dequantizes_a_group_of_rows_at_a_time_exactly(monke
         work = RandomWorkload(cfg, q_heads=4, segments=3, seed=3, churn=0.1, tolerance=1e-5, **kw)
         for _ in range(12):
             work.step()
-        assert work.manager._row_scratch.numel() < 3 * 2 * 9 * 16  # not the pool: one row of the widest kind
+        assert work.manager.store.scratch["rows"].numel() < 3 * 2 * 9 * 16  # not the pool: one row of the widest kind
         assert calls and max(calls) == 1  # each group one batch row
         assert work.worst_relative < 1e-5
 
@@ -302,13 +302,14 @@ def test_float8_cells_read_as_stored_by_the_kernel_match_the_reference(monkeypat
     With a kernel that widens cells as CUDA's does, the outputs and log-sum-exps equal the
     reference on the dequantized cells through ring wraps, sources, GQA, a score_mod and learned
     sinks, and each in-kernel tensor reaches the kernel as float8."""
-    from flexkv.cache import manager as manager_module
+    from flexkv.cache import flex_path, float8_path
     from flexkv.cache.attention_options import AttentionOptions
     from flexkv.model.random_workload import RandomWorkload, score_bias
 
     monkeypatch.setattr(quantized, "CELLS_IN_KERNEL", {"cpu": "eager"})
-    call = _widening_flex_call(manager_module.flex_call)
-    monkeypatch.setattr(manager_module, "flex_call", call)
+    call = _widening_flex_call(float8_path.flex_call)
+    for module in (flex_path, float8_path):
+        monkeypatch.setattr(module, "flex_call", call)
     cfg = BoundedKVConfig(num_layers=2, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=12,
                           max_sources=2, retention=SinkWindow(2, 6), max_slots=3, max_step_tokens=2,
                           slot_dtype=torch.float8_e4m3fn, dtype=torch.float32)
@@ -329,26 +330,27 @@ def test_float8_cells_read_as_stored_by_the_kernel_match_the_reference(monkeypat
         assert (f8 if keys else torch.float32, want_v) in kinds
         assert len(call.cells) == 14 * 2 * (2 if values else 1)
         if values:
-            assert (f8 if keys else torch.float32, f8) in kinds and manager._lse_values is not None
+            assert (f8 if keys else torch.float32, f8) in kinds and manager.store.scratch["lse_values"] is not None
 
 
 def test_compiled_float8_keys_read_as_stored_match_the_reference_with_no_recompile(monkeypatch):
     """Compiled, keys read as stored (the CUDA option; the CPU's compiled kernel returns no
     log-sum-exp, so values read as stored are checked eagerly above): the key scale traced into the
     step's `score_mod` agrees with the reference on the dequantized cells, with no recompile."""
-    from flexkv.cache import manager as manager_module
+    from flexkv.cache import flex_path, float8_path
     from flexkv.cache.attention_options import AttentionOptions
     from flexkv.model.random_workload import RandomWorkload
 
     monkeypatch.setattr(quantized, "CELLS_IN_KERNEL", {"cpu": "compiled"})
-    real = manager_module.flex_call
-    monkeypatch.setattr(manager_module, "flex_call", lambda q, k, v, *a, **kw: real(q, k.to(q.dtype), v, *a, **kw))
+    real = float8_path.flex_call
+    for module in (flex_path, float8_path):
+        monkeypatch.setattr(module, "flex_call", lambda q, k, v, *a, **kw: real(q, k.to(q.dtype), v, *a, **kw))
     cfg = BoundedKVConfig(num_layers=2, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=12,
                           max_sources=2, retention=SinkWindow(2, 6), max_slots=3, max_step_tokens=1,
                           slot_dtype=torch.float8_e4m3fn, dtype=torch.float32)
     options = AttentionOptions.for_cache(cfg, "cpu", path="flex", quantized_keys_in_kernel=True)
     manager = BoundedKVManager(cfg, "cpu", block_size=16, options=options)
-    manager._scratch_k.fill_(float("nan"))  # the dequantized keys' copy (eager steps' path="flex"): unused
+    manager.store.scratch["flex_keys"].fill_(float("nan"))  # the dequantized keys' copy (eager steps' path="flex"): unused
 
     def model_step(qs, ks, vs, plan):
         return [manager.attend(layer, qs[layer], ks[layer], vs[layer], plan) for layer in range(cfg.num_layers)]
@@ -362,7 +364,7 @@ def test_compiled_float8_keys_read_as_stored_match_the_reference_with_no_recompi
         for _ in range(9):
             work.step()
     assert work.worst_relative < 1e-5
-    assert manager._scratch_k.isnan().all() and not manager._scratch_v.isnan().any()
+    assert manager.store.scratch["flex_keys"].isnan().all() and not manager.store.scratch["flex_values"].isnan().any()
 
 
 def test_value_scaled_attention_gives_zeros_and_minus_infinity_where_a_query_reads_nothing():
@@ -407,7 +409,7 @@ def test_a_cache_whose_kernel_reads_cells_as_stored_allocates_no_dequantized_cop
     reads = BoundedKVManager(cfg, "meta", options=opts)
     zero_cell = quantized.LSE_VALUE_WIDTH if values else 0  # float8: a byte each
     assert base.memory_bytes - reads.memory_bytes == copy * (keys + values) - zero_cell
-    assert (reads._scratch_k is None) == keys and (reads._scratch_v is None) == values
+    assert (reads.store.scratch["flex_keys"] is None) == keys and (reads.store.scratch["flex_values"] is None) == values
     forced = BoundedKVManager(cfg, "meta", options=AttentionOptions.for_cache(
         cfg, "meta", path="flex", quantized_keys_in_kernel=keys, quantized_values_in_kernel=values))
-    assert forced._scratch_k is not None and forced._scratch_v is not None  # eager flex steps read the copies
+    assert forced.store.scratch["flex_keys"] is not None and forced.store.scratch["flex_values"] is not None  # eager flex steps read the copies

@@ -84,7 +84,7 @@ TORCH_WORKAROUNDS = {
     "VIEW_OFFSET": TorchWorkaround(
         "cpu", ((2, 11), (2, 15)),
         "the compiled CPU kernel reads a key or value view from its storage's start, ignoring the offset",
-        "every layer keeps key and value tensors of its own (`BoundedKVManager._layer_kv`)"),
+        "every layer keeps key and value tensors of its own (`LayerStore.layer_kv`)"),
     "Q_VIEW": TorchWorkaround(
         "cpu", ((2, 13), None),
         "inductor's CPU FlexAttention fails to lower a q that is only a view of another tensor",
@@ -100,7 +100,7 @@ TORCH_WORKAROUNDS = {
     "WIDE_BLOCK_LISTS": TorchWorkaround(
         "cpu", ((2, 13), None),
         "the CPU kernel wants block lists as wide as the layer tensor",
-        "the compact plan lists are padded on the device (`BoundedKVManager._block_mask`)"),
+        "the compact plan lists are padded on the device (`flex_call.plan_block_mask`)"),
     "STORAGE_NAMES": TorchWorkaround(
         "cpu", ((2, 13), None),
         "the CPU template names kernel arguments by their storage, merging views of one table",

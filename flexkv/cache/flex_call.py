@@ -1,6 +1,6 @@
 """flexkv's FlexAttention call: a plan's block lists as a `BlockMask`, and the one kernel call.
 
-Two ways in, both from `BoundedKVManager.attend`:
+Two ways in, both from `flexkv.cache.flex_path.FlexPath`:
 
 - `flex_call`: one inline `flex_attention` call with the step's `score_mod`
   and, when asked, its log-sum-exp;
@@ -85,15 +85,16 @@ class PlanView:
 
 
 @layer_region
-def flex_layer(q, k_cache, v_cache, table, manager, rows, tokens, width, full_width, full_blocks, pack_gqa,
+def flex_layer(q, k_cache, v_cache, table, store, rows, tokens, width, full_width, full_blocks, pack_gqa,
                options):
     """One layer's FlexAttention call from the plan's table alone: a region every layer shares.
 
     The plan enters as its one table (its named tensors are views of it, and a region takes no
-    inputs that alias each other); everything else is static.
+    inputs that alias each other); everything else is static (`store`: the cache's
+    `flexkv.cache.store.LayerStore`).
     """
     plan = PlanView(table, rows, tokens, width, full_width, full_blocks)
     group = q.shape[2] // tokens
-    block_mask = plan_block_mask(manager.layout, manager.device.type, plan, tokens * group,
-                                 manager._mask_mod(plan, tokens, pack_gqa), own_buffers=True)
+    block_mask = plan_block_mask(store.layout, store.device.type, plan, tokens * group,
+                                 store.mask_mod(plan, tokens, pack_gqa), own_buffers=True)
     return flex_call(q, k_cache, v_cache, block_mask, options)[0]

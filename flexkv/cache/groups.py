@@ -419,12 +419,12 @@ class GroupedKVManager(TableViews, nn.Module):
             slots = self.slots.slots()
             private = self.slots.private_sources
             self.slots.note_writes(step)
-        return GroupedPlan([m._plan_from(step, slots, private, eager_only) for m in self._mgrs])
+        return GroupedPlan([m.plan_from(step, slots, private, eager_only) for m in self._mgrs])
 
     def commit(self, step: BoundedKVStep) -> None:
         """Record each request's written tokens (idempotent); every group's eager per-plan state is dropped."""
         for m in self._mgrs:
-            m._end_step()
+            m.store.end_step()
         with self._lock:
             self.slots.commit(step)
 
@@ -489,7 +489,7 @@ class GroupedKVManager(TableViews, nn.Module):
     def _group_sources(self, what: str, keys: torch.Tensor, values: torch.Tensor) -> list:
         """Each group's store with its share of all-layer source tensors, checked by that store."""
         shares = split_source(what, self.config, self.groups, [m.config for m in self._mgrs], keys, values)
-        return [(m, *m._source_tensors(what, k, v)) for m, (k, v) in zip(self._mgrs, shares)]
+        return [(m, *m.store.source_tensors(what, k, v)) for m, (k, v) in zip(self._mgrs, shares)]
 
     def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Register a shared prefix for every group; `keys`, `values` as for
@@ -498,7 +498,7 @@ class GroupedKVManager(TableViews, nn.Module):
         with self._lock:
             index = self.slots.next_place()
             for m, k, v, length in shares:
-                m._write_source(index, k, v, length)
+                m.store.write_source(index, k, v, length)
             self.slots.add_source(index, shares[0][3])
             return index
 
@@ -510,7 +510,7 @@ class GroupedKVManager(TableViews, nn.Module):
             self.slots.check_private(request_id)
             index = self.slots.next_place()
             for m, k, v, length in shares:
-                m._write_source(index, k, v, length)
+                m.store.write_source(index, k, v, length)
             self.slots.add_private_source(request_id, index, shares[0][3])
             return index
 

@@ -54,18 +54,19 @@ def newest_token(plan, reverse: bool) -> torch.Tensor:
     return torch.zeros_like(plan.span) if reverse else (plan.span - 1).clamp_min(0)
 
 
-def attend_query_only(manager, q2: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan, *, scale: float,
+def attend_query_only(store, q2: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan, *, scale: float,
                       score_mod: Optional[Callable], positions: str, sinks: Optional[torch.Tensor],
                       want_lse: bool, scales=None):
     """`(out [N, Hq, Q, Dv], lse [N, Hq, Q] or None)` of the query-only queries `q2` (module docstring)
-    over layer cells `kc`, `vc` (as stored; `scales` for quantized cells) of `manager`'s step `plan`."""
-    c, lay = manager.config, manager.layout
+    over layer cells `kc`, `vc` (as stored; `scales` for quantized cells) of the step `plan` of `store`
+    (`flexkv.cache.store.LayerStore`)."""
+    c, lay = store.config, store.layout
     N, Hq, Q, D = q2.shape
     H = kc.shape[1]
     g = Hq // H
     T = plan.tokens
     newest = newest_token(plan, c.reverse_step_order)
-    base = manager._mask_mod(plan, T, False)
+    base = store.mask_mod(plan, T, False)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return base(b, h, newest[b] + q_idx * 0, kv_idx)
@@ -82,8 +83,11 @@ def attend_query_only(manager, q2: torch.Tensor, kc: torch.Tensor, vc: torch.Ten
     width = gather_width(c)
     geometry = None
     if not torch.compiler.is_compiling():
-        geometry = manager._eager_geometry(plan, ("query_only", g * Q, T, qs.dtype),
-                                           lambda: row_geometry(lay, plan, mask_mod, g * Q, qs.dtype, width))
+        # Eagerly, built once per plan and shared by every layer (`LayerStore.per_plan`).
+        state, key = store.per_plan(plan), ("query_only", g * Q, T, qs.dtype)
+        geometry = state.get(key)
+        if geometry is None:
+            geometry = state[key] = row_geometry(lay, plan, mask_mod, g * Q, qs.dtype, width)
     need_lse = want_lse or sinks is not None
     res = attend_rows(qs, kc, vc, lay, plan, mask_mod, sm, width=width, return_lse=need_lse, geometry=geometry,
                       scales=scales)

@@ -206,8 +206,10 @@ class SinkRotation(nn.Module):
 
     def __init__(self, manager, layer_idx: int, rotary: Rotary, mode: str = "stream"):
         super().__init__()
-        # A BoundedKVManager (not imported here: the manager builds these, see its `rotation`).
-        if not all(hasattr(manager, a) for a in ("layout", "config", "_layer_kv")):
+        # A BoundedKVManager (not imported here: the manager builds these, see its `rotation`), whose
+        # `store` (`flexkv.cache.store.LayerStore`) holds the layer's keys; or that store itself.
+        store = getattr(manager, "store", manager)
+        if not all(hasattr(store, a) for a in ("layout", "config", "write_keys", "keep_slot_state")):
             raise ValueError(
                 f"SinkRotation: manager must be a BoundedKVManager, got {type(manager).__name__}; "
                 f"for any flexkv cache use cache.rotation(layer_idx, rotary, mode)"
@@ -233,10 +235,11 @@ class SinkRotation(nn.Module):
                 )
         # Not registered as submodules: the manager and the Rotary belong to the model.
         object.__setattr__(self, "manager", manager)
+        object.__setattr__(self, "store", store)
         object.__setattr__(self, "rotary", rotary)
         self.layer_idx = layer_idx
         self.mode = mode
-        lay = manager.layout
+        lay = store.layout
         self._sink = c.sink_capacity
         self._slot_rows = c.max_slots * c.rows_per_request
         self._slots_base = lay.slots_base
@@ -250,10 +253,10 @@ class SinkRotation(nn.Module):
             shape = ((self._slot_rows + 1) * self._sink, c.num_heads, c.head_dim)
             # Cache state, not model weights: kept out of the model's state_dict.
             self.register_buffer(
-                "raw_sink", torch.zeros(shape, dtype=c.dtype, device=manager.device), persistent=False
+                "raw_sink", torch.zeros(shape, dtype=c.dtype, device=store.device), persistent=False
             )
             self.register_buffer(
-                "_sink_offsets", torch.arange(self._sink, device=manager.device).view(1, -1), persistent=False
+                "_sink_offsets", torch.arange(self._sink, device=store.device).view(1, -1), persistent=False
             )
 
     def extra_repr(self) -> str:
@@ -320,9 +323,7 @@ class SinkRotation(nn.Module):
         cells = torch.where(
             live.view(-1, 1), sink_base.view(-1, 1) + offs, self._scratch_base + offs % self._scratch_len
         )
-        kc = self.manager._layer_kv(self.layer_idx)[0]
-        index = (self.manager._zero_index, self.manager._head_index, cells.view(N, 1, S))
-        kc.index_put_(index, rotated)
+        self.store.write_keys(self.layer_idx, cells.view(N, 1, S), rotated)
 
 
 def check_cache_config(config: BoundedKVConfig) -> None:

@@ -49,10 +49,11 @@ import torch
 from ..cache.manager import BoundedKVManager
 from ..cache.planner import BoundedPlan
 from ..cache.slots import SlotTable
+from ..cache.store import LayerStore
 from ..config import BoundedKVConfig, check_config, is_int
 from ..step import BoundedKVStep
 
-__all__ = ["HeadShard", "ShardedKVManager", "resolve_rank", "all_gather_heads", "plan_digest"]
+__all__ = ["HeadShard", "ShardedKVManager", "ShardStore", "resolve_rank", "all_gather_heads", "plan_digest"]
 
 
 
@@ -213,6 +214,33 @@ def _stable_id(rid: Hashable) -> str:
     return type(rid).__qualname__
 
 
+class ShardStore(LayerStore):
+    """A rank's `flexkv.cache.store.LayerStore`: this rank's heads (`shard`), and of a source given with every
+    head, this rank's slice (`source_tensors`)."""
+
+    def __init__(self, config: BoundedKVConfig, device, layout, shard: HeadShard):
+        super().__init__(config, device, layout)
+        self.shard = shard
+
+    def source_tensors(self, what: str, keys, values):
+        """This rank's heads of a source given with every head or with this rank's (then checked)."""
+        full, local = self.shard.num_heads, self.shard.local_heads
+        picked = []
+        for name, t in (("keys", keys), ("values", values)):
+            if what == "add_source" and isinstance(t, torch.Tensor) and t.dim() == 5:
+                if t.shape[2] == full:
+                    t = self.shard.kv(t, dim=2)
+                elif t.shape[2] != local:
+                    s = self.shard.kv_slice
+                    raise ValueError(
+                        f"add_source: {name} has {t.shape[2]} heads (shape {tuple(t.shape)}); expected the model's "
+                        f"{full} KV heads (rank {self.shard.rank} keeps heads {s.start}..{s.stop - 1}) or this "
+                        f"rank's {local} already-sharded heads"
+                    )
+            picked.append(t)
+        return super().source_tensors(what, *picked)
+
+
 class ShardedKVManager(BoundedKVManager):
     """This rank's share of a tensor-parallel bounded KV cache.
 
@@ -258,7 +286,8 @@ class ShardedKVManager(BoundedKVManager):
             raise ValueError(f"check_plans must be a bool, got {check_plans!r}")
         rank, world_size = resolve_rank(process_group, rank, world_size)
         shard = HeadShard(config.num_heads, rank, world_size, num_query_heads)
-        super().__init__(config.replace(num_heads=shard.local_heads), device, block_size=block_size, slots=slots)
+        super().__init__(config.replace(num_heads=shard.local_heads), device, block_size=block_size, slots=slots,
+                         store=lambda cfg, dev, layout: ShardStore(cfg, dev, layout, shard))
         self.full_config = config
         self.shard = shard
         self.process_group = process_group
@@ -281,24 +310,6 @@ class ShardedKVManager(BoundedKVManager):
         `value_head_dim`, `H` the model's `num_heads` or this rank's `num_heads // world_size`.
         """
         return super().add_source(keys, values)
-
-    def _source_tensors(self, what: str, keys, values):
-        """This rank's heads of a source given with every head or with this rank's (then checked)."""
-        full, local = self.shard.num_heads, self.shard.local_heads
-        picked = []
-        for name, t in (("keys", keys), ("values", values)):
-            if what == "add_source" and isinstance(t, torch.Tensor) and t.dim() == 5:
-                if t.shape[2] == full:
-                    t = self.shard.kv(t, dim=2)
-                elif t.shape[2] != local:
-                    s = self.shard.kv_slice
-                    raise ValueError(
-                        f"add_source: {name} has {t.shape[2]} heads (shape {tuple(t.shape)}); expected the model's "
-                        f"{full} KV heads (rank {self.rank} keeps heads {s.start}..{s.stop - 1}) or this rank's "
-                        f"{local} already-sharded heads"
-                    )
-            picked.append(t)
-        return super()._source_tensors(what, *picked)
 
     # -------------------------------------------------------------- attention
 
