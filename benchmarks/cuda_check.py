@@ -84,7 +84,7 @@ from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.kernel_options import decode_split_kv, flex_kernel_options
 from flexkv.cache.layout import entry_cell
 from flexkv.compiling import fresh_function
-from flexkv.model.random_workload import RandomWorkload, relative_error, score_bias
+from tests.random_workload import RandomWorkload, relative_error, score_bias
 
 #: Norm-relative tolerances, `||out - ref|| / ||ref||`: an absolute bound on bf16 outputs of a few
 #: thousand keys (values of order 1e-2) would not see a missing block.
@@ -211,7 +211,7 @@ class CompiledOptions:
 
 
 class Stream:
-    """Random steps through a compiled model step and the dense reference (`flexkv.model.random_workload`)."""
+    """Random steps through a compiled model step and the dense reference (`tests/random_workload.py`)."""
 
     def __init__(self, name: str, cfg: BoundedKVConfig, device, *, q_heads: int, tokens: int, segments: int,
                  block_size: int, seed: int, churn: float = 0.2, score_mod=None, positions: str = "stream",

@@ -37,8 +37,9 @@ def check_step(ref, res, feeds, outputs=None, where: str = "", tolerance: float 
     request further than `tolerance` from the reference fails there, named after `where` (the
     caller's step). Returns the largest difference. `outputs(res, rid)` picks a request's attention
     output (default `res[rid]`)."""
+    from random_workload import check_close
+
     from flexkv import Chunk
-    from flexkv.model.random_workload import check_close
 
     B, T = len(res.step.segments), res.step.step_tokens
     x = torch.zeros(B, T, 3, H, D)

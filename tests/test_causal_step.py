@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from random_workload import check_close
 
 from flexkv import (
     BoundedKVConfig,
@@ -26,7 +27,6 @@ from flexkv import (
 from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.groups import per_layer_groups
 from flexkv.cache.rotary import Rotary
-from flexkv.model.random_workload import check_close
 from flexkv.model.reference import ReferenceCache
 from flexkv.model.uncached import UncachedHistory
 from flexkv.model.wrap import StepContext, attention

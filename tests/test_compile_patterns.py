@@ -9,11 +9,11 @@ graphs compiled is counted.
 import pytest
 import torch
 import torch._dynamo
+from random_workload import RandomWorkload, check_close
 from torch import nn
 from torch._dynamo.utils import counters
 
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
-from flexkv.model.random_workload import RandomWorkload, check_close
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 LAYERS = 3

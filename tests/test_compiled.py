@@ -8,13 +8,13 @@ positions, spans, slots and requests but not the batch shape, and
 import pytest
 import torch
 import torch._dynamo
+from random_workload import RandomWorkload, score_bias
 from torch._dynamo.utils import counters
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.kernel_sharing import SHARED_KERNEL_TORCH
 from flexkv.cache.row_attention import gather_width
-from flexkv.model.random_workload import RandomWorkload, score_bias
 
 TOL = 1e-4
 

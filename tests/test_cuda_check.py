@@ -16,9 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the repository, not part of the package
     sys.path.insert(0, str(ROOT))
 
+from random_workload import relative_error  # noqa: E402
+
 import flexkv.cache.manager  # noqa: E402
 from benchmarks.cuda_check import Decode, bench_shape, run_workload, save_report, variant_runs, workload_specs  # noqa: E402
-from flexkv.model.random_workload import relative_error  # noqa: E402
 from single_thread import one_thread  # noqa: E402,F401
 
 

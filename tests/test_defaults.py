@@ -8,6 +8,7 @@ calls never run FlexAttention by default, and that the per-plan work is done onc
 
 import pytest
 import torch
+from random_workload import check_close
 
 import flexkv.cache.flex_call as flex_call_module
 import flexkv.cache.row_attention as row_attention
@@ -17,7 +18,6 @@ from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.kernel_sharing import shares_flex_kernel
 from flexkv.cache.layout import Layout, default_block_size
 from flexkv.cache.row_attention import RowGeometry
-from flexkv.model.random_workload import check_close
 from flexkv.model.reference import ReferenceCache
 from single_thread import one_thread  # noqa: F401
 

@@ -13,6 +13,7 @@ protocol), not the attention.
 import pytest
 import torch
 import torch._dynamo
+from random_workload import check_close
 from torch._dynamo.utils import counters
 
 from flexkv import (
@@ -29,7 +30,6 @@ from flexkv import (
 from flexkv.cache.protocol import StreamCache, check_cache
 from flexkv.cache.quantized import round_trip
 from flexkv.cache.rotary import Rotary
-from flexkv.model.random_workload import check_close
 from flexkv.model.reference import ReferenceCache
 from flexkv.model.uncached import UncachedHistory
 from flexkv.model.wrap import StepContext, attention

@@ -9,6 +9,7 @@ written out in plain torch over the whole history.
 
 import pytest
 import torch
+from random_workload import check_close
 
 from flexkv import (
     BoundedKVConfig,
@@ -22,7 +23,6 @@ from flexkv import (
 from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.merge import merge_attention
 from flexkv.cache.quantized import round_trip
-from flexkv.model.random_workload import check_close
 from flexkv.model.reference import ReferenceCache
 from single_thread import one_thread  # noqa: F401
 

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from random_workload import check_close
 from torch import nn
 
 from flexkv import (
@@ -29,7 +30,6 @@ from flexkv import (
     UncachedHistory,
 )
 from flexkv.model.attendance import AttendanceError
-from flexkv.model.random_workload import check_close
 from flexkv.model.reference import ReferenceCache
 from flexkv.model.wrap import StepContext, attention
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from random_workload import check_close
 
 from flexkv import (
     BoundedKVConfig,
@@ -19,7 +20,6 @@ from flexkv import (
     StreamPosition,
 )
 from flexkv.cache.attention_options import AttentionOptions
-from flexkv.model.random_workload import check_close
 from flexkv.model.reference import ReferenceCache
 
 H, HQ, D, R = 2, 4, 8, 2

@@ -9,11 +9,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from random_workload import RandomWorkload, score_bias
 
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
 from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.kernel_options import cpu_kernel_block_exact
-from flexkv.model.random_workload import RandomWorkload, score_bias
 
 TOL = 1e-4
 #: Norm-relative agreement with the reference (on the dequantized cells for quantized slots).

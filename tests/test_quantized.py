@@ -136,7 +136,8 @@ def test_tensor_parallel_shards_of_a_quantized_cache_gather_to_the_whole_cache()
     """Head-sharded caches (`ShardedKVManager`, 2 ranks in one process) with int8 slots: scales are per
     cell and head, so each rank stores exactly its heads' cells of the unsharded quantized cache, and
     the gathered heads equal its output (itself checked against the reference on the dequantized cells)."""
-    from flexkv.model.random_workload import RandomWorkload
+    from random_workload import RandomWorkload
+
     from flexkv.serving.distributed import ShardedKVManager
 
     cfg = BoundedKVConfig(num_layers=2, num_heads=4, head_dim=8, rows_per_request=2, max_source_len=0,
@@ -260,8 +261,9 @@ def test_the_eager_rows_path_dequantizes_a_group_of_rows_at_a_time_exactly(monke
     and learned sinks (the explicit softmax and its log-sum-exp) and without; exact against the
     reference on the dequantized cells; scales on the scores (the decode default) and on the
     cells (`fused_queries=0`: the dequantize before SDPA that longer query blocks take)."""
+    from random_workload import RandomWorkload, score_bias
+
     from flexkv.cache import quantized_rows
-    from flexkv.model.random_workload import RandomWorkload, score_bias
 
     monkeypatch.setattr(quantized_rows, "DEQUANTIZE_GROUP_BYTES", 1)
     monkeypatch.setattr(quantized_rows, "FUSED_SCALES_MAX_QUERIES", fused_queries)
@@ -302,9 +304,10 @@ def test_float8_cells_read_as_stored_by_the_kernel_match_the_reference(monkeypat
     With a kernel that widens cells as CUDA's does, the outputs and log-sum-exps equal the
     reference on the dequantized cells through ring wraps, sources, GQA, a score_mod and learned
     sinks, and each in-kernel tensor reaches the kernel as float8."""
+    from random_workload import RandomWorkload, score_bias
+
     from flexkv.cache import flex_path, float8_path
     from flexkv.cache.attention_options import AttentionOptions
-    from flexkv.model.random_workload import RandomWorkload, score_bias
 
     monkeypatch.setattr(quantized, "CELLS_IN_KERNEL", {"cpu": "eager"})
     call = _widening_flex_call(float8_path.flex_call)
@@ -337,9 +340,10 @@ def test_compiled_float8_keys_read_as_stored_match_the_reference_with_no_recompi
     """Compiled, keys read as stored (the CUDA option; the CPU's compiled kernel returns no
     log-sum-exp, so values read as stored are checked eagerly above): the key scale traced into the
     step's `score_mod` agrees with the reference on the dequantized cells, with no recompile."""
+    from random_workload import RandomWorkload
+
     from flexkv.cache import flex_path, float8_path
     from flexkv.cache.attention_options import AttentionOptions
-    from flexkv.model.random_workload import RandomWorkload
 
     monkeypatch.setattr(quantized, "CELLS_IN_KERNEL", {"cpu": "compiled"})
     real = float8_path.flex_call

@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from random_workload import check_close
 from torch import nn
 
 from flexkv import (
@@ -27,7 +28,6 @@ from flexkv import (
 )
 from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.relative_position import RelativePosition, RelativePositionScores, distance_range
-from flexkv.model.random_workload import check_close
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 C, LA, W = 4, 2, 8  # chunk, look-ahead frames, window of earlier frames

@@ -9,10 +9,10 @@ layer's attention output, so each output can be compared with
 import pytest
 import torch
 import torch._dynamo
+from random_workload import check_close
 from torch._dynamo.utils import counters
 
 from flexkv import BoundedKVConfig, BoundedKVManager, Chunk, SinkWindow, SlotsExhausted, StreamSession
-from flexkv.model.random_workload import check_close
 from flexkv.model.reference import ReferenceCache
 from session_models import LAYERS, TOLERANCE, D, H, check_step, feed, model
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)

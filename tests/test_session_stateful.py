@@ -18,9 +18,9 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from random_workload import check_close
 
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow, SlotsExhausted, SourcesExhausted, StreamSession
-from flexkv.model.random_workload import check_close
 from flexkv.model.reference import ReferenceCache
 
 H, D, LAYERS, SLOTS, PLACES, MAX_SOURCE = 1, 4, 2, 3, 2, 4

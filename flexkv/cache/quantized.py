@@ -30,7 +30,7 @@ values separately:
 Since quantization is a pure function of each written vector, the dense
 reference runs on `round_trip(x)` of every key and value it is given and the
 cache must agree with it as closely as with an unquantized cache
-(`flexkv.model.random_workload`, `flexkv.model.uncached`).
+(`tests/random_workload.py`, `flexkv.model.uncached`).
 
 Sources are quantized too, once, when registered (they are read-only, so
 their error never grows): a source is the same kind of cell as any other and

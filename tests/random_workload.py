@@ -19,11 +19,11 @@ from typing import Callable, Optional
 
 import torch
 
-from ..cache.manager import BoundedKVManager
-from ..cache.quantized import round_trip
-from ..config import BoundedKVConfig
-from ..step import BoundedKVStep, Segment, StreamPosition
-from .reference import ReferenceCache
+from flexkv.cache.manager import BoundedKVManager
+from flexkv.cache.quantized import round_trip
+from flexkv.config import BoundedKVConfig
+from flexkv.model.reference import ReferenceCache
+from flexkv.step import BoundedKVStep, Segment, StreamPosition
 
 __all__ = ["RandomWorkload", "score_bias", "relative_error", "check_close"]
 
