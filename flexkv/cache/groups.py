@@ -37,8 +37,9 @@ from ..step import BoundedKVStep, StreamPosition
 from .manager import BoundedKVManager
 from .planner import BoundedPlan
 from .slot_copy import fork_slot, reorder_slots
-from .slots import SlotTable, TableViews
+from .slots import SlotTable
 from .sources import split_source
+from .table_views import TableViews
 
 __all__ = ["LayerGroup", "GroupedKVManager", "GroupedPlan", "layer_group_configs", "per_layer_groups", "as_layer_groups",
            "build_cache"]

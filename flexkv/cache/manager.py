@@ -36,8 +36,9 @@ from .relative_position import RelativePositionScores
 from .rotary import SinkRotation, stream_positions
 from .sinks import apply_learned_sinks, check_sinks
 from .slot_copy import fork_slot, reorder_slots
-from .slots import SlotsExhausted, SlotTable, SourcesExhausted, TableViews
+from .slots import SlotsExhausted, SlotTable, SourcesExhausted
 from .store import LayerStore
+from .table_views import TableViews
 
 __all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted"]
 

@@ -42,8 +42,9 @@ from ..cache.groups import as_layer_groups, layer_group_configs
 from ..cache.masks import POSITION_MODES
 from ..cache.quantized import round_trip
 from ..cache.rotary import ROPE_POSITIONS, Rotary, check_cache_config, check_cache_step
-from ..cache.slots import SlotTable, TableViews
+from ..cache.slots import SlotTable
 from ..cache.sources import check_source_shapes, split_source
+from ..cache.table_views import TableViews
 from ..config import BoundedKVConfig, check_config, check_layer_index
 from ..step import BoundedKVStep, StreamPosition
 from .reference import ReferenceCache, own_stream_indices
