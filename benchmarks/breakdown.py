@@ -7,10 +7,10 @@ and with SDPA over the same entries already laid out (`benchmarks.impls.LaidOut`
 
 - `write`: the step's keys and values into the layer tensors (two `index_put_`);
 - `geometry`: the plan's cells, the mask as an additive bias, which queries read anything
-  (`flexkv.cache.row_attention.row_geometry`);
+  (`flexkv.cache.cpu_fast_rows.geometry`);
 - `kernel`: SDPA on the rows path's own inputs (the slot pool in place, or the gathered block),
   with the bias;
-- `rows path`: `flexkv.cache.row_attention.attend_rows` with the geometry given: for gathered rows the
+- `rows path`: `flexkv.cache.cpu_fast_rows.attend` with the geometry given: for gathered rows the
   gather and the kernel, in place the query gather, the kernel and the read-back;
 - `attend`: all of it, as shipped.
 
@@ -32,8 +32,10 @@ import torch.nn.functional as F
 from benchmarks.chunked import SHAPES
 from benchmarks.impls import LaidOut, Steady, check
 from benchmarks.timing import interleaved
+from flexkv.cache.cpu_fast_rows import attend
+from flexkv.cache.cpu_fast_rows import geometry as fast_geometry
 from flexkv.cache.masks import make_mask_mod
-from flexkv.cache.row_attention import attend_rows, gather_width, row_geometry
+from flexkv.cache.row_attention import gather_width
 
 
 def run(name: str, rounds: int) -> dict:
@@ -48,7 +50,7 @@ def run(name: str, rounds: int) -> dict:
 
     def geometry(plan):
         mask_mod = make_mask_mod(plan, lay.ring_len, T, c.query_window, pack_gqa=g > 1)
-        return row_geometry(lay, plan, mask_mod, Q, inputs[0][0].dtype, gather_width(c))
+        return fast_geometry(lay, plan, mask_mod, Q, inputs[0][0].dtype, gather_width(c), m.store.memos)
 
     with torch.no_grad():
         geo = geometry(plan)
@@ -79,7 +81,7 @@ def run(name: str, rounds: int) -> dict:
     cw = torch.compile(write, fullgraph=True, dynamic=False)
     cg = torch.compile(geometry, fullgraph=True, dynamic=False)
     qs_plain = [q.reshape(N, H, Q, D) * D ** -0.5 for q, _, _ in inputs]
-    rows = [torch.compile(lambda q, p, l=l: attend_rows(q, *m.store.layer_kv(l), lay, p, None, geometry=geo),
+    rows = [torch.compile(lambda q, p, l=l: attend(q, *m.store.layer_kv(l), lay, p, None, geo=geo),
                           fullgraph=True, dynamic=False) for l in range(L)]
     attends = [torch.compile(lambda q, k, v, p, l=l: m.attend(l, q, k, v, p), fullgraph=True, dynamic=False)
                for l in range(L)]

@@ -386,7 +386,7 @@ def test_block_size_the_cpu_kernel_miscomputes_takes_the_rows_path():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_the_cpu_attention_kernel_gives_zeros_where_a_query_reads_nothing(dtype):
-    """What gathered rows on the CPU rely on to skip their zero fill (`row_attention._zeros_empty_rows`):
+    """What gathered rows on the CPU rely on to skip their zero fill (`cpu_fast_rows._zeros_empty_rows`):
     the fused attention kernel, eager and compiled, returns exact zeros for a query whose every key
     is masked by a -inf bias, and the other queries' outputs as usual."""
     import torch.nn.functional as F

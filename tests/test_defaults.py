@@ -11,7 +11,6 @@ import torch
 from random_workload import check_close
 
 import flexkv.cache.flex_call as flex_call_module
-import flexkv.cache.row_attention as row_attention
 import flexkv.cache.rows_path as rows_path_module
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache.attention_options import AttentionOptions
@@ -80,14 +79,14 @@ def test_eager_default_never_runs_flex_attention_and_shares_the_plan_geometry(to
     def no_flex(*a, **k):
         raise AssertionError("eager attend called flex_attention")
 
-    built = row_attention.row_geometry
+    built = rows_path_module.RowsPath.geometry
 
     def counting(*a, **k):
         counts["geometry"] += 1
         return built(*a, **k)
 
     monkeypatch.setattr(flex_call_module, "flex_attention", no_flex)
-    monkeypatch.setattr(rows_path_module, "row_geometry", counting)
+    monkeypatch.setattr(rows_path_module.RowsPath, "geometry", counting)
     cfg = _config()
     m = BoundedKVManager(cfg, "cpu")
     _stream(m, ReferenceCache(cfg), 8, tokens, monkeypatch, counts)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cache.row_attention import _one_token_in_place, mask_geometry, reads_in_place
+from flexkv.cache.cpu_fast_rows import one_token_in_place
+from flexkv.cache.row_attention import mask_geometry, reads_in_place
 
 
 @pytest.mark.parametrize("query_window", [None, "window"])
@@ -39,7 +40,7 @@ def test_one_token_geometry_from_host_intervals_equals_the_masked_one(query_wind
             for group in (1, 2):
                 mask_mod = m.store.mask_mod(plan, 1, group > 1)
                 want = mask_geometry(lay, plan, mask_mod, group, torch.float32)
-                got = _one_token_in_place(lay, plan, group, torch.float32)
+                got = one_token_in_place(lay, plan, group, torch.float32, m.store.memos)
                 # The host flags say what the device geometry holds (the masked one, built on the device,
                 # knows neither and says False).
                 assert not want.identity and not want.all_read
@@ -87,7 +88,7 @@ def test_a_stream_past_its_window_reuses_its_one_token_geometry_and_a_new_reach_
         step = BoundedKVStep((Segment("s", 1),), {"s": StreamPosition(0, n)})
         m.admit(step)
         plan = m.plan(step)
-        got = _one_token_in_place(m.layout, plan, 1, torch.float32)
+        got = one_token_in_place(m.layout, plan, 1, torch.float32, m.store.memos)
         want = mask_geometry(m.layout, plan, m.store.mask_mod(plan, 1, False), 1, torch.float32)
         assert torch.equal(*torch.broadcast_tensors(got.bias, want.bias))
         same.append(got is last)

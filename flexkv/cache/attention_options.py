@@ -24,6 +24,10 @@ in_kernel`          cells as stored, their scales applied in `score_mod`
 `quantized_values_  float8 slots compiled on CUDA: the kernel reads value  off
 in_kernel`          cells as stored (two calls, exact: see
                     `flexkv.cache.quantized.value_scaled_attention`)
+`cpu_fast_paths`    the rows path runs through its measured speed work     on
+                    (`flexkv.cache.cpu_fast_rows`); off, the plain
+                    reference (`row_attention.attend_rows`): the same
+                    result, slower
 ==================  =====================================================  =======================
 
 `"auto"` takes the rows path eagerly (uncompiled FlexAttention forms every
@@ -151,6 +155,11 @@ class AttentionOptions:
     #: calls (`quantized.value_scaled_attention`: the scales as a log in `score_mod`, then a second
     #: call over no values for the step's own log-sum-exp). Off by default, as the keys' option.
     quantized_values_in_kernel: bool = False
+    #: The rows path through its CPU fast paths (`flexkv.cache.cpu_fast_rows`: custom ops, group
+    #: buffers, host-built one-token geometry and its memos). Off: the plain reference
+    #: (`flexkv.cache.row_attention.attend_rows`), which attends exactly the same cells, to read,
+    #: debug or compare against. On by default on every device (they were measured on the CPU).
+    cpu_fast_paths: bool = True
 
     def __post_init__(self):
         if self.path not in ATTENTION_PATHS:
@@ -174,6 +183,7 @@ class AttentionOptions:
             full_blocks=kind in ("cuda", "meta"),  # "meta" plans as CUDA does; FULL_BLOCKS_SLOW on the CPU
             epilogue_barrier=applies("EPILOGUE_FUSION", kind),
             share_flex_kernel=shares_flex_kernel(kind),
+            cpu_fast_paths=True,
         )
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(cls)})
         if unknown:

@@ -164,7 +164,7 @@ class BoundedKVManager(TableViews, nn.Module):
         the one layer of dequantized scratch the FlexAttention path reads (allocated with the cache
         off the CPU, or on it with options path="flex"; under path="auto" without the keys' or the
         values' half where the kernel reads those cells as stored, `flexkv.cache.float8_path`) and
-        the group buffer cells widen into (`row_attention.dequantize_scratch`, unless path="flex")."""
+        the group buffer cells widen into (`cpu_fast_rows.dequantize_scratch`, unless path="flex" or cpu_fast_paths=False)."""
         return self._store.memory_bytes
 
     @property
@@ -439,7 +439,7 @@ class BoundedKVManager(TableViews, nn.Module):
         scales = None if ks is None else (ks, vs)
         scale = D ** -0.5 if scale is None else scale
         if query_only is not None:
-            extra = attend_query_only(self._store, query_only, kc, vc, plan, scale=scale, score_mod=score_mod,
+            extra = attend_query_only(self.paths.rows, query_only, kc, vc, plan, scale=scale, score_mod=score_mod,
                                       positions=positions, sinks=sinks, want_lse=return_lse, scales=scales)
             extra = extra if return_lse else extra[0]
         g = Hq // H if route.pack_gqa else 1

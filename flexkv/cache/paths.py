@@ -15,7 +15,8 @@ alone (`AttentionOptions.path_for` and `route`), which steps reach which
 path: the same rule sizes the scratch, adds the plan parts and routes each
 call. The paths:
 
-- `rows_path.RowsPath`: each row's cells, then dense attention (`flexkv.cache.row_attention`);
+- `rows_path.RowsPath`: each row's cells, then dense attention (`flexkv.cache.row_attention`, or its CPU
+  fast paths `flexkv.cache.cpu_fast_rows` unless `AttentionOptions.cpu_fast_paths` is off);
 - `flex_path.FlexPath`: one FlexAttention call (inline, or the region every compiled layer shares);
 - `float8_path.Float8FlexPath`: FlexPath reading float8 cells as stored, for compiled CUDA kernels.
 
@@ -91,7 +92,7 @@ class AttentionPaths:
         #: (`flexkv.cache.kernel_options.cpu_kernel_block_exact`; where it is not, `"auto"` takes the
         #: rows path and `"flex"` is refused). A plain bool: every compiled layer reads it.
         self.flex_exact = self.device_type != "cpu" or cpu_kernel_block_exact(store.layout.block_size)
-        self.rows = RowsPath(store)
+        self.rows = RowsPath(store, options.cpu_fast_paths)
         self.flex = (Float8FlexPath if reads_cells_in_kernel(store) else FlexPath)(store, options)
         self._routes: dict = {}  # eager decisions, by kind of call (`choose`)
         for path in (self.rows, self.flex):

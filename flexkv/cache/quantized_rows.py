@@ -6,7 +6,7 @@ on every call: a pass out to memory and back that faults in new pages each
 time (the FlexAttention path's dequantized copy of the layer costs the same).
 Eagerly, the rows path instead dequantizes a group of batch rows at a time
 into one small buffer the cache allocates once, and attends each group while
-its cells are still in the CPU's caches (`row_attention.DEQUANTIZE_GROUP_BYTES`).
+its cells are still in the CPU's caches (`DEQUANTIZE_GROUP_BYTES`).
 
 `grouped_attention` is that eager loop registered as a custom op
 (`flexkv::quantized_rows_attention`), so a compiled step runs it as written:
@@ -41,7 +41,7 @@ __all__ = ["grouped_attention", "reduced_decode", "reduces_decode", "group_rows"
 
 #: Quantized cells are dequantized and attended in groups of batch rows whose float32 keys and
 #: values take about this many bytes, in a buffer the cache allocates once
-#: (`row_attention.dequantize_scratch`): a group stays in the CPU's caches between its dequantize
+#: (`cpu_fast_rows.dequantize_scratch`): a group stays in the CPU's caches between its dequantize
 #: and its attention.
 DEQUANTIZE_GROUP_BYTES = 4 << 20
 #: Up to this many queries per batch row and head (a decode step's, a GQA group folded in), float32

@@ -14,7 +14,7 @@ call as the step's own tokens, so they always see the step's writes:
 - a `score_mod` sees that token's position as the query's (stream or
   in-cache, as `positions` says), and learned `sinks` join its softmax as they
   join the step's;
-- it runs on the rows path (`flexkv.cache.row_attention`), eager or compiled,
+- it runs on the rows path (`flexkv.cache.rows_path`), eager or compiled,
   whatever path the step's own queries take; the output is `[N, Hq, Q, Dv]`
   (with `return_lse`, its log-sum-exp `[N, Hq, Q]` too).
 
@@ -29,7 +29,6 @@ from typing import Callable, Optional
 import torch
 
 from .masks import make_score_mod
-from .row_attention import attend_rows, gather_width, row_geometry
 from .sinks import apply_learned_sinks
 
 __all__ = ["check_query_only", "attend_query_only"]
@@ -54,12 +53,13 @@ def newest_token(plan, reverse: bool) -> torch.Tensor:
     return torch.zeros_like(plan.span) if reverse else (plan.span - 1).clamp_min(0)
 
 
-def attend_query_only(store, q2: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan, *, scale: float,
+def attend_query_only(rows, q2: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan, *, scale: float,
                       score_mod: Optional[Callable], positions: str, sinks: Optional[torch.Tensor],
                       want_lse: bool, scales=None):
     """`(out [N, Hq, Q, Dv], lse [N, Hq, Q] or None)` of the query-only queries `q2` (module docstring)
-    over layer cells `kc`, `vc` (as stored; `scales` for quantized cells) of the step `plan` of `store`
-    (`flexkv.cache.store.LayerStore`)."""
+    over layer cells `kc`, `vc` (as stored; `scales` for quantized cells) of the step `plan`, on the
+    cache's rows path `rows` (`flexkv.cache.rows_path.RowsPath`, over its store)."""
+    store = rows.store
     c, lay = store.config, store.layout
     N, Hq, Q, D = q2.shape
     H = kc.shape[1]
@@ -80,17 +80,16 @@ def attend_query_only(store, q2: torch.Tensor, kc: torch.Tensor, vc: torch.Tenso
             return inner(score, b, h * g + q_idx // Q, newest[b] + q_idx * 0, kv_idx)
 
     qs = (q2 * scale).reshape(N, H, g * Q, D)
-    width = gather_width(c)
     geometry = None
     if not torch.compiler.is_compiling():
         # Eagerly, built once per plan and shared by every layer (`LayerStore.per_plan`).
         state, key = store.per_plan(plan), ("query_only", g * Q, T, qs.dtype)
         geometry = state.get(key)
         if geometry is None:
-            geometry = state[key] = row_geometry(lay, plan, mask_mod, g * Q, qs.dtype, width)
+            geometry = state[key] = rows.geometry(plan, mask_mod, g * Q, qs.dtype)
     need_lse = want_lse or sinks is not None
-    res = attend_rows(qs, kc, vc, lay, plan, mask_mod, sm, width=width, return_lse=need_lse, geometry=geometry,
-                      scales=scales)
+    res = rows.attend(None, qs, kc, vc, plan, mask_mod, sm, lse=need_lse, geometry=geometry, scales=scales,
+                      compiling=torch.compiler.is_compiling(), buffers=False)
     out, lse = res if need_lse else (res, None)
     out = out.reshape(N, Hq, Q, vc.shape[-1])
     if lse is not None:

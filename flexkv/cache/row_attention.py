@@ -28,9 +28,16 @@ formed, modified and normalised explicitly (in float32, or float64 for
 float64 inputs).
 
 What depends on the plan alone (which cells each batch row holds, the bias,
-which queries read anything) is `RowGeometry`, built by `row_geometry`: a
+which queries read anything) is `RowGeometry`, built by `mask_geometry`: a
 caller attending several layers of one plan eagerly builds it once and
 passes it to every layer (`BoundedKVManager.attend` does).
+
+`attend_rows` here is the plain reference: the cells read in place or
+gathered, dequantized if quantized, then SDPA or an explicit softmax. The
+CPU speed work over it (custom ops, group buffers, host-built one-token
+geometry and its memos) is `flexkv.cache.cpu_fast_rows`, which the rows
+path enters unless `AttentionOptions.cpu_fast_paths` is off; both compute
+what the same queries attend.
 
 Shapes depend only on the config and the step's `N` and `T`, so a compiled
 step does not recompile as streams move.
@@ -38,23 +45,20 @@ step does not recompile as streams move.
 
 from __future__ import annotations
 
-from array import array
 from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
-from . import quantized_rows
-from .gathered_rows import gathered_attention
 from .layout import Layout
 from .planner import INTERVALS
-from .quantized import dequantize
-from .row_cells import batch_cells, gather_kv
+from .quantized import SCALE_DTYPE
+from .row_cells import batch_cells
 
-__all__ = ["attend_rows", "reads_in_place", "gather_width", "row_geometry", "repeat_queries", "device_geometry",
-           "RowGeometry", "dequantize_scratch", "slot_pool"]
+__all__ = ["attend_rows", "reads_in_place", "gather_width", "mask_geometry", "repeat_queries", "device_geometry",
+           "RowGeometry", "dense_attention", "NEG_INF"]
 
-_NEG_INF = float("-inf")
+NEG_INF = float("-inf")
 
 
 def reads_in_place(layout: Layout, rows: int) -> bool:
@@ -138,123 +142,15 @@ def _interval_cells(plan, width: int, device) -> tuple:
     return torch.where(used, cells, 0), used
 
 
-_SLOT_CELLS: dict = {}
-_ARANGE: dict = {}
-_ALL_READ: dict = {}
-#: The array type code of a bias laid out on the host, by dtype (others are laid out in float32 and cast:
-#: 0 and -inf are exact in every float dtype).
-_HOST_FLOAT = {torch.float32: "f", torch.float64: "d"}
-
-
-def _cached(table: dict, key, make):
-    """A small constant tensor (never written to) made once per key and shared by every geometry."""
-    t = table.get(key)
-    if t is None:
-        t = table[key] = make()
-    return t
-
-
-#: The last one-token geometry built per `(layout, q_len, dtype)`, with the rows it was built from: a
-#: stream past its sink and window reads the same cells step after step, and so gets the same geometry.
-_LAST_ONE_TOKEN: dict = {}
-
-
-def _one_token_in_place(layout: Layout, plan, q_len: int, dtype: torch.dtype) -> RowGeometry:
-    """`row_geometry` of a one-token step that reads in place, from the plan's host table.
-
-    A row's one token attends exactly the cells of its intervals (`BoundedPlan.cell_intervals`,
-    the union over its queries, and it has one), so the bias is laid out on the host (0 over each
-    interval, -inf elsewhere) instead of evaluating `mask_mod` on every cell: one tensor made from a
-    host buffer in place of some forty small device ops per step. When the step holds every slot
-    row in order and each reads something (one stream decoding alone, or a full batch), the index
-    and read tensors are shared constants and the geometry says so (`identity`, `all_read`), so
-    that `attend_rows` skips the gathers and the zero fill. The tests check it equals the general
-    construction. It depends on nothing but each row's slot row and cell intervals (and the
-    layout, query length and dtype): the geometry of the last step with the same rows is returned
-    again (its tensors are never written to).
-    """
-    N = plan.rows
-    rows = tuple(None if plan.field("sink_base", i) < 0 else (plan.field("slot_row", i), tuple(plan.cell_intervals(i)))
-                 for i in range(N))
-    key = (layout, q_len, dtype)
-    last = _LAST_ONE_TOKEN.get(key)
-    if last is not None and last[0] == rows:
-        return last[1]
-    geo = _build_one_token(layout, rows, q_len, dtype)
-    if len(_LAST_ONE_TOKEN) >= 16:
-        _LAST_ONE_TOKEN.clear()
-    _LAST_ONE_TOKEN[key] = (rows, geo)
-    return geo
-
-
-def _build_one_token(layout: Layout, rows: tuple, q_len: int, dtype: torch.dtype) -> RowGeometry:
-    """`_one_token_in_place` from each plan row's `(slot row, cell intervals)` (None: a padding row)."""
-    N = len(rows)
-    Lr = layout.slot_row_len
-    n_slot = layout.max_slots * layout.rows_per_request
-    base = layout.slots_base
-    code = _HOST_FLOAT.get(dtype, "f")
-    bias = array(code, [_NEG_INF]) * (n_slot * Lr)
-    batch_rows = [0] * n_slot
-    to_batch, live = [], []
-    slot_reads = [False] * n_slot
-    for i, row in enumerate(rows):
-        if row is None:  # a padding row: reads nothing
-            to_batch.append(n_slot)
-            live.append(False)
-            continue
-        s, intervals = row
-        to_batch.append(s)
-        live.append(True)
-        batch_rows[s] = i
-        lo_s = base + s * Lr
-        for lo, hi in intervals:
-            a, b = max(lo, lo_s) - lo_s, min(hi, lo_s + Lr) - lo_s
-            if a < b:
-                bias[s * Lr + a:s * Lr + b] = array(code, bytes(bias.itemsize * (b - a)))
-                slot_reads[s] = True
-    cells = _cached(_SLOT_CELLS, (base, n_slot, Lr), lambda: base + torch.arange(n_slot * Lr).view(n_slot, Lr))
-    bias = torch.frombuffer(bias, dtype=torch.float32 if code == "f" else torch.float64)
-    if bias.dtype != dtype:
-        bias = bias.to(dtype)
-    bias = bias.view(n_slot, 1, 1, Lr).expand(n_slot, 1, q_len, Lr)
-    back = [min(t, n_slot - 1) for t in to_batch]
-    row_reads = [slot_reads[b] and ok for b, ok in zip(back, live)]
-    identity = N == n_slot and to_batch == list(range(N))
-    all_read = all(slot_reads) and all(row_reads)
-    if identity:
-        batch_rows = to_batch = back = _cached(_ARANGE, N, lambda: torch.arange(N))
-    else:
-        index = torch.tensor(batch_rows + to_batch + back)
-        batch_rows, to_batch, back = index[:n_slot], index[n_slot:n_slot + N], index[n_slot + N:]
-    if all_read:
-        reads = _cached(_ALL_READ, n_slot, lambda: torch.ones(n_slot, 1, 1, dtype=torch.bool)).expand(n_slot, 1, q_len)
-        row_reads = reads if N == n_slot else _cached(
-            _ALL_READ, N, lambda: torch.ones(N, 1, 1, dtype=torch.bool)).expand(N, 1, q_len)
-    else:
-        flags = torch.tensor(slot_reads + row_reads)
-        reads = flags[:n_slot].view(n_slot, 1, 1).expand(n_slot, 1, q_len)
-        row_reads = flags[n_slot:].view(N, 1, 1).expand(N, 1, q_len)
-    return RowGeometry(True, q_len, batch_rows, cells, bias, reads, row_reads, to_batch, back, identity, all_read)
-
-
-def row_geometry(layout: Layout, plan, mask_mod: Callable, q_len: int, dtype: torch.dtype,
-                 width: Optional[int] = None) -> RowGeometry:
-    """The rows path's view of `plan` for queries of length `q_len` (a folded GQA group counts).
+def mask_geometry(layout: Layout, plan, mask_mod: Callable, q_len: int, dtype: torch.dtype,
+                  width: Optional[int] = None) -> RowGeometry:
+    """The rows path's view of `plan` for queries of length `q_len` (a folded GQA group counts), built by
+    evaluating `mask_mod` on every cell a row may read (any step, any device).
 
     `mask_mod` is the FlexAttention mask of the step (`flexkv.cache.masks.make_mask_mod`), `dtype` the
     queries' dtype (the bias is formed in it), `width` the cells per gathered row
     (`gather_width(config)`; needed unless the step reads in place).
     """
-    if (plan.tokens == 1 and not torch.compiler.is_compiling() and hasattr(plan, "cell_intervals")
-            and plan.table.device.type == "cpu" and reads_in_place(layout, plan.rows)):
-        return _one_token_in_place(layout, plan, q_len, dtype)  # eager: reads the host table
-    return mask_geometry(layout, plan, mask_mod, q_len, dtype, width)
-
-
-def mask_geometry(layout: Layout, plan, mask_mod: Callable, q_len: int, dtype: torch.dtype,
-                  width: Optional[int] = None) -> RowGeometry:
-    """`row_geometry` built by evaluating `mask_mod` on every cell a row may read (any step, any device)."""
     N = plan.rows
     dev = plan.write_index.device
     zero = torch.zeros((), dtype=torch.long, device=dev)
@@ -272,14 +168,14 @@ def mask_geometry(layout: Layout, plan, mask_mod: Callable, q_len: int, dtype: t
         in_place = True
     else:
         if width is None:
-            raise ValueError("row_geometry: width (gather_width(config)) is needed when the step gathers")
+            raise ValueError("mask_geometry: width (gather_width(config)) is needed when the step gathers")
         cells, used = _interval_cells(plan, width, dev)
         batch_rows = torch.arange(N, device=dev)
         allowed = mask_mod(batch_rows.view(-1, 1, 1, 1), zero, q_idx, cells.view(N, 1, 1, width))
         allowed = allowed & used.view(N, 1, 1, width)
         in_place = False
     bias = torch.where(allowed, torch.zeros((), dtype=dtype, device=dev),
-                       torch.full((), _NEG_INF, dtype=dtype, device=dev))
+                       torch.full((), NEG_INF, dtype=dtype, device=dev))
     reads = bias.amax(dim=-1) == 0
     if in_place:
         back = to_batch.clamp(max=n_slot - 1)
@@ -290,15 +186,7 @@ def mask_geometry(layout: Layout, plan, mask_mod: Callable, q_len: int, dtype: t
     return RowGeometry(in_place, q_len, batch_rows, cells, bias, reads, row_reads, to_batch, back)
 
 
-def slot_pool(k_cache: torch.Tensor, v_cache: torch.Tensor, layout: Layout) -> tuple:
-    """A layer's slot pool as the in-place batch: keys `[slot rows, H, slot_row_len, D]` and values
-    (`[.., Dv]`), views of the layer tensors `[1, H, S, D]`."""
-    n_slot = layout.max_slots * layout.rows_per_request
-    return tuple(batch_cells(x, 0, n_slot, None, layout.slots_base, layout.slot_row_len)
-                 for x in (k_cache, v_cache))
-
-
-def _dense(q, keys, values, geo: RowGeometry, score_mod, want_lse, additive=False):
+def dense_attention(q, keys, values, geo: RowGeometry, score_mod, want_lse, additive=False):
     """Attention of q `[B, H, Q, D]` over keys `[B, H, W, D]` and values `[B, H, W, Dv]` with the
     geometry's bias. Returns the output and, with `want_lse`, each query's natural-log sum of exp
     of its scores (`[B, H, Q]`, at least float32; else None). `additive`: `score_mod` only adds a
@@ -329,68 +217,6 @@ def _dense(q, keys, values, geo: RowGeometry, score_mod, want_lse, additive=Fals
     return out.to(q.dtype), lse
 
 
-def dequantize_scratch(config, layout: Layout, device) -> torch.Tensor:
-    """The float32 buffer the rows path dequantizes groups of batch rows into (quantized slots):
-    `quantized_rows.DEQUANTIZE_GROUP_BYTES` of keys and values, or one batch row of the widest kind
-    if that is more, with room for the staging float8 cells pass through
-    (`quantized_rows.scratch_width`)."""
-    width = max(layout.slot_row_len, gather_width(config))
-    cell = quantized_rows.scratch_width(config.head_dim, config.value_head_dim, config.slot_dtype)
-    row = config.num_heads * width * cell
-    group = quantized_rows.DEQUANTIZE_GROUP_BYTES // 4 * cell // (config.head_dim + config.value_head_dim)
-    return torch.empty(max(group, row), dtype=torch.float32, device=device)
-
-
-def _dense_dequantized(q, k_cache, v_cache, scales, cells, base, row_len, geo: RowGeometry, score_mod, want_lse,
-                       additive, scratch):
-    """`_dense` over quantized cells, batch rows as in `row_cells.batch_cells`. With `scratch`
-    (`dequantize_scratch`), groups of rows that fit in it are dequantized there and attended one
-    after the other: a step without `score_mod` or log-sum-exp as one op
-    (`quantized_rows.grouped_attention`, opaque to a compiled graph), others eagerly here; without
-    (or compiled with either), all rows at once into fresh tensors. A compiled decode step without
-    either on the CPU reads the cells inside inductor's kernels (`quantized_rows.reduced_decode`)."""
-    B, H = q.shape[:2]
-    W = geo.bias.shape[-1]
-    D, Dv = k_cache.shape[-1], v_cache.shape[-1]
-    if score_mod is None and not want_lse and quantized_rows.reduces_decode(q, k_cache.dtype):
-        return quantized_rows.reduced_decode(q, k_cache, v_cache, scales[0], scales[1], geo.bias, cells, base,
-                                             row_len), None
-    if scratch is not None and score_mod is None and not want_lse:
-        return quantized_rows.grouped_attention(q, k_cache, v_cache, scales[0], scales[1], geo.bias, cells, base,
-                                                row_len, scratch), None
-    if torch.compiler.is_compiling():
-        scratch = None  # inductor plans the buffers of the traced path
-    step = B if scratch is None else quantized_rows.group_rows(scratch, B, H, W,
-                                                               quantized_rows.scratch_width(D, Dv, k_cache.dtype))
-    outs, lses = [], []
-    for b0 in range(0, B, step):
-        b1 = min(B, b0 + step)
-        kv = []
-        for x, sc, off in ((k_cache, scales[0], 0), (v_cache, scales[1], (b1 - b0) * H * W * D)):
-            c, s = (batch_cells(t, b0, b1, cells, base, row_len) for t in (x, sc))
-            out = dequantize(c, s, q.dtype) if scratch is None else quantized_rows.dequantized_group(
-                scratch, off, c, s, (b1 - b0) * H * W * (D + Dv))
-            kv.append(out if out.dtype == q.dtype else out.to(q.dtype))
-        part = geo if (b0, b1) == (0, B) else geo._replace(
-            batch_rows=geo.batch_rows[b0:b1], cells=geo.cells[b0:b1], bias=geo.bias[b0:b1], reads=geo.reads[b0:b1])
-        out, lse = _dense(q[b0:b1], kv[0], kv[1], part, score_mod, want_lse, additive)
-        outs.append(out)
-        lses.append(lse)
-    if len(outs) == 1:
-        return outs[0], lses[0]
-    return torch.cat(outs), (torch.cat(lses) if want_lse else None)
-
-
-def _zeros_empty_rows(geo: RowGeometry, scales, device) -> bool:
-    """Whether `_dense` (or `gathered_rows.gathered_attention`) already gives zeros for the queries
-    that read nothing, so `attend_rows` needs no zero fill (one kernel less per layer of a compiled
-    step): gathered rows of unquantized cells on the CPU (not rows read in place, where a padding
-    row reads another slot row's output back). There the fused kernel returns zeros for a query
-    whose every score is masked (`tests/test_compiled.py` checks that on every torch release CI
-    runs), and the explicit softmax divides zero weights by its floor."""
-    return not geo.in_place and scales is None and device.type == "cpu"
-
-
 def attend_rows(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -404,60 +230,41 @@ def attend_rows(
     geometry: Optional[RowGeometry] = None,
     additive: bool = False,
     scales: Optional[tuple] = None,
-    scratch: Optional[torch.Tensor] = None,
-    pool: Optional[tuple] = None,
 ):
     """Attention of `q` (`[N, H, Q, D]`, already scaled; `Q` may hold a folded GQA group) over the
-    cells each row may read, with the mask and score modifications of the FlexAttention path.
-    Returns `[N, H, Q, Dv]`, `Dv` the value width of `v_cache`.
+    cells each row may read, with the mask and score modifications of the FlexAttention path: the
+    plain reference of the rows path (`flexkv.cache.cpu_fast_rows.attend` computes the same faster).
 
-    `width`: cells per gathered row (`gather_width(config)`); needed unless the step reads in
-    place. `geometry`: `row_geometry(layout, plan, mask_mod, Q, q.dtype, width)` built once for
-    several calls on the same plan (else built here). Queries that read nothing (padding rows)
-    return zeros, as in FlexAttention. Returns `[N, H, Q, Dv]` (`Dv` the values' head size); with
-    `return_lse`, `(out, lse)`: each query's natural-log sum of exp of its scores (`[N, H, Q]`,
-    float32; -inf where it reads nothing), as FlexAttention's log-sum-exp. `additive`: `score_mod`
-    only adds a term to each score (`RelativePositionScores`); see `_dense`.
-    `scales`: `(k_scale, v_scale)`, `[1, H, S, 1]` each, for quantized cells
-    (`flexkv.cache.quantized`): the cells a row reads are dequantized as they are read, into `q`'s dtype;
-    `scratch` (`dequantize_scratch`) holds them a group of rows at a time. Unquantized, `scratch`
-    (`gathered_rows.gather_scratch`) holds gathered rows a group at a time, for steps without a
-    `score_mod` or log-sum-exp (`gathered_rows.gathered_attention`).
-    `pool`: `slot_pool(k_cache, v_cache, layout)` made once by a caller attending in place eagerly.
+    `width`: cells per gathered row (`gather_width(config)`); needed unless the step reads in place.
+    `geometry`: `mask_geometry(layout, plan, mask_mod, Q, q.dtype, width)` built once for several
+    calls on the same plan (else built here). Queries that read nothing (padding rows) return zeros,
+    as in FlexAttention. Returns `[N, H, Q, Dv]` (`Dv` the values' head size); with `return_lse`,
+    `(out, lse)`: each query's natural-log sum of exp of its scores (`[N, H, Q]`, at least float32;
+    -inf where it reads nothing). `additive`: `score_mod` only adds a term to each score
+    (`dense_attention`). `scales`: `(k_scale, v_scale)`, `[1, H, S, 1]` each, for quantized cells
+    (`flexkv.cache.quantized`): the cells read are dequantized (`cells * scale` in float32) into
+    `q`'s dtype.
     """
     N, H, Q, D = q.shape
-    geo = geometry if geometry is not None else row_geometry(layout, plan, mask_mod, Q, q.dtype, width)
+    geo = geometry if geometry is not None else mask_geometry(layout, plan, mask_mod, Q, q.dtype, width)
     if geo.in_place:
-        # Each slot row takes its plan row's queries (rows the step leaves out take row 0's, and
-        # read nothing): one gather (none when the slot rows are the plan's rows in order).
-        q_b = q if geo.identity else q.index_select(0, geo.batch_rows)
-        cells, base, row_len = None, layout.slots_base, layout.slot_row_len
-        B = layout.max_slots * layout.rows_per_request
+        # Each slot row takes its plan row's queries; its keys and values are the slot row itself.
+        q_b = q.index_select(0, geo.batch_rows)
+        cells, base, row_len, B = None, layout.slots_base, layout.slot_row_len, layout.max_slots * layout.rows_per_request
     else:
         q_b, cells, base, row_len, B = q, geo.cells, 0, 0, N
-    if scales is None:
-        if cells is not None and scratch is not None and score_mod is None and not return_lse and not (
-                q.requires_grad and torch.is_grad_enabled()):
-            # Gathered rows, a group at a time in the cache's buffer (one opaque op when compiled; it
-            # has no backward, so a query that wants a gradient gathers the step as before).
-            out, lse = gathered_attention(q_b, k_cache, v_cache, geo.bias, cells, scratch), None
-        elif pool is not None and geo.in_place:
-            out, lse = _dense(q_b, *pool, geo, score_mod, return_lse, additive)
-        else:
-            if cells is not None and torch.compiler.is_compiling():
-                keys, values = gather_kv(k_cache, v_cache, cells)  # one opaque op, not two gather kernels
-            else:
-                keys, values = (batch_cells(x, 0, B, cells, base, row_len) for x in (k_cache, v_cache))
-            out, lse = _dense(q_b, keys, values, geo, score_mod, return_lse, additive)
-    else:
-        out, lse = _dense_dequantized(q_b, k_cache, v_cache, scales, cells, base, row_len, geo, score_mod, return_lse,
-                                      additive, scratch)
-    if geo.in_place and not geo.identity:
+    keys, values = (batch_cells(x, 0, B, cells, base, row_len) for x in (k_cache, v_cache))
+    if scales is not None:
+        k_scale, v_scale = (batch_cells(s, 0, B, cells, base, row_len) for s in scales)
+        keys = (keys.to(SCALE_DTYPE) * k_scale).to(q.dtype)
+        values = (values.to(SCALE_DTYPE) * v_scale).to(q.dtype)
+    out, lse = dense_attention(q_b, keys, values, geo, score_mod, return_lse, additive)
+    if geo.in_place:
+        # Back to plan rows (a padding row reads the last slot row's output, zeroed below).
         out = out.index_select(0, geo.back)
         lse = lse.index_select(0, geo.back) if lse is not None else None
     reads = geo.row_reads
-    if not (geo.all_read or _zeros_empty_rows(geo, scales, q.device)):
-        out = torch.where(reads.unsqueeze(-1), out, 0.0)
+    out = torch.where(reads.unsqueeze(-1), out, 0.0)
     if return_lse:
-        return out, torch.where(reads, lse, _NEG_INF)
+        return out, torch.where(reads, lse, NEG_INF)
     return out
