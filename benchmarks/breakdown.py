@@ -56,7 +56,7 @@ def run(name: str, rounds: int) -> dict:
         geo = geometry(plan)
 
     def write(l, k, v, plan):
-        m._write(l, k, v, plan)
+        m.store.write(l, k, v, plan)
 
     def gather(kc, vc, cells):
         W = cells.shape[1]

@@ -5,6 +5,8 @@ heads x 64, 4 sinks + window 252, one token per step, fp32, attention only (writ
 every layer; flexkv also admits, plans and commits).
 
 - `flexkv`: `BoundedKVManager.attend` per layer, called eagerly, every setting left to flexkv;
+- `flexkv/plain` (with `--plain`): the same with `AttentionOptions(cpu_fast_paths=False)`: the rows
+  path's plain reference in place of its CPU fast paths (`flexkv.cache.cpu_fast_rows`);
 - `flexkv/flex` (with `--flex`): the same with `AttentionOptions(path="flex")` (uncompiled FlexAttention,
   which forms every score of the whole layer tensor);
 - `ring`: what a model without flexkv does eagerly: per layer a `[B, H, sink + window + 1, D]`
@@ -15,6 +17,7 @@ The first step of each is checked against the others (same cache content, same i
 are medians of `benchmarks.timing.interleaved` rounds.
 
     python -m benchmarks.eager --threads 1
+    python -m benchmarks.eager --threads 1 --plain
 """
 
 from __future__ import annotations
@@ -35,13 +38,14 @@ SHAPE = dict(streams=8, layers=4, q_heads=16, kv_heads=8, head_dim=64, sink=4, w
 class Eager:
     """flexkv and a plain ring cache from the same content, stepping the same inputs."""
 
-    def __init__(self, s: dict, seed: int = 0, path: str = "auto"):
+    def __init__(self, s: dict, seed: int = 0, path: str = "auto", fast: bool = True):
         self.s = s
         B, L, H, D = s["streams"], s["layers"], s["kv_heads"], s["head_dim"]
         g = torch.Generator().manual_seed(seed)
         self.cfg = BoundedKVConfig(num_layers=L, num_heads=H, head_dim=D, rows_per_request=1, max_source_len=0,
                                    max_sources=0, retention=SinkWindow(s["sink"], s["window"]), max_slots=B)
-        self.m = m = BoundedKVManager(self.cfg, "cpu", options=AttentionOptions.for_cache(self.cfg, "cpu", path=path))
+        self.m = m = BoundedKVManager(self.cfg, "cpu", options=AttentionOptions.for_cache(self.cfg, "cpu", path=path,
+                                                                                    cpu_fast_paths=fast))
         with torch.no_grad():
             for l in range(L):
                 for buf in m.store.layer_kv(l):
@@ -99,7 +103,7 @@ class Eager:
         return out
 
 
-def run(rounds: int = 7, flex: bool = False) -> dict:
+def run(rounds: int = 7, flex: bool = False, plain: bool = False) -> dict:
     a = Eager(SHAPE)
     with torch.no_grad():
         fo, ro = a.flexkv(a.inputs[0]), a.ring(a.inputs[0])
@@ -107,6 +111,13 @@ def run(rounds: int = 7, flex: bool = False) -> dict:
     if not err < 1e-4:
         raise AssertionError(f"flexkv and the ring cache disagree by {err:.3g} on the first step")
     fns = {"flexkv": cycle(a.flexkv, a.inputs), "ring": cycle(a.ring, a.inputs)}
+    if plain:
+        c = Eager(SHAPE, fast=False)
+        with torch.no_grad():
+            e3 = max(float((x - y).abs().max()) for x, y in zip(c.flexkv(c.inputs[0]), fo))
+        if not e3 < 1e-4:
+            raise AssertionError(f"flexkv/plain disagrees with flexkv by {e3:.3g}")
+        fns["flexkv/plain"] = cycle(c.flexkv, c.inputs)
     if flex:
         b = Eager(SHAPE, path="flex")
         with torch.no_grad():
@@ -122,10 +133,11 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--flex", action="store_true", help="also time AttentionOptions path='flex' (slow)")
+    ap.add_argument("--plain", action="store_true", help="also time AttentionOptions cpu_fast_paths=False")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    r = run(args.rounds, args.flex)
+    r = run(args.rounds, args.flex, args.plain)
     t = r["times"]
     ring = t["ring"]["median_ms"]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), eager decode, "

@@ -48,13 +48,14 @@ class Steady:
 
     ROUND_SETS = 2  # distinct q/k/v sets, cycled over rounds
 
-    def __init__(self, w: Workload, seed: int = 0, path: str = "auto"):
+    def __init__(self, w: Workload, seed: int = 0, path: str = "auto", fast: bool = True):
         self.w = w
         self.cfg = cfg = w.config()
         g = torch.Generator().manual_seed(seed)
         self.model = StreamModel(w, seed=seed)
         self.manager = m = BoundedKVManager(cfg, "cpu", block_size=w.block_size,
-                                            options=AttentionOptions.for_cache(cfg, "cpu", path=path))
+                                            options=AttentionOptions.for_cache(cfg, "cpu", path=path,
+                                                                               cpu_fast_paths=fast))
         dt = w.torch_dtype
         B, R, H, D, Hq = w.requests, w.rows, w.kv_heads, w.head_dim, w.num_q_heads
         self.B, self.R, self.N, self.H, self.D, self.Hq = B, R, B * R, H, D, Hq

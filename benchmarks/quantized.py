@@ -20,12 +20,17 @@ cache of the same mode, and the bytes one stream holds (`slot_bytes`).
     python -m benchmarks.quantized --threads 1 --paths              # compiled: rows and flex paths too
     python -m benchmarks.quantized --threads 1 --widen              # the widening passes of one group alone
     python -m benchmarks.quantized --threads 1 --cpu-time           # thread CPU time (a machine others share)
+    python -m benchmarks.quantized --threads 1 --plain              # also with cpu_fast_paths=False
 
 `--widen` times what reading one group of cells costs at the `decode` shape (the keys of one slot
 row: 8 heads x 1024 cells x 64, read in place from a pool of 32 rows) for each cell dtype, pass
 by pass: int8's one copy to float32 against float8's int8-to-int16 copy, shift, mask and float16
 conversion (`quantized.widen_into`), the same through float32 bits (four passes over four-byte
 numbers), and torch's own float8 conversion.
+
+`--plain` adds, for every cache, the same cache with `AttentionOptions(cpu_fast_paths=False)`
+(path `plain`): the rows path's plain reference (`row_attention.attend_rows`) in place of its CPU
+fast paths (`flexkv.cache.cpu_fast_rows`), side by side with them.
 """
 
 from __future__ import annotations
@@ -89,14 +94,18 @@ def _stored_inputs(st: Steady, inputs) -> list:
             for layers in inputs]
 
 
-def run_shape(name: str, slot_dtypes, modes, rounds: int, paths: bool, clock=time.perf_counter) -> dict:
+def run_shape(name: str, slot_dtypes, modes, rounds: int, paths: bool, clock=time.perf_counter,
+              plain: bool = False) -> dict:
     base = SHAPES[name]
     rows = {}
     for mode in modes:
         variants, runners, errs = {}, {}, {}
         for sd in slot_dtypes:
-            for path in (("auto", "rows", "flex") if paths and mode == "compiled" and sd != "none" else ("auto",)):
-                st, twin = Steady(base.replace(slot_dtype=sd), path=path), Steady(base)
+            kinds = ("auto", "rows", "flex") if paths and mode == "compiled" and sd != "none" else ("auto",)
+            for path in kinds + (("plain",) if plain else ()):
+                st = Steady(base.replace(slot_dtype=sd), path="auto" if path == "plain" else path,
+                            fast=path != "plain")
+                twin = Steady(base)
                 _fill(st, twin, 0)
                 st.inputs = twin.inputs = _stored_inputs(st, st.inputs)
                 runner = Eager(st) if mode == "eager" else FlexKV(st, "layer")
@@ -175,6 +184,7 @@ def main(argv=None) -> None:
                                                           "'rows' and 'flex'")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--plain", action="store_true", help="also time every cache with cpu_fast_paths=False")
     ap.add_argument("--widen", action="store_true", help="time only the widening passes of one decode group")
     ap.add_argument("--cpu-time", action="store_true", help="time the calling thread's CPU time instead of wall "
                                                             "time (with --threads 1, on a machine other jobs share)")
@@ -190,7 +200,8 @@ def main(argv=None) -> None:
         slot_dtypes = ["none"] + [s for s in slot_dtypes if s != "none"]
     results = {}
     for name in args.shapes.split(","):
-        results[name] = run_shape(name, slot_dtypes, args.modes.split(","), args.rounds, args.paths, clock)
+        results[name] = run_shape(name, slot_dtypes, args.modes.split(","), args.rounds, args.paths, clock,
+                                  args.plain)
         print(f"  {name}: done", flush=True)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), medians of {args.rounds} interleaved "
           f"rounds of {'thread CPU' if args.cpu_time else 'wall'} time; ratio: to the unquantized cache of the same mode")
@@ -198,7 +209,8 @@ def main(argv=None) -> None:
     lines = []
     for name, rows in results.items():
         for (mode, sd, path), r in rows.items():
-            label = r["path"] if path == "auto" else f"{r['path']} (forced)"
+            label = r["path"] if path == "auto" else f"{r['path']} (plain)" if path == "plain" \
+                else f"{r['path']} (forced)"
             lines.append((name, mode, sd, label, f"{r['ms']:.2f}", f"{r['ratio']:.2f}x", f"{r['slot_bytes']:,}",
                           f"{r['err']:.1g}"))
     if args.markdown:
