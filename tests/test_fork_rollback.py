@@ -15,6 +15,7 @@ import torch
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
 from flexkv.cache.groups import GroupedKVManager, LayerGroup, layer_group_configs
 from flexkv.cache.slots import SlotsExhausted
+from flexkv.model.random_workload import check_close
 from flexkv.model.reference import ReferenceCache
 from flexkv.model.uncached import UncachedHistory
 from flexkv.step import BoundedKVStep, Segment, StreamPosition
@@ -30,10 +31,14 @@ def make_config(**kw):
 
 
 class Driver:
-    """A cache (manager or grouped) and every request's tokens, stepped and checked against references."""
+    """A cache (manager or grouped) and every request's tokens, stepped and checked against references.
 
-    def __init__(self, cache, config, groups=None, seed=0, source_len=0):
-        self.cache, self.config = cache, config
+    Each layer's output is checked as it is computed: past `tolerance` the step fails there, naming the
+    step, the layer and the requests. `tolerance=None` (a negative control) only records `worst`."""
+
+    def __init__(self, cache, config, groups=None, seed=0, source_len=0, tolerance=1e-9):
+        self.cache, self.config, self.tolerance = cache, config, tolerance
+        self.steps = 0
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
         _, self.configs, self.route = layer_group_configs(config, groups)
@@ -84,8 +89,13 @@ class Driver:
             got = self.cache.attend(layer, q, k, v, plan)
             g, local = self.route[layer]
             want = refs[g].attend(local, q, k, v, step)
-            self.worst = max(self.worst, (got - want).abs().max().item())
+            if self.tolerance is None:
+                self.worst = max(self.worst, (got - want).abs().max().item())
+            else:
+                where = f"step {self.steps} (requests {list(rids)}, spans {list(spans)}), layer {layer}"
+                self.worst = max(self.worst, check_close(got, want, self.tolerance, where))
         self.cache.commit(step)
+        self.steps += 1
         for si, (rid, span) in enumerate(zip(rids, spans)):
             rows = slice(si * R, si * R + R)
             hist = self.history[rid]
@@ -228,6 +238,7 @@ def test_the_refusal_is_needed_a_rollback_past_the_ring_reads_overwritten_cells(
     for _ in range(6):
         d.step(["a"], 2, [2])
     limit = m.rollback_limit("a")
+    d.tolerance = None  # from here on the outputs are expected to be wrong: record, do not fail
     m.slots._requests["a"].written -= limit + 1  # what an unchecked rollback would do
     w = d.written("a") - limit - 1
     d.history["a"] = [(K[:, :, :w], V[:, :, :w]) for K, V in d.history["a"]]

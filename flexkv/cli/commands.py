@@ -286,8 +286,9 @@ def format_model_report(rep: dict, title: str) -> str:
     lines.append(f"requests     {req['arrived']} arrived, {req['finished']} finished; longest stream "
                  f"{req['longest_stream']} tokens (sink {req['sink']} + window {req['window']}"
                  f"{': evicting' if wrapped else ': nothing evicted'})")
-    lines.append(f"perplexity   {ppl['all']:.3f} over {ppl['tokens']} predicted tokens; {ppl['past_first_eviction']:.3f} "
-                 f"over the {ppl['tokens_past_first_eviction']} past each stream's first eviction")
+    past = (f"{ppl['past_first_eviction']:.3f} over the {ppl['tokens_past_first_eviction']} past each stream's first "
+            f"eviction" if ppl["tokens_past_first_eviction"] else "no token came past an eviction")
+    lines.append(f"perplexity   {ppl['all']:.3f} over {ppl['tokens']} predicted tokens; {past}")
     if ref["steps"]:
         ok = "ok" if ref["max_abs_error"] < 1e-3 else "TOO LARGE"
         lines.append(f"reference    max |logit difference| {ref['max_abs_error']:.2e} vs the model's own cache over "
