@@ -9,10 +9,10 @@ token. Both must give the same output, step after step, with requests joining la
 
 import pytest
 import torch
+from random_workload import check_close
 from torch import nn
 
 from flexkv import BoundedKVConfig, PerRequest, SinkWindow, StreamSession
-from flexkv.model.random_workload import check_close
 from flexkv.model.wrap import attention, rows_by_request, rows_stacked
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 

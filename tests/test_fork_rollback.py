@@ -11,11 +11,11 @@ import random
 
 import pytest
 import torch
+from random_workload import check_close
 
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
 from flexkv.cache.groups import GroupedKVManager, LayerGroup, layer_group_configs
 from flexkv.cache.slots import SlotsExhausted
-from flexkv.model.random_workload import check_close
 from flexkv.model.reference import ReferenceCache
 from flexkv.model.uncached import UncachedHistory
 from flexkv.step import BoundedKVStep, Segment, StreamPosition
