@@ -6,6 +6,7 @@ held off with `min_new_tokens` so every run makes the same number), one
 process, one cache after another:
 
 - `FlexKVCache(model, SinkWindow(4, 1020))` (`--sink`, `--window`);
+- with `--caches flexkv-cache-positions`, the same with `rope_positions="cache"`;
 - transformers' `DynamicCache` (grows by one token per layer per step);
 - transformers' `StaticCache` sized for the whole run (`prompt + tokens`);
 
@@ -80,8 +81,9 @@ def run_one(model, prompt, tokens: int, kind: str, compiled: bool, args) -> dict
     from transformers import DynamicCache, LogitsProcessorList, StaticCache
 
     label = f"{kind}, {'compiled' if compiled else 'eager'}"
-    if kind == "flexkv":
-        cache = FlexKVCache(model, SinkWindow(args.sink, args.window), max_streams=1)
+    if kind.startswith("flexkv"):
+        rope = "cache" if kind == "flexkv-cache-positions" else None
+        cache = FlexKVCache(model, SinkWindow(args.sink, args.window), max_streams=1, rope_positions=rope)
     elif kind == "dynamic":
         cache = DynamicCache(config=model.config)
     else:
@@ -104,7 +106,7 @@ def run_one(model, prompt, tokens: int, kind: str, compiled: bool, args) -> dict
     print(file=sys.stderr)
     stamps = torch.tensor(clock.stamps, dtype=torch.float64)
     steps = torch.diff(stamps)  # step i -> i + 1: one decode forward each
-    memory = cache.memory_bytes if kind == "flexkv" else _tensor_bytes(cache)
+    memory = cache.memory_bytes if kind.startswith("flexkv") else _tensor_bytes(cache)
     return {
         "label": label, "kind": kind, "compiled": compiled, "tokens": tokens,
         "prefill_s": clock.stamps[0] - start,
@@ -143,7 +145,8 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, default=1020)
     parser.add_argument("--every", type=int, default=500, help="report ms per token every this many tokens")
     parser.add_argument("--caches", nargs="+", default=["flexkv", "dynamic", "static"],
-                        choices=["flexkv", "dynamic", "static"])
+                        choices=["flexkv", "flexkv-cache-positions", "dynamic", "static"],
+                        help="flexkv-cache-positions: FlexKVCache with rope_positions='cache'")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
     if args.tokens < 0 or args.tokens == 0 and args.compiled_tokens == 0:
@@ -161,14 +164,19 @@ def main(argv=None) -> int:
     prompt = ids[:, :args.prompt]
     print(f"{args.model}: prompt {prompt.shape[1]} tokens, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads", file=sys.stderr)
-    results = []
+    results, failures = [], []
     for kind in args.caches if args.tokens else ():
         results.append(run_one(model, prompt, args.tokens, kind, False, args))
     if args.compiled_tokens:
         for kind in args.caches:
             if kind != "dynamic":
-                results.append(run_one(model, prompt, args.compiled_tokens, kind, True, args))
-    print(table(results, args.every))
+                try:
+                    results.append(run_one(model, prompt, args.compiled_tokens, kind, True, args))
+                except Exception as error:  # torch.compile failing is a result to report, not a reason to stop
+                    failures.append(f"{kind}, compiled: failed: {type(error).__name__}: {str(error).splitlines()[0]}")
+    print(table(results, args.every) if results else "no run finished")
+    for line in failures:
+        print(line)
     by_label = {r["label"]: r["out"] for r in results}
     for r in results:
         if r["kind"] != "dynamic" and "dynamic, eager" in by_label:
