@@ -1,0 +1,55 @@
+"""Smoke tests of the trained-model benchmarks (speed of generate(), an endless chat), tiny sizes.
+
+They run when the model is present (`FLEXKV_TEST_MODEL`, default the GGUF
+file `.ci/run` fetches), as tests/test_real_model.py does, and check what
+the benchmarks print against what must hold: a bounded cache that has not
+evicted anything generates the dynamic cache's tokens, and a chat's cache
+bytes do not change from turn to turn.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers", reason="the transformers extra is not installed (pip install -e '.[transformers]')")
+
+from tests.test_real_model import MODEL, needs_model  # noqa: E402
+
+
+@needs_model
+def test_speed_benchmark_prints_the_table_and_equal_tokens(capsys):
+    from benchmarks import real_model_speed
+
+    assert real_model_speed.main(["--model", MODEL, "--prompt", "48", "--tokens", "24", "--compiled-tokens", "0",
+                                  "--every", "10", "--caches", "flexkv", "dynamic", "--window", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "| flexkv, eager | 24 |" in out and "| dynamic, eager | 24 |" in out
+    assert "| cache | 10 | 20 |" in out
+    # 48 + 24 tokens fit sink 4 + window 60 until the 9th new token; the first 8 must match the model's own cache
+    first = int(out.split("flexkv, eager: first ")[1].split()[0])
+    assert first >= 8
+
+
+@needs_model
+def test_speed_benchmark_refuses_bad_sizes(capsys):
+    from benchmarks import real_model_speed
+
+    with pytest.raises(SystemExit):
+        real_model_speed.main(["--tokens", "-1"])
+    assert "--tokens must be at least 1 (or 0 with --compiled-tokens above 0: compiled runs only), got -1" in capsys.readouterr().err
+
+
+@needs_model
+def test_chat_keeps_its_memory_flat_and_prints_both_answers(capsys):
+    from benchmarks import real_model_chat
+
+    assert real_model_chat.main(["--model", MODEL, "--tokens", "300", "--window", "124", "--filler", "120",
+                                 "--reply", "8", "--answer", "8"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) >= 4
+    assert len({row[5].strip() for row in rows}) == 1  # cache MiB: the same every turn
+    lengths = [int(row[4]) for row in rows]
+    assert lengths == sorted(lengths) and lengths[-1] > 300
+    assert "(the model's own DynamicCache:" in out and ", same)" in out  # nothing evicted in turn 1
+    assert "'What is the capital of France?':" in out
