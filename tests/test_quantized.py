@@ -220,7 +220,7 @@ def test_forked_reordered_and_rolled_back_quantized_streams_attend_as_the_quanti
     cfg = make_config(max_rollback=4, slot_dtype=slot_dtype)
     runs = []
     for cache in (BoundedKVManager(cfg), UncachedHistory(cfg)):
-        d = Driver(_Recording(cache), cfg, seed=3)
+        d = Driver(_Recording(cache), cfg, seed=3, tolerance=None)  # compared with each other below, not with floats
         random_run(d, steps=40)
         runs.append(d.cache.outputs)
     assert len(runs[0]) == len(runs[1]) > 40
