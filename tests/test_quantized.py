@@ -47,6 +47,19 @@ def test_a_streams_memory_at_the_same_window_is_at_most_055_of_bfloat16(slot_dty
     assert cuda_like.memory_bytes == small.memory_bytes + one_layer
 
 
+@pytest.mark.parametrize("slot_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_a_small_quantized_cache_gets_a_scratch_no_larger_than_its_rows(slot_dtype):
+    """The rows path's dequantize buffer holds at most every batch row a step can hold: a tiny cache
+    (2 slots of 1 + 7 cells, 2 heads of 8) used to get the fixed 4 MiB group, 100x its own cells."""
+    tiny = config(num_heads=2, head_dim=8, retention=SinkWindow(1, 7), max_slots=2, slot_dtype=slot_dtype)
+    small = BoundedKVManager(tiny, "cpu")
+    held = sum(b.numel() * b.element_size() for b in small.buffers() if b.dtype in (slot_dtype, torch.float32))
+    staging = 8 if slot_dtype == torch.float8_e4m3fn else 0
+    every_row = 2 * small.layout.slot_row_len * 2 * (8 + 8 + staging) * 4  # slots x cells x heads x width x 4 B
+    assert small.memory_bytes == held + every_row
+    assert small.memory_bytes < 4 * (held + small.layout.slot_row_len * 2 * 2 * 16 * 2)  # within 4x bf16 slots
+
+
 def test_memory_report_counts_scales_per_group():
     groups = (LayerGroup((0,), SinkWindow(0, 64), name="local"), LayerGroup((1,), SinkWindow(4, 1020), name="global"))
     g = GroupedKVManager(config(slot_dtype=torch.int8), groups, "meta")

@@ -163,12 +163,14 @@ def dequantize_scratch(config, layout: Layout, device) -> torch.Tensor:
     """The float32 buffer the rows path dequantizes groups of batch rows into (quantized slots):
     `quantized_rows.DEQUANTIZE_GROUP_BYTES` of keys and values, or one batch row of the widest kind
     if that is more, with room for the staging float8 cells pass through
-    (`quantized_rows.scratch_width`)."""
+    (`quantized_rows.scratch_width`); never more than every batch row a step can hold
+    (`max_slots * rows_per_request`), so a small cache gets a small buffer."""
     width = max(layout.slot_row_len, gather_width(config))
     cell = quantized_rows.scratch_width(config.head_dim, config.value_head_dim, config.slot_dtype)
     row = config.num_heads * width * cell
     group = quantized_rows.DEQUANTIZE_GROUP_BYTES // 4 * cell // (config.head_dim + config.value_head_dim)
-    return torch.empty(max(group, row), dtype=torch.float32, device=device)
+    every_row = config.max_slots * config.rows_per_request * row
+    return torch.empty(max(min(group, every_row), row), dtype=torch.float32, device=device)
 
 
 def _dense_dequantized(q, k_cache, v_cache, scales, cells, base, row_len, geo: RowGeometry, score_mod, want_lse,
