@@ -177,9 +177,10 @@ def test_cache_memory_is_flat_while_dynamic_cache_grows(generated):
           f"{g.dyn_bytes[-1]} B ({len(g.prompts)} padded rows)")
     assert len(g.flex_bytes) == len(g.dyn_bytes) == NEW
     # Flat from the first decoded token on; after the prefill the manager also still holds the
-    # prefill's last plans (tables of a few dozen ints), nothing more.
+    # prefill's last plans (tables of a few dozen ints) and, per layer group, the rows path's index
+    # memos for the prefill's shape (`LayerStore.memos`, a few hundred ints), nothing more.
     assert len(set(g.flex_bytes[1:])) == 1
-    assert abs(g.flex_bytes[0] - g.flex_bytes[1]) < 2048
+    assert abs(g.flex_bytes[0] - g.flex_bytes[1]) < 4096
     assert g.flex_bytes[1] >= g.cache.memory_bytes
     if any(w is None for w, s in zip(g.cache.layer_windows, g.cache.layer_specs) if s.attends):
         if g.family not in HEAD_SIZES or g.family == "gemma4":
