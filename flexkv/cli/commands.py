@@ -110,6 +110,15 @@ def _workload(args):
 # ----------------------------------------------------------------- report
 
 
+def _unbounded_line(m: dict, held: str) -> str:
+    """The report's second memory line: what an unbounded cache would hold by the end, against the
+    `held` ("slots" or "streams") in use."""
+    ratio = m["unbounded_bytes_end"] / m["slots_in_use_bytes_end"] if m["slots_in_use_bytes_end"] else float("nan")
+    return (f"             unbounded cache by the end: {_bytes(m['unbounded_bytes_end'])} "
+            f"(peak {_bytes(m['unbounded_bytes_peak'])}) vs {_bytes(m['slots_in_use_bytes_end'])} "
+            f"in the {held} in use ({ratio:.1f}x)")
+
+
 def _bytes(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(n) >= scale:
@@ -153,10 +162,7 @@ def format_report(rep: dict, title: str) -> str:
     lines.append(f"memory       slots {m['max_slots']} x {_bytes(m['slot_bytes'])} = {_bytes(m['slots_bytes'])}, "
                  f"{'flat' if m['flat'] else 'NOT flat'} over the run; cache total {_bytes(m['memory_bytes'])} "
                  f"(+ sources {_bytes(m['sources_bytes'])}, scratch and block padding {_bytes(m['other_bytes'])})")
-    ratio = m["unbounded_bytes_end"] / m["slots_in_use_bytes_end"] if m["slots_in_use_bytes_end"] else float("nan")
-    lines.append(f"             unbounded cache by the end: {_bytes(m['unbounded_bytes_end'])} "
-                 f"(peak {_bytes(m['unbounded_bytes_peak'])}) vs {_bytes(m['slots_in_use_bytes_end'])} "
-                 f"in the slots in use ({ratio:.1f}x)")
+    lines.append(_unbounded_line(m, "slots"))
     wrapped = req["longest_stream"] > req["sink"] + req["window"]
     lines.append(f"requests     {req['arrived']} arrived, {req['finished']} finished; longest stream "
                  f"{req['longest_stream']} entries (sink {req['sink']} + window {req['window']}"
@@ -278,10 +284,7 @@ def format_model_report(rep: dict, title: str) -> str:
                  f"({rep['threads']} threads, {rep['device']}, eager)")
     lines.append(f"memory       {m['max_slots']} streams x {_bytes(m['stream_bytes'])}, cache total "
                  f"{_bytes(m['memory_bytes'])}, {'flat' if m['flat'] else 'NOT flat'} over the run")
-    ratio = m["unbounded_bytes_end"] / m["slots_in_use_bytes_end"] if m["slots_in_use_bytes_end"] else float("nan")
-    lines.append(f"             unbounded cache by the end: {_bytes(m['unbounded_bytes_end'])} "
-                 f"(peak {_bytes(m['unbounded_bytes_peak'])}) vs {_bytes(m['slots_in_use_bytes_end'])} "
-                 f"in the streams in use ({ratio:.1f}x)")
+    lines.append(_unbounded_line(m, "streams"))
     wrapped = req["longest_stream"] > req["sink"] + req["window"]
     lines.append(f"requests     {req['arrived']} arrived, {req['finished']} finished; longest stream "
                  f"{req['longest_stream']} tokens (sink {req['sink']} + window {req['window']}"

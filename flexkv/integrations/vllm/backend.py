@@ -111,7 +111,11 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("flexkv's attention does not fuse output quantization")
+            # vLLM fuses an output quantization only where the backend says it can
+            # (`fused_output_quant_supported`, False here), so this is vLLM asking for what it was told is absent.
+            raise NotImplementedError("vLLM passed an output scale to flexkv's attention, which does not fuse output "
+                                      "quantization: turn off vLLM's attention + quantization fusion pass "
+                                      "(compilation_config={'pass_config': {'fuse_attn_quant': False}})")
         n = attn_metadata.num_actual_tokens
         blocks, heads, bs, _ = kv_cache.shape
         key_cache, value_cache = kv_cache.view(blocks, heads, 2 * bs, -1).chunk(2, dim=2)
