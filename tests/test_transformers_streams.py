@@ -257,6 +257,26 @@ def test_compiled_hybrid_decode_does_not_recompile_per_token(slot_dtype):
 
 
 
+def test_an_eager_forward_after_a_compiled_one_returns_every_hidden_state():
+    """transformers keeps what a forward collects (`output_hidden_states=True`) in a global while the
+    forward is compiled and clears it in a `finally` block, which a compiled frame through flexkv's
+    attention drops on torch 2.13 (`TORCH_WORKAROUNDS["FINALLY_AFTER_HOP"]`): the cache clears it when
+    the forward ends, so the next eager forward returns one hidden state per layer and the embeddings."""
+    model = make_model("llama", dtype=torch.float32, seed=4)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
+    ids = prompts((5,), seed=3)[0][None]
+    forward = model.forward
+    with torch.no_grad():
+        nxt = model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
+        model.forward = torch.compile(forward, backend="eager", fullgraph=True, dynamic=False)
+        try:
+            nxt = model(input_ids=nxt, cache=cache).logits[:, -1:].argmax(-1)
+        finally:
+            model.forward = forward
+        out = model(input_ids=nxt, cache=cache, output_hidden_states=True)
+    assert out.hidden_states is not None and len(out.hidden_states) == model.config.num_hidden_layers + 1
+
+
 def test_eager_decode_plans_make_parts_when_read_and_a_compiled_forward_gets_them_made():
     """After an eager forward, the next forward's plans are for eager calls only (their table parts
     made when read, `BoundedKVManager.plan(eager_only=True)`); the first forward of a cache, and any

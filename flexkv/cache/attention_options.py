@@ -113,6 +113,13 @@ TORCH_WORKAROUNDS = {
         "cpu", ((2, 13), None),
         "the compiled CPU FlexAttention kernel returns no log-sum-exp",
         "learned sinks take the rows path on the CPU under path='auto'"),
+    "FINALLY_AFTER_HOP": TorchWorkaround(
+        "any", ((2, 13), (2, 13)),
+        "a compiled frame that sets a global, runs a higher-order op (FlexAttention, torch.cond) and clears the "
+        "global in a `finally` block keeps the set and drops the clear (fixed in 2.15): transformers' and the "
+        "`kernels` package's compile-time context globals stay set after a compiled forward",
+        "the transformers door clears them when a forward's plan ends "
+        "(`flexkv.integrations.transformers.registration.release_compile_globals`)"),
     "SHARED_KERNEL": TorchWorkaround(
         "cpu", (SHARED_KERNEL_TORCH, None),
         "the CPU template emits a kernel per layer call (its C++ differs in a buffer name alone)",

@@ -21,6 +21,7 @@ from .hooks import attention_configs, check_model, enable, switch
 from .model_config import RECURRENT_TYPES, absolute_positions, layer_groups, read_layers, softcap_of
 from .plan import FlexKVForward, Pending, chunk_steps, compiled_forward
 from .recurrent import RecurrentStates, check_recurrent_forward, probe_states
+from .registration import release_compile_globals
 from .routing import probe_attention, reconcile
 from .shim import AttentionLayerView, CacheShim, HybridLayerView, RecurrentLayerView
 
@@ -610,6 +611,7 @@ class FlexKVCache(BranchingCache, CacheShim):
             self._recurrent.commit(p.forward)
         self._pending = None
         switch(p.state, on=False)
+        release_compile_globals()
 
     def rollback(self) -> None:
         """Forget the pending forward (it failed): every stream, its recurrent state, the selection and
@@ -620,6 +622,7 @@ class FlexKVCache(BranchingCache, CacheShim):
         p.transaction.abort()
         self._pending = None
         switch(p.state, on=False)
+        release_compile_globals()
 
     def _restore(self, forward: FlexKVForward, columns: int, selection) -> None:
         """The integration's share of a failed forward's undo: its staged recurrent states, the

@@ -9,15 +9,16 @@ transformers is imported.
 from __future__ import annotations
 
 import re
+import sys
 from typing import Optional
 
 import torch
 
 __all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_TRANSFORMERS", "UnplannedAttention", "flexkv_attention_forward",
-           "import_transformers", "register"]
+           "import_transformers", "register", "release_compile_globals"]
 
 #: The transformers releases this integration is tested with: `>= lo, < hi`.
-SUPPORTED_TRANSFORMERS = ("5.23", "5.25")
+SUPPORTED_TRANSFORMERS = ("5.23", "5.26")
 #: The name the attention function is registered under.
 ATTN_IMPLEMENTATION = "flexkv"
 
@@ -44,6 +45,34 @@ def import_transformers():
 
 
 import_transformers()
+
+#: transformers' (and the `kernels` package's) context variables that act as a plain global while a
+#: forward is compiled: `(module, attribute)`, read only where the module is already imported.
+_COMPILE_CONTEXT_VARS = (("transformers.utils.output_capturing", "_active_collector"),
+                         ("kernels._internals.layer.layer", "_ACTIVE_KERNEL_FUNCS"))
+
+
+def release_compile_globals() -> None:
+    """Clear what a compiled forward left set in transformers' compile-time globals
+    (`TORCH_WORKAROUNDS["FINALLY_AFTER_HOP"]`).
+
+    transformers sets such a global before running a layer and clears it in a `finally` block; a
+    compiled forward through flexkv's attention (a higher-order op) keeps the set and drops the
+    clear. Left alone, the next eager forward reads the stale global (with `output_hidden_states=True`
+    it returns no hidden states) and, where the `kernels` package decorates the attention class
+    (transformers 5.25), the next compiled forward compiles a second graph. Called when a forward's
+    plan ends, outside any compiled frame (it does nothing while compiling).
+    """
+    if torch.compiler.is_compiling():
+        return
+    for module, name in _COMPILE_CONTEXT_VARS:
+        var = getattr(sys.modules.get(module), name, None)
+        flags = [f for f in ("compiling", "uses_global_var") if hasattr(var, f)]  # transformers' name, kernels'
+        if var is None or not hasattr(var, "global_var"):
+            continue
+        var.global_var = None
+        for flag in flags:
+            setattr(var, flag, False)
 
 from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
