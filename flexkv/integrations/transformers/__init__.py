@@ -19,7 +19,8 @@ interrupted forwards, compiling, what is refused, and every model family
 tried.
 
 Modules: `registration` (supported releases, the attention function),
-`model_config` (what the config says about each layer), `plan` (one
+`model_config` (what the config says about each layer), `model_survey`
+(what a cache reads from its model and the checks that refuse one), `plan` (one
 planned forward), `shim` (transformers' `Cache` API), `recurrent`
 (recurrent-layer states), `cache_positions` (`rope_positions="cache"`),
 `routing` (the one-token probe that the plan reaches every attention layer),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import weakref
 from typing import Hashable, List, Optional, Sequence
 
@@ -14,75 +13,21 @@ from ...cache.groups import GroupedKVManager
 from ...cache.rotary import ROPE_POSITIONS
 from ...cache.slots import SlotsExhausted
 from ...cache.transaction import StepTransaction
-from ...config import BoundedKVConfig, SinkWindow, is_int
+from ...config import BoundedKVConfig, SinkWindow
 from .branching import BranchingCache
 from .cache_positions import CachePositions
-from .hooks import attention_configs, check_model, enable, switch
-from .model_config import RECURRENT_TYPES, absolute_positions, layer_groups, read_layers, softcap_of
+from .hooks import enable, switch
+from .model_config import RECURRENT_TYPES
+from .model_survey import check_retention, own_cache_class, survey
 from .plan import FlexKVForward, Pending, chunk_steps, compiled_forward
-from .recurrent import RecurrentStates, check_recurrent_forward, probe_states
+from .recurrent import check_recurrent_forward
 from .registration import release_compile_globals
-from .routing import probe_attention, reconcile
 from .shim import AttentionLayerView, CacheShim, HybridLayerView, RecurrentLayerView
 
 __all__ = ["FlexKVCache"]
 
-
-# Models whose forward takes no cache but an instance of their own class (MiniMax raises for any
-# other); a FlexKVCache for them is also an instance of that class, with every method its own.
-_OWN_CACHE_CLASSES = ("MiniMaxCache",)
-
-# Recurrent mixers whose multi-token forward starts from a zero state whatever the cache holds
-# (Jamba's Mamba scan takes no initial state): a stream can continue through them one token at a time.
-_RESTART_ON_MULTI_TOKEN = {
-    "JambaMambaMixer": "Jamba's Mamba layers start a multi-token forward from an empty state",
-}
-
-
-def _check_retention(name: str, value) -> None:
-    if not isinstance(value, SinkWindow):
-        raise ValueError(f"{name} must be a flexkv.SinkWindow(sink, window), got {value!r}")
-    if value.window_includes_step:
-        raise ValueError(
-            f"{name} {value} has window_includes_step=True; a language model's tokens attend "
-            f"themselves on top of the window: use SinkWindow(sink, window) (window_includes_step=False)"
-        )
-
-
-def _own_cache_class(model):
-    module = sys.modules.get(type(model).__module__)
-    for name in _OWN_CACHE_CLASSES:
-        cls = getattr(module, name, None)
-        if isinstance(cls, type) and issubclass(cls, Cache):
-            return cls
-    return None
-
-
+#: (cache class, the model's own cache class) -> a subclass of both (`FlexKVCache.__new__`)
 _WITH_OWN_CLASS: dict = {}
-
-
-def _check_used(name: str, specs, retention, sliding_retention) -> None:
-    """Refuse a retention no layer would keep, and a missing one some layer needs."""
-    full = [s.index for s in specs if s.attends and s.window is None]
-    sliding = [s.index for s in specs if s.attends and s.window is not None]
-    if retention is None and full:
-        raise ValueError(
-            f"retention=None, but {name}'s layers {full} are full-attention layers: pass retention=SinkWindow(sink, "
-            f"window), what a stream keeps there (None is for models whose every attention layer slides)"
-        )
-    if retention is not None and not full:
-        windows = sorted({s.window for s in specs if s.attends})
-        raise ValueError(
-            f"every attention layer of {name} slides (sliding_window={windows[0] if len(windows) == 1 else windows}), "
-            f"so retention={retention} would be used nowhere: pass retention=None to keep the model's own window "
-            f"there, or keep something else with sliding_retention=SinkWindow(sink, window), window <= "
-            f"{windows[0] - 1}"
-        )
-    if sliding_retention is not None and not sliding:
-        raise ValueError(
-            f"{name} has no sliding-window layer, so sliding_retention={sliding_retention} would be used nowhere; "
-            f"drop it (retention= is what its full-attention layers keep)"
-        )
 
 
 class FlexKVCache(BranchingCache, CacheShim):
@@ -128,7 +73,7 @@ class FlexKVCache(BranchingCache, CacheShim):
     """
 
     def __new__(cls, model=None, *args, **kwargs):
-        own = _own_cache_class(model) if model is not None else None
+        own = own_cache_class(model) if model is not None else None
         if own is not None and not issubclass(cls, own):
             sub = _WITH_OWN_CLASS.get((cls, own))
             if sub is None:
@@ -154,64 +99,30 @@ class FlexKVCache(BranchingCache, CacheShim):
     ):
         positions = "stream" if rope_positions is None else rope_positions
         if retention is not None:
-            _check_retention("retention", retention)
+            check_retention("retention", retention)
         if sliding_retention is not None:
-            _check_retention("sliding_retention", sliding_retention)
+            check_retention("sliding_retention", sliding_retention)
         if positions not in ROPE_POSITIONS:
             raise ValueError(f"rope_positions must be one of {ROPE_POSITIONS}, got {positions!r}")
-        if not is_int(max_streams) or max_streams < 1:
-            raise ValueError(f"max_streams must be an int >= 1 (streams the cache holds at once), got {max_streams!r}")
-        if not is_int(prefill_chunk) or prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
-        check_model(model)
-        cfg, specs = read_layers(model)
-        attention = [s.index for s in specs if s.attends]
-        if not attention:
-            raise ValueError(
-                f"{type(model).__name__} has no attention layer (layer types {sorted({s.layer_type for s in specs})}): "
-                f"its own cache already keeps a fixed-size state per stream, and a sink + window has nothing to bound"
-            )
-        check_model(model, attention)
-        _check_used(type(model).__name__, specs, retention, sliding_retention)
-        # One one-token forward: the plan reaches every attention layer, with the head sizes it says.
-        specs = reconcile(model, specs, probe_attention(model, attention_configs(model)))
-        groups, kv_layer = layer_groups(specs, retention, sliding_retention)
-        if dtype is None:
-            dtype = model.dtype
-        if device is None:
-            device = model.device
-        recurrent = [s.index for s in specs if s.recurrent]
-        states = None
-        if recurrent:
-            shapes = probe_states(model)
-            missing = [i for i in recurrent if not any(key[0] == i for key in shapes)]
-            extra = sorted({key[0] for key in shapes if key[0] not in recurrent})
-            if missing or extra:
-                raise ValueError(
-                    f"{type(model).__name__}'s config names layers {recurrent} recurrent, but on a one-token forward "
-                    f"with its own cache layers {sorted({key[0] for key in shapes})} kept a recurrent state; flexkv "
-                    f"cannot tell which state belongs to which layer"
-                )
-            states = RecurrentStates(shapes, max_streams, device)
+        m = survey(model, retention, sliding_retention, max_streams, prefill_chunk, device)
+        specs, groups, dtype = m.specs, m.groups, model.dtype if dtype is None else dtype
+        device = m.device
         self.retention = retention
         self.sliding_retention = sliding_retention
         #: the rotary position mode, `"stream"` or `"cache"`
         self.rope_positions = positions
-        self.model_config = cfg
+        self.model_config = m.config
         #: one `LayerSpec` per model layer (what it attends, what state it keeps)
         self.layer_specs = tuple(specs)
         #: the model's own sliding window of each layer (None: full attention, or no attention)
         self.layer_windows = tuple(s.window for s in specs)
         #: model layer -> the KV layer it attends (None: a recurrent-only layer)
-        self.kv_layer = tuple(kv_layer)
+        self.kv_layer = tuple(m.kv_layer)
         self._kv_owner = tuple(s.index for s in specs if s.attends and s.kv_source == s.index)
         self._attending = tuple(s.index for s in specs if s.attends)  # every forward must attend each once
-        self._softcap = softcap_of(cfg)
-        self._absolute = absolute_positions(model, cfg)
-        self._restarts = sorted({
-            why for mod in model.modules() if isinstance(getattr(mod, "layer_idx", None), int)
-            for name, why in _RESTART_ON_MULTI_TOKEN.items() if type(mod).__name__ == name
-        })
+        self._softcap = m.softcap
+        self._absolute = m.absolute
+        self._restarts = m.restarts
         first = groups[0]
         self.manager = GroupedKVManager(
             BoundedKVConfig(
@@ -234,7 +145,7 @@ class FlexKVCache(BranchingCache, CacheShim):
             device=device,
             block_size=block_size,
         )
-        self._recurrent = states
+        self._recurrent = m.states
         self._rotary = CachePositions(self.manager, model, self._kv_owner) if positions == "cache" else None
         views = []
         for s in specs:
