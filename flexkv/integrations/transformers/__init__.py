@@ -24,7 +24,8 @@ Modules: `registration` (supported releases, the attention function),
 planned forward), `shim` (transformers' `Cache` API), `recurrent`
 (recurrent-layer states), `cache_positions` (`rope_positions="cache"`),
 `routing` (the one-token probe that the plan reaches every attention layer),
-`turns` (the token `generate()` returned last, across calls), `cache`
+`selection` (which stream each batch row is, the columns fed, the tokens
+owed), `turns` (the token `generate()` returned last, across calls), `cache`
 (`FlexKVCache`), `branching` (beam search, assisted generation and many
 samples: forks and rollbacks of streams), `hooks` (`enable`, `disable`).
 

@@ -107,7 +107,7 @@ class BranchingCache:
     # ------------------------------------------------------- transformers' API
 
     def _rows_now(self, what: str) -> tuple:
-        rows = self._selection
+        rows = self.selected.streams
         if rows is None:
             raise ValueError(f"{what}: no forward has run through this cache yet, so it has no rows")
         return rows
@@ -127,14 +127,15 @@ class BranchingCache:
         self._branching("crop()")
         rows = self._rows_now("crop()")
         n = int(tokens_to_remove)
-        n = -n if n <= 0 else self._columns - n
-        if not 0 <= n <= self._columns:
+        fed = self.selected.columns
+        n = -n if n <= 0 else fed - n
+        if not 0 <= n <= fed:
             raise ValueError(
-                f"crop({tokens_to_remove}): the streams took in {self._columns} columns since select(); "
+                f"crop({tokens_to_remove}): the streams took in {fed} columns since select(); "
                 f"cannot take back {n}"
             )
         self._rollback(rows, n, "crop()")
-        self._columns -= n
+        self.selected.take_back(n)
 
     @property
     def is_croppable(self) -> bool:
@@ -161,7 +162,7 @@ class BranchingCache:
         for i, sid in enumerate(rows):
             if i not in keep:
                 self.manager.remove_request(sid)
-        self._selection = tuple(rows[i] for i in keep)
+        self.selected.regroup(tuple(rows[i] for i in keep))
 
     def _check_fork_room(self, plan, opening=()) -> None:
         """Refuse, changing nothing, unless the free slots hold the streams of `opening` not open yet
@@ -198,7 +199,7 @@ class BranchingCache:
             for c in made:
                 self.manager.remove_request(c)
             raise
-        self._selection = tuple(x for sid, copies in plan for x in (sid, *copies))
+        self.selected.regroup(tuple(x for sid, copies in plan for x in (sid, *copies)))
 
 
 # ----------------------------------------------------------------- generate()
@@ -222,7 +223,7 @@ def _snapshot(cache) -> dict:
     return {sid: cache.manager.written(sid) for sid in cache.manager.requests}
 
 
-def _restore(cache, before: dict, selection, columns: int, exc: BaseException) -> None:
+def _restore(cache, before: dict, saved: tuple, exc: BaseException) -> None:
     """Return every stream to its length before the call; say on `exc` which could not be."""
     cache._recover()
     if cache._pending is not None:
@@ -239,7 +240,7 @@ def _restore(cache, before: dict, selection, columns: int, exc: BaseException) -
             cache._rollback([sid], extra, "generate()")
         except ValueError:
             stuck.append((sid, extra))
-    cache._selection, cache._columns = selection, columns
+    cache.selected.restore(saved)
     if stuck and hasattr(exc, "add_note"):
         exc.add_note(
             "flexkv: generate() failed after these streams took in tokens that their slots cannot take back "
@@ -252,7 +253,7 @@ def _restore(cache, before: dict, selection, columns: int, exc: BaseException) -
 def generate_branching(cache, model, generate, mode: str, config, args, kwargs):
     """Run `generate(*args, **kwargs)` over `cache` (already checked by the guard): prompts that
     `generate()` repeats are prefilled once and forked, and a failure restores the streams."""
-    before, selection, columns = _snapshot(cache), cache._selection, cache._columns
+    before, saved = _snapshot(cache), cache.selected.save()
     try:
         k = expansion(mode, config)
         ids = _input_ids(args, kwargs)
@@ -260,7 +261,7 @@ def generate_branching(cache, model, generate, mode: str, config, args, kwargs):
             kwargs = _prefill_once(cache, model, ids, k, args, kwargs)
         return generate(*args, **kwargs)
     except BaseException as exc:
-        _restore(cache, before, selection, columns, exc)
+        _restore(cache, before, saved, exc)
         raise
 
 
@@ -269,7 +270,7 @@ def _prefill_once(cache, model, ids: torch.Tensor, k: int, args, kwargs) -> dict
     `generate()` makes of it, and leave `get_seq_length()` at the prompt's length minus one, so the
     first forward of `generate()` feeds only the last token of each row."""
     B, P = ids.shape
-    rows = cache._selection
+    rows = cache.selected.streams
     if rows is None:
         # Unselected, row r of the expanded batch is stream r: prompt b's rows are b*k .. b*k + k - 1.
         streams = [b * k for b in range(B)]
@@ -290,5 +291,5 @@ def _prefill_once(cache, model, ids: torch.Tensor, k: int, args, kwargs) -> dict
     with torch.no_grad():
         model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], cache=cache, **extra)
     cache._select_forks(list(zip(streams, copies)))
-    cache._columns = P - 1
+    cache.selected.set_columns(P - 1)
     return kwargs

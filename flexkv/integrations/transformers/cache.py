@@ -22,6 +22,7 @@ from .model_survey import check_retention, own_cache_class, survey
 from .plan import FlexKVForward, Pending, chunk_steps, compiled_forward
 from .recurrent import check_recurrent_forward
 from .registration import release_compile_globals
+from .selection import Selection
 from .shim import AttentionLayerView, CacheShim, HybridLayerView, RecurrentLayerView
 
 __all__ = ["FlexKVCache"]
@@ -156,11 +157,9 @@ class FlexKVCache(BranchingCache, CacheShim):
             else:
                 views.append(AttentionLayerView(self, s.index))
         Cache.__init__(self, layers=views)
-        self._selection: Optional[tuple] = None
-        self._columns = 0
+        #: the stream of each batch row, the columns they took in, the tokens they are owed (one owner)
+        self.selected = Selection()
         self._pending: Optional[Pending] = None
-        #: stream id -> the token generate() returned last for it and never fed (see `turns`)
-        self._owed: dict = {}
         # Whether the last forward's attention ran eagerly (`FlexKVForward.attend`): the next one's
         # plans are then made for eager calls only (`eager_forward`).
         self._ran_eagerly = False
@@ -232,7 +231,7 @@ class FlexKVCache(BranchingCache, CacheShim):
     @property
     def selection(self) -> Optional[tuple]:
         """The stream id of each batch row of the next forward (None before the first one)."""
-        return self._selection
+        return self.selected.streams
 
     def stream_length(self, stream_id: Hashable) -> int:
         """Tokens a stream has written so far (0 for an id the cache does not hold)."""
@@ -261,8 +260,7 @@ class FlexKVCache(BranchingCache, CacheShim):
             raise ValueError("select(): None is not a valid stream id")
         self._recover()
         self._no_pending("select()")
-        self._selection = ids
-        self._columns = 0
+        self.selected.select(ids)
         return self
 
     def finish(self, stream_id: Hashable) -> None:
@@ -272,7 +270,7 @@ class FlexKVCache(BranchingCache, CacheShim):
         if stream_id not in self.manager.requests:
             raise ValueError(f"finish(): no stream {stream_id!r}; the cache holds {list(self.manager.requests)}")
         self.manager.remove_request(stream_id)
-        self._owed.pop(stream_id, None)
+        self.selected.forget(stream_id)
 
     def reset(self) -> None:
         """Forget every stream and the selection (transformers' `Cache.reset`)."""
@@ -280,8 +278,7 @@ class FlexKVCache(BranchingCache, CacheShim):
             self.rollback()
         for sid in self.manager.requests:
             self.finish(sid)
-        self._selection = None
-        self._columns = 0
+        self.selected.clear()
 
     @property
     def _model_state(self):
@@ -340,7 +337,7 @@ class FlexKVCache(BranchingCache, CacheShim):
             )
 
     def _rows(self, batch: int) -> tuple:
-        rows = self._selection if self._selection is not None else tuple(range(batch))
+        rows = self.selected.rows(batch)
         if len(rows) != batch:
             raise ValueError(
                 f"the forward has {batch} batch rows but the cache's selection names {len(rows)} "
@@ -379,9 +376,9 @@ class FlexKVCache(BranchingCache, CacheShim):
             raise ValueError(
                 f"a forward through FlexKVCache needs at least one token per row, got input of shape "
                 f"{tuple(ref.shape)}" + (
-                    f"; the selected streams were fed {self._columns} columns since select() (get_seq_length()), "
+                    f"; the selected streams were fed {self.selected.columns} columns since select() (get_seq_length()), "
                     f"which generate() slices off the front of input_ids: to continue with only new ids, call "
-                    f"cache.select(stream_ids) before generate()" if self._columns else ""))
+                    f"cache.select(stream_ids) before generate()" if self.selected.columns else ""))
         rows = self._rows(B)
         real = None
         if attention_mask is not None:
@@ -470,8 +467,8 @@ class FlexKVCache(BranchingCache, CacheShim):
                     self._recurrent.clear(self._to_device([slot_of(sid) for sid in new]))
             fwd = FlexKVForward(self, steps, plans, gather, scatter, position_ids, state_slots,
                                 continues=any(written))
-            columns, selection = self._columns, self._selection
-            transaction.add_undo(lambda: self._restore(fwd, columns, selection))
+            saved = self.selected.save()
+            transaction.add_undo(lambda: self._restore(fwd, saved))
             # A forward that skipped (or repeated) an attention layer commits nothing.
             attending = self._attending
             transaction.add_commit_check(lambda _txn: fwd.attendance.check("FlexKVCache.commit", attending))
@@ -479,8 +476,7 @@ class FlexKVCache(BranchingCache, CacheShim):
             transaction.abort()
             raise
         self._pending = Pending(fwd, transaction, state)
-        self._selection = rows
-        self._columns += T
+        self.selected.advance(rows, T)
         switch(state, on=True)
         return {"position_ids": position_ids, "flexkv_step": fwd}
 
@@ -517,7 +513,7 @@ class FlexKVCache(BranchingCache, CacheShim):
         for step in p.forward.steps:
             for seg in step.segments:
                 if seg.span:  # fed: a token generate() returned before is in the stream now, or never will be
-                    self._owed.pop(seg.request_id, None)
+                    self.selected.fed(seg.request_id)
         if self._recurrent is not None:
             self._recurrent.commit(p.forward)
         self._pending = None
@@ -535,12 +531,11 @@ class FlexKVCache(BranchingCache, CacheShim):
         switch(p.state, on=False)
         release_compile_globals()
 
-    def _restore(self, forward: FlexKVForward, columns: int, selection) -> None:
+    def _restore(self, forward: FlexKVForward, saved: tuple) -> None:
         """The integration's share of a failed forward's undo: its staged recurrent states, the
         columns `get_seq_length()` counts and the selection return to where they were."""
         forward.staged = {}
-        self._columns = columns
-        self._selection = selection
+        self.selected.restore(saved)
 
     def _to_device(self, rows: List[list]) -> torch.Tensor:
         t = torch.tensor(rows, dtype=torch.long)

@@ -305,7 +305,7 @@ def _guarded_generate(state: ModelState, model, generate, *args, **kwargs):
         )
     # A stream continued with only new tokens first attends the token generate() returned last (turns.py).
     check_continuation(cache, args, kwargs)
-    columns = cache._columns
+    columns = cache.selected.columns
     owed = with_owed_tokens(cache, model, args, kwargs)
     if owed is not None:
         args, kwargs = owed
@@ -316,16 +316,16 @@ def _guarded_generate(state: ModelState, model, generate, *args, **kwargs):
         result = generate_branching(cache, model, generate, mode, config, args, kwargs)
     except BaseException:
         state.recover()  # an interrupted forward (e.g. Ctrl-C) is undone now, not at the next forward
-        if owed is not None and cache._columns > columns:
-            cache._columns -= 1
+        if owed is not None and cache.selected.columns > columns:
+            cache.selected.take_back(1)
         raise
     finally:
         if drafter_state is not None:
             drafter_state.assistant_cache = None
     if owed is not None:
         result = strip_first_column(result)
-        if cache._columns > columns:
-            cache._columns -= 1  # get_seq_length() counts the caller's columns
+        if cache.selected.columns > columns:
+            cache.selected.take_back(1)  # get_seq_length() counts the caller's columns
     record_owed_tokens(cache, result, columns)
     return result
 

@@ -77,7 +77,7 @@ class AttentionLayerView(_LayerView, CacheLayerMixin):
         return query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.owner._columns
+        return self.owner.selected.columns
 
 
 class RecurrentLayerView(_LayerView, LinearAttentionCacheLayerMixin):
@@ -114,7 +114,7 @@ class HybridLayerView(RecurrentLayerView, AttentionLayerView):
 class CacheShim(Cache):
     """transformers' `Cache` API over flexkv state; `FlexKVCache` supplies the state and the planning.
 
-    Subclasses provide `_columns`, `_pending` (the planned forward in flight,
+    Subclasses provide `selected` (`selection.Selection`), `_pending` (the planned forward in flight,
     or None), `_recurrent` (a `RecurrentStates`, or None), `_planned(what)`
     (the pending `FlexKVForward`, or an error naming `what`) and
     `_unsupported(what)` (raises).
@@ -129,7 +129,7 @@ class CacheShim(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns fed since the last `select()` (what `generate()` slices its input by)."""
-        return self._columns
+        return self.selected.columns
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         """0: read inside the forward, so a changing value would recompile a compiled forward every token."""

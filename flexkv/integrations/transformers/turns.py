@@ -4,7 +4,7 @@
 step's forward; the last token it picks is returned but never fed. A stream
 continued by a later `generate()` call must attend it before the new input,
 or the conversation it holds is one token short of what the user saw. The
-cache records that token per stream (`FlexKVCache._owed`) when `generate()`
+cache records that token per stream (`FlexKVCache.selected`, `Selection.owe`) when `generate()`
 returns, forgets it once a forward feeds the stream (it is then either in
 that forward's input or the user chose to feed something else), and
 `with_owed_tokens` feeds it at the start of the next `generate()` call that
@@ -37,11 +37,11 @@ def check_continuation(cache, args, kwargs) -> None:
     """Refuse, before anything runs, a `generate()` call whose ids are no longer than what the selected
     streams were fed since `select()`: transformers feeds only the columns past `get_seq_length()`, so such
     a call (a chat continued with only the new message's ids, without `select()`) would feed nothing."""
-    columns = cache._columns
+    columns = cache.selected.columns
     ids, _ = _inputs(args, kwargs)
     if not columns or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] > columns:
         return
-    rows = list(cache._selection or ())
+    rows = list(cache.selected.streams or ())
     raise ValueError(
         f"generate() was given {ids.shape[1]} columns of input_ids, but streams {rows} were fed {columns} "
         f"columns since the last select() (get_seq_length() == {columns}), and generate() feeds only the "
@@ -57,14 +57,14 @@ def with_owed_tokens(cache, model, args, kwargs) -> Optional[tuple]:
     Refuses (before anything changes) a call whose rows cannot take the token: `inputs_embeds` without ids,
     or `num_return_sequences` continuing streams (one prompt row for several streams with different tokens).
     """
-    if cache._columns or not cache._owed:
+    if cache.selected.columns or not cache.selected.owed:
         return None
     ids, where = _inputs(args, kwargs)
     held = set(cache.manager.requests)
     if ids is None or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         if kwargs.get("inputs_embeds") is not None:
-            rows = cache._selection or ()
-            owed = [sid for sid in rows if sid in cache._owed and sid in held]
+            rows = cache.selected.streams or ()
+            owed = [sid for sid in rows if sid in cache.selected.owed and sid in held]
             if owed:
                 raise ValueError(
                     f"streams {owed} continue after a token generate() returned and never fed; with inputs_embeds "
@@ -73,8 +73,8 @@ def with_owed_tokens(cache, model, args, kwargs) -> Optional[tuple]:
                 )
         return None
     B, T = ids.shape
-    rows = cache._selection if cache._selection is not None else tuple(range(B))
-    owed = [cache._owed.get(sid) if sid in held else None for sid in rows]
+    rows = cache.selected.rows(B)
+    owed = [cache.selected.owed.get(sid) if sid in held else None for sid in rows]
     if all(t is None for t in owed):
         return None
     if len(rows) != B:
@@ -120,13 +120,13 @@ def strip_first_column(result):
 def record_owed_tokens(cache, result, fed_columns: int) -> None:
     """After `generate()` returned: each row's last token is owed to its stream (returned, never fed)."""
     seqs = result if isinstance(result, torch.Tensor) else getattr(result, "sequences", None)
-    rows = cache._selection
+    rows = cache.selected.streams
     if not isinstance(seqs, torch.Tensor) or rows is None or seqs.shape[0] != len(rows) or seqs.shape[1] == 0:
         return
-    if cache._columns <= fed_columns:
+    if cache.selected.columns <= fed_columns:
         return  # no forward ran
     last = seqs[:, -1].to("cpu").tolist()
     held = set(cache.manager.requests)
     for sid, token in zip(rows, last):
         if sid in held:
-            cache._owed[sid] = int(token)
+            cache.selected.owe(sid, token)
