@@ -20,23 +20,24 @@ A step still goes `admit -> plan -> attend (per layer) -> commit`:
 
 A source is checked for every group before any is written, then copied
 into the same place of every group's tensors. Only what each group keeps
-differs.
+differs. The lifecycle members are `flexkv.cache.lifecycle.StreamLifecycle`'s
+over the table and every group's store, as for every other cache.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Hashable, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..config import BoundedKVConfig, Retention, SinkWindow, check_config, check_layer_index, is_int
-from ..step import BoundedKVStep, StreamPosition
+from ..step import BoundedKVStep
+from .lifecycle import StreamLifecycle
 from .manager import BoundedKVManager
 from .planner import BoundedPlan
-from .slot_copy import fork_slot, reorder_slots
 from .slots import SlotTable
 from .sources import split_source
 from .table_views import TableViews
@@ -273,7 +274,7 @@ class GroupRotation(nn.Module):
         return self.rotation(q, k, plan.plans[self.group])
 
 
-class GroupedKVManager(TableViews, nn.Module):
+class GroupedKVManager(StreamLifecycle, TableViews, nn.Module):
     """A bounded KV cache whose layer groups each keep their own sink + window.
 
     Args:
@@ -331,6 +332,7 @@ class GroupedKVManager(TableViews, nn.Module):
         self._mgrs = tuple(self.managers)
         self._route = route
         self._lock = self.slots.lock
+        self._stores = tuple(m.store for m in built)
 
     # ------------------------------------------------------------------ views
 
@@ -370,12 +372,6 @@ class GroupedKVManager(TableViews, nn.Module):
             raise ValueError(f"stream_positions needs this cache's GroupedPlan (cache.plan(step)), got {type(plan).__name__}")
         return self._mgrs[0].stream_positions(plan.plans[0], tokens)
 
-    def check_start(self, request_id: Hashable, source: int = 0, source_len: int = 0, *,
-                    restart: bool = False) -> None:
-        """Raise what `admit` would raise for this declaration (see `BoundedKVManager.check_start`)."""
-        with self._lock:
-            self.slots.check_declaration(request_id, StreamPosition(source_len, 0, source), restart)
-
     @property
     def memory_bytes(self) -> int:
         """Bytes every group's key and value tensors hold."""
@@ -411,119 +407,19 @@ class GroupedKVManager(TableViews, nn.Module):
         return tuple(out)
 
     # -------------------------------------------------------------- lifecycle
-
-    def plan(self, step: BoundedKVStep, *, eager_only: bool = False) -> GroupedPlan:
-        """Plan `step` for every group from one read of the table (`eager_only`: see
-        `BoundedKVManager.plan`)."""
-        with self._lock:
-            self.slots.check_plannable(step)
-            slots = self.slots.slots()
-            private = self.slots.private_sources
-            self.slots.note_writes(step)
-        return GroupedPlan([m.plan_from(step, slots, private, eager_only) for m in self._mgrs])
-
-    def commit(self, step: BoundedKVStep) -> None:
-        """Record each request's written tokens (idempotent); every group's eager per-plan state is dropped."""
-        for m in self._mgrs:
-            m.store.end_step()
-        with self._lock:
-            self.slots.commit(step)
-
-    def reset_request(self, request_id: Hashable) -> None:
-        """Rewind a request to an empty stream (see `BoundedKVManager.reset_request`)."""
-        with self._lock:
-            self.slots.reset(request_id)
-
-    def remove_request(self, request_id: Hashable) -> None:
-        """Free the request's slot (and its private source, if any)."""
-        with self._lock:
-            self.slots.remove(request_id)
-
-    # --------------------------------------------------- fork and roll back
-    # The table changes once; every group's store copies its own slots, and each group's ring and
+    # `StreamLifecycle` (flexkv.cache.lifecycle) writes the members once, over the one table and every
+    # group's store: the table changes once, each store copies its own slots, each group's ring and
     # retention decide what can be taken back.
 
-    def _slot_buffers(self):
-        for m in self._mgrs:
-            yield from m.slot_buffers()
+    def _plan_step(self, step, slots, private, eager_only) -> GroupedPlan:
+        """One plan per group, from one read of the table."""
+        return GroupedPlan([m.plan_from(step, slots, private, eager_only) for m in self._mgrs])
 
-    def _configs(self) -> tuple:
-        return tuple(m.config for m in self._mgrs)
-
-    def check_fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """Raise what `fork_request` would raise; changes nothing."""
-        with self._lock:
-            self.slots.check_fork(parent_id, child_id)
-
-    def fork_request(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """Start `child_id` as a copy of `parent_id`'s stream in every group (see
-        `BoundedKVManager.fork_request`); atomic."""
-        with self._lock:
-            fork_slot(self.slots, self._slot_buffers(), parent_id, child_id)
-
-    def check_reorder(self, mapping) -> None:
-        """Raise what `reorder_requests` would raise; changes nothing."""
-        with self._lock:
-            self.slots.check_reorder(mapping)
-
-    def reorder_requests(self, mapping) -> None:
-        """`BoundedKVManager.reorder_requests` over every group: one batched copy of each group's slots."""
-        with self._lock:
-            reorder_slots(self.slots, self._slot_buffers(), mapping)
-
-    def check_rollback(self, request_id: Hashable, tokens: int) -> None:
-        """Raise what `rollback_request` would raise (every group's ring is checked); changes nothing."""
-        with self._lock:
-            self.slots.check_rollback(request_id, tokens, self._configs())
-
-    def rollback_limit(self, request_id: Hashable) -> int:
-        """How many of its last written tokens `request_id` can take back now, in every group."""
-        with self._lock:
-            self.slots.slot_of(request_id)
-            return self.slots.rollback_limit(request_id, self._configs())
-
-    def rollback_request(self, request_id: Hashable, tokens: int) -> None:
-        """Take back the request's last `tokens` written tokens in every group, or raise and change nothing."""
-        with self._lock:
-            self.slots.rollback(request_id, tokens, self._configs())
-
-    def _group_sources(self, what: str, keys: torch.Tensor, values: torch.Tensor) -> list:
+    def _source_shares(self, what: str, keys: torch.Tensor, values: torch.Tensor):
         """Each group's store with its share of all-layer source tensors, checked by that store."""
         shares = split_source(what, self.config, self.groups, [m.config for m in self._mgrs], keys, values)
-        return [(m, *m.store.source_tensors(what, k, v)) for m, (k, v) in zip(self._mgrs, shares)]
-
-    def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Register a shared prefix for every group; `keys`, `values` as for
-        `BoundedKVManager.add_source` with all `config.num_layers` layers."""
-        shares = self._group_sources("add_source", keys, values)
-        with self._lock:
-            index = self.slots.next_place()
-            for m, k, v, length in shares:
-                m.store.write_source(index, k, v, length)
-            self.slots.add_source(index, shares[0][3])
-            return index
-
-    def add_private_source(self, request_id: Hashable, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """A prefix of `request_id`'s own in every group (see `BoundedKVManager.add_private_source`);
-        `keys`, `values` with all `config.num_layers` layers."""
-        shares = self._group_sources("add_private_source", keys, values)
-        with self._lock:
-            self.slots.check_private(request_id)
-            index = self.slots.next_place()
-            for m, k, v, length in shares:
-                m.store.write_source(index, k, v, length)
-            self.slots.add_private_source(request_id, index, shares[0][3])
-            return index
-
-    def remove_private_source(self, request_id: Hashable) -> None:
-        """Free `request_id`'s private source (its stream must not be reading it)."""
-        with self._lock:
-            self.slots.remove_private_source(request_id)
-
-    def remove_source(self, index: int) -> None:
-        """Unregister a source no admitted request reads."""
-        with self._lock:
-            self.slots.remove_source(index)
+        checked = [(m.store, *m.store.source_tensors(what, k, v)) for m, (k, v) in zip(self._mgrs, shares)]
+        return [(store, k, v) for store, k, v, _ in checked], checked[0][3]
 
     # -------------------------------------------------------------- attention
 

@@ -10,24 +10,28 @@ goes `admit -> plan -> attend (per layer) -> commit`; `attend` checks the
 call, writes the step's tokens into the store, runs the chosen path and
 applies the epilogue (learned sinks, the log-sum-exp, query-only queries).
 
-A manager keeps a table of its own, or (`slots=`) stores one layer group of
-a `flexkv.cache.groups.GroupedKVManager` over the table every group shares:
-the lifecycle then acts on that one table, and only sources (which must
-reach every group's tensors) go through the grouped cache.
+The lifecycle members (admit checks, plan, commit, reset, remove, sources,
+fork, reorder, rollback) are `flexkv.cache.lifecycle.StreamLifecycle`'s,
+written once for every cache: this one is its one-store case. A manager
+keeps a table of its own, or (`slots=`) stores one layer group of a
+`flexkv.cache.groups.GroupedKVManager` over the table every group shares;
+sources, forks, reorders and rollbacks (which must reach every group's
+tensors and rings) then go through the grouped cache.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Hashable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from ..config import BoundedKVConfig, check_config, check_layer_index
-from ..step import BoundedKVStep, StreamPosition
+from ..step import BoundedKVStep
 from .attention_options import AttentionOptions
 from .layout import Layout
+from .lifecycle import StreamLifecycle
 from .masks import POSITION_MODES, make_score_mod
 from .paths import AttentionPaths, PathCall
 from .planner import BoundedPlan, build_plan
@@ -35,7 +39,6 @@ from .query_only import attend_query_only, check_query_only
 from .relative_position import RelativePositionScores
 from .rotary import SinkRotation, stream_positions
 from .sinks import apply_learned_sinks, check_sinks
-from .slot_copy import fork_slot, reorder_slots
 from .slots import SlotsExhausted, SlotTable, SourcesExhausted
 from .store import LayerStore
 from .table_views import TableViews
@@ -65,7 +68,7 @@ class _MovedToOptions:
         raise self._moved()
 
 
-class BoundedKVManager(TableViews, nn.Module):
+class BoundedKVManager(StreamLifecycle, TableViews, nn.Module):
     """A bounded sink + window KV cache for `config.max_slots` requests (docs/contract.md section 5).
 
     Args:
@@ -118,8 +121,9 @@ class BoundedKVManager(TableViews, nn.Module):
         if not isinstance(built, LayerStore) or built.config != config or built.layout != self.layout:
             raise ValueError(f"store(config, device, layout) must return a flexkv.cache.store.LayerStore of that "
                              f"config and layout, got {type(built).__name__}")
-        #: Whether the table is shared with other layer groups' stores (then sources come through them all).
-        self._shared = slots is not None
+        #: The grouped cache this manager stores one layer group of (its table is that cache's), else None:
+        #: sources, forks, reorders and rollbacks then go through the grouped cache, which changes every group.
+        self._in_group = slots is not None
         #: Host bookkeeping: slots, requests, source places (`flexkv.cache.slots`), under its lock.
         self.slots = SlotTable(config) if slots is None else slots
         self._lock = self.slots.lock
@@ -130,6 +134,7 @@ class BoundedKVManager(TableViews, nn.Module):
         object.__setattr__(self, "_store", built)  # the same, read without nn.Module's lookup
         #: The attention paths over the store and the one choice among them (their scratch is allocated now).
         self.paths = AttentionPaths(built, options)
+        self._stores = (built,)
 
     # Former knobs, now `options` fields: setting one raises and says how to pass it.
     pack_gqa = _MovedToOptions()
@@ -207,96 +212,21 @@ class BoundedKVManager(TableViews, nn.Module):
             raise ValueError(f"stream_positions needs this cache's plan (cache.plan(step)), got {type(plan).__name__}")
         return stream_positions(plan, plan.tokens if tokens is None else tokens, self.config.reverse_step_order)
 
-    # ---------------------------------------------------------------- sources
-
-    def _own_sources(self, what: str) -> None:
-        if self._shared:
-            raise ValueError(
-                f"{what}: this manager stores one layer group of a GroupedKVManager (it shares that cache's slot "
-                f"table); call {what} on the GroupedKVManager, which writes the source into every group"
-            )
-
-    def _own_slots(self, what: str) -> None:
-        if self._shared:
-            raise ValueError(
-                f"{what}: this manager stores one layer group of a GroupedKVManager (it shares that cache's slot "
-                f"table); call {what} on the GroupedKVManager, which copies or checks every group's slots"
-            )
-
-    def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Register a read-only prefix shared by requests; returns its index.
-
-        `keys`: `[num_layers, rows_per_request, num_heads, L, head_dim]`, `values`
-        the same with `value_head_dim`, `L <= max_source_len`, in the cache's
-        dtype and on its device.
-        """
-        self._own_sources("add_source")
-        keys, values, length = self.store.source_tensors("add_source", keys, values)
-        with self._lock:
-            index = self.slots.next_place()
-            self.store.write_source(index, keys, values, length)
-            self.slots.add_source(index, length)
-            return index
-
-    def add_private_source(self, request_id: Hashable, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Give `request_id` a prefix of its own (a per-request prompt): its stream then declares
-        `StreamPosition(source_len, written, source=-1)`.
-
-        The entries live in one of the `max_sources` source places, like a shared
-        source, reserved for this request; returns that place's index. The
-        place is freed when the request is removed (`remove_request`) or by
-        `remove_private_source`; `reset_request` keeps it for the restarted
-        stream.
-        Set it before the request's stream starts: before its first `admit`,
-        or after `reset_request`.
-        """
-        self._own_sources("add_private_source")
-        keys, values, length = self.store.source_tensors("add_private_source", keys, values)
-        with self._lock:
-            self.slots.check_private(request_id)
-            index = self.slots.next_place()
-            self.store.write_source(index, keys, values, length)
-            self.slots.add_private_source(request_id, index, length)
-            return index
-
-    def remove_private_source(self, request_id: Hashable) -> None:
-        """Free `request_id`'s private source (its stream must not be reading it)."""
-        with self._lock:
-            self.slots.remove_private_source(request_id)
-
-    def remove_source(self, index: int) -> None:
-        """Unregister a source no admitted request reads."""
-        with self._lock:
-            self.slots.remove_source(index)
-
     # -------------------------------------------------------------- lifecycle
+    # `StreamLifecycle` (flexkv.cache.lifecycle) writes the members once; this cache is its one-group case.
 
-    def check_start(self, request_id: Hashable, source: int = 0, source_len: int = 0, *,
-                    restart: bool = False) -> None:
-        """Raise what `admit` would raise for `request_id` starting its stream on this declaration.
+    def _check_owner(self, what: str) -> None:
+        if self._in_group:
+            raise ValueError(
+                f"{what}: this manager stores one layer group of a GroupedKVManager (it shares that cache's slot "
+                f"table); call {what} on the GroupedKVManager, which changes every group"
+            )
 
-        `source`, `source_len` as in `StreamPosition`. With `restart`, the
-        request is checked as if `reset_request` had rewound it first (its
-        current stream and source binding are ignored). Changes nothing, and
-        does not check for a free slot (`free_slots` says that).
-        """
-        with self._lock:
-            self.slots.check_declaration(request_id, StreamPosition(source_len, 0, source), restart)
+    def _source_shares(self, what: str, keys, values):
+        keys, values, length = self.store.source_tensors(what, keys, values)
+        return [(self.store, keys, values)], length
 
-    def plan(self, step: BoundedKVStep, *, eager_only: bool = False) -> BoundedPlan:
-        """Plan `step` (every request admitted) on host ints.
-
-        Pure: it reads the slot table, never device data, and planning the
-        same step twice gives equal plans. `eager_only=True`: the plan is
-        read by eager calls only, and its table parts are made when first
-        read (cheaper for a one-token step); a plan that enters a compiled
-        graph must be made without it (`BoundedPlan.make_parts`).
-        """
-        with self._lock:
-            self.slots.check_plannable(step)
-            slots = self.slots.slots()
-            private = self.slots.private_sources
-            self.slots.note_writes(step)
+    def _plan_step(self, step, slots, private, eager_only):
         return self.plan_from(step, slots, private, eager_only)
 
     def plan_from(self, step: BoundedKVStep, slots: dict, private: dict, eager_only: bool = False) -> BoundedPlan:
@@ -310,83 +240,10 @@ class BoundedKVManager(TableViews, nn.Module):
         self.paths.plan_parts(plan)
         return plan
 
-    def commit(self, step: BoundedKVStep) -> None:
-        """Record each request's written tokens: `written = position.written + span` (idempotent).
-
-        Also drops what the store kept for the step's layers (`LayerStore.per_plan`: the rows path's
-        eager geometry, whose mask bias is as large as the step's queries times the cells a row
-        reads): the step is over.
-        """
-        self.store.end_step()
-        with self._lock:
-            self.slots.commit(step)
-
-    def reset_request(self, request_id: Hashable) -> None:
-        """Rewind a request to an empty stream; it keeps its slot and may pick a new source.
-
-        Its private source, if any, stays with it: the restarted stream may read it again
-        (`source=-1`), or `remove_private_source` frees it for a new one.
-        """
-        with self._lock:
-            self.slots.reset(request_id)
-
-    def remove_request(self, request_id: Hashable) -> None:
-        """Free the request's slot (and its private source, if any)."""
-        with self._lock:
-            self.slots.remove(request_id)
-
-    # --------------------------------------------------- fork and roll back
-
     def slot_buffers(self):
         """Every buffer of this cache that holds per-slot state (`LayerStore.slot_buffers`): each layer's
         keys and values, and the un-rotated sink keys of its ``"cache"``-mode rotations."""
         return self.store.slot_buffers()
-
-    def check_fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """Raise what `fork_request(parent_id, child_id)` would raise; changes nothing."""
-        with self._lock:
-            self.slots.check_fork(parent_id, child_id)
-
-    def fork_request(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """Start request `child_id` as a copy of `parent_id`'s stream (contract section 5, "Fork and
-        roll back"): the lowest free slot, a copy of the parent's slot in every layer, and its
-        position (`written`, source). Atomic: on any error nothing changes."""
-        self._own_slots("fork_request")
-        with self._lock:
-            fork_slot(self.slots, self.slot_buffers(), parent_id, child_id)
-
-    def check_reorder(self, mapping) -> None:
-        """Raise what `reorder_requests(mapping)` would raise; changes nothing."""
-        with self._lock:
-            self.slots.check_reorder(mapping)
-
-    def reorder_requests(self, mapping) -> None:
-        """Each destination request continues its source request's stream: `mapping` is
-        `{destination: source}` over admitted requests (a beam search's reorder), sources read as
-        they were before the call, in one batched copy. Atomic: every source is gathered before
-        any destination is written."""
-        self._own_slots("reorder_requests")
-        with self._lock:
-            reorder_slots(self.slots, self.slot_buffers(), mapping)
-
-    def check_rollback(self, request_id: Hashable, tokens: int) -> None:
-        """Raise what `rollback_request(request_id, tokens)` would raise; changes nothing."""
-        with self._lock:
-            self.slots.check_rollback(request_id, tokens, (self.config,))
-
-    def rollback_limit(self, request_id: Hashable) -> int:
-        """How many of its last written tokens `request_id` can take back now."""
-        with self._lock:
-            self.slots.slot_of(request_id)
-            return self.slots.rollback_limit(request_id, (self.config,))
-
-    def rollback_request(self, request_id: Hashable, tokens: int) -> None:
-        """Take back the request's last `tokens` written tokens: `written -= tokens`, exact while the
-        slot still holds what the shorter stream reads (contract section 5, "Fork and roll back");
-        beyond that it raises `ValueError` and nothing changes. No device work."""
-        self._own_slots("rollback_request")
-        with self._lock:
-            self.slots.rollback(request_id, tokens, (self.config,))
 
     # -------------------------------------------------------------- attention
 

@@ -39,6 +39,7 @@ from torch import nn
 from ..config import BoundedKVConfig
 from . import quantized
 from .layout import Layout
+from .lifecycle import StoreHooks
 from .masks import make_mask_mod
 from .slot_copy import SlotBuffer
 from .sources import check_source_shapes
@@ -46,7 +47,7 @@ from .sources import check_source_shapes
 __all__ = ["LayerStore"]
 
 
-class LayerStore(nn.Module):
+class LayerStore(StoreHooks, nn.Module):
     """The key and value tensors of `config.num_layers` layers, laid out by `layout` (module docstring).
 
     Args:
@@ -198,7 +199,7 @@ class LayerStore(nn.Module):
         store that keeps part of each source (a tensor-parallel rank's heads) takes its part here."""
         return keys, values, self.check_source(what, keys, values)
 
-    def write_source(self, index: int, keys, values, length: int) -> None:
+    def write_source(self, index: int, keys, values, length: int, request_id=None) -> None:
         """Copy a checked source (`source_tensors`) into source place `index` of every layer."""
         c = self.config
         with torch.no_grad():

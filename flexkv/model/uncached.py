@@ -34,11 +34,12 @@ rotating at every step, never holds.)
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Hashable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from ..cache.groups import as_layer_groups, layer_group_configs
+from ..cache.lifecycle import StoreHooks, StreamLifecycle
 from ..cache.masks import POSITION_MODES
 from ..cache.quantized import round_trip
 from ..cache.rotary import ROPE_POSITIONS, Rotary, check_cache_config, check_cache_step
@@ -46,7 +47,7 @@ from ..cache.slots import SlotTable
 from ..cache.sources import check_source_shapes, split_source
 from ..cache.table_views import TableViews
 from ..config import BoundedKVConfig, check_config, check_layer_index
-from ..step import BoundedKVStep, StreamPosition
+from ..step import BoundedKVStep
 from .reference import ReferenceCache, own_stream_indices
 
 __all__ = ["UncachedHistory", "UncachedPlan"]
@@ -93,7 +94,47 @@ class _Rotation:
         return q, k
 
 
-class UncachedHistory(TableViews):
+class HistoryStore(StoreHooks):
+    """One layer group's whole history (`ReferenceCache`) as a store of the lifecycle: it keeps every
+    change the table makes, and has no slots to copy."""
+
+    def __init__(self, ref: ReferenceCache):
+        self.ref = ref
+        self.config = ref.config
+
+    def write_source(self, index: int, keys, values, length: int, request_id=None) -> None:
+        if request_id is None:
+            self.ref.add_source(index, keys, values)
+        else:
+            self.ref.add_private_source(request_id, keys, values)
+
+    def on_commit(self, step) -> None:
+        self.ref.commit(step)
+
+    def on_reset(self, request_id) -> None:
+        self.ref.reset_request(request_id)
+
+    def on_remove(self, request_id) -> None:
+        self.ref.remove_request(request_id)
+        self.ref.remove_private_source(request_id)  # the table frees it with the request
+
+    def on_fork(self, parent_id, child_id) -> None:
+        self.ref.fork(parent_id, child_id)
+
+    def on_reorder(self, mapping) -> None:
+        self.ref.reorder(mapping)
+
+    def on_rollback(self, request_id, written: int) -> None:
+        self.ref.rollback(request_id, written)
+
+    def on_remove_source(self, index: int) -> None:
+        self.ref.remove_source(index)
+
+    def on_remove_private(self, request_id) -> None:
+        self.ref.remove_private_source(request_id)
+
+
+class UncachedHistory(StreamLifecycle, TableViews):
     """Every key and value of every stream, for `config`'s model shape (float64, on the CPU).
 
     Args:
@@ -126,6 +167,7 @@ class UncachedHistory(TableViews):
         # Every stream whole, per layer group: the dense reference of each group's retention keeps it,
         # and attends over it.
         self._history = tuple(ReferenceCache(c) for c in self._configs)
+        self._stores = tuple(HistoryStore(ref) for ref in self._history)
         self._rotary: Dict[int, tuple] = {}
 
     # ------------------------------------------------------------- views
@@ -143,9 +185,13 @@ class UncachedHistory(TableViews):
                 total += sum(t.numel() * t.element_size() for t in kv)
         return total
 
-    # ---------------------------------------------------------- sources
+    # --------------------------------------------------------- lifecycle
+    # `StreamLifecycle` (flexkv.cache.lifecycle) writes the members once, over the same table as the
+    # bounded cache and one whole-history store per group: every call is refused exactly where the
+    # bounded cache refuses it (the same table and each group's ring decide), though nothing here is
+    # ever overwritten.
 
-    def _group_sources(self, what: str, keys: torch.Tensor, values: torch.Tensor):
+    def _source_shares(self, what: str, keys: torch.Tensor, values: torch.Tensor):
         """Each group's share of all-layer source tensors, checked as the bounded cache checks them
         (float64, CPU), and the source's length."""
         shares = split_source(what, self.config, self.groups, self._configs, keys, values)
@@ -153,121 +199,14 @@ class UncachedHistory(TableViews):
         for cfg, (k, v) in zip(self._configs, shares):
             length = check_source_shapes(cfg, what, k, v)
         # Quantized slots: what the bounded cache reads back for the source (itself when unquantized).
-        return [(round_trip(k.detach(), cfg.slot_dtype).double().cpu(), round_trip(v.detach(), cfg.slot_dtype).double().cpu())
-                for cfg, (k, v) in zip(self._configs, shares)], length
+        return [(store, round_trip(k.detach(), cfg.slot_dtype).double().cpu(),
+                 round_trip(v.detach(), cfg.slot_dtype).double().cpu())
+                for store, cfg, (k, v) in zip(self._stores, self._configs, shares)], length
 
-    def add_source(self, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Register a source `[num_layers, rows_per_request, num_heads, L, head_dim]` (un-rotated keys)."""
-        shares, length = self._group_sources("add_source", keys, values)
-        with self._lock:
-            index = self.slots.next_place()
-            self.slots.add_source(index, length)
-            for ref, (k, v) in zip(self._history, shares):
-                ref.add_source(index, k, v)
-            return index
-
-    def remove_source(self, index: int) -> None:
-        with self._lock:
-            self.slots.remove_source(index)
-            for ref in self._history:
-                ref.remove_source(index)
-
-    def add_private_source(self, request_id: Hashable, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """A prefix of `request_id`'s own, read when its position declares `source=-1`."""
-        shares, length = self._group_sources("add_private_source", keys, values)
-        with self._lock:
-            self.slots.check_private(request_id)
-            index = self.slots.next_place()
-            self.slots.add_private_source(request_id, index, length)
-            for ref, (k, v) in zip(self._history, shares):
-                ref.add_private_source(request_id, k, v)
-            return index
-
-    def remove_private_source(self, request_id: Hashable) -> None:
-        with self._lock:
-            self.slots.remove_private_source(request_id)
-            for ref in self._history:
-                ref.remove_private_source(request_id)
-
-    # --------------------------------------------------------- lifecycle
-
-    def check_start(self, request_id: Hashable, source: int = 0, source_len: int = 0, *,
-                    restart: bool = False) -> None:
-        """Raise what `admit` would raise for this declaration (see `BoundedKVManager.check_start`)."""
-        with self._lock:
-            self.slots.check_declaration(request_id, StreamPosition(source_len, 0, source), restart)
-
-    def plan(self, step: BoundedKVStep, *, eager_only: bool = False) -> UncachedPlan:
-        """Check the step as the bounded cache's `plan` does; the plan is the host step itself
-        (read by eager calls only whether or not `eager_only` says so: this cache does not compile)."""
-        with self._lock:
-            self.slots.check_plannable(step)
-            self.slots.note_writes(step)  # as the bounded cache records them: its rollbacks are checked alike
+    def _plan_step(self, step, slots, private, eager_only) -> UncachedPlan:
+        """The plan is the host step itself (read by eager calls only whether or not `eager_only` says so:
+        this cache does not compile)."""
         return UncachedPlan(step, self.config)
-
-    def commit(self, step: BoundedKVStep) -> None:
-        """Append each request's written tokens, for every layer it attended, in stream order."""
-        with self._lock:
-            self.slots.commit(step)
-            for ref in self._history:
-                ref.commit(step)
-
-    def reset_request(self, request_id: Hashable) -> None:
-        with self._lock:
-            self.slots.reset(request_id)
-            for ref in self._history:
-                ref.reset_request(request_id)
-
-    def remove_request(self, request_id: Hashable) -> None:
-        with self._lock:
-            self.slots.remove(request_id)  # frees its private source too
-            for ref in self._history:
-                ref.remove_request(request_id)
-                ref.remove_private_source(request_id)
-
-    # ------------------------------------------------- fork and roll back
-    # Refused exactly where the bounded cache refuses (the same table and each group's ring decide),
-    # though nothing here is ever overwritten.
-
-    def check_fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        with self._lock:
-            self.slots.check_fork(parent_id, child_id)
-
-    def fork_request(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """`child_id` starts as a copy of `parent_id`'s stream (see `BoundedKVManager.fork_request`)."""
-        with self._lock:
-            self.slots.fork(parent_id, child_id)
-            for ref in self._history:
-                ref.fork(parent_id, child_id)
-
-    def check_reorder(self, mapping) -> None:
-        with self._lock:
-            self.slots.check_reorder(mapping)
-
-    def reorder_requests(self, mapping) -> None:
-        """Each destination continues its source's stream (see `BoundedKVManager.reorder_requests`)."""
-        with self._lock:
-            mapping = self.slots.check_reorder(mapping)
-            self.slots.reorder(mapping)
-            for ref in self._history:
-                ref.reorder(mapping)
-
-    def check_rollback(self, request_id: Hashable, tokens: int) -> None:
-        with self._lock:
-            self.slots.check_rollback(request_id, tokens, self._configs)
-
-    def rollback_limit(self, request_id: Hashable) -> int:
-        with self._lock:
-            self.slots.slot_of(request_id)
-            return self.slots.rollback_limit(request_id, self._configs)
-
-    def rollback_request(self, request_id: Hashable, tokens: int) -> None:
-        """Take back the request's last `tokens` written tokens (see `BoundedKVManager.rollback_request`)."""
-        with self._lock:
-            self.slots.rollback(request_id, tokens, self._configs)
-            written = self.slots.written(request_id)
-            for ref in self._history:
-                ref.rollback(request_id, written)
 
     # ------------------------------------------------------- model side
 
