@@ -9,7 +9,8 @@ back to vLLM's block pool as a request advances, and attention reads only what i
 
 Modules: `options` (reading and checking the `flexkv` entry of `additional_config`, and what is
 refused), `spec` (the KV-cache spec and block manager), `backend` (the CPU attention backend),
-`plugin` (what `register` installs into vLLM). docs/vllm.md is the full description.
+`retention_mask` (the retention as vLLM's FlexAttention metadata reads it), `flex_backend` (the
+FlexAttention backend, for CUDA), `plugin` (what `register` installs into vLLM). docs/vllm.md is the full description.
 """
 
 __all__ = ["register"]

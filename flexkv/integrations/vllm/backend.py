@@ -25,26 +25,18 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from ...cache.masks import query_window_attends
 from .options import check_engine
 
-__all__ = ["FlexKVCPUBackend", "FlexKVCPUImpl", "sink_window_attention"]
+__all__ = ["FlexKVCPUBackend", "FlexKVCPUImpl", "sink_window_attention", "step_gather"]
 
 #: bytes of gathered keys (or values) one tile of query tokens may take
 TILE_BYTES = 64 << 20
 
 
-def sink_window_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                          sink: int, window: int, scale: float, out, max_len=None) -> None:
-    """Attention of every query token under a per-query sink + window, written into `out`.
-
-    `query` `[N, Hq, D]` are the step's tokens of every request in order; `query_start_loc` `[R + 1]`
-    where each request's tokens start; `seq_lens` `[R]` each request's length with this step's
-    tokens; `key_cache` / `value_cache` `[blocks, H, B, D]` hold every token's key and value (this
-    step's included) at `block_table[r, j // B]`, offset `j % B`. `out` `[N, Hq, D]`.
-    """
-    n, hq, d = query.shape
-    h = key_cache.shape[1]
-    bs = key_cache.shape[2]
-    g = hq // h
-    dev = query.device
+def step_gather(block_table, query_start_loc, seq_lens, n: int, sink: int, window: int, bs: int, per_token: int,
+                max_len=None) -> list:
+    """Where every query token of a step reads, in tiles of tokens: `[(t0, t1, blocks, offsets, keep)]`,
+    `blocks`/`offsets` `[T, S]` the block and in-block offset of each candidate key, `keep` `[T, S]`
+    whether the query attends it (`query_window_attends`). The same for every layer of the step."""
+    dev = query_start_loc.device
     starts = query_start_loc.to(torch.long)
     tokens = torch.arange(n, device=dev)
     row = torch.searchsorted(starts[1:], tokens, right=True)
@@ -58,8 +50,8 @@ def sink_window_attention(query, key_cache, value_cache, block_table, query_star
     slots = sinks + wide + 1
     offsets = torch.cat([torch.arange(sinks, device=dev), torch.arange(-wide, 1, device=dev)])
     is_sink = torch.arange(slots, device=dev) < sinks
-    per_token = slots * h * d * 4
-    tile = max(1, TILE_BYTES // per_token)
+    tile = max(1, TILE_BYTES // (slots * per_token))
+    out = []
     for t0 in range(0, n, tile):
         t1 = min(n, t0 + tile)
         p = pos[t0:t1, None]
@@ -67,14 +59,31 @@ def sink_window_attention(query, key_cache, value_cache, block_table, query_star
         # A window slot below the sinks duplicates a sink slot (or is before the stream): drop it.
         keep = query_window_attends(j, p, sink, window) & (is_sink | (j >= sink)) & (j >= 0)
         jc = j.clamp(min=0)
-        blocks = block_table[row[t0:t1, None], jc // bs].to(torch.long)
-        k = key_cache[blocks, :, jc % bs].float()  # [T, slots, H, D]
-        v = value_cache[blocks, :, jc % bs].float()
+        out.append((t0, t1, block_table[row[t0:t1, None], jc // bs].to(torch.long), jc % bs, keep[:, None, None, :]))
+    return out
+
+
+def sink_window_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                          sink: int, window: int, scale: float, out, max_len=None, gather=None) -> None:
+    """Attention of every query token under a per-query sink + window, written into `out`.
+
+    `query` `[N, Hq, D]` are the step's tokens of every request in order; `query_start_loc` `[R + 1]`
+    where each request's tokens start; `seq_lens` `[R]` each request's length with this step's
+    tokens; `key_cache` / `value_cache` `[blocks, H, B, D]` hold every token's key and value (this
+    step's included) at `block_table[r, j // B]`, offset `j % B`. `out` `[N, Hq, D]`. `gather`: the
+    step's `step_gather` (made here when None; every layer of a step may share one).
+    """
+    n, hq, d = query.shape
+    h, bs = key_cache.shape[1], key_cache.shape[2]
+    g = hq // h
+    if gather is None:
+        gather = step_gather(block_table, query_start_loc, seq_lens, n, sink, window, bs, h * d * 4, max_len)
+    for t0, t1, blocks, offs, keep in gather:
+        # [T, S, H, D] gathered, read as [T, H, S, D]; the GQA group rides on the query axis.
+        k = key_cache[blocks, :, offs].float().transpose(1, 2)
+        v = value_cache[blocks, :, offs].float().transpose(1, 2)
         q = query[t0:t1].float().view(t1 - t0, h, g, d)
-        scores = torch.einsum("thgd,tkhd->thgk", q, k) * scale
-        scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.einsum("thgk,tkhd->thgd", probs, v)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
         out[t0:t1] = o.reshape(t1 - t0, hq, d).to(out.dtype)
 
 
@@ -120,9 +129,17 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
         blocks, heads, bs, _ = kv_cache.shape
         key_cache, value_cache = kv_cache.view(blocks, heads, 2 * bs, -1).chunk(2, dim=2)
         out = output[:n].view(n, self.num_heads, self.head_size)
+        # Every full-attention layer of the step reads the same places: found once, kept on the step's metadata.
+        memo = attn_metadata.__dict__.setdefault("_flexkv_gather", {})
+        key = (pol.sink, pol.window, bs, heads * self.head_size * 4)
+        gather = memo.get(key)
+        if gather is None:
+            gather = memo[key] = step_gather(attn_metadata.block_table, attn_metadata.query_start_loc,
+                                             attn_metadata.seq_lens, n, pol.sink, pol.window, bs, key[3],
+                                             attn_metadata.max_seq_len)
         sink_window_attention(query[:n].view(n, self.num_heads, self.head_size), key_cache, value_cache,
                               attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens,
-                              pol.sink, pol.window, self.scale, out, max_len=attn_metadata.max_seq_len)
+                              pol.sink, pol.window, self.scale, out, gather=gather)
         return output
 
 

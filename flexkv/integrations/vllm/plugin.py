@@ -4,6 +4,9 @@
   (`KVCacheSpecRegistry.register`), as a kind of layer of their own;
 - `FlexKVCPUBackend` as the class behind `AttentionBackendEnum.CPU_ATTN` (`register_backend`):
   vLLM's CPU platform selects no other backend, so the CPU backend itself is what a plugin replaces;
+- on a CUDA platform, `FlexKVFlexAttentionBackend` as the class behind
+  `AttentionBackendEnum.FLEX_ATTENTION` (the engine selects it with
+  `attention_config={"backend": "FLEX_ATTENTION"}`); it has not run on a GPU;
 - a wrapper of `Attention.get_kv_cache_spec`: a layer whose implementation keeps a flexkv
   retention reports a `SinkWindowSpec` instead of vLLM's full-attention spec. vLLM offers no hook
   for this; every other layer reports what vLLM's own method says.
@@ -23,6 +26,7 @@ def install() -> None:
     if _installed:
         return
     from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
@@ -35,17 +39,25 @@ def install() -> None:
     KVCacheSpecRegistry._ensure_registered()
     KVCacheSpecRegistry.register(SinkWindowSpec, SinkWindowManager, uniform_type_base_spec=SinkWindowSpec)
     register_backend(AttentionBackendEnum.CPU_ATTN, "flexkv.integrations.vllm.backend.FlexKVCPUBackend")
+    impls = (FlexKVCPUImpl,)  # the implementations that keep a flexkv retention
+    if current_platform.is_cuda_alike():
+        register_backend(AttentionBackendEnum.FLEX_ATTENTION,
+                         "flexkv.integrations.vllm.flex_backend.FlexKVFlexAttentionBackend")
+        from .flex_backend import FlexKVFlexAttentionImpl
+
+        impls += (FlexKVFlexAttentionImpl,)
 
     own = Attention.get_kv_cache_spec
 
     def get_kv_cache_spec(self, vllm_config):
         spec = own(self, vllm_config)
         impl = getattr(self, "impl", None)
-        if not isinstance(impl, FlexKVCPUImpl):
+        if not isinstance(impl, impls):
             if isinstance(spec, FullAttentionSpec) and check_engine(vllm_config) is not None:
                 raise ValueError(
                     f"flexkv cannot serve additional_config['flexkv'] for layer {self.layer_name}: its attention "
-                    f"backend is {type(impl).__name__}, and flexkv's retention runs in vLLM's CPU backend only"
+                    f"backend is {type(impl).__name__}, and flexkv's retention runs in vLLM's CPU backend and, on "
+                    f"CUDA, in its FlexAttention backend (attention_config={{'backend': 'FLEX_ATTENTION'}})"
                 )
             return spec
         pol = impl.retention

@@ -1,0 +1,70 @@
+"""flexkv's retention in vLLM's FlexAttention metadata (the CUDA path), run on CPU tensors: a paged cache with
+freed (null) blocks, a decoding request and a chunked prefill, against the CPU backend's attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
+from vllm.v1.attention.backends.flex_attention import FlexAttentionMetadata, physical_to_logical_mapping  # noqa: E402
+
+from flexkv.integrations.vllm.backend import sink_window_attention  # noqa: E402
+from flexkv.integrations.vllm.retention_mask import apply_retention  # noqa: E402
+
+BS, H, G, D, SINK, WINDOW, BLOCKS = 16, 2, 2, 8, 4, 20, 12
+
+
+@pytest.fixture
+def paged():
+    """Request 0 decodes its token 99: blocks 1-3 (entries 16-63) lie wholly between its sinks and its
+    window and were given back (null block 0 in their place, filled with garbage that must not be read).
+    Request 1 prefills entries 40-47 in one chunk and holds every block."""
+    g = torch.Generator().manual_seed(0)
+    table = torch.zeros(2, 8, dtype=torch.int32)
+    table[0, :7] = torch.tensor([5, 0, 0, 0, 2, 9, 7])
+    table[1, :3] = torch.tensor([3, 11, 6])
+    k = torch.randn(BLOCKS, H, BS, D, generator=g)
+    v = torch.randn(BLOCKS, H, BS, D, generator=g)
+    k[0], v[0] = 1e4, 1e4  # the null block
+    seq_lens = torch.tensor([100, 48], dtype=torch.int32)
+    query_start = torch.tensor([0, 1, 9], dtype=torch.int32)
+    q = torch.randn(9, H * G, D, generator=g)
+    return table, k, v, seq_lens, query_start, q
+
+
+def metadata(table, seq_lens, query_start):
+    n = int(query_start[-1])
+    query_lens = query_start[1:] - query_start[:-1]
+    return FlexAttentionMetadata(
+        causal=True, num_actual_tokens=n, max_query_len=int(query_lens.max()), query_start_loc=query_start.long(),
+        query_start_loc_cpu=query_start.long(), max_seq_len=int(seq_lens.max()), seq_lens=seq_lens.long(),
+        block_table=table, slot_mapping=torch.zeros(n, dtype=torch.long), total_cache_tokens=BLOCKS * BS,
+        block_size=BS, max_possible_sequence_length=table.shape[1] * BS, num_reqs=2,
+        physical_to_logical=physical_to_logical_mapping(table, seq_lens, BS, BLOCKS),
+        decode_offset=(seq_lens - query_lens).long(), num_blocks_per_seq=(seq_lens + BS - 1) // BS,
+        persistent_kv_indices=torch.full((n, BLOCKS + 1), -1, dtype=torch.int32),
+        persistent_kv_num_blocks=torch.zeros(n, dtype=torch.int32),
+        persistent_doc_ids=torch.zeros(n, dtype=torch.long), q_block_size=1, kv_block_size=BS)
+
+
+def test_flex_attention_over_the_block_table_attends_what_the_cpu_backend_attends(paged):
+    table, k, v, seq_lens, query_start, q = paged
+    md = apply_retention(metadata(table, seq_lens, query_start), SINK, WINDOW)
+    flat_k = k.permute(0, 2, 1, 3).reshape(1, BLOCKS * BS, H, D).transpose(1, 2)
+    flat_v = v.permute(0, 2, 1, 3).reshape(1, BLOCKS * BS, H, D).transpose(1, 2)
+    got = flex_attention(q.transpose(0, 1)[None], flat_k, flat_v, block_mask=md.block_mask, scale=D ** -0.5,
+                         enable_gqa=True)[0].transpose(0, 1)
+    want = torch.empty_like(q)
+    sink_window_attention(q, k, v, table, query_start, seq_lens, SINK, WINDOW, D ** -0.5, want)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_block_mask_never_lists_a_freed_block(paged):
+    table, _, _, seq_lens, query_start, _ = paged
+    md = apply_retention(metadata(table, seq_lens, query_start), SINK, WINDOW)
+    n = int(md.block_mask.kv_num_blocks[0, 0, 0])
+    listed = set(md.block_mask.kv_indices[0, 0, 0, :n].tolist())  # request 0's decoding query
+    assert listed == {5, 2, 9, 7}  # its sink block and the blocks its window reaches, not the null block 0
