@@ -27,7 +27,7 @@ The three parts are one softmax by their log-sum-exp
 (`flexkv.model.multi_context.MultiStepContext`): a segment that raises
 anywhere, Ctrl-C included, leaves both as they were, so it can be run again.
 Run with torchaudio installed (not a flexkv dependency: the release built for
-your torch, `pip install "torchaudio==2.X.*"`; without it the example says so):
+your torch, `pip install "torchaudio==2.X.*"`, 2.11 at the latest; without it the example says so):
 
     PYTHONPATH=. python examples/emformer_memory_bank.py --threads 1
 
@@ -175,16 +175,29 @@ def own_state_bytes(states) -> int:
     return sum(t.numel() * t.element_size() // t.shape[1] for layer in states for t in layer[:3])
 
 
+#: torchaudio's newest release; its releases follow torch's, one for one, up to it.
+LAST_TORCHAUDIO = (2, 11)
+
+
+def torchaudio_hint(torch_version: str) -> str:
+    """What to install to run this example beside torch `torch_version`."""
+    major, minor = (int(x) for x in torch_version.split("+")[0].split(".")[:2])
+    if (major, minor) <= LAST_TORCHAUDIO:
+        return f"Install the torchaudio release built for your torch {torch_version}: pip install 'torchaudio=={major}.{minor}.*'"
+    last = "{}.{}".format(*LAST_TORCHAUDIO)
+    return (f"torchaudio's releases end at {last}, and none is built for your torch {torch_version}: run the example "
+            f"in an environment of its own with pip install 'torch=={last}.*' 'torchaudio=={last}.*'")
+
+
 def _emformer_class():
     """torchaudio's `Emformer`, or exit saying what to install (torchaudio is not a flexkv dependency)."""
     try:
         from torchaudio.models import Emformer
-    except ImportError as exc:
-        release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    except (ImportError, OSError) as exc:  # OSError: a torchaudio built for another torch fails to load
         raise SystemExit(
             f"examples/emformer_memory_bank.py runs torchaudio's Emformer, and torchaudio cannot be imported "
-            f"({exc}). Install the torchaudio release built for your torch {torch.__version__}: "
-            f"pip install 'torchaudio=={release}.*' (flexkv itself does not need torchaudio)"
+            f"({str(exc).splitlines()[0]}). {torchaudio_hint(torch.__version__)} (flexkv itself does not need "
+            f"torchaudio)"
         ) from None
     return Emformer
 
