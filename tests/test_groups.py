@@ -146,13 +146,18 @@ def test_attend_needs_a_grouped_plan():
 
 
 def test_the_groups_share_one_slot_table():
-    """Every group's store keeps its requests in the grouped cache's one table: a slot taken through
-    any of them is taken in all, and a refused admit changes nothing anywhere."""
+    """Every group's store keeps its requests in the grouped cache's one table, and only the grouped cache
+    changes it: a group's store refuses to admit or commit, and a refused admit changes nothing anywhere."""
     m = GroupedKVManager(base_config(max_slots=2), GROUPS, block_size=8)
     assert all(store.slots is m.slots for store in m.managers)
     m.admit(step([("a", 1)], {"a": 0}))
     m.commit(step([("a", 1)], {"a": 0}))
-    m.managers[1].admit(step([("x", 1)], {"x": 0}))
+    for what, call in (("admit", lambda g: g.admit(step([("x", 1)], {"x": 0}))),
+                       ("commit", lambda g: g.commit(step([("a", 1)], {"a": 1})))):
+        with pytest.raises(ValueError, match=rf"{what}: this manager stores one layer group of a GroupedKVManager"):
+            call(m.managers[1])
+    assert m.requests == ("a",) and m.written("a") == 1
+    m.admit(step([("x", 1)], {"x": 0}))
     assert m.requests == ("a", "x") and m.free_slots == 0
     before = m.slots.snapshot()
     with pytest.raises(SlotsExhausted):

@@ -81,7 +81,8 @@ class StreamLifecycle:
         raise NotImplementedError
 
     def _check_owner(self, what: str) -> None:
-        """Raise if this cache may not make change `what` itself (a group of a grouped cache may not)."""
+        """Raise if this cache may not make change `what` itself: a layer group of a grouped cache answers
+        attention and views, and every change to the table it shares goes through the grouped cache."""
 
     def _store_configs(self) -> tuple:
         return tuple(s.config for s in self._stores)
@@ -112,6 +113,7 @@ class StreamLifecycle:
         read (cheaper for a one-token step); a plan that enters a compiled
         graph must be made without it (`BoundedPlan.make_parts`).
         """
+        self._check_owner("plan")
         with self._lock:
             self.slots.check_plannable(step)
             slots = self.slots.slots()
@@ -126,6 +128,7 @@ class StreamLifecycle:
         eager geometry, whose mask bias is as large as the step's queries times the cells a row
         reads): the step is over.
         """
+        self._check_owner("commit")
         for s in self._stores:
             s.end_step()
         with self._lock:
@@ -139,6 +142,7 @@ class StreamLifecycle:
         Its private source, if any, stays with it: the restarted stream may read it again
         (`source=-1`), or `remove_private_source` frees it for a new one.
         """
+        self._check_owner("reset_request")
         with self._lock:
             self.slots.reset(request_id)
             for s in self._stores:
@@ -146,6 +150,7 @@ class StreamLifecycle:
 
     def remove_request(self, request_id: Hashable) -> None:
         """Free the request's slot (and its private source, if any)."""
+        self._check_owner("remove_request")
         with self._lock:
             self.slots.remove(request_id)
             for s in self._stores:
@@ -251,6 +256,7 @@ class StreamLifecycle:
 
     def remove_private_source(self, request_id: Hashable) -> None:
         """Free `request_id`'s private source (its stream must not be reading it)."""
+        self._check_owner("remove_private_source")
         with self._lock:
             self.slots.remove_private_source(request_id)
             for s in self._stores:
@@ -258,6 +264,7 @@ class StreamLifecycle:
 
     def remove_source(self, index: int) -> None:
         """Unregister a source no admitted request reads."""
+        self._check_owner("remove_source")
         with self._lock:
             self.slots.remove_source(index)
             for s in self._stores:

@@ -59,6 +59,9 @@ class TableViews:
         with self._lock:
             return self.slots.sources
 
+    def _check_owner(self, what: str) -> None:
+        """Raise if this cache may not change its table itself (`flexkv.cache.lifecycle.StreamLifecycle`)."""
+
     @property
     def private_sources(self) -> dict:
         """Private sources: request id -> source place index."""
@@ -69,11 +72,13 @@ class TableViews:
         """Give each new request of `step` a free slot and check every declaration; returns what
         changed (`flexkv.cache.slots.Admission`, for `undo_admit`). Atomic: on any error nothing changes. A full pool
         raises `SlotsExhausted`; a bad declaration raises `ValueError`."""
+        self._check_owner("admit")
         with self._lock:
             return self.slots.admit(step)
 
     def undo_admit(self, admission: tuple) -> None:
         """Take back one `admit` whose step failed: its new requests leave, the streams it started
         are unbound (private sources stay). A step transaction's abort calls it."""
+        self._check_owner("undo_admit")
         with self._lock:
             self.slots.undo(admission)
