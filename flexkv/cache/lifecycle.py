@@ -34,6 +34,7 @@ from typing import Hashable
 
 from ..step import BoundedKVStep, StreamPosition
 from .slot_copy import fork_slot, reorder_slots
+from .table_views import TableViews
 
 __all__ = ["StoreHooks", "StreamLifecycle"]
 
@@ -68,21 +69,20 @@ class StoreHooks:
     def on_remove_private(self, request_id: Hashable) -> None: ...
 
 
-class StreamLifecycle:
-    """The protocol's lifecycle members over `self.slots` and `self._stores` (module docstring)."""
+class StreamLifecycle(TableViews):
+    """The protocol's lifecycle members over `self.slots` and `self._stores` (module docstring), beside the
+    table's views and `admit` (`TableViews`, whose `_check_owner` a cache that may not change its table
+    overrides)."""
 
     _stores: tuple = ()
 
     def _plan_step(self, step: BoundedKVStep, slots: dict, private: dict, eager_only: bool):
-        raise NotImplementedError
+        """The plan of a checked step from one read of the table (`slots`, `private`)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _plan_step (StreamLifecycle's planning hook)")
 
     def _source_shares(self, what: str, keys, values):
         """`([(store, keys, values), ...], length)`: each store's checked share of a source."""
-        raise NotImplementedError
-
-    def _check_owner(self, what: str) -> None:
-        """Raise if this cache may not make change `what` itself: a layer group of a grouped cache answers
-        attention and views, and every change to the table it shares goes through the grouped cache."""
+        raise NotImplementedError(f"{type(self).__name__} must define _source_shares (StreamLifecycle's source hook)")
 
     def _store_configs(self) -> tuple:
         return tuple(s.config for s in self._stores)

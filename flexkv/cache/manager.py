@@ -15,8 +15,9 @@ fork, reorder, rollback) are `flexkv.cache.lifecycle.StreamLifecycle`'s,
 written once for every cache: this one is its one-store case. A manager
 keeps a table of its own, or (`slots=`) stores one layer group of a
 `flexkv.cache.groups.GroupedKVManager` over the table every group shares;
-sources, forks, reorders and rollbacks (which must reach every group's
-tensors and rings) then go through the grouped cache.
+every change to that table (admit, plan, commit, sources, forks, rollbacks:
+they must reach every group's tensors and rings) then goes through the
+grouped cache.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from .rotary import SinkRotation, stream_positions
 from .sinks import apply_learned_sinks, check_sinks
 from .slots import SlotsExhausted, SlotTable, SourcesExhausted
 from .store import LayerStore
-from .table_views import TableViews
 
 __all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted"]
 
@@ -68,7 +68,7 @@ class _MovedToOptions:
         raise self._moved()
 
 
-class BoundedKVManager(StreamLifecycle, TableViews, nn.Module):
+class BoundedKVManager(StreamLifecycle, nn.Module):
     """A bounded sink + window KV cache for `config.max_slots` requests (docs/contract.md section 5).
 
     Args:
@@ -121,8 +121,8 @@ class BoundedKVManager(StreamLifecycle, TableViews, nn.Module):
         if not isinstance(built, LayerStore) or built.config != config or built.layout != self.layout:
             raise ValueError(f"store(config, device, layout) must return a flexkv.cache.store.LayerStore of that "
                              f"config and layout, got {type(built).__name__}")
-        #: The grouped cache this manager stores one layer group of (its table is that cache's), else None:
-        #: sources, forks, reorders and rollbacks then go through the grouped cache, which changes every group.
+        #: Whether this manager stores one layer group of a grouped cache (its table is that cache's): every
+        #: change to the table then goes through the grouped cache, which changes every group.
         self._in_group = slots is not None
         #: Host bookkeeping: slots, requests, source places (`flexkv.cache.slots`), under its lock.
         self.slots = SlotTable(config) if slots is None else slots

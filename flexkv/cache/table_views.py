@@ -60,7 +60,9 @@ class TableViews:
             return self.slots.sources
 
     def _check_owner(self, what: str) -> None:
-        """Raise if this cache may not change its table itself (`flexkv.cache.lifecycle.StreamLifecycle`)."""
+        """Raise if this cache may not make change `what` to its table itself: a layer group of a grouped
+        cache answers attention and views, and every change to the table it shares goes through the
+        grouped cache (`BoundedKVManager` overrides it). Called by `admit` and every lifecycle change."""
 
     @property
     def private_sources(self) -> dict:

@@ -45,7 +45,6 @@ from ..cache.quantized import round_trip
 from ..cache.rotary import ROPE_POSITIONS, Rotary, check_cache_config, check_cache_step
 from ..cache.slots import SlotTable
 from ..cache.sources import check_source_shapes, split_source
-from ..cache.table_views import TableViews
 from ..config import BoundedKVConfig, check_config, check_layer_index
 from ..step import BoundedKVStep
 from .reference import ReferenceCache, own_stream_indices
@@ -134,7 +133,7 @@ class HistoryStore(StoreHooks):
         self.ref.remove_private_source(request_id)
 
 
-class UncachedHistory(StreamLifecycle, TableViews):
+class UncachedHistory(StreamLifecycle):
     """Every key and value of every stream, for `config`'s model shape (float64, on the CPU).
 
     Args:

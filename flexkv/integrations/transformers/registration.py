@@ -67,12 +67,12 @@ def release_compile_globals() -> None:
         return
     for module, name in _COMPILE_CONTEXT_VARS:
         var = getattr(sys.modules.get(module), name, None)
-        flags = [f for f in ("compiling", "uses_global_var") if hasattr(var, f)]  # transformers' name, kernels'
         if var is None or not hasattr(var, "global_var"):
             continue
         var.global_var = None
-        for flag in flags:
-            setattr(var, flag, False)
+        for flag in ("compiling", "uses_global_var"):  # transformers' name for the switch, then kernels'
+            if hasattr(var, flag):
+                setattr(var, flag, False)
 
 from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
