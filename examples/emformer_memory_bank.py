@@ -43,15 +43,8 @@ from typing import Dict, Hashable, List, Sequence
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cache.merge import merge_attention
+from flexkv.cache.joint_path import KeyPart
 from flexkv.model.multi_context import MultiStepContext
-
-
-def _dense_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """Attention of `q [N, H, Q, d]` over `k`, `v [N, H, K, d]` with its log-sum-exp (float32 at least)."""
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    lse = torch.logsumexp(scores, -1)
-    return torch.matmul(torch.softmax(scores, -1), v.float()).to(q.dtype), lse
 
 
 class FlexkvEmformer:
@@ -85,6 +78,7 @@ class FlexkvEmformer:
         self.context = MultiStepContext({"frames": self.frames, "bank": self.bank})
         #: Per stream: the memory entry each layer received at the last segment (written to its bank next).
         self.pending: Dict[Hashable, torch.Tensor] = {}
+        self._no_entry = torch.zeros(layers, att.input_dim)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """`[T, B, D]` -> `[B, H, T, d]`."""
@@ -114,49 +108,39 @@ class FlexkvEmformer:
                               {r: StreamPosition(0, self.bank.written(r) if r in self.bank.requests else 0)
                                for r in with_bank}, tokens=1)
         # Both caches step as one: an exception anywhere in the segment takes back both.
-        with self.context.stepping({"frames": fstep, "bank": bstep}):
+        with self.context.stepping({"frames": fstep, "bank": bstep}, eager_only=True):
             out, entered = self._layers(ids, x, right, utterance)
+        entered = torch.stack(entered)  # [layers, B, D]
         for b, r in enumerate(ids):
-            self.pending[r] = torch.stack([e[b] for e in entered])
+            self.pending[r] = entered[:, b]
         return out.permute(1, 0, 2)
 
     def _layers(self, ids, x, right, utterance):
-        """Every layer of one segment, attending through the step's two caches."""
-        U, R, B = self.U, self.R, len(ids)
+        """Every layer of one segment: one attention call per layer over the step's two caches."""
+        U, R = self.U, self.R
         frames, bank = self.context["frames"], self.context["bank"]
         mems = self.model.memory_op(utterance.permute(1, 2, 0)).permute(2, 0, 1)  # [1, B, D]
         entered: List[torch.Tensor] = []
         out = utterance
+        # The entry each layer received one segment ago (a zero entry in a padding row, which writes nothing).
+        prev = torch.stack([self.pending[r] if r in self.pending else self._no_entry for r in ids], 1)  # [layers, B, D]
         for li, layer in enumerate(self.model.emformer_layers):
             att = layer.attention
             normed = layer.layer_norm_input(torch.cat([right, out]))
-            n_right, n_utt = normed[:R], normed[R:]
+            n_utt = normed[R:]
             summary = layer.memory_op(n_utt.permute(1, 2, 0)).permute(2, 0, 1)[:1]
-            q = self._heads(att.emb_to_query(torch.cat([n_right, n_utt, summary])))  # [B, H, R + U + 1, d]
-            k_all, v_all = att.emb_to_key_value(torch.cat([n_right, n_utt])).chunk(2, dim=2)
-            k_all, v_all = self._heads(k_all), self._heads(v_all)
-            q_right, q_utt, q_sum = q[:, :, :R], q[:, :, R:R + U], q[:, :, R + U:]
-            # The segment's frames (the step), the look-ahead and the summary (query-only) over
-            # the left context and the segment.
-            (o_utt, l_utt), (o_extra, l_extra) = frames.attend(
-                li, q_utt.contiguous(), k_all[:, :, R:].contiguous(), v_all[:, :, R:].contiguous(),
-                return_lse=True, query_only=torch.cat([q_right, q_sum], 2))
-            parts = [(torch.cat([o_extra[:, :, :R], o_utt, o_extra[:, :, R:]], 2),
-                      torch.cat([l_extra[:, :, :R], l_utt, l_extra[:, :, R:]], 2))]
-            # The look-ahead's keys, recomputed every segment.
-            parts.append(_dense_part(q, k_all[:, :, :R], v_all[:, :, :R], att.scaling))
-            # The bank: the entry this layer received one segment ago joins it (a zero entry in a
-            # padding row, which writes nothing), then everything but the summary reads it.
-            prev = torch.stack([self.pending[r][li] if r in self.pending else torch.zeros_like(mems[0, 0])
-                                for r in ids])[None]  # [1, B, D]
-            bk, bv = (self._heads(t) for t in att.emb_to_key_value(prev).chunk(2, dim=2))
-            _, (o_bank, l_bank) = bank.attend(
-                li, torch.zeros(B, self.H, 1, self.d), bk.contiguous(), bv.contiguous(),
-                return_lse=True, query_only=q[:, :, :R + U].contiguous())
-            none = torch.full((B, self.H, 1), float("-inf"))
-            parts.append((torch.cat([o_bank, torch.zeros(B, self.H, 1, self.d)], 2), torch.cat([l_bank, none], 2)))
-            attended, _ = merge_attention(*parts)
-            result = att.out_proj(self._frames(attended))
+            q = self._heads(att.emb_to_query(torch.cat([normed, summary])))  # [B, H, R + U + 1, d]
+            k_all, v_all = (self._heads(t) for t in att.emb_to_key_value(normed).chunk(2, dim=2))
+            bk, bv = (self._heads(t) for t in att.emb_to_key_value(prev[li:li + 1]).chunk(2, dim=2))
+            # The bank's entry written, its cells read by every query but the summary; the look-ahead's
+            # keys (recomputed every segment) read by all; the segment's frames the step's own queries,
+            # the look-ahead and the summary query-only (indices U .. U + R): one softmax.
+            in_bank = bank.write_part(li, bk, bv)
+            own, extra = frames.attend(
+                li, q[:, :, R:R + U], k_all[:, :, R:], v_all[:, :, R:], scale=att.scaling,
+                query_only=torch.cat([q[:, :, :R], q[:, :, R + U:]], 2),
+                joined=(in_bank.for_queries(range(U + R)), KeyPart(k_all[:, :, :R], v_all[:, :, :R])))
+            result = att.out_proj(self._frames(torch.cat([extra[:, :, :R], own, extra[:, :, R:]], 2)))
             rc_output, out_mems = result[:R + U], result[R + U:]
             out_mems = torch.tanh(out_mems) if att.tanh_on_mem else torch.clamp(out_mems, min=-10, max=10)
             entered.append(mems[0])

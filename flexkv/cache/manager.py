@@ -23,7 +23,7 @@ grouped cache.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from torch import nn
 from ..config import BoundedKVConfig, check_config, check_layer_index
 from ..step import BoundedKVStep
 from .attention_options import AttentionOptions
+from .joint_path import KeyPart, check_joined
 from .layout import Layout
 from .lifecycle import StreamLifecycle
 from .masks import POSITION_MODES, make_score_mod
@@ -237,7 +238,7 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
                           self.paths.full_blocks_at(len(step.segments) * self.config.rows_per_request,
                                                     step.step_tokens),
                           private_source=private.get, parts=not eager_only)
-        self.paths.plan_parts(plan)
+        self.paths.plan_parts(plan, eager_only)
         return plan
 
     def slot_buffers(self):
@@ -266,6 +267,7 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
         sinks: Optional[torch.Tensor] = None,
         return_lse: bool = False,
         query_only: Optional[torch.Tensor] = None,
+        joined: Optional[Sequence[KeyPart]] = None,
     ) -> torch.Tensor:
         """Write the step's tokens into layer `layer_idx` and attend over what each row may read.
 
@@ -283,18 +285,27 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
         takes the rows path under `path="auto"`, as sinks do (`CPU_NO_LSE`). `query_only`: queries
         `[N, Hq, Q, D]` that write nothing and attend what each row's newest own token attends
         (`flexkv.cache.query_only`); the call then returns `(out, query_only_out)`, each an
-        `(out, lse)` pair with `return_lse`.
+        `(out, lse)` pair with `return_lse`. `joined`: `KeyPart`s (keys and values kept elsewhere:
+        another cache's `write_part`, keys recomputed every step) that join every query's softmax
+        (`flexkv.cache.joint_path`; no `score_mod` then).
         """
         self._check_attend(layer_idx, q, k, v, plan)
         relative = self._check_extras(q, score_mod, positions, sinks, query_only)
+        if joined is not None:
+            joined = self._check_joined(joined, q, query_only, score_mod)
         N, Hq, T, D = q.shape
         H, c, compiling = k.shape[1], self.config, torch.compiler.is_compiling()
         want_lse = sinks is not None or return_lse  # the call needs a log-sum-exp
-        route, path = self.paths.choose(T, Hq // H, compiling, score_mod is not None, want_lse)
+        route, path = self.paths.choose(T, Hq // H, compiling, score_mod is not None, want_lse, joined is not None)
         kc, vc = self._store.write(layer_idx, k, v, plan)  # after the choice, which may refuse the call
         ks, vs = self._store.layer_scales(layer_idx)
         scales = None if ks is None else (ks, vs)
         scale = D ** -0.5 if scale is None else scale
+        if joined is not None:  # own and query-only queries in one softmax with the joined keys
+            out, lse = path(PathCall(layer_idx, q, kc, vc, scales, plan, route, None, want_lse, False, compiling,
+                                     query_only, joined, scale))
+            res = _epilogue(out, lse, sinks, return_lse)
+            return res if query_only is None else _split(res, T)
         if query_only is not None:
             extra = attend_query_only(self.paths.rows, query_only, kc, vc, plan, scale=scale, score_mod=score_mod,
                                       positions=positions, sinks=sinks, want_lse=return_lse, scales=scales)
@@ -328,6 +339,23 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
             raise ValueError("attend: query_only queries take no RelativePositionScores score_mod (its table is "
                              "formed for the step's own queries); attend them with a score_mod of their own")
         return relative
+
+    def write_part(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan: BoundedPlan) -> KeyPart:
+        """Write the step's tokens into layer `layer_idx` as `attend` does, and return the cells each row's
+        newest own token reads as a `KeyPart` that another cache's `attend(..., joined=...)` reads in
+        its softmax (`flexkv.cache.joint_path`): the layer's attention for this step, computed there.
+        `k`, `v` as in `attend`."""
+        self._check_attend(layer_idx, k, k, v, plan)
+        kc, vc = self._store.write(layer_idx, k, v, plan)
+        ks, vs = self._store.layer_scales(layer_idx)
+        return self.paths.joint.part(kc, vc, None if ks is None else (ks, vs), plan)
+
+    def _check_joined(self, joined, q, query_only, score_mod) -> tuple:
+        if score_mod is not None:
+            raise ValueError("attend: joined keys take no score_mod (a joined key has no position in this cache's "
+                             "stream); attend without score_mod, or merge a separate call by its log-sum-exp "
+                             "(flexkv.cache.merge.merge_attention)")
+        return check_joined(joined, q, query_only, self.config, self.device)
 
     def _check_attend(self, layer_idx, q, k, v, plan) -> None:
         c = self.config
@@ -366,6 +394,15 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
                 f"attend: q shape expected ({N}, a multiple of num_heads={c.num_heads}, {T}, {c.head_dim}), "
                 f"got {tuple(q.shape)}"
             )
+
+
+def _split(res, T: int) -> tuple:
+    """A joint call's result over its own and query-only queries, `out` or `(out, lse)`, split at query `T`
+    into `(own, query_only)`."""
+    if isinstance(res, tuple):
+        out, lse = res
+        return (out[:, :, :T], lse[:, :, :T]), (out[:, :, T:], lse[:, :, T:])
+    return res[:, :, :T], res[:, :, T:]
 
 
 def _epilogue(out: torch.Tensor, lse, sinks, return_lse: bool):

@@ -18,10 +18,12 @@ call. The paths:
 - `rows_path.RowsPath`: each row's cells, then dense attention (`flexkv.cache.row_attention`, or its CPU
   fast paths `flexkv.cache.cpu_fast_rows` unless `AttentionOptions.cpu_fast_paths` is off);
 - `flex_path.FlexPath`: one FlexAttention call (inline, or the region every compiled layer shares);
-- `float8_path.Float8FlexPath`: FlexPath reading float8 cells as stored, for compiled CUDA kernels.
+- `float8_path.Float8FlexPath`: FlexPath reading float8 cells as stored, for compiled CUDA kernels;
+- `joint_path.JointPath`: a call with keys joined from elsewhere (`attend(..., joined=...)`): the
+  row's cells, the joined keys and the query-only queries in one softmax.
 
-Query-only queries (`flexkv.cache.query_only`) are one more rows-path call
-beside any of them.
+Otherwise query-only queries (`flexkv.cache.query_only`) are one more
+rows-path call beside the call's path.
 """
 
 from __future__ import annotations
@@ -33,10 +35,14 @@ import torch
 from .attention_options import AttentionOptions, Route
 from .flex_path import FlexPath
 from .float8_path import Float8FlexPath, reads_cells_in_kernel
+from .joint_path import JointPath
 from .kernel_options import cpu_kernel_block_exact
 from .rows_path import RowsPath
 
 __all__ = ["AttentionPaths", "AttentionPath", "PathCall"]
+
+#: The route of every call with joined keys: one softmax over gathered rows, the GQA group folded in there.
+JOINT_ROUTE = Route("joint", False, False)
 
 
 class PathCall(NamedTuple):
@@ -60,6 +66,11 @@ class PathCall(NamedTuple):
     #: `score_mod` only adds a term to each score (`RelativePositionScores`).
     additive: bool
     compiling: bool
+    #: The joint path's: the query-only queries `[N, Hq, Q, D]` (or None), the joined `KeyPart`s and the
+    #: scale of the scores (its queries, `q` included, come unscaled).
+    query_only: Optional[torch.Tensor] = None
+    joined: tuple = ()
+    scale: float = 1.0
 
 
 class AttentionPath(Protocol):
@@ -94,6 +105,7 @@ class AttentionPaths:
         self.flex_exact = self.device_type != "cpu" or cpu_kernel_block_exact(store.layout.block_size)
         self.rows = RowsPath(store, options.cpu_fast_paths)
         self.flex = (Float8FlexPath if reads_cells_in_kernel(store) else FlexPath)(store, options)
+        self.joint = JointPath(store)
         self._routes: dict = {}  # eager decisions, by kind of call (`choose`)
         for path in (self.rows, self.flex):
             store.scratch.update(path.scratch(*self.reach(path.name)))
@@ -109,17 +121,22 @@ class AttentionPaths:
         lengths = (1, 2) if tokens is None else (tokens,)  # only one token or more matters
         return tuple(any(self.path_for(t, compiled) == name for t in lengths) for compiled in (False, True))
 
-    def plan_parts(self, plan) -> None:
-        """Add to `plan` what the paths its step takes read from it (`AttentionPath.plan_parts`)."""
-        self.rows.plan_parts(plan, *self.reach("rows", plan.tokens))
+    def plan_parts(self, plan, eager_only: bool = False) -> None:
+        """Add to `plan` what the paths its step takes read from it (`AttentionPath.plan_parts`); a plan
+        made for eager calls only (`eager_only`) gets what eager calls read."""
+        eager, compiled = self.reach("rows", plan.tokens)
+        self.rows.plan_parts(plan, eager, compiled and not eager_only)
 
     def full_blocks_at(self, rows: int, tokens: int) -> bool:
         """Whether a step of `rows` x `tokens` is planned with full blocks (`FlexPath.full_blocks_at`)."""
         return self.flex.full_blocks_at(rows, tokens)
 
-    def choose(self, tokens: int, group: int, compiling: bool, score_mod: bool, lse: bool):
-        """`(Route, path)` of an `attend` call: `options.route` (which may refuse it), decided once per
-        kind of call eagerly (the options are fixed when the cache is built), while tracing compiled."""
+    def choose(self, tokens: int, group: int, compiling: bool, score_mod: bool, lse: bool, joined: bool = False):
+        """`(Route, path)` of an `attend` call: the joint path for a call with `joined` keys, else
+        `options.route` (which may refuse it), decided once per kind of call eagerly (the options are
+        fixed when the cache is built), while tracing compiled."""
+        if joined:
+            return JOINT_ROUTE, self.joint
         key = (tokens, group, score_mod, lse)
         found = None if compiling else self._routes.get(key)
         if found is None:

@@ -113,12 +113,12 @@ class StepTransaction:
         self._planned.append((cache, step))
         return plan
 
-    def begin(self, step: BoundedKVStep, cache: Optional[Any] = None) -> Any:
-        """Admit and plan `step` (in `cache`, default the transaction's); returns its plan. If planning
-        fails, the whole transaction is aborted (this admit and every earlier one)."""
+    def begin(self, step: BoundedKVStep, cache: Optional[Any] = None, *, eager_only: bool = False) -> Any:
+        """Admit and plan `step` (in `cache`, default the transaction's; `eager_only` as in `plan`); returns
+        its plan. If planning fails, the whole transaction is aborted (this admit and every earlier one)."""
         self.admit(step, cache)
         try:
-            return self.plan(step, cache)
+            return self.plan(step, cache, eager_only=eager_only)
         except BaseException:
             self.abort()
             raise

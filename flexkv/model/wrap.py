@@ -249,7 +249,7 @@ class StepContext:
             if not isinstance(step, BoundedKVStep):
                 raise ValueError(f"{where}: the step of cache {name!r} must be a BoundedKVStep, got {step!r}")
 
-    def begin(self, step, transaction: Optional[StepTransaction] = None):
+    def begin(self, step, transaction: Optional[StepTransaction] = None, *, eager_only: bool = False):
         """Check, admit and plan the step; returns its plan (name -> plan over named caches).
 
         `step` is a `BoundedKVStep` (one cache) or name -> `BoundedKVStep`, one per cache (a cache no
@@ -258,6 +258,9 @@ class StepContext:
         the step (and over named caches the error names the cache). The step runs in `transaction`
         (a door that admitted more in it first, such as a session starting requests) or a new one.
         Refused while the step begun last is still open: `commit()` or `abort()` it first.
+        `eager_only=True`: the step's layers run eagerly, and its plans are made for eager calls only
+        (what a compiled step reads ahead of its graph is left out, `StreamLifecycle.plan`): cheaper,
+        and a step run compiled needs plans made without it.
         """
         where = f"{type(self).__name__}.begin"
         if any(c.transaction is not None and c.transaction.is_open for c in (self, *self.contexts.values())):
@@ -275,7 +278,7 @@ class StepContext:
             for name, ctx in self.contexts.items():
                 for check in ctx._checks:  # before the admission, so a refused step admits nothing here
                     check(steps[name])
-                plans[name] = txn.begin(steps[name], ctx.cache)
+                plans[name] = txn.begin(steps[name], ctx.cache, eager_only=eager_only)
         except SlotsExhausted as exc:
             txn.abort()
             if self._one:
@@ -317,6 +320,22 @@ class StepContext:
         return self.cache.attend(layer_idx, q, k, v, self.plan, **kwargs)
 
     __call__ = attend
+
+    def write_part(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        """The bound step's keys written into layer `layer_idx`, and the cells each row's newest own token
+        reads, as a `flexkv.cache.joint_path.KeyPart` that another cache's `attend(..., joined=...)`
+        reads in its softmax: the cache's `write_part(layer_idx, k, v, plan)`, counted for the step's
+        attendance check as the layer's attention."""
+        if not self._one:
+            self._the_cache("write_part")
+        if self.plan is None:
+            raise ValueError(f"{type(self).__name__}.write_part: no step; call begin(step) (and bind(plan) when "
+                             f"compiled) first")
+        if not hasattr(self.cache, "write_part"):
+            raise ValueError(f"{type(self).__name__}.write_part: a {type(self.cache).__name__} has no write_part "
+                             f"(a BoundedKVManager does); attend the layer through attend() instead")
+        self.attendance.attended(layer_idx)
+        return self.cache.write_part(layer_idx, k, v, self.plan)
 
     def stream_positions(self, tokens: Optional[int] = None) -> torch.Tensor:
         """Stream index of each own token of the bound step, `[N, T]` int64 (contract section 2).
@@ -374,11 +393,11 @@ class StepContext:
         return self.transaction is not None and self.transaction.abort()
 
     @contextlib.contextmanager
-    def stepping(self, step, where: Optional[str] = None):
-        """`with context.stepping(step) as plan:` begins `step`, commits it when the block ends (`where`
-        as in `commit`), and aborts it when the block raises (any exception, `KeyboardInterrupt`
-        included)."""
-        plan = self.begin(step)
+    def stepping(self, step, where: Optional[str] = None, *, eager_only: bool = False):
+        """`with context.stepping(step) as plan:` begins `step` (`eager_only` as in `begin`), commits it
+        when the block ends (`where` as in `commit`), and aborts it when the block raises (any
+        exception, `KeyboardInterrupt` included)."""
+        plan = self.begin(step, eager_only=eager_only)
         try:
             yield plan
         except BaseException:
