@@ -10,22 +10,24 @@ entry, and what entered a layer's bank at one segment is read from the next
 segment on.
 
 On flexkv each layer keeps two caches, each with its own retention and at
-the model's own memory:
+the model's own memory, and attends once (the joint path,
+`flexkv.cache.joint_path`):
 
 - the frames (`SinkWindow(0, L)`, `U` tokens a step): the segment's frames
-  are the step's tokens; the look-ahead and the summary are query-only
-  queries (`attend(..., query_only=...)`), which read exactly what the
-  segment's frames read and write nothing;
+  are the step's own queries; the look-ahead and the summary are query-only
+  queries (`query_only=`), which read what the segment's frames read and
+  write nothing;
 - the bank (`SinkWindow(0, M, window_includes_step=True)`, one token a
   step): each segment writes the entry the layer received one segment
-  before, and the look-ahead and the frames read it as query-only queries;
-- the look-ahead's own keys are recomputed every segment (as the model does)
-  and attended in plain torch.
+  before (`write_part`), and its cells join the call, read by every query
+  but the summary (`KeyPart.for_queries`);
+- the look-ahead's own keys are recomputed every segment (as the model
+  does) and join the call as a plain `KeyPart`.
 
-The three parts are one softmax by their log-sum-exp
-(`flexkv.cache.merge.merge_attention`). Both caches step as one
-(`flexkv.model.multi_context.MultiStepContext`): a segment that raises
-anywhere, Ctrl-C included, leaves both as they were, so it can be run again.
+Both caches step as one (`flexkv.model.multi_context.MultiStepContext`,
+eagerly: `eager_only=True`): a segment that raises anywhere, Ctrl-C
+included, leaves both as they were, so it can be run again.
+
 Run with torchaudio installed (not a flexkv dependency: the release built for
 your torch, `pip install "torchaudio==2.X.*"`, 2.11 at the latest; without it the example says so):
 

@@ -1,7 +1,7 @@
 """torchaudio's Emformer streamed on flexkv (`examples/emformer_memory_bank.py`) against its own `infer()`.
 
-Each layer's frames, look-ahead and memory bank are one softmax over two
-flexkv caches and the look-ahead's keys (`merge_attention`); the check is the
+Each layer's frames, look-ahead and memory bank are one attention call: two
+flexkv caches and the look-ahead's keys in one softmax (the joint path); the check is the
 model's own streaming inference, segment by segment, with a stream that
 joins later than the others. Needs torchaudio (skipped without it).
 """

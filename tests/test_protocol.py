@@ -65,7 +65,7 @@ def test_the_attend_signature_spells_out_every_keyword():
     kinds = {p.kind for p in inspect.signature(StreamCache.attend).parameters.values()}
     assert inspect.Parameter.VAR_KEYWORD not in kinds
     assert [n for n, kind, _ in parameters(StreamCache.attend) if kind == "KEYWORD_ONLY"] == [
-        "scale", "score_mod", "positions", "sinks", "return_lse", "query_only"]
+        "scale", "score_mod", "positions", "sinks", "return_lse", "query_only", "joined"]
 
 
 def test_a_cache_missing_a_member_is_named():

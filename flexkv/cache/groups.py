@@ -35,6 +35,7 @@ from torch import nn
 
 from ..config import BoundedKVConfig, Retention, SinkWindow, check_config, check_layer_index, is_int
 from ..step import BoundedKVStep
+from .joint_path import KeyPart
 from .lifecycle import StreamLifecycle
 from .manager import BoundedKVManager
 from .planner import BoundedPlan
@@ -436,6 +437,7 @@ class GroupedKVManager(StreamLifecycle, nn.Module):
         sinks: Optional[torch.Tensor] = None,
         return_lse: bool = False,
         query_only: Optional[torch.Tensor] = None,
+        joined: Optional[Sequence[KeyPart]] = None,
     ) -> torch.Tensor:
         """`BoundedKVManager.attend` for model layer `layer_idx`, in its group with the group's plan."""
         if not isinstance(plan, GroupedPlan) or len(plan) != len(self._mgrs):
@@ -446,8 +448,16 @@ class GroupedKVManager(StreamLifecycle, nn.Module):
         g, i = self.group_of(layer_idx)
         return self._mgrs[g].attend(
             i, q, k, v, plan.plans[g], scale=scale, score_mod=score_mod, positions=positions, sinks=sinks,
-            return_lse=return_lse, query_only=query_only,
+            return_lse=return_lse, query_only=query_only, joined=joined,
         )
+
+    def write_part(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan: GroupedPlan) -> KeyPart:
+        """`BoundedKVManager.write_part` for model layer `layer_idx`, in its group with the group's plan."""
+        if not isinstance(plan, GroupedPlan) or len(plan) != len(self._mgrs):
+            raise ValueError(f"write_part needs this cache's GroupedPlan (one plan per group, {len(self._mgrs)} "
+                             f"groups): pass plan=cache.plan(step), got {plan!r}")
+        g, i = self.group_of(layer_idx)
+        return self._mgrs[g].write_part(i, k, v, plan.plans[g])
 
     def extra_repr(self) -> str:
         parts = []

@@ -53,8 +53,8 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .query_only import newest_token
 from .quantized import SCALE_DTYPE
+from .query_only import newest_token
 from .row_attention import NEG_INF, _interval_cells, gather_width
 from .row_cells import batch_cells
 

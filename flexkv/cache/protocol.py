@@ -26,12 +26,13 @@ model's layers read it from `flexkv.model.wrap.StepContext.plan`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Hashable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from ..config import BoundedKVConfig
 from ..step import BoundedKVStep, StreamPosition
+from .joint_path import KeyPart
 from .slots import Admission
 
 __all__ = ["StreamCache", "check_cache", "PROTOCOL_MEMBERS", "protocol_members"]
@@ -78,7 +79,7 @@ class StreamCache(Protocol):
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, *,
                scale: Optional[float] = None, score_mod: Optional[Callable] = None, positions: str = "stream",
                sinks: Optional[torch.Tensor] = None, return_lse: bool = False,
-               query_only: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+               query_only: Optional[torch.Tensor] = None, joined: Optional[Sequence[KeyPart]] = None) -> torch.Tensor: ...
 
     def commit(self, step: BoundedKVStep) -> None: ...
 

@@ -99,6 +99,7 @@ class ReferenceCache:
         rope_positions: str = "stream",
         return_lse: bool = False,
         query_only: Optional[torch.Tensor] = None,
+        joined=None,
     ) -> torch.Tensor:
         """Attention of `step` for `layer` over each query's attended set (contract section 2).
 
@@ -115,7 +116,10 @@ class ReferenceCache:
         `[N, Hq, T]` float64, -inf where a query reads nothing. `query_only`
         (`[N, Hq, Q, D]`): queries that attend each row's newest own token's set
         at its positions and write nothing; the call returns `(out, extra)`
-        (each `(out, lse)` with `return_lse`).
+        (each `(out, lse)` with `return_lse`). `joined`: `KeyPart`s (`flexkv.cache.joint_path`) whose
+        keys of a row that exist join the softmax of each query the part names (own queries
+        `0 .. T - 1`, then query-only ones `T ..`), as plain scores (no position, rotation or
+        `score_mod`); a padding row reads none.
         """
         c = self.config
         R = c.rows_per_request
@@ -160,10 +164,11 @@ class ReferenceCache:
                 # Each set of equal attended sets at once; then the query-only queries, at the
                 # newest own token's set and positions.
                 newest = max(range(span), key=lambda t: own[t]) if span else None
-                jobs = [(idx, ts, q[b][:, ts], out[b], lse[b], ts) for idx, ts in by_set.items()]
+                jobs = [(idx, ts, q[b][:, ts], out[b], lse[b], ts, 0) for idx, ts in by_set.items()]
                 if q2 is not None and newest is not None:
-                    jobs.append((tuple(sets[newest]), [newest] * Q2, q2[b], out2[b], lse2[b], list(range(Q2))))
-                for idx, ts, qq, dest, dest_lse, at in jobs:
+                    jobs.append((tuple(sets[newest]), [newest] * Q2, q2[b], out2[b], lse2[b], list(range(Q2)), T))
+                for idx, ts, qq, dest, dest_lse, at, first in jobs:
+                    extra = self._joined(joined, b, [first + a for a in at], group)
                     idx = list(idx)
                     rank = {j: i for i, j in enumerate(idx)}  # in-cache positions: ranks in the set
                     key_pos = torch.tensor(idx, dtype=torch.long)
@@ -183,15 +188,37 @@ class ReferenceCache:
                         qp = (cache_query_pos if in_cache else query_pos).view(1, -1, 1)
                         kp = (cache_key_pos if in_cache else key_pos).view(1, 1, -1)
                         scores = score_mod(scores, torch.tensor(b), heads, qp, kp).double()
+                    if extra is not None:  # the joined keys: plain scores, -inf where a query reads none
+                        ek, ev, reads = extra
+                        scores = torch.cat([scores, (torch.einsum("hgd,hkd->hgk", qq, ek) * scale).masked_fill(
+                            ~reads, float("-inf"))], dim=-1)
+                        vv = torch.cat([vv, ev], dim=1)
                     if sink_logits is not None:
                         scores = torch.cat([scores, sink_logits.expand(Hq, len(ts), 1)], dim=-1)
-                    probs = torch.softmax(scores, dim=-1)[..., : kk.shape[1]]
+                    probs = torch.softmax(scores, dim=-1)[..., : vv.shape[1]]
                     dest[:, at] = probs @ vv
                     dest_lse[:, at] = torch.logsumexp(scores, dim=-1)
         own_out = (out, lse) if return_lse else out
         if q2 is None:
             return own_out
         return own_out, ((out2, lse2) if return_lse else out2)
+
+    @staticmethod
+    def _joined(joined, b: int, calls: List[int], group: int):
+        """Row `b`'s joined keys for the queries `calls` (their indices in the call): `([Hq, E, D] keys,
+        [Hq, E, Dv] values, [1, len(calls), E] which query reads which key)` in float64, or None."""
+        if not joined:
+            return None
+        keys, values, reads = [], [], []
+        for p in joined:
+            have = torch.ones(p.k.shape[2], dtype=torch.bool) if p.valid is None else p.valid[b].cpu()
+            keys.append(p.k[b].double().cpu()[:, have])
+            values.append(p.v[b].double().cpu()[:, have])
+            n = int(have.sum())
+            reads.append(torch.tensor([[p.queries is None or c in p.queries] * n for c in calls],
+                                      dtype=torch.bool).view(len(calls), n))
+        return (torch.cat(keys, 1).repeat_interleave(group, 0), torch.cat(values, 1).repeat_interleave(group, 0),
+                torch.cat(reads, 1).unsqueeze(0))
 
     def commit(self, step: BoundedKVStep) -> None:
         """Append each request's written tokens, for every layer it attended, in stream order."""

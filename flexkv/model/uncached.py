@@ -34,11 +34,12 @@ rotating at every step, never holds.)
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from ..cache.groups import as_layer_groups, layer_group_configs
+from ..cache.joint_path import KeyPart, check_joined
 from ..cache.lifecycle import StoreHooks, StreamLifecycle
 from ..cache.masks import POSITION_MODES
 from ..cache.quantized import round_trip
@@ -252,13 +253,14 @@ class UncachedHistory(StreamLifecycle):
         sinks: Optional[torch.Tensor] = None,
         return_lse: bool = False,
         query_only: Optional[torch.Tensor] = None,
+        joined: Optional[Sequence[KeyPart]] = None,
     ) -> torch.Tensor:
         """Attention of the planned step for `layer_idx` over the whole history, masked by the layer's
         retention (docs/contract.md section 2).
 
         `plan` is what `plan(step)` returned (a `BoundedKVStep` is taken too).
         `positions` chooses what `score_mod` receives; `sinks` are learned
-        sink logits `[Hq]`, `return_lse` and `query_only` as in `BoundedKVManager.attend`. Queries and keys
+        sink logits `[Hq]`, `return_lse`, `query_only` and `joined` as in `BoundedKVManager.attend`. Queries and keys
         are rotated as `rotation(layer_idx, rotary, mode)` recorded for the
         layer (not at all if it was never called).
         """
@@ -269,11 +271,16 @@ class UncachedHistory(StreamLifecycle):
             raise ValueError(f"attend: positions must be one of {POSITION_MODES}, got {positions!r}")
         rotary, rope_positions = self._rotary.get(layer_idx, (None, "stream"))
         g, local = self._route[check_layer_index(layer_idx, self.config.num_layers)]
+        if joined is not None:
+            if score_mod is not None:
+                raise ValueError("attend: joined keys take no score_mod (a joined key has no position in this "
+                                 "cache's stream); attend without score_mod")
+            joined = check_joined(joined, q, query_only, self._configs[g], q.device)
         sd = self._configs[g].slot_dtype
         k, v = round_trip(k, sd), round_trip(v, sd)  # quantized slots: what the bounded cache reads back
         out = self._history[g].attend(local, q, k, v, step, scale=scale, score_mod=score_mod, positions=positions,
                                       sinks=sinks, rotary=rotary, rope_positions=rope_positions, return_lse=return_lse,
-                                      query_only=query_only)
+                                      query_only=query_only, joined=joined)
 
         def back(res):
             if not return_lse:

@@ -1,0 +1,274 @@
+"""The joint path (`flexkv.cache.joint_path`): a cache's cells and joined keys in one softmax.
+
+Checked against a hand-worked row, the float64 reference (which shares no
+code with it), the same attention computed as separate calls merged by
+log-sum-exp, and the cache's own path where no joined key is read.
+"""
+
+import pytest
+import torch
+
+from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.cache.joint_path import KeyPart
+from flexkv.cache.merge import merge_attention
+from flexkv.model.attendance import AttendanceError
+from flexkv.model.multi_context import MultiStepContext
+from flexkv.model.reference import ReferenceCache
+
+
+def make_config(retention=SinkWindow(1, 3), heads=2, dim=4, tokens=3, **changes):
+    fields = dict(num_layers=2, num_heads=heads, head_dim=dim, rows_per_request=1, max_source_len=0,
+                  max_sources=0, max_slots=3, retention=retention, max_step_tokens=tokens)
+    fields.update(changes)
+    return BoundedKVConfig(**fields)
+
+
+def step_of(spans: dict, written: dict, tokens: int) -> BoundedKVStep:
+    """A step of the requests in `spans` (None: a padding row) at their `written` counts."""
+    segs = tuple(Segment(None, 0) if r is None else Segment(r, n) for r, n in spans.items())
+    return BoundedKVStep(segs, {r: StreamPosition(0, written[r]) for r in spans if r is not None}, tokens=tokens)
+
+
+def run(cache, step, fn):
+    """Admit and plan `step`, call `fn(plan)`, commit; returns what `fn` returned."""
+    cache.admit(step)
+    out = fn(cache.plan(step))
+    cache.commit(step)
+    return out
+
+
+def test_the_worked_example_one_softmax_over_cells_and_a_joined_key():
+    """SinkWindow(1, 2) at 6 written entries, a step writing 6 and 7: both queries read entries 0, 4, 5, 6, 7
+    and the joined key, six keys in one softmax (the module docstring's example)."""
+    g = torch.Generator().manual_seed(0)
+    c = make_config(SinkWindow(1, 2), heads=1, tokens=2, num_layers=1)
+    cache = BoundedKVManager(c, "cpu")
+    keys = torch.randn(8, 4, generator=g, dtype=torch.float64).float()
+    values = torch.randn(8, 4, generator=g, dtype=torch.float64).float()
+    for s in range(3):  # entries 0..5
+        run(cache, step_of({"a": 2}, {"a": 2 * s}, 2),
+            lambda p, s=s: cache.attend(0, torch.zeros(1, 1, 2, 4), keys[2 * s:2 * s + 2].view(1, 1, 2, 4),
+                                        values[2 * s:2 * s + 2].view(1, 1, 2, 4), p))
+    q = torch.randn(1, 1, 2, 4, generator=g)
+    kj, vj = torch.randn(1, 1, 1, 4, generator=g), torch.randn(1, 1, 1, 4, generator=g)
+    got = run(cache, step_of({"a": 2}, {"a": 6}, 2),
+              lambda p: cache.attend(0, q, keys[6:].view(1, 1, 2, 4), values[6:].view(1, 1, 2, 4), p,
+                                     joined=(KeyPart(kj, vj),)))
+    read = [0, 4, 5, 6, 7]
+    k_all = torch.cat([keys[read], kj.view(1, 4)]).double()
+    v_all = torch.cat([values[read], vj.view(1, 4)]).double()
+    want = torch.softmax(q.double().view(2, 4) @ k_all.T / 2.0, -1) @ v_all
+    torch.testing.assert_close(got.view(2, 4).double(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture
+def gqa_cache():
+    return BoundedKVManager(make_config(), "cpu")
+
+
+def _parts(g, N, H, D):
+    """Two parts: one of 4 keys, some missing, read by queries 1 .. 3; one of 2 keys read by all."""
+    valid = torch.rand(N, 4, generator=g) > 0.3
+    return (KeyPart(torch.randn(N, H, 4, D, generator=g), torch.randn(N, H, 4, D, generator=g), valid, range(1, 4)),
+            KeyPart(torch.randn(N, H, 2, D, generator=g), torch.randn(N, H, 2, D, generator=g)))
+
+
+def test_equals_the_float64_reference_over_steps_with_gqa_query_only_and_padding(gqa_cache):
+    cache, c = gqa_cache, gqa_cache.config
+    ref = ReferenceCache(c)
+    g = torch.Generator().manual_seed(1)
+    written = {"a": 0, "b": 0}
+    for s in range(6):
+        spans = {"a": 3, None: 0, "b": 1 + s % 3}
+        step = step_of(spans, written, 3)
+        q, q2 = torch.randn(3, 4, 3, 4, generator=g), torch.randn(3, 4, 2, 4, generator=g)
+        k, v = torch.randn(3, 2, 3, 4, generator=g), torch.randn(3, 2, 3, 4, generator=g)
+        parts = _parts(g, 3, 2, 4)
+        cache.admit(step)
+        plan = cache.plan(step)
+        for layer in range(2):
+            (o, lo), (o2, lo2) = cache.attend(layer, q, k, v, plan, query_only=q2, joined=parts, return_lse=True)
+            (w, lw), (w2, lw2) = ref.attend(layer, q, k, v, step, query_only=q2, joined=parts, return_lse=True)
+            for name, a, b in (("own", o, w), ("query-only", o2, w2)):
+                torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=f"step {s} layer {layer} {name}")
+            for name, a, b in (("own", lo, lw), ("query-only", lo2, lw2)):
+                torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=f"step {s} layer {layer} {name} lse")
+        cache.commit(step)
+        ref.commit(step)
+        written = {"a": written["a"] + 3, "b": written["b"] + spans["b"]}
+    assert written["a"] > c.retention.sink + c.retention.window  # the ring wrapped
+
+
+def test_a_padding_row_reads_nothing_not_even_joined_keys(gqa_cache):
+    g = torch.Generator().manual_seed(2)
+    parts = _parts(g, 2, 2, 4)
+    (o, lse), (o2, lse2) = run(gqa_cache, step_of({"a": 3, None: 0}, {"a": 0}, 3), lambda p: gqa_cache.attend(
+        0, torch.randn(2, 4, 3, 4), torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4), p,
+        query_only=torch.randn(2, 4, 2, 4), joined=parts, return_lse=True))
+    assert torch.all(o[1] == 0) and torch.all(o2[1] == 0)
+    assert torch.all(lse[1] == float("-inf")) and torch.all(lse2[1] == float("-inf"))
+    assert torch.isfinite(lse[0]).all()
+
+
+def test_equals_separate_calls_merged_by_log_sum_exp(gqa_cache):
+    """The same attention as the cache's own call and the joined keys' softmax, merged: exact to rounding."""
+    cache = gqa_cache
+    g = torch.Generator().manual_seed(3)
+    written = {"a": 0, "b": 0}
+    for s in range(4):
+        step = step_of({"a": 3, "b": 3}, written, 3)
+        q, q2 = torch.randn(2, 4, 3, 4, generator=g), torch.randn(2, 4, 2, 4, generator=g)
+        k, v = torch.randn(2, 2, 3, 4, generator=g), torch.randn(2, 2, 3, 4, generator=g)
+        kj, vj = torch.randn(2, 2, 5, 4, generator=g), torch.randn(2, 2, 5, 4, generator=g)
+
+        def both(p):
+            joint = cache.attend(0, q, k, v, p, query_only=q2, joined=(KeyPart(kj, vj),), return_lse=True)
+            alone = cache.attend(0, q, k, v, p, query_only=q2, return_lse=True)
+            cache.attend(1, q, k, v, p)
+            return joint, alone
+
+        ((o, lo), (o2, lo2)), ((a, la), (a2, la2)) = run(cache, step, both)
+        qa = torch.cat([q, q2], 2) * 0.5
+        scores = qa @ kj.repeat_interleave(2, 1).transpose(-1, -2)
+        extra = (torch.softmax(scores, -1) @ vj.repeat_interleave(2, 1), torch.logsumexp(scores, -1))
+        want, want_lse = merge_attention((torch.cat([a, a2], 2), torch.cat([la, la2], 2)), extra)
+        torch.testing.assert_close(torch.cat([o, o2], 2), want, rtol=1e-5, atol=1e-5, msg=f"step {s}")
+        torch.testing.assert_close(torch.cat([lo, lo2], 2), want_lse, rtol=1e-5, atol=1e-5, msg=f"step {s} lse")
+        written = {r: n + 3 for r, n in written.items()}
+
+
+@pytest.mark.parametrize("changes", [
+    dict(),
+    dict(slot_dtype=torch.int8),
+    dict(causal_step=True),
+    dict(query_window=3, retention=SinkWindow(1, 3)),
+], ids=["plain", "int8-slots", "causal-step", "query-window"])
+def test_a_part_no_query_reads_leaves_the_caches_own_attention(changes):
+    """Joined keys that exist nowhere change nothing: the cache's own path's result, for every mask kind."""
+    cache = BoundedKVManager(make_config(**changes), "cpu")
+    g = torch.Generator().manual_seed(4)
+    written = {"a": 0, "b": 0}
+    for s in range(5):
+        step = step_of({"a": 3, "b": 2}, written, 3)
+        q, q2 = torch.randn(2, 4, 3, 4, generator=g), torch.randn(2, 4, 1, 4, generator=g)
+        k, v = torch.randn(2, 2, 3, 4, generator=g), torch.randn(2, 2, 3, 4, generator=g)
+        none = KeyPart(torch.randn(2, 2, 3, 4, generator=g), torch.randn(2, 2, 3, 4, generator=g),
+                       torch.zeros(2, 3, dtype=torch.bool))
+
+        def both(p):
+            joint = cache.attend(0, q, k, v, p, query_only=q2, joined=(none,), return_lse=True)
+            own = cache.attend(0, q, k, v, p, query_only=q2, return_lse=True)
+            cache.attend(1, q, k, v, p)
+            return joint, own
+
+        got, want = run(cache, step, both)
+        for (a, la), (b, lb), name in zip(got, want, ("own", "query-only")):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {s} {name}")
+            torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5, msg=f"step {s} {name} lse")
+        written = {"a": written["a"] + 3, "b": written["b"] + 2}
+
+
+def test_write_part_hands_the_newest_tokens_cells_to_another_caches_softmax():
+    """A bank (one entry a step, the last 3 kept) read by the frames' queries through `write_part`: each query's
+    softmax is over its frames' cells and the bank's last 3 entries, as a float64 softmax over the history."""
+    g = torch.Generator().manual_seed(5)
+    frames = BoundedKVManager(make_config(SinkWindow(0, 2), heads=1, tokens=2, num_layers=1), "cpu")
+    bank = BoundedKVManager(make_config(SinkWindow(0, 3, window_includes_step=True), heads=1, tokens=1,
+                                        num_layers=1), "cpu")
+    context = MultiStepContext({"frames": frames, "bank": bank})
+    fk, fv, bk, bv = [], [], [], []
+    for s in range(6):
+        q = torch.randn(1, 1, 2, 4, generator=g)
+        k, v = torch.randn(1, 1, 2, 4, generator=g), torch.randn(1, 1, 2, 4, generator=g)
+        ek, ev = torch.randn(1, 1, 1, 4, generator=g), torch.randn(1, 1, 1, 4, generator=g)
+        steps = {"frames": step_of({"a": 2}, {"a": 2 * s}, 2), "bank": step_of({"a": 1}, {"a": s}, 1)}
+        with context.stepping(steps):
+            part = context["bank"].write_part(0, ek, ev)
+            got = context["frames"].attend(0, q, k, v, joined=(part,))
+        fk += list(k[0, 0])
+        fv += list(v[0, 0])
+        bk.append(ek.view(4))
+        bv.append(ev.view(4))
+        read_k = torch.stack(fk[-4:] + bk[-3:]).double()  # frames: 2 kept + the step's 2; bank: its last 3
+        read_v = torch.stack(fv[-4:] + bv[-3:]).double()
+        want = torch.softmax(q.double().view(2, 4) @ read_k.T / 2.0, -1) @ read_v
+        torch.testing.assert_close(got.view(2, 4).double(), want, rtol=1e-5, atol=1e-5, msg=f"step {s}")
+        assert int(part.valid.sum()) == min(s + 1, 3)
+
+
+def test_a_bank_layer_never_written_fails_the_steps_attendance_check():
+    """`write_part` through a step context is the layer's attendance; a layer the model skips is named."""
+    frames = BoundedKVManager(make_config(SinkWindow(0, 2), heads=1, tokens=2), "cpu")
+    bank = BoundedKVManager(make_config(SinkWindow(0, 3, window_includes_step=True), heads=1, tokens=1), "cpu")
+    context = MultiStepContext({"frames": frames, "bank": bank})
+    steps = {"frames": step_of({"a": 2}, {"a": 0}, 2), "bank": step_of({"a": 1}, {"a": 0}, 1)}
+    x = torch.randn(1, 1, 2, 4)
+    e = torch.randn(1, 1, 1, 4)
+    with pytest.raises(AttendanceError, match="bank"):
+        with context.stepping(steps):
+            for layer in range(2):
+                joined = (context["bank"].write_part(layer, e, e),) if layer == 0 else None
+                context["frames"].attend(layer, x, x, x, joined=joined)
+    assert "a" not in frames.requests and "a" not in bank.requests  # the failed step took nothing
+    with pytest.raises(ValueError, match="no step"):
+        MultiStepContext({"frames": frames, "bank": bank})["bank"].write_part(0, e, e)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda k: KeyPart(k, k), "must be a non-empty sequence of KeyPart"),
+    (lambda k: [], "must be a non-empty sequence of KeyPart"),
+    (lambda k: (KeyPart(k[:, :1], k[:, :1]),), r"joined\[0\]\.k shape expected \(2, 2, 3, 4\)"),
+    (lambda k: (KeyPart(k.double(), k.double()),), r"joined\[0\]\.k must be torch.float32"),
+    (lambda k: (KeyPart(k, k, torch.ones(2, 3)),), r"joined\[0\]\.valid must be a bool tensor \[N=2, K=3\]"),
+    (lambda k: (KeyPart(k, k, None, range(0, 9)),), r"joined\[0\]\.queries must be a non-empty range"),
+    (lambda k: ((k, k),), r"joined\[0\] must be a KeyPart"),
+], ids=["bare-part", "empty", "heads", "dtype", "valid", "queries", "tuple"])
+def test_a_bad_part_is_refused_by_name_and_writes_nothing(gqa_cache, bad, match):
+    cache = gqa_cache
+    step = step_of({"a": 3, "b": 3}, {"a": 0, "b": 0}, 3)
+    cache.admit(step)
+    plan = cache.plan(step)
+    before = [t.clone() for t in cache.store.layer_kv(0)]
+    x = torch.randn(2, 2, 3, 4)
+    with pytest.raises(ValueError, match=match):
+        cache.attend(0, torch.randn(2, 4, 3, 4), x, x, plan, joined=bad(x))
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.store.layer_kv(0)))
+
+
+def test_a_score_mod_with_joined_keys_is_refused(gqa_cache):
+    step = step_of({"a": 3}, {"a": 0}, 3)
+    gqa_cache.admit(step)
+    x = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="joined keys take no score_mod"):
+        gqa_cache.attend(0, torch.randn(1, 4, 3, 4), x, x, gqa_cache.plan(step), score_mod=lambda s, b, h, q, k: s,
+                         joined=(KeyPart(x, x),))
+
+
+def test_compiled_with_fullgraph_it_equals_the_reference(gqa_cache):
+    """The joint call traces whole (`fullgraph=True`) and computes what the float64 reference does."""
+    cache, ref = gqa_cache, ReferenceCache(gqa_cache.config)
+
+    @torch.compile(fullgraph=True)
+    def layer(q, k, v, plan, q2, kj, vj, valid):
+        return cache.attend(0, q, k, v, plan, query_only=q2, joined=(KeyPart(kj, vj, valid, range(1, 4)),),
+                            return_lse=True)
+
+    g = torch.Generator().manual_seed(6)
+    written = {"a": 0, "b": 0}
+    for s in range(3):
+        step = step_of({"a": 3, "b": 3}, written, 3)
+        q, q2 = torch.randn(2, 4, 3, 4, generator=g), torch.randn(2, 4, 2, 4, generator=g)
+        k, v = torch.randn(2, 2, 3, 4, generator=g), torch.randn(2, 2, 3, 4, generator=g)
+        kj, vj = torch.randn(2, 2, 4, 4, generator=g), torch.randn(2, 2, 4, 4, generator=g)
+        valid = torch.rand(2, 4, generator=g) > 0.3
+        cache.admit(step)
+        (o, lo), (o2, lo2) = layer(q, k, v, cache.plan(step), q2, kj, vj, valid)
+        (w, lw), (w2, lw2) = ref.attend(0, q, k, v, step, query_only=q2, joined=(KeyPart(kj, vj, valid, range(1, 4)),),
+                                        return_lse=True)
+        torch.testing.assert_close(torch.cat([o, o2], 2).double(), torch.cat([w, w2], 2), rtol=1e-5, atol=1e-5,
+                                   msg=f"step {s}")
+        torch.testing.assert_close(torch.cat([lo, lo2], 2).double(), torch.cat([lw, lw2], 2), rtol=1e-5, atol=1e-5,
+                                   msg=f"step {s} lse")
+        cache.commit(step)
+        ref.commit(step)
+        written = {r: n + 3 for r, n in written.items()}
