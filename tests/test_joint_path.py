@@ -66,6 +66,14 @@ def gqa_cache():
     return BoundedKVManager(make_config(), "cpu")
 
 
+def step_inputs(g, N: int, Q: int = 2, K: int = 4) -> tuple:
+    """`q [N, 4, 3, 4]`, `q2 [N, 4, Q, 4]`, `k`, `v [N, 2, 3, 4]` and joined `kj`, `vj [N, 2, K, 4]` of a GQA
+    step (4 query heads over 2 KV heads)."""
+    q, q2 = torch.randn(N, 4, 3, 4, generator=g), torch.randn(N, 4, Q, 4, generator=g)
+    k, v = torch.randn(N, 2, 3, 4, generator=g), torch.randn(N, 2, 3, 4, generator=g)
+    return q, q2, k, v, torch.randn(N, 2, K, 4, generator=g), torch.randn(N, 2, K, 4, generator=g)
+
+
 def _parts(g, N, H, D):
     """Two parts: one of 4 keys, some missing, read by queries 1 .. 3; one of 2 keys read by all."""
     valid = torch.rand(N, 4, generator=g) > 0.3
@@ -117,9 +125,7 @@ def test_equals_separate_calls_merged_by_log_sum_exp(gqa_cache):
     written = {"a": 0, "b": 0}
     for s in range(4):
         step = step_of({"a": 3, "b": 3}, written, 3)
-        q, q2 = torch.randn(2, 4, 3, 4, generator=g), torch.randn(2, 4, 2, 4, generator=g)
-        k, v = torch.randn(2, 2, 3, 4, generator=g), torch.randn(2, 2, 3, 4, generator=g)
-        kj, vj = torch.randn(2, 2, 5, 4, generator=g), torch.randn(2, 2, 5, 4, generator=g)
+        q, q2, k, v, kj, vj = step_inputs(g, 2, K=5)
 
         def both(p):
             joint = cache.attend(0, q, k, v, p, query_only=q2, joined=(KeyPart(kj, vj),), return_lse=True)
@@ -257,9 +263,7 @@ def test_compiled_with_fullgraph_it_equals_the_reference(gqa_cache):
     written = {"a": 0, "b": 0}
     for s in range(3):
         step = step_of({"a": 3, "b": 3}, written, 3)
-        q, q2 = torch.randn(2, 4, 3, 4, generator=g), torch.randn(2, 4, 2, 4, generator=g)
-        k, v = torch.randn(2, 2, 3, 4, generator=g), torch.randn(2, 2, 3, 4, generator=g)
-        kj, vj = torch.randn(2, 2, 4, 4, generator=g), torch.randn(2, 2, 4, 4, generator=g)
+        q, q2, k, v, kj, vj = step_inputs(g, 2)
         valid = torch.rand(2, 4, generator=g) > 0.3
         cache.admit(step)
         (o, lo), (o2, lo2) = layer(q, k, v, cache.plan(step), q2, kj, vj, valid)
