@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from .quantized import SCALE_DTYPE
 from .query_only import newest_token
-from .row_attention import NEG_INF, _interval_cells, gather_width
+from .row_attention import NEG_INF, gather_width, interval_cells
 from .row_cells import batch_cells
 
 __all__ = ["KeyPart", "JointPath", "check_joined", "joint_attention", "cells_part"]
@@ -152,7 +152,7 @@ def _own_cells(store, plan, n_q: int) -> tuple:
         flags = torch.tensor(used + live, dtype=torch.bool).to(dev, non_blocking=True)
         return cells, flags[:N * W].view(N, 1, 1, W), flags[N * W:], all_read
     dev = plan.write_index.device
-    cells, used = _interval_cells(plan, W, dev)
+    cells, used = interval_cells(plan, W, dev)
     if same:
         allowed = used.view(N, 1, 1, W)
     else:

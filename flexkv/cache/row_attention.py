@@ -55,8 +55,8 @@ from .planner import INTERVALS
 from .quantized import SCALE_DTYPE
 from .row_cells import batch_cells
 
-__all__ = ["attend_rows", "reads_in_place", "gather_width", "mask_geometry", "repeat_queries", "device_geometry",
-           "RowGeometry", "dense_attention", "NEG_INF"]
+__all__ = ["attend_rows", "reads_in_place", "gather_width", "interval_cells", "mask_geometry", "repeat_queries",
+           "device_geometry", "RowGeometry", "dense_attention", "NEG_INF"]
 
 NEG_INF = float("-inf")
 
@@ -129,7 +129,7 @@ def repeat_queries(geo: RowGeometry, group: int) -> RowGeometry:
                         row_reads=tiled(geo.row_reads, 2))
 
 
-def _interval_cells(plan, width: int, device) -> tuple:
+def interval_cells(plan, width: int, device) -> tuple:
     """Per row, the cells of its intervals laid side by side: `([N, width] cells, [N, width] in use)`."""
     los = torch.stack([getattr(plan, f"cell_lo{k}") for k in range(INTERVALS)], dim=1).long()
     his = torch.stack([getattr(plan, f"cell_hi{k}") for k in range(INTERVALS)], dim=1).long()
@@ -169,7 +169,7 @@ def mask_geometry(layout: Layout, plan, mask_mod: Callable, q_len: int, dtype: t
     else:
         if width is None:
             raise ValueError("mask_geometry: width (gather_width(config)) is needed when the step gathers")
-        cells, used = _interval_cells(plan, width, dev)
+        cells, used = interval_cells(plan, width, dev)
         batch_rows = torch.arange(N, device=dev)
         allowed = mask_mod(batch_rows.view(-1, 1, 1, 1), zero, q_idx, cells.view(N, 1, 1, width))
         allowed = allowed & used.view(N, 1, 1, width)
