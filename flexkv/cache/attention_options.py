@@ -130,8 +130,9 @@ TORCH_WORKAROUNDS = {
 class Route(NamedTuple):
     """How one `attend` call computes attention (`AttentionOptions.route`).
 
-    `path`: `"rows"`, `"flex"` (an inline FlexAttention call) or `"region"` (the FlexAttention
-    call every compiled layer shares); `pack_gqa`: the GQA group is folded into the query axis;
+    `path`: `"rows"`, `"flex"` (an inline FlexAttention call), `"region"` (the FlexAttention
+    call every compiled layer shares) or `"joint"` (a call with joined keys, `flexkv.cache.joint_path`,
+    chosen by `AttentionPaths.choose`); `pack_gqa`: the GQA group is folded into the query axis;
     `barrier`: the output is kept apart from the kernel (`epilogue_barrier`).
     """
 
