@@ -66,11 +66,11 @@ def gqa_cache():
     return BoundedKVManager(make_config(), "cpu")
 
 
-def step_inputs(g, N: int, Q: int = 2, K: int = 4) -> tuple:
-    """`q [N, 4, 3, 4]`, `q2 [N, 4, Q, 4]`, `k`, `v [N, 2, 3, 4]` and joined `kj`, `vj [N, 2, K, 4]` of a GQA
+def step_inputs(g, N: int, Q: int = 2, K: int = 4, T: int = 3) -> tuple:
+    """`q [N, 4, T, 4]`, `q2 [N, 4, Q, 4]`, `k`, `v [N, 2, T, 4]` and joined `kj`, `vj [N, 2, K, 4]` of a GQA
     step (4 query heads over 2 KV heads)."""
-    q, q2 = torch.randn(N, 4, 3, 4, generator=g), torch.randn(N, 4, Q, 4, generator=g)
-    k, v = torch.randn(N, 2, 3, 4, generator=g), torch.randn(N, 2, 3, 4, generator=g)
+    q, q2 = torch.randn(N, 4, T, 4, generator=g), torch.randn(N, 4, Q, 4, generator=g)
+    k, v = torch.randn(N, 2, T, 4, generator=g), torch.randn(N, 2, T, 4, generator=g)
     return q, q2, k, v, torch.randn(N, 2, K, 4, generator=g), torch.randn(N, 2, K, 4, generator=g)
 
 
@@ -276,3 +276,39 @@ def test_compiled_with_fullgraph_it_equals_the_reference(gqa_cache):
         cache.commit(step)
         ref.commit(step)
         written = {r: n + 3 for r, n in written.items()}
+
+
+def test_a_bank_and_frames_stack_streams_as_on_its_uncached_twin():
+    """Two caches stepped as one (frames; a bank of one entry a step, read by all but the last query-only
+    query), a stream joining late: every layer's output equals the same stack on the uncached twins."""
+    from flexkv.model.uncached import UncachedHistory
+
+    fc = make_config(SinkWindow(1, 3), tokens=2)
+    bc = make_config(SinkWindow(0, 2, window_includes_step=True), tokens=1)
+    stacks = [MultiStepContext({"frames": BoundedKVManager(fc, "cpu"), "bank": BoundedKVManager(bc, "cpu")}),
+              MultiStepContext({"frames": UncachedHistory(fc), "bank": UncachedHistory(bc)})]
+    g = torch.Generator().manual_seed(7)
+    written = {"a": 0, "b": 0}
+    for s in range(6):
+        ids = ["a", "b"] if s >= 2 else ["a", None]  # "b" starts at segment 2
+        steps = {"frames": step_of({r: 2 for r in ids}, written, 2),
+                 "bank": step_of({r: 1 for r in ids}, {r: n // 2 for r, n in written.items()}, 1)}
+        q, q2, k, v, kj, vj = step_inputs(g, 2, Q=2, K=1, T=2)
+        ek, ev = torch.randn(2, 2, 1, 4, generator=g), torch.randn(2, 2, 1, 4, generator=g)
+        outs = []
+        for stack in stacks:
+            with stack.stepping(steps):
+                got = []
+                for layer in range(2):
+                    bank = stack["bank"].write_part(layer, ek, ev)
+                    got.append(stack["frames"].attend(layer, q, k, v, query_only=q2, return_lse=True,
+                                                      joined=(bank.for_queries(range(3)), KeyPart(kj, vj))))
+                outs.append(got)
+        for layer, ((o, lo), (o2, lo2)) in enumerate(outs[0]):
+            (w, lw), (w2, lw2) = outs[1][layer]
+            live = [i for i, r in enumerate(ids) if r is not None]
+            torch.testing.assert_close(torch.cat([o, o2], 2)[live], torch.cat([w, w2], 2)[live], rtol=1e-5,
+                                       atol=1e-5, msg=f"segment {s} layer {layer}")
+            torch.testing.assert_close(torch.cat([lo, lo2], 2)[live], torch.cat([lw, lw2], 2)[live], rtol=1e-5,
+                                       atol=1e-5, msg=f"segment {s} layer {layer} lse")
+        written = {r: n + (2 if r in ids else 0) for r, n in written.items()}

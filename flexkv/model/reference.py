@@ -146,21 +146,12 @@ class ReferenceCache:
             by_set: Dict[tuple, List[int]] = {}
             for t in range(T):
                 by_set.setdefault(tuple(sets[t]), []).append(t)
-            Kw, Vw = self.stream(rid)[layer]
             rows = slice(si * R, si * R + R)
             self.pending[(rid, layer)] = (k[rows], v[rows], span, own)
             order = sorted(range(T), key=lambda t: own[t])  # own tokens in stream order
             for r in range(R):
                 b = si * R + r
-                parts_k, parts_v = [], []
-                if L:
-                    sk, sv = self.private[rid] if pos.source == -1 else self.sources[pos.source]
-                    parts_k.append(sk[layer, r, :, :L])
-                    parts_v.append(sv[layer, r, :, :L])
-                parts_k += [Kw[r, :, : pos.written], k[b][:, order]]
-                parts_v += [Vw[r, :, : pos.written], v[b][:, order]]
-                K_all = torch.cat(parts_k, dim=1)  # [H, n + T, D], index = stream index
-                V_all = torch.cat(parts_v, dim=1)
+                K_all, V_all = self._row_history(layer, rid, pos, r, k[b][:, order], v[b][:, order])
                 # Each set of equal attended sets at once; then the query-only queries, at the
                 # newest own token's set and positions.
                 newest = max(range(span), key=lambda t: own[t]) if span else None
@@ -202,6 +193,54 @@ class ReferenceCache:
         if q2 is None:
             return own_out
         return own_out, ((out2, lse2) if return_lse else out2)
+
+    def _row_history(self, layer: int, rid, pos, r: int, k_own: torch.Tensor, v_own: torch.Tensor) -> tuple:
+        """Row `r` of request `rid`'s whole history in `layer` with the step's own keys `k_own` (stream order)
+        after it: `([H, n + T, D], [H, n + T, Dv])`, indexed by stream index."""
+        L = pos.source_len
+        Kw, Vw = self.stream(rid)[layer]
+        parts_k, parts_v = [], []
+        if L:
+            sk, sv = self.private[rid] if pos.source == -1 else self.sources[pos.source]
+            parts_k.append(sk[layer, r, :, :L])
+            parts_v.append(sv[layer, r, :, :L])
+        parts_k += [Kw[r, :, : pos.written], k_own]
+        parts_v += [Vw[r, :, : pos.written], v_own]
+        return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
+
+    def write_part(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: BoundedKVStep) -> tuple:
+        """Record the step's own keys of `layer` (as `attend` does) and return what each row's newest own
+        token attends: `(keys [N, H, W, D], values [N, H, W, Dv], valid [N, W])` in float64, `W` the
+        largest such set, `valid` marking each row's (a padding row: none)."""
+        c = self.config
+        R = c.rows_per_request
+        k, v = k.double().cpu(), v.double().cpu()
+        N, H, T, _ = k.shape
+        rows = []
+        for si, seg in enumerate(step.segments):
+            rid = seg.request_id
+            if rid is None:
+                rows += [None] * R
+                continue
+            pos = step.positions[rid]
+            n, span = pos.source_len + pos.written, seg.span
+            own = own_stream_indices(n, span, T, c.reverse_step_order)
+            self.pending[(rid, layer)] = (k[si * R:si * R + R], v[si * R:si * R + R], span, own)
+            order = sorted(range(T), key=lambda t: own[t])
+            newest = max(range(span), key=lambda t: own[t]) if span else 0
+            idx = attended_indices(c, pos.source_len, pos.written, span, T)[newest]
+            for r in range(R):
+                K_all, V_all = self._row_history(layer, rid, pos, r, k[si * R + r][:, order], v[si * R + r][:, order])
+                rows.append((K_all[:, idx], V_all[:, idx]))
+        W = max([0] + [x[0].shape[1] for x in rows if x is not None])
+        keys = torch.zeros(N, H, W, c.head_dim, dtype=torch.float64)
+        values = torch.zeros(N, H, W, c.value_head_dim, dtype=torch.float64)
+        valid = torch.zeros(N, W, dtype=torch.bool)
+        for b, x in enumerate(rows):
+            if x is not None:
+                w = x[0].shape[1]
+                keys[b, :, :w], values[b, :, :w], valid[b, :w] = x[0], x[1], True
+        return keys, values, valid
 
     @staticmethod
     def _joined(joined, b: int, calls: List[int], group: int):

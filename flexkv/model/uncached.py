@@ -218,6 +218,22 @@ class UncachedHistory(StreamLifecycle):
             raise ValueError(f"stream_positions needs this cache's plan (cache.plan(step)), got {type(plan).__name__}")
         return plan.stream_positions(tokens)
 
+    def write_part(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan: UncachedPlan) -> KeyPart:
+        """`BoundedKVManager.write_part` over the whole history: the step's keys recorded, and what each row's
+        newest own token attends under the layer's retention, as a `KeyPart` in `k`'s dtype and device
+        (padded to the largest row, `valid` marking each row's keys)."""
+        step = plan.step if isinstance(plan, UncachedPlan) else plan
+        if not isinstance(step, BoundedKVStep):
+            raise ValueError(f"write_part needs this cache's plan: pass plan=cache.plan(step), got {type(plan).__name__}")
+        if layer_idx in self._rotary:
+            raise ValueError(f"write_part: layer {layer_idx} has a rotation (rotation()); write_part hands keys to "
+                             f"another cache's softmax as stored, so rotate them in the model instead")
+        g, local = self._route[check_layer_index(layer_idx, self.config.num_layers)]
+        sd = self._configs[g].slot_dtype
+        keys, values, valid = self._history[g].write_part(local, round_trip(k, sd), round_trip(v, sd), step)
+        return KeyPart(keys.to(dtype=k.dtype, device=k.device), values.to(dtype=v.dtype, device=v.device),
+                       valid.to(k.device))
+
     def rotation(self, layer_idx: int, rotary: Rotary, mode: str = "stream") -> _Rotation:
         """Rotary positions for layer `layer_idx`: applied by `attend` over the whole history (keys
         are kept un-rotated), refusing what the bounded cache refuses in ``"cache"`` mode."""
