@@ -250,8 +250,11 @@ def test_a_score_mod_with_joined_keys_is_refused(gqa_cache):
                          joined=(KeyPart(x, x),))
 
 
-def test_compiled_with_fullgraph_it_equals_the_reference(gqa_cache):
-    """The joint call traces whole (`fullgraph=True`) and computes what the float64 reference does."""
+def test_compiled_with_fullgraph_it_equals_the_reference_and_never_recompiles(gqa_cache):
+    """The joint call traces whole (`fullgraph=True`), computes what the float64 reference does, and the
+    steps after the first (the rings wrapping) compile nothing."""
+    from torch._dynamo.utils import counters
+
     cache, ref = gqa_cache, ReferenceCache(gqa_cache.config)
 
     @torch.compile(fullgraph=True)
@@ -261,7 +264,8 @@ def test_compiled_with_fullgraph_it_equals_the_reference(gqa_cache):
 
     g = torch.Generator().manual_seed(6)
     written = {"a": 0, "b": 0}
-    for s in range(3):
+    graphs = None
+    for s in range(4):
         step = step_of({"a": 3, "b": 3}, written, 3)
         q, q2, k, v, kj, vj = step_inputs(g, 2)
         valid = torch.rand(2, 4, generator=g) > 0.3
@@ -276,6 +280,8 @@ def test_compiled_with_fullgraph_it_equals_the_reference(gqa_cache):
         cache.commit(step)
         ref.commit(step)
         written = {r: n + 3 for r, n in written.items()}
+        graphs = counters["stats"]["unique_graphs"] if graphs is None else graphs
+    assert counters["stats"]["unique_graphs"] == graphs, "a step after the first compiled again"
 
 
 def test_a_bank_and_frames_stack_streams_as_on_its_uncached_twin():

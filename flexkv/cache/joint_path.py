@@ -184,11 +184,15 @@ def _geometry(store, plan, n_q: int, joined: tuple, dtype, eager: bool) -> tuple
     valid = torch.cat([p.valid if p.valid is not None else torch.ones(N, k, dtype=torch.bool, device=dev)
                        for p, k in zip(joined, sizes)], 1) & live.view(N, 1)
     shape = ("joint_readers", n_all, tuple((k, p.queries) for p, k in zip(joined, sizes)))
-    readers = store.memos.get(shape)  # the same for every step of this shape: made once
+    # The same for every step of this shape: made once eagerly (a compiled graph makes it as a constant:
+    # a memo it wrote would be a guard that fails at the next step).
+    readers = store.memos.get(shape) if eager else None
     if readers is None:
-        readers = store.memos[shape] = torch.tensor(
+        readers = torch.tensor(
             [p.queries is None or i in p.queries for i in range(n_all) for p, k in zip(joined, sizes) for _ in range(k)],
             dtype=torch.bool).view(1, 1, n_all, -1).to(dev)
+        if eager:
+            store.memos[shape] = readers
     every = torch.cat([allowed.expand(N, 1, n_all, W), valid.view(N, 1, 1, -1) & readers], -1)
     bias = every.to(dtype).log_()  # 0 where the query reads the key, -inf elsewhere
     geo = (cells, bias, None if all_read else every.any(-1))
