@@ -107,6 +107,30 @@ def test_equals_the_float64_reference_over_steps_with_gqa_query_only_and_padding
     assert written["a"] > c.retention.sink + c.retention.window  # the ring wrapped
 
 
+@pytest.mark.parametrize("slots", [2, 3], ids=["every-slot", "a-slot-free"])
+def test_a_batch_of_every_slot_or_fewer_equals_the_reference(slots):
+    """Steps whose rows hold every slot of the pool, or all but one: both equal the float64 reference as the
+    ring wraps."""
+    cache = BoundedKVManager(make_config(max_slots=slots), "cpu")
+    ref = ReferenceCache(cache.config)
+    g = torch.Generator().manual_seed(8)
+    written = {"a": 0, "b": 0}
+    for s in range(5):
+        step = step_of({"a": 3, "b": 2}, written, 3)
+        q, q2, k, v, kj, vj = step_inputs(g, 2)
+        parts = (KeyPart(kj, vj, torch.rand(2, 4, generator=g) > 0.5, range(2, 5)),)
+        cache.admit(step)
+        (o, lo), (o2, lo2) = cache.attend(0, q, k, v, cache.plan(step), query_only=q2, joined=parts, return_lse=True)
+        (w, lw), (w2, lw2) = ref.attend(0, q, k, v, step, query_only=q2, joined=parts, return_lse=True)
+        torch.testing.assert_close(torch.cat([o, o2], 2).double(), torch.cat([w, w2], 2), rtol=1e-5, atol=1e-5,
+                                   msg=f"step {s}")
+        torch.testing.assert_close(torch.cat([lo, lo2], 2).double(), torch.cat([lw, lw2], 2), rtol=1e-5, atol=1e-5,
+                                   msg=f"step {s} lse")
+        cache.commit(step)
+        ref.commit(step)
+        written = {"a": written["a"] + 3, "b": written["b"] + 2}
+
+
 def test_a_padding_row_reads_nothing_not_even_joined_keys(gqa_cache):
     g = torch.Generator().manual_seed(2)
     parts = _parts(g, 2, 2, 4)
