@@ -22,7 +22,7 @@ SLOT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 def is_int(x) -> bool:
     """Whether `x` is an integer (a Python int that is not a bool): the one test every check uses."""
-    return isinstance(x, int) and not isinstance(x, bool)
+    return type(x) is int or (isinstance(x, int) and not isinstance(x, bool))
 
 
 def _int(name: str, value, lo: int, hint: str = "") -> int:

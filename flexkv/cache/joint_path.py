@@ -83,22 +83,24 @@ class KeyPart(NamedTuple):
 def check_joined(joined, q: torch.Tensor, query_only: Optional[torch.Tensor], config, device) -> tuple:
     """Raise `ValueError` unless `joined` is a sequence of `KeyPart`s fit for a call with queries `q`
     (and `query_only`) on a cache of `config` on `device`; returns it as a tuple."""
+    N = q.shape[0]
+    n_q = q.shape[2] + (0 if query_only is None else query_only.shape[2])
+    if type(joined) is tuple and joined:
+        H, D, Dv, dtype = config.num_heads, config.head_dim, config.value_head_dim, config.dtype
+        for p in joined:  # every check below passes: one chain per part (a compiled step traces this per layer)
+            if not (type(p) is KeyPart and type(p.k) is type(p.v) is torch.Tensor and p.k.dim() == 4
+                    and p.k.shape == (N, H, p.k.shape[2], D) and p.v.shape == (N, H, p.k.shape[2], Dv)
+                    and p.k.dtype == p.v.dtype == dtype and p.k.device == p.v.device == device
+                    and (p.valid is None or (type(p.valid) is torch.Tensor and p.valid.dtype == torch.bool
+                                             and p.valid.shape == (N, p.k.shape[2]) and p.valid.device == device))
+                    and (p.queries is None or (type(p.queries) is range and p.queries.step == 1
+                                               and 0 <= p.queries.start < p.queries.stop <= n_q))):
+                break
+        else:
+            return joined
     if isinstance(joined, KeyPart) or not isinstance(joined, Sequence) or not joined:
         raise ValueError(f"attend: joined must be a non-empty sequence of KeyPart, got {type(joined).__name__}; "
                          f"pass joined=(part,) for one part")
-    N = q.shape[0]
-    n_q = q.shape[2] + (0 if query_only is None else query_only.shape[2])
-    if type(joined) is tuple and all(
-            type(p) is KeyPart and type(p.k) is type(p.v) is torch.Tensor and p.k.dim() == 4
-            and tuple(p.k.shape) == (N, config.num_heads, p.k.shape[2], config.head_dim)
-            and tuple(p.v.shape) == (N, config.num_heads, p.k.shape[2], config.value_head_dim)
-            and p.k.dtype == p.v.dtype == config.dtype and p.k.device == p.v.device == device
-            and (p.valid is None or (type(p.valid) is torch.Tensor and p.valid.dtype == torch.bool
-                                     and tuple(p.valid.shape) == (N, p.k.shape[2]) and p.valid.device == device))
-            and (p.queries is None or (type(p.queries) is range and p.queries.step == 1
-                                       and 0 <= p.queries.start < p.queries.stop <= n_q))
-            for p in joined):
-        return joined  # every check below passes: one chain (a compiled step traces this per layer)
     for i, p in enumerate(joined):
         if not isinstance(p, KeyPart):
             raise ValueError(f"attend: joined[{i}] must be a KeyPart(k, v, valid=None, queries=None), "
@@ -204,8 +206,10 @@ def _geometry(store, plan, n_q: int, joined: tuple, dtype, eager: bool) -> tuple
 def _read_cells(kc, vc, scales, cells, dtype) -> tuple:
     """The gathered cells `[N, H, W, D]` of layer buffers `kc`, `vc` (dequantized into `dtype` when
     `scales` is given)."""
-    N = cells.shape[0]
-    keys, values = (batch_cells(x, 0, N, cells, 0, 0) for x in (kc, vc))
+    N, W = cells.shape
+    flat = cells.view(N * W)
+    keys = kc[0].index_select(1, flat).view(kc.shape[1], N, W, kc.shape[3]).transpose(0, 1)
+    values = vc[0].index_select(1, flat).view(vc.shape[1], N, W, vc.shape[3]).transpose(0, 1)
     if scales is not None:
         k_scale, v_scale = (batch_cells(s, 0, N, cells, 0, 0) for s in scales)
         keys = (keys.to(SCALE_DTYPE) * k_scale).to(dtype)
@@ -226,12 +230,12 @@ def joint_attention(store, q: torch.Tensor, query_only: Optional[torch.Tensor], 
     cells, bias, reads = _geometry(store, plan, n_q, joined, q.dtype, eager)
     n_all = T + n_q
     keys, values = _read_cells(kc, vc, scales, cells, q.dtype)
-    keys = torch.cat([keys, *(p.k for p in joined)], 2)
-    values = torch.cat([values, *(p.v for p in joined)], 2)
-    qa = q if query_only is None else torch.cat([q, query_only], 2)
-    # A GQA group folds into the query axis: query head h * g + i reads KV head h, at rows i * n_all + t.
-    qs = qa.reshape(N, H, g * n_all, D)
+    keys = torch.cat([keys] + [p.k for p in joined], 2)
+    values = torch.cat([values] + [p.v for p in joined], 2)
+    qs = q if query_only is None else torch.cat([q, query_only], 2)
     if g > 1:
+        # A GQA group folds into the query axis: query head h * g + i reads KV head h, at rows i * n_all + t.
+        qs = qs.reshape(N, H, g * n_all, D)
         bias = bias.repeat(1, 1, g, 1)
         reads = None if reads is None else reads.repeat(1, 1, g)
     if want_lse:
@@ -248,7 +252,7 @@ def joint_attention(store, q: torch.Tensor, query_only: Optional[torch.Tensor], 
         out, lse = F.scaled_dot_product_attention(qs, keys, values, attn_mask=bias, scale=scale), None
     if reads is not None:  # a query that reads nothing (a padding row) gives zeros
         out = torch.where(reads.unsqueeze(-1), out, 0.0)
-    return out.reshape(N, Hq, n_all, values.shape[-1]), lse
+    return (out if g == 1 else out.reshape(N, Hq, n_all, values.shape[-1])), lse
 
 
 def cells_part(store, kc, vc, scales, plan) -> KeyPart:

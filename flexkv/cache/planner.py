@@ -472,10 +472,8 @@ def build_plan(
             writes.extend(base + (j - L) if j < ring_start else ring_base + j % ring for j in own)
             i += 1
 
-    fields = dict(zip(ROW_FIELDS, cols))
-    fields.update(kv_num_blocks=num_blocks, kv_indices=indices, full_kv_num_blocks=full_num,
-                  full_kv_indices=full_indices, write_index=writes)
-    table = array("i")
-    for name, _, _ in PLAN_TABLE:
-        table.extend(fields[name])
+    # The table in `PLAN_TABLE` order: the row fields (`cols`, in `ROW_FIELDS` order), then the rest.
+    table = array("i", [x for col in cols for x in col])
+    for part in (num_blocks, indices, full_num, full_indices, writes):
+        table.extend(part)
     return BoundedPlan(rows, T, width, table, device, full_blocks, parts)
