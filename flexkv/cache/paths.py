@@ -107,6 +107,7 @@ class AttentionPaths:
         self.flex = (Float8FlexPath if reads_cells_in_kernel(store) else FlexPath)(store, options)
         self.joint = JointPath(store)
         self._routes: dict = {}  # eager decisions, by kind of call (`choose`)
+        self._reach: dict = {}  # `reach` decisions, by path and one token or more
         for path in (self.rows, self.flex):
             store.scratch.update(path.scratch(*self.reach(path.name)))
 
@@ -117,9 +118,15 @@ class AttentionPaths:
 
     def reach(self, name: str, tokens: Optional[int] = None) -> tuple:
         """`(eager, compiled)`: whether steps of `tokens` tokens (None: of any length) take path `name`
-        eagerly, and compiled. The one rule behind the scratch, the plan parts and each call's route."""
-        lengths = (1, 2) if tokens is None else (tokens,)  # only one token or more matters
-        return tuple(any(self.path_for(t, compiled) == name for t in lengths) for compiled in (False, True))
+        eagerly, and compiled. The one rule behind the scratch, the plan parts and each call's route;
+        decided once per question (the options are fixed when the cache is built)."""
+        key = (name, None if tokens is None else min(tokens, 2))  # only one token or more matters
+        found = self._reach.get(key)
+        if found is None:
+            lengths = (1, 2) if tokens is None else (key[1],)
+            found = self._reach[key] = tuple(any(self.path_for(t, compiled) == name for t in lengths)
+                                             for compiled in (False, True))
+        return found
 
     def plan_parts(self, plan, eager_only: bool = False) -> None:
         """Add to `plan` what the paths its step takes read from it (`AttentionPath.plan_parts`); a plan
