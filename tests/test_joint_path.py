@@ -342,3 +342,39 @@ def test_a_bank_and_frames_stack_streams_as_on_its_uncached_twin():
             torch.testing.assert_close(torch.cat([lo, lo2], 2)[live], torch.cat([lw, lw2], 2)[live], rtol=1e-5,
                                        atol=1e-5, msg=f"segment {s} layer {layer} lse")
         written = {r: n + (2 if r in ids else 0) for r, n in written.items()}
+
+
+def test_a_segment_interrupted_after_a_bank_write_changes_nothing_and_runs_again_alike():
+    """Ctrl-C after layer 0's `write_part`: both caches are as before the segment, and running it again gives
+    what a stack that was never interrupted gives."""
+    fc = make_config(SinkWindow(1, 3), tokens=2)
+    bc = make_config(SinkWindow(0, 2, window_includes_step=True), tokens=1)
+    stacks = [MultiStepContext({"frames": BoundedKVManager(fc, "cpu"), "bank": BoundedKVManager(bc, "cpu")})
+              for _ in range(2)]
+    g = torch.Generator().manual_seed(9)
+    inputs = [step_inputs(g, 2, Q=1, K=1, T=2) + (torch.randn(2, 2, 1, 4, generator=g),) for _ in range(4)]
+
+    def segment(stack, s, interrupt=False):
+        q, q2, k, v, kj, vj, e = inputs[s]
+        steps = {"frames": step_of({"a": 2, "b": 2}, {"a": 2 * s, "b": 2 * s}, 2),
+                 "bank": step_of({"a": 1, "b": 1}, {"a": s, "b": s}, 1)}
+        with stack.stepping(steps):
+            outs = []
+            for layer in range(2):
+                bank = stack["bank"].write_part(layer, e, e)
+                if interrupt:
+                    raise KeyboardInterrupt
+                outs.append(stack["frames"].attend(layer, q, k, v, query_only=q2, joined=(bank, KeyPart(kj, vj))))
+        return outs
+
+    for s in range(4):
+        if s == 2:
+            with pytest.raises(KeyboardInterrupt):
+                segment(stacks[0], s, interrupt=True)
+            for name in ("frames", "bank"):
+                cache = stacks[0][name].cache
+                assert [cache.written(r) for r in ("a", "b")] == [stacks[1][name].cache.written(r) for r in ("a", "b")]
+        got, want = segment(stacks[0], s), segment(stacks[1], s)
+        for layer, ((o, o2), (w, w2)) in enumerate(zip(got, want)):
+            torch.testing.assert_close(torch.cat([o, o2], 2), torch.cat([w, w2], 2), rtol=0, atol=0,
+                                       msg=f"segment {s} layer {layer}")
