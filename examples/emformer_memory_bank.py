@@ -45,8 +45,7 @@ from typing import Dict, Hashable, List, Sequence
 
 import torch
 
-from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cache.joint_path import KeyPart
+from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, KeyPart, Segment, SinkWindow, StreamPosition
 from flexkv.model.multi_context import MultiStepContext
 
 

@@ -51,6 +51,7 @@ _PUBLIC = {
     "RelativePositionScores": "cache.relative_position",
     "UncachedHistory": "model.uncached",
     "merge_attention": "cache.merge",
+    "KeyPart": "cache.joint_path",
     "RecompileError": "compiling",
     "RecompileWarning": "compiling",
     # the caches
