@@ -74,6 +74,15 @@ def step_inputs(g, N: int, Q: int = 2, K: int = 4, T: int = 3) -> tuple:
     return q, q2, k, v, torch.randn(N, 2, K, 4, generator=g), torch.randn(N, 2, K, 4, generator=g)
 
 
+def assert_matches(got, want, where: str) -> None:
+    """`((out, lse), (query-only out, lse))` of a call equal the float64 reference's, to float32 rounding."""
+    (o, lo), (o2, lo2) = got
+    (w, lw), (w2, lw2) = want
+    torch.testing.assert_close(torch.cat([o, o2], 2).double(), torch.cat([w, w2], 2), rtol=1e-5, atol=1e-5, msg=where)
+    torch.testing.assert_close(torch.cat([lo, lo2], 2).double(), torch.cat([lw, lw2], 2), rtol=1e-5, atol=1e-5,
+                               msg=f"{where} lse")
+
+
 def _parts(g, N, H, D):
     """Two parts: one of 4 keys, some missing, read by queries 1 .. 3; one of 2 keys read by all."""
     valid = torch.rand(N, 4, generator=g) > 0.3
@@ -120,12 +129,8 @@ def test_a_batch_of_every_slot_or_fewer_equals_the_reference(slots):
         q, q2, k, v, kj, vj = step_inputs(g, 2)
         parts = (KeyPart(kj, vj, torch.rand(2, 4, generator=g) > 0.5, range(2, 5)),)
         cache.admit(step)
-        (o, lo), (o2, lo2) = cache.attend(0, q, k, v, cache.plan(step), query_only=q2, joined=parts, return_lse=True)
-        (w, lw), (w2, lw2) = ref.attend(0, q, k, v, step, query_only=q2, joined=parts, return_lse=True)
-        torch.testing.assert_close(torch.cat([o, o2], 2).double(), torch.cat([w, w2], 2), rtol=1e-5, atol=1e-5,
-                                   msg=f"step {s}")
-        torch.testing.assert_close(torch.cat([lo, lo2], 2).double(), torch.cat([lw, lw2], 2), rtol=1e-5, atol=1e-5,
-                                   msg=f"step {s} lse")
+        assert_matches(cache.attend(0, q, k, v, cache.plan(step), query_only=q2, joined=parts, return_lse=True),
+                       ref.attend(0, q, k, v, step, query_only=q2, joined=parts, return_lse=True), f"step {s}")
         cache.commit(step)
         ref.commit(step)
         written = {"a": written["a"] + 3, "b": written["b"] + 2}
@@ -294,13 +299,9 @@ def test_compiled_with_fullgraph_it_equals_the_reference_and_never_recompiles(gq
         q, q2, k, v, kj, vj = step_inputs(g, 2)
         valid = torch.rand(2, 4, generator=g) > 0.3
         cache.admit(step)
-        (o, lo), (o2, lo2) = layer(q, k, v, cache.plan(step), q2, kj, vj, valid)
-        (w, lw), (w2, lw2) = ref.attend(0, q, k, v, step, query_only=q2, joined=(KeyPart(kj, vj, valid, range(1, 4)),),
-                                        return_lse=True)
-        torch.testing.assert_close(torch.cat([o, o2], 2).double(), torch.cat([w, w2], 2), rtol=1e-5, atol=1e-5,
-                                   msg=f"step {s}")
-        torch.testing.assert_close(torch.cat([lo, lo2], 2).double(), torch.cat([lw, lw2], 2), rtol=1e-5, atol=1e-5,
-                                   msg=f"step {s} lse")
+        assert_matches(layer(q, k, v, cache.plan(step), q2, kj, vj, valid),
+                       ref.attend(0, q, k, v, step, query_only=q2, joined=(KeyPart(kj, vj, valid, range(1, 4)),),
+                                  return_lse=True), f"step {s}")
         cache.commit(step)
         ref.commit(step)
         written = {r: n + 3 for r, n in written.items()}
