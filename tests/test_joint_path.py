@@ -75,12 +75,14 @@ def step_inputs(g, N: int, Q: int = 2, K: int = 4, T: int = 3) -> tuple:
 
 
 def assert_matches(got, want, where: str) -> None:
-    """`((out, lse), (query-only out, lse))` of a call equal the float64 reference's, to float32 rounding."""
+    """`((out, lse), (query-only out, lse))` of a call equal `want`'s (the float64 reference's, or another
+    cache's), to float32 rounding."""
     (o, lo), (o2, lo2) = got
     (w, lw), (w2, lw2) = want
-    torch.testing.assert_close(torch.cat([o, o2], 2).double(), torch.cat([w, w2], 2), rtol=1e-5, atol=1e-5, msg=where)
-    torch.testing.assert_close(torch.cat([lo, lo2], 2).double(), torch.cat([lw, lw2], 2), rtol=1e-5, atol=1e-5,
-                               msg=f"{where} lse")
+    torch.testing.assert_close(torch.cat([o, o2], 2).double(), torch.cat([w, w2], 2).double(), rtol=1e-5, atol=1e-5,
+                               msg=where)
+    torch.testing.assert_close(torch.cat([lo, lo2], 2).double(), torch.cat([lw, lw2], 2).double(), rtol=1e-5,
+                               atol=1e-5, msg=f"{where} lse")
 
 
 def _parts(g, N, H, D):
@@ -386,3 +388,33 @@ def test_a_segment_interrupted_after_a_bank_write_changes_nothing_and_runs_again
         for layer, ((o, o2), (w, w2)) in enumerate(zip(got, want)):
             torch.testing.assert_close(torch.cat([o, o2], 2), torch.cat([w, w2], 2), rtol=0, atol=0,
                                        msg=f"segment {s} layer {layer}")
+
+
+def test_a_grouped_cache_routes_joined_keys_and_parts_to_the_layers_group():
+    """Layers in two retention groups: a joined call and a `write_part` on model layer 1 equal the same on a
+    bounded cache of that layer's group alone."""
+    from flexkv import GroupedKVManager, LayerGroup
+
+    base = make_config(SinkWindow(1, 3))
+    groups = (LayerGroup((0,), SinkWindow(1, 3)), LayerGroup((1,), SinkWindow(0, 2)))
+    alone = BoundedKVManager(make_config(SinkWindow(0, 2), num_layers=1), "cpu")
+    wide = GroupedKVManager(base, groups)
+    g = torch.Generator().manual_seed(10)
+    written = {"a": 0, "b": 0}
+    for s in range(4):
+        step = step_of({"a": 3, "b": 2}, written, 3)
+        q, q2, k, v, kj, vj = step_inputs(g, 2)
+        parts = (KeyPart(kj, vj, None, range(1, 5)),)
+        outs = []
+        for cache, layer in ((wide, 1), (alone, 0)):
+            cache.admit(step)
+            plan = cache.plan(step)
+            if cache is wide:
+                cache.attend(0, q, k, v, plan)
+            part = cache.write_part(layer, k, v, plan)
+            outs.append((cache.attend(layer, q, k, v, plan, query_only=q2, joined=parts, return_lse=True), part))
+            cache.commit(step)
+        (got, got_part), (want, want_part) = outs
+        assert_matches(got, want, f"step {s}")
+        assert torch.equal(got_part.valid, want_part.valid) and torch.equal(got_part.k, want_part.k)
+        written = {"a": written["a"] + 3, "b": written["b"] + 2}

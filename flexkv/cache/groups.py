@@ -440,24 +440,24 @@ class GroupedKVManager(StreamLifecycle, nn.Module):
         joined: Optional[Sequence[KeyPart]] = None,
     ) -> torch.Tensor:
         """`BoundedKVManager.attend` for model layer `layer_idx`, in its group with the group's plan."""
-        if not isinstance(plan, GroupedPlan) or len(plan) != len(self._mgrs):
-            raise ValueError(
-                f"attend needs this cache's GroupedPlan (one plan per group, {len(self._mgrs)} groups): "
-                f"pass plan=cache.plan(step), got {plan!r}"
-            )
-        g, i = self.group_of(layer_idx)
-        return self._mgrs[g].attend(
-            i, q, k, v, plan.plans[g], scale=scale, score_mod=score_mod, positions=positions, sinks=sinks,
-            return_lse=return_lse, query_only=query_only, joined=joined,
-        )
+        m, i, group_plan = self._in_group_of("attend", layer_idx, plan)
+        return m.attend(i, q, k, v, group_plan, scale=scale, score_mod=score_mod, positions=positions, sinks=sinks,
+                        return_lse=return_lse, query_only=query_only, joined=joined)
 
     def write_part(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan: GroupedPlan) -> KeyPart:
         """`BoundedKVManager.write_part` for model layer `layer_idx`, in its group with the group's plan."""
+        m, i, group_plan = self._in_group_of("write_part", layer_idx, plan)
+        return m.write_part(i, k, v, group_plan)
+
+    def _in_group_of(self, what: str, layer_idx: int, plan) -> tuple:
+        """`(group's store, layer in the group, group's plan)` of model layer `layer_idx` under `plan`."""
         if not isinstance(plan, GroupedPlan) or len(plan) != len(self._mgrs):
-            raise ValueError(f"write_part needs this cache's GroupedPlan (one plan per group, {len(self._mgrs)} "
-                             f"groups): pass plan=cache.plan(step), got {plan!r}")
+            raise ValueError(
+                f"{what} needs this cache's GroupedPlan (one plan per group, {len(self._mgrs)} groups): "
+                f"pass plan=cache.plan(step), got {plan!r}"
+            )
         g, i = self.group_of(layer_idx)
-        return self._mgrs[g].write_part(i, k, v, plan.plans[g])
+        return self._mgrs[g], i, plan.plans[g]
 
     def extra_repr(self) -> str:
         parts = []

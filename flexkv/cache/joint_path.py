@@ -80,9 +80,15 @@ class KeyPart(NamedTuple):
         return self._replace(queries=queries)
 
 
-def check_joined(joined, q: torch.Tensor, query_only: Optional[torch.Tensor], config, device) -> tuple:
+def check_joined(joined, q: torch.Tensor, query_only: Optional[torch.Tensor], config, device,
+                 score_mod=None) -> tuple:
     """Raise `ValueError` unless `joined` is a sequence of `KeyPart`s fit for a call with queries `q`
-    (and `query_only`) on a cache of `config` on `device`; returns it as a tuple."""
+    (and `query_only`) on a cache of `config` on `device`, and the call has no `score_mod`; returns
+    it as a tuple."""
+    if score_mod is not None:
+        raise ValueError("attend: joined keys take no score_mod (a joined key has no position in this cache's "
+                         "stream); attend without score_mod, or merge a separate call by its log-sum-exp "
+                         "(flexkv.cache.merge.merge_attention)")
     N = q.shape[0]
     n_q = q.shape[2] + (0 if query_only is None else query_only.shape[2])
     if type(joined) is tuple and joined:

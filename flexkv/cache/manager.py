@@ -292,7 +292,7 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
         self._check_attend(layer_idx, q, k, v, plan)
         relative = self._check_extras(q, score_mod, positions, sinks, query_only)
         if joined is not None:
-            joined = self._check_joined(joined, q, query_only, score_mod)
+            joined = check_joined(joined, q, query_only, self.config, self.device, score_mod)
         N, Hq, T, D = q.shape
         H, c, compiling = k.shape[1], self.config, torch.compiler.is_compiling()
         want_lse = sinks is not None or return_lse  # the call needs a log-sum-exp
@@ -349,13 +349,6 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
         kc, vc = self._store.write(layer_idx, k, v, plan)
         ks, vs = self._store.layer_scales(layer_idx)
         return self.paths.joint.part(kc, vc, None if ks is None else (ks, vs), plan)
-
-    def _check_joined(self, joined, q, query_only, score_mod) -> tuple:
-        if score_mod is not None:
-            raise ValueError("attend: joined keys take no score_mod (a joined key has no position in this cache's "
-                             "stream); attend without score_mod, or merge a separate call by its log-sum-exp "
-                             "(flexkv.cache.merge.merge_attention)")
-        return check_joined(joined, q, query_only, self.config, self.device)
 
     def _check_attend(self, layer_idx, q, k, v, plan) -> None:
         c = self.config

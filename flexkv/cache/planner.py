@@ -95,6 +95,8 @@ PLAN_TABLE = tuple((name, 1, None) for name in ROW_FIELDS) + (
     ("full_kv_indices", "full_width", (1, 1, "n")),
     ("write_index", "tokens", (1, "n")),
 )
+#: The parts after the row fields, in `PLAN_TABLE` order (`build_plan` emits them in this order).
+_TAIL_PARTS = tuple(name for name, _, _ in PLAN_TABLE[len(ROW_FIELDS):])
 
 
 def table_spans(rows: int, tokens: int, width: int, full_width: int) -> dict:
@@ -474,6 +476,8 @@ def build_plan(
 
     # The table in `PLAN_TABLE` order: the row fields (`cols`, in `ROW_FIELDS` order), then the rest.
     table = array("i", [x for col in cols for x in col])
-    for part in (num_blocks, indices, full_num, full_indices, writes):
-        table.extend(part)
+    tail = {"kv_num_blocks": num_blocks, "kv_indices": indices, "full_kv_num_blocks": full_num,
+            "full_kv_indices": full_indices, "write_index": writes}
+    for name in _TAIL_PARTS:
+        table.extend(tail[name])
     return BoundedPlan(rows, T, width, table, device, full_blocks, parts)

@@ -288,10 +288,7 @@ class UncachedHistory(StreamLifecycle):
         rotary, rope_positions = self._rotary.get(layer_idx, (None, "stream"))
         g, local = self._route[check_layer_index(layer_idx, self.config.num_layers)]
         if joined is not None:
-            if score_mod is not None:
-                raise ValueError("attend: joined keys take no score_mod (a joined key has no position in this "
-                                 "cache's stream); attend without score_mod")
-            joined = check_joined(joined, q, query_only, self._configs[g], q.device)
+            joined = check_joined(joined, q, query_only, self._configs[g], q.device, score_mod)
         sd = self._configs[g].slot_dtype
         k, v = round_trip(k, sd), round_trip(v, sd)  # quantized slots: what the bounded cache reads back
         out = self._history[g].attend(local, q, k, v, step, scale=scale, score_mod=score_mod, positions=positions,
