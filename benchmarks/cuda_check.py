@@ -360,7 +360,7 @@ def correctness_rows(cuda: bool, first: bool) -> list:
 
 def correctness(device: torch.device, report: dict, save: Callable[[], None],
                 recorder: Optional[CompiledOptions] = None, first: Optional[bool] = None,
-                deadline: Optional[float] = None) -> None:
+                deadline: Optional[float] = None, skip: tuple = ()) -> None:
     """The workloads of `workload_specs` (`first`: one pass of `correctness_rows`; None: both), the
     report saved after every row; past `deadline` (a `time.monotonic()` value) the rest are skipped.
     (The kernel options `attend` passes are `flex_kernel_options` already: no second run with them.)"""
@@ -369,6 +369,9 @@ def correctness(device: torch.device, report: dict, save: Callable[[], None],
     todo = correctness_rows(cuda, True) + correctness_rows(cuda, False) if first is None else \
         correctness_rows(cuda, first)
     for name, cfg, kw, steps, dtype in todo:
+        if any(part in name for part in skip):
+            report.setdefault("skipped", []).append(f"correctness {name} {dtype}: --skip")
+            continue
         if deadline is not None and time.monotonic() > deadline:
             report.setdefault("skipped", []).append(f"correctness {name} {dtype}: past the deadline")
             print(f"  (skipped, past the deadline) {name} {str(dtype).replace('torch.', '')}")
@@ -868,6 +871,8 @@ def main(argv=None) -> int:
                     help="seconds from the first timing after which optional variants are skipped "
                          "(default 240 on CUDA, 0 on CPU)")
     ap.add_argument("--skip-timing", action="store_true", help="correctness and recompiles only")
+    ap.add_argument("--skip", action="append", default=[], metavar="NAME",
+                    help="leave out the correctness workloads whose name contains NAME (repeatable)")
     ap.add_argument("--skip-quantized", action="store_true", help="leave out section 5 (quantized slots)")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds from the start after which no further check or timing starts "
@@ -897,7 +902,7 @@ def main(argv=None) -> int:
         print("correctness against the dense reference (compiled; norm-relative error; recompiles counted after "
               "the first step); first pass, each workload in bf16 (or its only dtype):")
         try:
-            correctness(device, report, save, recorder, first=True, deadline=deadline)
+            correctness(device, report, save, recorder, first=True, deadline=deadline, skip=tuple(args.skip))
         except Exception as e:
             _section_error(report, "correctness", e)
             report.setdefault("correctness", []).append(dict(name="correctness section", ok=False))
@@ -921,7 +926,7 @@ def main(argv=None) -> int:
                     _section_error(report, "plan at the CUDA shape", e)
         print("correctness, second pass (the other dtypes):")
         try:
-            correctness(device, report, save, recorder, first=False, deadline=deadline)
+            correctness(device, report, save, recorder, first=False, deadline=deadline, skip=tuple(args.skip))
         except Exception as e:
             _section_error(report, "correctness (second pass)", e)
         save()

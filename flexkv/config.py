@@ -20,6 +20,15 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 SLOT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
+def resolve_device(device) -> torch.device:
+    """`device` as the device its tensors report: a bare "cuda" names the current CUDA device's index
+    ("cuda:0"), so a cache built on "cuda" accepts the tensors a model made there."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def is_int(x) -> bool:
     """Whether `x` is an integer (a Python int that is not a bool): the one test every check uses."""
     return type(x) is int or (isinstance(x, int) and not isinstance(x, bool))

@@ -33,7 +33,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..config import BoundedKVConfig, Retention, SinkWindow, check_config, check_layer_index, is_int
+from ..config import BoundedKVConfig, Retention, SinkWindow, check_config, check_layer_index, is_int, resolve_device
 from ..step import BoundedKVStep
 from .joint_path import KeyPart
 from .lifecycle import StreamLifecycle
@@ -316,7 +316,7 @@ class GroupedKVManager(StreamLifecycle, nn.Module):
             raise ValueError(f"manager must be a callable (config, slots) -> BoundedKVManager, got {manager!r}")
         self.config = config
         self.groups = groups
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         #: The requests, slots and sources of every group (`flexkv.cache.slots.SlotTable`).
         self.slots = SlotTable(config)
         built = [manager(c, self.slots) for c in configs]

@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ..config import BoundedKVConfig, check_config, check_layer_index
+from ..config import BoundedKVConfig, check_config, check_layer_index, resolve_device
 from ..step import BoundedKVStep
 from .attention_options import AttentionOptions
 from .joint_path import KeyPart, check_joined
@@ -105,7 +105,7 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
                 "BoundedKVResource().build(spec, EngineResourceInfo(device, kv_dtype)) or set config.dtype"
             )
         self.config = config
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.layout = Layout.for_config(config, block_size, self.device.type)
         if slots is not None and not isinstance(slots, SlotTable):
             raise ValueError(f"slots must be a flexkv.cache.slots.SlotTable or None, got {type(slots).__name__}")

@@ -66,7 +66,7 @@ from typing import Callable, Hashable, Optional
 
 import torch
 
-from ..config import BoundedKVConfig
+from ..config import BoundedKVConfig, resolve_device
 from ..step import BoundedKVStep
 from .layout import Layout
 from .masks import MASK_INTERVALS
@@ -165,7 +165,7 @@ class BoundedPlan:
         self.full_width = full_width
         self._table = table  # kept alive: on the CPU the plan's tensors are views of it
         self._spans = _spans(rows, tokens, width, full_width)  # where the host readers find each part
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         buf = torch.frombuffer(table, dtype=torch.int32) if len(table) else torch.zeros(0, dtype=torch.int32)
         if self.device.type == "cuda":
             buf = buf.pin_memory()

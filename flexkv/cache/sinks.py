@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from ..config import resolve_device
+
 __all__ = ["apply_learned_sinks", "check_sinks"]
 
 
@@ -39,8 +41,8 @@ def check_sinks(sinks, q_heads: int, device) -> None:
         )
     if not sinks.is_floating_point():
         raise ValueError(f"sinks must be a floating-point tensor, got dtype {sinks.dtype}")
-    if sinks.device != torch.device(device):
-        raise ValueError(f"sinks device expected {torch.device(device)}, got {sinks.device}")
+    if sinks.device != resolve_device(device):
+        raise ValueError(f"sinks device expected {resolve_device(device)}, got {sinks.device}")
 
 
 def apply_learned_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..config import BoundedKVConfig
+from ..config import BoundedKVConfig, resolve_device
 from . import quantized
 from .layout import Layout
 from .lifecycle import StoreHooks
@@ -59,7 +59,7 @@ class LayerStore(StoreHooks, nn.Module):
     def __init__(self, config: BoundedKVConfig, device, layout: Layout):
         super().__init__()
         self.config = config
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.layout = layout
         shape = (1, config.num_heads, layout.total_len, config.head_dim)
         v_shape = shape[:3] + (config.value_head_dim,)

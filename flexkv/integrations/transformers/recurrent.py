@@ -28,6 +28,8 @@ from typing import Dict, Tuple
 
 import torch
 
+from ...config import resolve_device
+
 __all__ = ["RecurrentStates", "probe_states", "check_recurrent_forward"]
 
 StateKey = Tuple[int, str, int]  # (model layer, kind, state index)
@@ -66,7 +68,7 @@ class RecurrentStates:
     def __init__(self, shapes: Dict[StateKey, tuple], max_streams: int, device):
         self.shapes = dict(shapes)
         self.max_streams = max_streams
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.buffers: Dict[StateKey, torch.Tensor] = {
             key: torch.zeros((max_streams, *shape), dtype=dtype, device=self.device)
             for key, (shape, dtype) in self.shapes.items()
