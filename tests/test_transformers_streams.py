@@ -37,6 +37,49 @@ KW = dict(max_streams=4, prefill_chunk=CHUNK, block_size=16)
 GREEDY = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
 
 
+def test_cache_positions_serve_a_chunked_prompt_past_the_window_by_streaminglls_definition(monkeypatch):
+    """`rope_positions="cache"`: a prompt three windows long goes in as whole chunks of `prefill_chunk`
+    (each query past the window reads the sinks at its own in-cache offset), and every logit of the prompt
+    and of the tokens decoded after it is StreamingLLM's attention written out over the whole history."""
+    from transformers import AttentionInterface
+
+    from flexkv.integrations.transformers.cache_positions import CachePositions
+
+    model = make_model("llama", seed=4)
+    (ids,) = prompts((3 * (SINK + WINDOW),), seed=5)
+    ids = ids[None]
+    per_query = []
+    original = CachePositions.attend_per_query
+
+    def counted(self, *args, **kwargs):
+        per_query.append(args[1].shape[2])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CachePositions, "attend_per_query", counted)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), rope_positions="cache", **KW)
+    history, got = ids, []
+    with torch.no_grad():
+        got.append(model(ids, cache=cache).logits[0])
+        for _ in range(WINDOW):
+            nxt = got[-1][-1].argmax().view(1, 1)
+            history = torch.cat([history, nxt], dim=1)
+            got.append(model(nxt, cache=cache).logits[0])
+    assert per_query and max(per_query) == CHUNK  # whole chunks past the window, not one token at a time
+
+    impl = model.config._attn_implementation
+    AttentionInterface.register("streaming_llm_reference", streaming_llm_attention(model.model.rotary_emb.inv_freq,
+                                                                                   rotate_all=False))
+    model.set_attn_implementation("streaming_llm_reference")
+    try:
+        with torch.no_grad():
+            L = history.shape[1]
+            want = model(history, attention_mask=layer_masks(model, L), position_ids=torch.arange(L)[None],
+                         use_cache=False).logits[0]
+    finally:
+        model.set_attn_implementation(impl)
+    torch.testing.assert_close(torch.cat(got), want, rtol=0, atol=1e-4)
+
+
 def test_cache_positions_leave_layers_without_rotary_alone():
     """SmolLM3 with `no_rope_layers=[1, 0]`: layer 1 has no rotary, so in-cache positions change nothing there."""
     from transformers import AttentionInterface

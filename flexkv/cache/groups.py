@@ -360,11 +360,11 @@ class GroupedKVManager(StreamLifecycle, nn.Module):
         g, _ = self.group_of(layer_idx)
         return self._mgrs[g].config
 
-    def rotation(self, layer_idx: int, rotary, mode: str = "stream") -> "GroupRotation":
+    def rotation(self, layer_idx: int, rotary, mode: str = "stream", *, rotated_inputs: bool = False) -> "GroupRotation":
         """Rotary positions for model layer `layer_idx` (see `BoundedKVManager.rotation`), in its group;
         called with this cache's `GroupedPlan`."""
         g, i = self.group_of(layer_idx)
-        return GroupRotation(g, self._mgrs[g].rotation(i, rotary, mode))
+        return GroupRotation(g, self._mgrs[g].rotation(i, rotary, mode, rotated_inputs=rotated_inputs))
 
     def stream_positions(self, plan: GroupedPlan, tokens: Optional[int] = None) -> torch.Tensor:
         """Stream index of each of the step's own tokens, `[N, T]` (the same in every group)."""

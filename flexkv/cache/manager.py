@@ -198,11 +198,12 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
                       DeprecationWarning, stacklevel=2)
         return self, check_layer_index(layer_idx, self.config.num_layers)
 
-    def rotation(self, layer_idx: int, rotary, mode: str = "stream") -> SinkRotation:
+    def rotation(self, layer_idx: int, rotary, mode: str = "stream", *, rotated_inputs: bool = False) -> SinkRotation:
         """Rotary positions for layer `layer_idx` (`flexkv.cache.rotary.SinkRotation`): call it as
         `q, k = rotation(q, k, plan)` before `attend`; in ``"cache"`` mode run its `check_step`
         on the host before planning (`flexkv.model.wrap.StepContext` does)."""
-        rotation = SinkRotation(self, check_layer_index(layer_idx, self.config.num_layers), rotary, mode)
+        rotation = SinkRotation(self, check_layer_index(layer_idx, self.config.num_layers), rotary, mode,
+                                rotated_inputs=rotated_inputs)
         self._store.keep_slot_state(rotation)
         return rotation
 

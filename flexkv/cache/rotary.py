@@ -68,6 +68,7 @@ __all__ = [
     "SinkRotation",
     "check_cache_config",
     "check_cache_step",
+    "eviction_shared",
 ]
 
 ROPE_POSITIONS = ("stream", "cache")
@@ -199,12 +200,19 @@ class SinkRotation(nn.Module):
         rotary: the model's `Rotary` (its `head_dim` must be the cache's).
         mode: ``"stream"`` or ``"cache"``.
 
+        rotated_inputs: `q` and `k` come already rotated at their stream
+            positions (a model that applies its own rotary embedding, as
+            transformers models do). `forward` then leaves both as they are
+            and keeps the sink keys as written; the sink cells are rewritten
+            rotated by `e` alone, which is the same rotation (rotations add).
+            Nothing is un-rotated: a step costs the `sink` cells only.
+
     Host side, call `check_step(step)` before planning a step in ``"cache"``
     mode (`flexkv.model.wrap.StepContext` does it); it raises `ValueError` for a
     step whose queries do not share one eviction count.
     """
 
-    def __init__(self, manager, layer_idx: int, rotary: Rotary, mode: str = "stream"):
+    def __init__(self, manager, layer_idx: int, rotary: Rotary, mode: str = "stream", *, rotated_inputs: bool = False):
         super().__init__()
         # A BoundedKVManager (not imported here: the manager builds these, see its `rotation`), whose
         # `store` (`flexkv.cache.store.LayerStore`) holds the layer's keys; or that store itself.
@@ -239,6 +247,7 @@ class SinkRotation(nn.Module):
         object.__setattr__(self, "rotary", rotary)
         self.layer_idx = layer_idx
         self.mode = mode
+        self.rotated_inputs = bool(rotated_inputs)
         lay = store.layout
         self._sink = c.sink_capacity
         self._slot_rows = c.max_slots * c.rows_per_request
@@ -260,7 +269,8 @@ class SinkRotation(nn.Module):
             )
 
     def extra_repr(self) -> str:
-        return f"layer_idx={self.layer_idx}, mode={self.mode!r}, sink={self._sink}"
+        extra = ", rotated_inputs=True" if self.rotated_inputs else ""
+        return f"layer_idx={self.layer_idx}, mode={self.mode!r}, sink={self._sink}{extra}"
 
     @property
     def memory_bytes(self) -> int:
@@ -290,6 +300,10 @@ class SinkRotation(nn.Module):
         """`q [N, Hq, T, D]`, `k [N, H, T, D]` -> both rotated at stream positions (see the class docstring)."""
         T = k.shape[2]
         pos = stream_positions(plan, T, self._reverse)
+        if self.rotated_inputs:
+            if self.mode == "cache" and self._sink:
+                self._rewrite_sinks(k, pos, plan)
+            return q, k
         q = self.rotary.rotate(q, pos)
         k_raw = k
         k = self.rotary.rotate(k, pos)
@@ -297,15 +311,41 @@ class SinkRotation(nn.Module):
             self._rewrite_sinks(k_raw, pos, plan)
         return q, k
 
+    def _slot_rows_of(self, plan) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Each plan row's slot row (padding rows: the spare row) and whether it is live."""
+        sink_base = plan.sink_base.long()
+        live = sink_base >= self._slots_base  # padding rows point out of reach
+        return torch.where(live, (sink_base - self._slots_base) // self._slot_row_len, self._slot_rows), live
+
+    def sink_entries(self, plan) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's sink entries after `forward`: keys as kept (`[N, H, S, D]`, rotated at their stream
+        index with `rotated_inputs`, else un-rotated), their values from the layer's cells (`[N, H, S, Dv]`)
+        and which exist in a live row (`[N, S]`, the retention's sink count; whether a query may read one
+        yet is its position's business). ``"cache"`` mode with sinks only."""
+        if self.mode != "cache" or not self._sink:
+            raise ValueError(f"sink_entries: layer {self.layer_idx} keeps no sink copies (mode={self.mode!r}, "
+                             f"sink={self._sink})")
+        S = self._sink
+        slot_row, live = self._slot_rows_of(plan)
+        N = slot_row.shape[0]
+        H, D = self.raw_sink.shape[1:]
+        keys = self.raw_sink.view(self._slot_rows + 1, S, H, D)[slot_row].transpose(1, 2)
+        offs = self._sink_offsets
+        cells = torch.where(live.view(-1, 1), plan.sink_base.long().view(-1, 1) + offs, self._scratch_base)
+        _, v_cells = self.store.layer_kv(self.layer_idx)  # [1, H, cells, Dv]
+        values = v_cells[0][:, cells.view(-1)].view(H, N, S, -1).transpose(0, 1)
+        valid = live.view(-1, 1) & (offs < plan.sink.long().view(-1, 1))
+        return keys, values, valid
+
     def _rewrite_sinks(self, k_raw: torch.Tensor, pos: torch.Tensor, plan) -> None:
         S = self._sink
         N, H, T, D = k_raw.shape
         sink_base = plan.sink_base.long()
         src_len = plan.src_len.long().view(-1, 1)
-        live = sink_base >= self._slots_base  # padding rows point out of reach
-        slot_row = torch.where(live, (sink_base - self._slots_base) // self._slot_row_len, self._slot_rows)
+        slot_row, live = self._slot_rows_of(plan)
 
-        # 1. Keep the un-rotated copy of every own token that lands in the sink region
+        # 1. Keep a copy of every own token's key that lands in the sink region, as given (un-rotated, or
+        #    rotated at its stream index with `rotated_inputs`)
         #    (the same cells attend writes it to; look-ahead ones are overwritten later, as there).
         cell = pos - src_len
         store = live.view(-1, 1) & (cell >= 0) & (pos < plan.ring_start.long().view(-1, 1))
@@ -319,7 +359,9 @@ class SinkRotation(nn.Module):
             evicted = (plan.n.long() - self._query_window - plan.sink.long()).clamp_min(0)
         offs = self._sink_offsets
         raw = self.raw_sink.view(self._slot_rows + 1, S, H, D)[slot_row]  # [N, S, H, D]
-        rotated = self.rotary.rotate(raw.transpose(1, 2), src_len + offs + evicted.view(-1, 1))  # [N, H, S, D]
+        # The copy's own stream index (src_len + offs) is already in a rotated input: only `e` is left to turn.
+        at = evicted.view(-1, 1) + (0 if self.rotated_inputs else src_len + offs)
+        rotated = self.rotary.rotate(raw.transpose(1, 2), at.expand(N, S))  # [N, H, S, D]
         cells = torch.where(
             live.view(-1, 1), sink_base.view(-1, 1) + offs, self._scratch_base + offs % self._scratch_len
         )
@@ -339,6 +381,15 @@ def check_cache_config(config: BoundedKVConfig) -> None:
                 f"source_len={length} puts {min(pol.sink, length)} of the {pol.sink} sink entries in a shared "
                 f"source; use positions='stream', or a retention with sink=0 for source_len > 0"
             )
+
+
+def eviction_shared(config: BoundedKVConfig, step: BoundedKVStep) -> bool:
+    """Whether every request's queries in `step` share one eviction count (what `check_cache_step` asks)."""
+    try:
+        check_cache_step(config, step)
+    except ValueError:
+        return False
+    return True
 
 
 def check_cache_step(config: BoundedKVConfig, step: BoundedKVStep) -> None:

@@ -415,10 +415,7 @@ class FlexKVCache(BranchingCache, CacheShim):
                                     real, T)
 
         longest = max(lengths)
-        steps = chunk_steps(rows, written, lengths, self.manager.config.max_step_tokens, self._rotary)
-        if self._rotary is not None:
-            for step in steps:
-                self._rotary.check_step(step)
+        steps = chunk_steps(rows, written, lengths, self.manager.config.max_step_tokens)
 
         m = self.manager
         known = set(m.requests)

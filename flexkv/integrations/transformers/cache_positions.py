@@ -1,10 +1,19 @@
 """StreamingLLM's in-cache rotary positions inside a transformers model (`positions="cache"`).
 
-The model rotates queries and keys at stream positions; per chunk and KV
-layer, `CachePositions` undoes that rotation with the layer's own angles and
-hands the raw queries and keys to `flexkv.cache.rotary.SinkRotation`, which
-rotates them at in-cache positions (distances to the sinks measured as if
-the evicted tokens were never there).
+Under rotary positions a window key keeps its distance to the query whichever
+position mode is used; only the sink keys sit closer in-cache, by the number
+of entries evicted so far. So the model's own queries and keys, rotated at
+stream positions, go to the cache as they are, and per chunk and KV layer
+`CachePositions` has `flexkv.cache.rotary.SinkRotation` (`rotated_inputs`)
+rewrite the few sink cells rotated that many positions further on: O(sink)
+per step, nothing un-rotated.
+
+A chunk whose queries have evicted different numbers of entries (a chunk of
+a prompt past the window, under the model's per-query window) reads each
+sink at its own offset per query. `attend_per_query` serves it exactly as
+two parts of one softmax: the cache's call with the sinks scored out, and
+the sinks scored with each query turned back by its own eviction count,
+merged by their log-sum-exps (`flexkv.cache.merge`).
 """
 
 from __future__ import annotations
@@ -12,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from ...cache.groups import GroupedKVManager, GroupedPlan
-from ...cache.rotary import Rotary, check_cache_step, rotate_half
+from ...cache.merge import merge_attention
+from ...cache.rotary import Rotary, eviction_shared
 from ...step import BoundedKVStep
 from .model_config import text_config
 
@@ -31,12 +41,11 @@ def _layer_uses_rope(cfg, layer_idx: int) -> bool:
 class CachePositions:
     """StreamingLLM's in-cache rotary positions per layer, through `flexkv.cache.rotary.SinkRotation`.
 
-    The model rotates `q` and `k` at the stream positions the cache gave it.
-    Per chunk and layer this undoes that rotation with the layer's own angles
-    (float32, as the model's rotary embedding computes them) and hands the
-    raw `q`, `k` to the layer's `SinkRotation`, which rotates them back at
-    stream positions (float64 angles) and rewrites the slot's sink cells
-    rotated `e` positions on: O(sink) per step. Layers that use no rotary
+    The model rotates `q` and `k` at the stream positions the cache gave it;
+    they are attended as they are. Per chunk and layer the layer's
+    `SinkRotation` keeps the sink keys as written and rewrites the slot's sink
+    cells rotated `e` positions on (float64 angles from the layer's own
+    `inv_freq`): O(sink) per step. Layers that use no rotary
     (SmolLM3's `no_rope_layers`) and layers whose group keeps no sinks
     (where in-cache and stream distances agree) are left untouched. A rope
     whose angles are not `position * inv_freq` with a fixed `inv_freq`
@@ -51,14 +60,12 @@ class CachePositions:
         types = getattr(cfg, "layer_types", None)
         c = manager.config
         self.layers: list = []
-        self.inv_freq: list = []
         rotaries: dict = {}
         for kv in range(c.num_layers):
             i = kv_owner[kv]
             layer_config = manager.layer_config(kv)
             if layer_config.sink_capacity == 0 or not _layer_uses_rope(cfg, i):
                 self.layers.append(None)
-                self.inv_freq.append(None)
                 continue
             layer_type = types[i] if types is not None and i < len(types) else None
             inv_freq = getattr(emb, "inv_freq", None)
@@ -88,10 +95,8 @@ class CachePositions:
                 rotary = Rotary(head_dim).to(manager.device)
                 with torch.no_grad():
                     rotary.inv_freq.copy_(inv_freq.to(torch.float64))
-                rotaries[key] = (rotary, inv_freq.detach().to(device=manager.device, dtype=torch.float32).clone())
-            rotary, inv32 = rotaries[key]
-            self.layers.append(manager.rotation(kv, rotary, "cache"))
-            self.inv_freq.append(inv32)
+                rotaries[key] = rotary
+            self.layers.append(manager.rotation(kv, rotaries[key], "cache", rotated_inputs=True))
         # The retentions (one config per layer group) whose queries must share one eviction count within a step.
         self.configs = []
         for kv, r in enumerate(self.layers):
@@ -111,30 +116,68 @@ class CachePositions:
         """Un-rotated sink bytes one slot holds over every layer."""
         return sum(r.slot_bytes for r in self.layers if r is not None)
 
-    def chunk_limit(self, tokens: int, lengths) -> int:
-        """Shrink a chunk so every query in it shares one eviction count in each rotated group."""
-        for config in self.configs:
-            pol = config.retention_for(0)
-            limit = pol.sink + pol.window + 1
-            room = min(limit - n for n in lengths)
-            tokens = max(1, min(tokens, room))
-        return tokens
-
-    def check_step(self, step: BoundedKVStep) -> None:
-        for config in self.configs:
-            check_cache_step(config, step)
+    def shares_eviction(self, step: BoundedKVStep) -> bool:
+        """Whether every query of each stream in `step` has evicted as many entries as the others (one
+        rotation of the sink cells serves the step); if not, `attend_per_query` serves it."""
+        return all(eviction_shared(config, step) for config in self.configs)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, plan: GroupedPlan):
-        """Re-rotate KV layer `layer_idx`'s chunk `q`, `k` at in-cache positions (rewriting its sink cells)."""
+        """KV layer `layer_idx`'s chunk `q`, `k` (rotated at stream positions) for `attend`, after rewriting the
+        layer's sink cells at in-cache positions."""
         rot = self.layers[layer_idx]
         if rot is None:
             return q, k
-        pos = self.manager.stream_positions(plan, k.shape[2])  # [N, T]: the positions the model rotated at
-        freqs = pos.float().unsqueeze(-1) * self.inv_freq[layer_idx]
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-        q_raw = q * cos - rotate_half(q) * sin
-        k_raw = k * cos - rotate_half(k) * sin
-        return rot(q_raw, k_raw, plan)
+        return rot(q, k, plan)
 
+    def attend_per_query(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: GroupedPlan,
+                         *, scale=None, score_mod=None, sinks=None):
+        """Attend KV layer `layer_idx` for a chunk whose queries evicted different numbers of entries, or None
+        for a layer whose sinks need no rotation (attend it as usual).
 
+        Part one is the cache's own call with the sink entries scored out (`-inf`), part two the sink
+        entries scored against each query turned back by its own eviction count `e` (its in-cache distance
+        to a sink is `e` less than the stream distance), both with the model's `score_mod`; the two are one
+        softmax, merged by log-sum-exp. `q`, `k` are rotated at stream positions, as the model gives them.
+        """
+        group_rotation = self.layers[layer_idx]
+        if group_rotation is None:
+            return None
+        rotation = group_rotation.rotation
+        gplan = plan.plans[group_rotation.group]
+        config = self.manager.layer_config(layer_idx)
+        pol = config.retention_for(0)
+        S = pol.sink
+        q, k = group_rotation(q, k, plan)  # keeps this chunk's sink keys; the cells' rotation is not read here
+
+        def without_sinks(score, b, h, q_pos, kv_pos):
+            if score_mod is not None:
+                score = score_mod(score, b, h, q_pos, kv_pos)
+            return torch.where(kv_pos < S, float("-inf"), score)
+
+        out, lse = self.manager.attend(layer_idx, q, k, v, plan, scale=scale, score_mod=without_sinks, sinks=sinks,
+                                       return_lse=True)
+        out = torch.where(torch.isneginf(lse).unsqueeze(-1), torch.zeros_like(out), out)
+
+        keys, values, valid = rotation.sink_entries(gplan)  # [N, H, S, D], [N, H, S, Dv], [N, S]
+        N, Hq, T, D = q.shape
+        H = keys.shape[1]
+        pos = self.manager.stream_positions(plan, T)  # [N, T]
+        window = config.query_window if config.query_window is not None else pol.window
+        evicted = (pos - window - S).clamp_min(0)
+        q_back = rotation.rotary.rotate(q, -evicted)  # at its in-cache position, as seen from the sinks
+        scale = D ** -0.5 if scale is None else scale
+        qg = q_back.view(N, H, Hq // H, T, D).float()
+        scores = torch.einsum("nhgtd,nhsd->nhgts", qg, keys.float()) * scale
+        if score_mod is not None:
+            b = torch.arange(N, device=q.device).view(N, 1, 1, 1, 1)
+            h = torch.arange(Hq, device=q.device).view(1, H, Hq // H, 1, 1)
+            scores = score_mod(scores, b, h, pos.view(N, 1, 1, T, 1), torch.arange(S, device=q.device))
+        offs = torch.arange(keys.shape[2], device=q.device)
+        readable = valid.view(N, 1, 1, 1, -1) & (offs.view(1, 1, 1, 1, -1) <= pos.view(N, 1, 1, T, 1))
+        scores = scores.masked_fill(~readable, float("-inf"))
+        sink_lse = torch.logsumexp(scores, dim=-1)
+        weights = torch.exp(scores - torch.where(torch.isneginf(sink_lse), 0.0, sink_lse).unsqueeze(-1))
+        sink_out = torch.einsum("nhgts,nhsd->nhgtd", weights, values.float())
+        sink_out = sink_out.reshape(N, Hq, T, -1).to(out.dtype)
+        merged, _ = merge_attention((out, lse), (sink_out, sink_lse.reshape(N, Hq, T)))
+        return merged

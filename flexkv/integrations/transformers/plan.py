@@ -82,8 +82,11 @@ class FlexKVForward:
         self.scatter = scatter
         #: `[B, T]` the stream position of each column
         self.position_ids = position_ids
-        #: "cache" positions: re-rotates the step's q/k and rewrites the sink cells per layer
+        #: "cache" positions: rewrites the sink cells per layer (`CachePositions`)
         self.rotary = cache._rotary
+        #: per chunk, whether its queries share one eviction count ("cache" positions; else each query reads
+        #: the sinks at its own offset, `CachePositions.attend_per_query`)
+        self.rotary_shared = tuple(True if self.rotary is None else self.rotary.shares_eviction(s) for s in steps)
         #: model layer -> the KV layer it attends in the manager
         self.kv_layer = cache.kv_layer
         #: `[B]` the state slot of each row (models with recurrent layers; else None)
@@ -123,7 +126,7 @@ class FlexKVForward:
         outs = []
         start = 0
         single = len(self.plans) == 1 and self.plans[0].tokens == q.shape[2]
-        for plan in self.plans:
+        for index, plan in enumerate(self.plans):
             if single:
                 qc, kc, vc = q, k, v
             else:
@@ -131,6 +134,12 @@ class FlexKVForward:
                 qc, kc, vc = q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop]
                 start = stop
             if self.rotary is not None:
+                if not self.rotary_shared[index]:
+                    out = self.rotary.attend_per_query(kv, qc, kc, vc, plan, scale=scale, score_mod=score_mod,
+                                                       sinks=sinks)
+                    if out is not None:
+                        outs.append(out)
+                        continue
                 qc, kc = self.rotary(kv, qc, kc, plan)
             outs.append(self.manager.attend(kv, qc, kc, vc, plan, scale=scale, score_mod=score_mod, sinks=sinks))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
@@ -150,21 +159,18 @@ class Pending:
         self.state = state
 
 
-def chunk_steps(rows, written, lengths, chunk: int, rotary=None) -> list:
+def chunk_steps(rows, written, lengths, chunk: int) -> list:
     """The flexkv steps of one forward: its columns in chunks of at most `chunk` tokens per row.
 
     `rows`: each batch row's stream id, `written` its length before the forward, `lengths` its new
     tokens. Each step continues every stream where the chunk before left it (planned at the positions
-    it will have); `rotary` (in-cache rotary positions) may shorten a chunk so its queries share one
-    eviction count.
+    it will have).
     """
     longest = max(lengths)
     steps = []
     start = 0
     while start < longest or not steps:
         tokens = max(1, min(chunk, longest - start))
-        if rotary is not None:
-            tokens = rotary.chunk_limit(tokens, [w + min(start, L) for w, L in zip(written, lengths)])
         spans = [max(0, min(tokens, L - start)) for L in lengths]
         steps.append(
             BoundedKVStep(
