@@ -298,12 +298,11 @@ class SinkRotation(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, plan) -> Tuple[torch.Tensor, torch.Tensor]:
         """`q [N, Hq, T, D]`, `k [N, H, T, D]` -> both rotated at stream positions (see the class docstring)."""
-        T = k.shape[2]
-        pos = stream_positions(plan, T, self._reverse)
         if self.rotated_inputs:
             if self.mode == "cache" and self._sink:
-                self._rewrite_sinks(k, pos, plan)
+                self._rewrite_sinks(k, None, plan)
             return q, k
+        pos = stream_positions(plan, k.shape[2], self._reverse)
         q = self.rotary.rotate(q, pos)
         k_raw = k
         k = self.rotary.rotate(k, pos)
@@ -337,35 +336,89 @@ class SinkRotation(nn.Module):
         valid = live.view(-1, 1) & (offs < plan.sink.long().view(-1, 1))
         return keys, values, valid
 
-    def _rewrite_sinks(self, k_raw: torch.Tensor, pos: torch.Tensor, plan) -> None:
+    def rewrite_sinks(self, k: torch.Tensor, plan) -> None:
+        """What `forward` does with `rotated_inputs` in ``"cache"`` mode, called directly: keep the step's sink
+        keys `k` (rotated at stream positions) and rewrite the sink cells at in-cache positions."""
+        if not (self.rotated_inputs and self.mode == "cache"):
+            raise ValueError("rewrite_sinks: only for a 'cache' mode rotation built with rotated_inputs=True; "
+                             "call the rotation as q, k = rotation(q, k, plan)")
+        if self._sink:
+            self._rewrite_sinks(k, None, plan)
+
+    def _sink_geometry(self, pos: Optional[torch.Tensor], plan, N: int, T: int) -> tuple:
+        """Where a step's sink work goes, the same for every layer of the cache: the flat copy index of each
+        own token (the spare row unless it lands in the sink region), each row's slot row, the sink cells
+        `[N, S]` (padding rows: scratch cells), the positions to rotate each copy at `[N, S]`, and whether
+        any own token may land in a sink region (read from the plan's host table when eager; else True)."""
         S = self._sink
-        N, H, T, D = k_raw.shape
+        if pos is None:
+            pos = stream_positions(plan, T, self._reverse)
         sink_base = plan.sink_base.long()
         src_len = plan.src_len.long().view(-1, 1)
         slot_row, live = self._slot_rows_of(plan)
-
-        # 1. Keep a copy of every own token's key that lands in the sink region, as given (un-rotated, or
-        #    rotated at its stream index with `rotated_inputs`)
-        #    (the same cells attend writes it to; look-ahead ones are overwritten later, as there).
+        # Own tokens that land in the sink region (the same cells attend writes them to; look-ahead ones
+        # are overwritten later, as there).
         cell = pos - src_len
         store = live.view(-1, 1) & (cell >= 0) & (pos < plan.ring_start.long().view(-1, 1))
         flat = torch.where(store, slot_row.view(-1, 1) * S + cell.clamp(0, S - 1), self._slot_rows * S)
-        self.raw_sink.index_put_((flat.view(-1),), k_raw.transpose(1, 2).reshape(N * T, H, D))
-
-        # 2. Every row's sink cells, rotated `evicted` positions past their stream index.
         if self._query_window is None:
             evicted = plan.lo.long() - plan.sink.long()
         else:
             evicted = (plan.n.long() - self._query_window - plan.sink.long()).clamp_min(0)
         offs = self._sink_offsets
-        raw = self.raw_sink.view(self._slot_rows + 1, S, H, D)[slot_row]  # [N, S, H, D]
-        # The copy's own stream index (src_len + offs) is already in a rotated input: only `e` is left to turn.
-        at = evicted.view(-1, 1) + (0 if self.rotated_inputs else src_len + offs)
-        rotated = self.rotary.rotate(raw.transpose(1, 2), at.expand(N, S))  # [N, H, S, D]
+        # A rotated input's copy already carries its own stream index (src_len + offs): only `e` is left.
+        at = (evicted.view(-1, 1) + (0 if self.rotated_inputs else src_len + offs)).expand(N, S)
         cells = torch.where(
             live.view(-1, 1), sink_base.view(-1, 1) + offs, self._scratch_base + offs % self._scratch_len
         )
-        self.store.write_keys(self.layer_idx, cells.view(N, 1, S), rotated)
+        copies = torch.compiler.is_compiling() or any(
+            plan.field("n", i) < plan.field("ring_start", i) for i in range(plan.rows))
+        return flat.view(N * T), slot_row, cells, at, copies
+
+    def _rewrite_sinks(self, k_raw: torch.Tensor, pos: Optional[torch.Tensor], plan) -> None:
+        """Keep the step's own sink keys (as given) and rewrite every row's sink cells rotated `e` positions
+        past their stream index. Eagerly the geometry and the angles are made once per step and shared by
+        every layer (`store.per_plan`); compiled, each layer's graph holds its own."""
+        S = self._sink
+        N, H, T, D = k_raw.shape
+        eager = not torch.compiler.is_compiling()
+        memo = self.store.per_plan(plan) if eager else {}
+        geometry = memo.get("sink_geometry")
+        if geometry is None:
+            geometry = memo["sink_geometry"] = self._sink_geometry(pos, plan, N, T)
+        flat, slot_row, cells, at, copies = geometry
+        if copies:
+            self.raw_sink.index_put_((flat,), k_raw.transpose(1, 2).reshape(N * T, H, D))
+        # Each row's copies as [N, S * H, D]: one row read whole per plan row.
+        raw = self.raw_sink.view(self._slot_rows + 1, S * H, D).index_select(0, slot_row)
+        angles = ("sink_angles", id(self.rotary), k_raw.dtype)
+        turn = memo.get(angles)
+        if turn is None:
+            if self.rotated_inputs:
+                # Every sink of a row turns by the same `e`: one `[D, D]` rotation matrix per row, so that a
+                # layer's rotation is one batched matmul (`apply_rotary` is linear in x: `x @ M`, M = its
+                # value on the identity).
+                cos, sin = self.rotary.cos_sin(at[:, :1], torch.float32)  # [N, 1, D]
+                eye = torch.eye(D, dtype=torch.float32, device=cos.device)
+                turn = apply_rotary(eye, cos, sin, self.rotary.layout).to(k_raw.dtype)  # [N, D, D]
+            else:
+                cos, sin = self.rotary.cos_sin(at, k_raw.dtype)  # [N, S, D]
+                turn = (cos.unsqueeze(2), sin.unsqueeze(2))
+            memo[angles] = turn
+        if self.rotated_inputs:
+            rotated = torch.bmm(raw, turn).view(N, S, H, D)
+        else:
+            rotated = apply_rotary(raw.view(N, S, H, D), turn[0], turn[1], self.rotary.layout)
+        if eager:
+            # One copy along the cell axis, into the cells-first view of the layer's keys (an advanced-index
+            # write costs several times more per call).
+            flat_cells = memo.get("sink_cells")
+            if flat_cells is None:
+                flat_cells = memo["sink_cells"] = cells.reshape(N * S)
+            self.store.layer_kv(self.layer_idx)[0][0].transpose(0, 1).index_copy_(
+                0, flat_cells, rotated.view(N * S, H, D))
+        else:
+            self.store.write_keys(self.layer_idx, cells.view(N, 1, S), rotated.transpose(1, 2))
 
 
 def check_cache_config(config: BoundedKVConfig) -> None:

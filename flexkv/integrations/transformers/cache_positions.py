@@ -125,9 +125,10 @@ class CachePositions:
         """KV layer `layer_idx`'s chunk `q`, `k` (rotated at stream positions) for `attend`, after rewriting the
         layer's sink cells at in-cache positions."""
         rot = self.layers[layer_idx]
-        if rot is None:
-            return q, k
-        return rot(q, k, plan)
+        if rot is not None:
+            # `rot(q, k, plan)` without two module calls per layer: with rotated inputs it only rewrites.
+            rot.rotation.rewrite_sinks(k, plan.plans[rot.group])
+        return q, k
 
     def attend_per_query(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: GroupedPlan,
                          *, scale=None, score_mod=None, sinks=None):
