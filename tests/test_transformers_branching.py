@@ -35,7 +35,7 @@ from single_thread import one_thread  # noqa: F401
 from flexkv import SinkWindow, SlotsExhausted
 from flexkv.integrations.transformers import FlexKVCache
 
-KW = dict(prefill_chunk=CHUNK, block_size=16)
+KW = dict(prefill_chunk=CHUNK, block_size=16, rope_positions="stream")  # the references: stream positions
 N = 3 * WINDOW  # new tokens: every stream evicts
 
 
@@ -106,7 +106,7 @@ def test_beam_search_with_in_cache_rotary_positions_matches_streaming_llm_by_its
     ids = torch.stack(prompts((13, 13), seed=3))
     beams = dict(num_beams=3, num_return_sequences=2, max_new_tokens=N, do_sample=False, early_stopping=True,
                  output_scores=True, return_dict_in_generate=True)
-    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=6, rope_positions="cache", **KW)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=6, **{**KW, "rope_positions": "cache"})
     got = model.generate(ids, cache=cache, **beams)
     impl = model.config._attn_implementation
     AttentionInterface.register("streaming_llm_reference", streaming_llm_attention(model.model.rotary_emb.inv_freq,
@@ -169,11 +169,12 @@ def test_a_rollback_beyond_the_slot_is_refused_and_the_call_undone():
     assistant.generation_config.num_assistant_tokens_schedule = "constant"
     assistant.generation_config.assistant_confidence_threshold = 0.0  # always draft all 8
     p = prompts((13,), seed=3)[0]
-    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=1, prefill_chunk=4, block_size=16)
+    kw = dict(max_streams=1, prefill_chunk=4, block_size=16, rope_positions="stream")  # the reference: stream positions
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), **kw)
     with pytest.raises(ValueError, match=r"cannot take back \d tokens.*max_rollback"):
         model.generate(p[None], cache=cache, max_new_tokens=N, do_sample=False, assistant_model=assistant)
     assert cache.streams == () and cache.get_seq_length() == 0 and cache.selection is None
-    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=1, prefill_chunk=4, block_size=16, max_rollback=8)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_rollback=8, **kw)
     got = model.generate(p[None], cache=cache, max_new_tokens=N, do_sample=False, assistant_model=assistant)
     assert got[0, len(p):].tolist() == reference_greedy(model, p, N)[0].tolist()
 

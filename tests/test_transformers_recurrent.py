@@ -37,7 +37,7 @@ from transformers import DynamicCache
 from flexkv import SinkWindow
 from flexkv.integrations.transformers import FlexKVCache
 
-KW = dict(max_streams=4, prefill_chunk=CHUNK, block_size=16)
+KW = dict(max_streams=4, prefill_chunk=CHUNK, block_size=16, rope_positions="stream")  # references: stream positions
 
 
 RECURRENT = ("qwen3_next", "granitemoehybrid", "bamba", "jamba", "falcon_h1", "lfm2", "minimax", "kimi_linear")

@@ -33,7 +33,7 @@ from single_thread import one_thread  # noqa: F401
 from flexkv import SinkWindow
 from flexkv.integrations.transformers import FlexKVCache
 
-KW = dict(max_streams=4, prefill_chunk=CHUNK, block_size=16)
+KW = dict(max_streams=4, prefill_chunk=CHUNK, block_size=16, rope_positions="stream")  # references: stream positions
 GREEDY = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
 
 
@@ -56,7 +56,7 @@ def test_cache_positions_serve_a_chunked_prompt_past_the_window_by_streaminglls_
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(CachePositions, "attend_per_query", counted)
-    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), rope_positions="cache", **KW)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), **{**KW, "rope_positions": "cache"})
     history, got = ids, []
     with torch.no_grad():
         got.append(model(ids, cache=cache).logits[0])
@@ -78,6 +78,69 @@ def test_cache_positions_serve_a_chunked_prompt_past_the_window_by_streaminglls_
     finally:
         model.set_attn_implementation(impl)
     torch.testing.assert_close(torch.cat(got), want, rtol=0, atol=1e-4)
+
+
+def test_cache_positions_batch_a_new_stream_beside_one_past_its_window_as_each_alone():
+    """In-cache positions, batched: a stream's first chunk (its queries read only sinks once those are scored
+    apart) beside a stream whose chunk evicts per query, in a slot a finished stream left, gives each row what
+    that stream gives alone."""
+    model = make_model("llama", seed=6)
+    g = torch.Generator().manual_seed(7)
+    chunks = {sid: [torch.randint(0, 90, (1, CHUNK), generator=g) for _ in range(6)] for sid in ("a", "b", "c")}
+    kw = dict(rope_positions="cache", max_streams=2, prefill_chunk=CHUNK, block_size=16)
+    batched = FlexKVCache(model, SinkWindow(SINK, WINDOW), **kw)
+    got = {"b": [], "c": []}
+    with torch.no_grad():
+        for i in range(3):  # "a" then "b" run past the window together
+            batched.select(["a", "b"])
+            out = model(torch.cat([chunks["a"][i], chunks["b"][i]]), cache=batched).logits
+            got["b"].append(out[1])
+        batched.finish("a")
+        for i in range(3):  # "c" starts in a's slot beside "b", which evicts per query
+            out = model(torch.cat([chunks["c"][i], chunks["b"][3 + i]]), cache=batched.select(["c", "b"])).logits
+            got["c"].append(out[0])
+            got["b"].append(out[1])
+        for sid, n in (("b", 6), ("c", 3)):
+            alone = FlexKVCache(model, SinkWindow(SINK, WINDOW), **kw)
+            want = [model(chunks[sid][i], cache=alone).logits[0] for i in range(n)]
+            torch.testing.assert_close(torch.stack(got[sid]), torch.stack(want), rtol=0, atol=1e-10)
+
+
+def test_the_default_positions_are_in_cache_ones_wherever_they_are_served():
+    """`rope_positions=None`: StreamingLLM's in-cache positions for a rotary model; stream positions, with the
+    reason kept, for latent attention's partial rotary and for quantized slots; asking for what is not served
+    is refused with that reason, and the refused build leaves nothing behind."""
+    llama = make_model("llama")
+    assert FlexKVCache(llama, SinkWindow(SINK, WINDOW)).rope_positions == "cache"
+    assert FlexKVCache(llama, SinkWindow(SINK, WINDOW), rope_positions="stream").rope_positions == "stream"
+    int8 = FlexKVCache(llama, SinkWindow(SINK, WINDOW), slot_dtype=torch.int8)
+    assert int8.rope_positions == "stream" and "quantized slots" in int8.stream_positions_reason
+    assert int8.memory_bytes == FlexKVCache(llama, SinkWindow(SINK, WINDOW), slot_dtype=torch.int8,
+                                            rope_positions="stream").memory_bytes  # no sink copies were kept
+    mla = make_model("deepseek_v3")
+    cache = FlexKVCache(mla, SinkWindow(SINK, WINDOW))
+    assert cache.rope_positions == "stream" and "rotary over the whole head" in cache.stream_positions_reason
+    with pytest.raises(ValueError, match="rotary over the whole head"):
+        FlexKVCache(mla, SinkWindow(SINK, WINDOW), rope_positions="cache")
+
+
+def test_stream_positions_past_the_trained_context_warn_once_with_the_fix():
+    model = make_model("llama")  # max_position_embeddings=1024
+    model.config.max_position_embeddings = 3 * WINDOW
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), rope_positions="stream", max_streams=1, prefill_chunk=CHUNK)
+    ids = torch.randint(1, 90, (1, 3 * WINDOW))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(ids, cache=cache)  # reaches the trained context, not past it
+    with pytest.warns(RuntimeWarning, match=r"reaches position 25, past the model's trained context.*rope_positions='cache'"):
+        model(ids[:, :1], cache=cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(ids[:, :1], cache=cache)  # once per cache
+    in_cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=1, prefill_chunk=CHUNK)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.cat([ids, ids], dim=1), cache=in_cache)  # in-cache positions never pass it
 
 
 def test_cache_positions_leave_layers_without_rotary_alone():
@@ -173,7 +236,7 @@ def test_absolute_positions_past_the_limit_are_refused():
 
 def test_streams_continue_across_generate_calls():
     model = make_model("llama", seed=3)
-    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=4, prefill_chunk=CHUNK, block_size=16)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), **KW)
     n = 8
     history = {}
     # Call 1: three streams.
@@ -216,7 +279,7 @@ def test_multi_turn_chat_matches_the_whole_history(form):
     the previous turn returned last), or the previous output plus the new message (transformers' way).
     Every turn's tokens equal the model's over the whole history the user saw."""
     model = make_model("llama", seed=3)
-    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=2, prefill_chunk=CHUNK, block_size=16)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), **{**KW, "max_streams": 2})
     n, sids = 6, ["u", "v"]
     history = {sid: torch.zeros(0, dtype=torch.long) for sid in sids}
     out = mask = None
@@ -531,7 +594,7 @@ def test_a_chat_continued_with_only_new_ids_and_no_select_is_refused_naming_the_
     and transformers feeds only the columns past `get_seq_length()`: refused before anything runs, naming
     `select()`. Both documented forms then continue the chat with the same tokens."""
     model = make_model("llama", seed=2)
-    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=1, prefill_chunk=CHUNK, block_size=16)
+    cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), **{**KW, "max_streams": 1})
     p, q = prompts((7, 3), seed=3)
     out = model.generate(p[None], cache=cache, max_new_tokens=4, do_sample=False)
     assert cache.get_seq_length() == 10 and cache.selection == (0,)
@@ -545,7 +608,7 @@ def test_a_chat_continued_with_only_new_ids_and_no_select_is_refused_naming_the_
     want, _ = reference_greedy(model, torch.cat([out[0], q]), 4)
     got = model.generate(q[None], cache=cache.select([0]), max_new_tokens=4, do_sample=False)
     assert got[0, 3:].tolist() == want.tolist()
-    other = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=1, prefill_chunk=CHUNK, block_size=16)
+    other = FlexKVCache(model, SinkWindow(SINK, WINDOW), **{**KW, "max_streams": 1})
     model.generate(p[None], cache=other, max_new_tokens=4, do_sample=False)
     got = model.generate(torch.cat([out, q[None]], dim=1), cache=other, max_new_tokens=4, do_sample=False)
     assert got[0, out.shape[1] + 3:].tolist() == want.tolist()

@@ -398,8 +398,9 @@ class SinkRotation(nn.Module):
                 # Every sink of a row turns by the same `e`: one `[D, D]` rotation matrix per row, so that a
                 # layer's rotation is one batched matmul (`apply_rotary` is linear in x: `x @ M`, M = its
                 # value on the identity).
-                cos, sin = self.rotary.cos_sin(at[:, :1], torch.float32)  # [N, 1, D]
-                eye = torch.eye(D, dtype=torch.float32, device=cos.device)
+                work = torch.promote_types(torch.float32, k_raw.dtype)
+                cos, sin = self.rotary.cos_sin(at[:, :1], work)  # [N, 1, D]
+                eye = torch.eye(D, dtype=work, device=cos.device)
                 turn = apply_rotary(eye, cos, sin, self.rotary.layout).to(k_raw.dtype)  # [N, D, D]
             else:
                 cos, sin = self.rotary.cos_sin(at, k_raw.dtype)  # [N, S, D]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Hashable, List, Optional, Sequence
 
@@ -53,8 +54,15 @@ class FlexKVCache(BranchingCache, CacheShim):
             sliding-window layers (it would be used nowhere).
         max_streams: streams the cache holds at once (slots); memory is
             allocated for all of them up front.
-        rope_positions: `"stream"` (None, the default) or `"cache"`: where
-            rotary embeddings rotate (docs/transformers.md, "Positions").
+        rope_positions: `"cache"` (StreamingLLM's in-cache positions, which
+            keep a model's quality past its trained context) or `"stream"`
+            (the stream index, what the model sees without a cache). None
+            (default): `"cache"` wherever flexkv serves it (rotary layers whose
+            angles are `position * inv_freq`, over the whole head, with slots
+            in the model's dtype), else `"stream"`, and a stream that then
+            runs past the model's trained context (`max_position_embeddings`)
+            is warned about once, with the fix (docs/transformers.md,
+            "Positions").
         prefill_chunk: the most tokens per row one flexkv step carries; a
             longer prompt is attended in chunks, each layer in turn. Every slot
             holds this many cells beyond what its layers keep.
@@ -98,7 +106,7 @@ class FlexKVCache(BranchingCache, CacheShim):
         slot_dtype: Optional[torch.dtype] = None,
         max_rollback: int = 0,
     ):
-        positions = "stream" if rope_positions is None else rope_positions
+        positions = "cache" if rope_positions is None else rope_positions
         if retention is not None:
             check_retention("retention", retention)
         if sliding_retention is not None:
@@ -147,7 +155,22 @@ class FlexKVCache(BranchingCache, CacheShim):
             block_size=block_size,
         )
         self._recurrent = m.states
-        self._rotary = CachePositions(self.manager, model, self._kv_owner) if positions == "cache" else None
+        self._rotary = None
+        #: why the default positions are "stream" for this model (None: they are not, or were asked for)
+        self.stream_positions_reason: Optional[str] = None
+        if positions == "cache":
+            try:
+                self._rotary = CachePositions(self.manager, model, self._kv_owner)
+            except ValueError as exc:
+                if rope_positions is not None:
+                    raise
+                # The default where in-cache positions cannot be served: stream positions, said once a stream
+                # would run past what the model was trained on (`_check_trained_context`).
+                self.rope_positions = "stream"
+                self.stream_positions_reason = str(exc)
+        trained = getattr(m.config, "max_position_embeddings", None)
+        self._trained_context = trained if self.rope_positions == "stream" and m.absolute is None \
+            and isinstance(trained, int) else None
         views = []
         for s in specs:
             if s.attends and s.recurrent:
@@ -410,6 +433,8 @@ class FlexKVCache(BranchingCache, CacheShim):
                         f"learned absolute positions ({name}) stop at max_position_embeddings={limit}; start a new "
                         f"stream (cache.finish({sid!r}) and select it again), or use a model with rotary positions"
                     )
+        if self._trained_context is not None:
+            self._check_trained_context(rows, written, lengths)
         if self._recurrent is not None:
             check_recurrent_forward([s.index for s in self.layer_specs if s.recurrent], self._restarts, rows, written,
                                     real, T)
@@ -541,6 +566,26 @@ class FlexKVCache(BranchingCache, CacheShim):
         if self.device.type == "cuda":
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
+
+    def _check_trained_context(self, rows, written, lengths) -> None:
+        """Warn once when a stream under stream positions runs past the model's trained context: rotary
+        distances past it were never seen in training and quality falls apart (StreamingLLM's finding)."""
+        limit = self._trained_context
+        for sid, w, n in zip(rows, written, lengths):
+            if w + n > limit:
+                why = "" if self.stream_positions_reason is None else \
+                    f" (in-cache positions are not served for this model: {self.stream_positions_reason})"
+                warnings.warn(
+                    f"FlexKVCache: stream {sid!r} reaches position {w + n}, past the model's trained context "
+                    f"(max_position_embeddings={limit}), under rope_positions='stream'{why}; rotary distances this "
+                    f"long were not trained and the output degrades. Use rope_positions='cache' (StreamingLLM's "
+                    f"in-cache positions) where the model allows it, or finish the stream and start a new one "
+                    f"before that position.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                self._trained_context = None  # once per cache
+                return
 
     def __repr__(self):
         c = self.manager.config

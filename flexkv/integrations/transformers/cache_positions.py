@@ -22,7 +22,7 @@ import torch
 
 from ...cache.groups import GroupedKVManager, GroupedPlan
 from ...cache.merge import merge_attention
-from ...cache.rotary import Rotary, eviction_shared
+from ...cache.rotary import Rotary, check_cache_config, eviction_shared
 from ...step import BoundedKVStep
 from .model_config import text_config
 
@@ -90,13 +90,26 @@ class CachePositions:
                     f"rope_positions='cache' needs rotary over the whole head (layer {i}: 2 * {inv_freq.numel()} "
                     f"frequencies != head_dim {head_dim}): use rope_positions='stream'"
                 )
+            check_cache_config(layer_config)
+            if layer_config.slot_dtype is not None:
+                raise ValueError(
+                    f"rope_positions='cache' rewrites the sink keys at every step, which quantized slots "
+                    f"(slot_dtype={layer_config.slot_dtype}) cannot hold without re-quantizing them: use "
+                    f"rope_positions='stream', or slot_dtype=None"
+                )
+            self.layers.append((inv_freq, head_dim))
+        # Every check passed: only now does any layer register its sink copies with the cache.
+        for kv, wanted in enumerate(self.layers):
+            if wanted is None:
+                continue
+            inv_freq, head_dim = wanted
             key = (id(inv_freq), head_dim)
             if key not in rotaries:
                 rotary = Rotary(head_dim).to(manager.device)
                 with torch.no_grad():
                     rotary.inv_freq.copy_(inv_freq.to(torch.float64))
                 rotaries[key] = rotary
-            self.layers.append(manager.rotation(kv, rotaries[key], "cache", rotated_inputs=True))
+            self.layers[kv] = manager.rotation(kv, rotaries[key], "cache", rotated_inputs=True)
         # The retentions (one config per layer group) whose queries must share one eviction count within a step.
         self.configs = []
         for kv, r in enumerate(self.layers):
@@ -157,7 +170,11 @@ class CachePositions:
 
         out, lse = self.manager.attend(layer_idx, q, k, v, plan, scale=scale, score_mod=without_sinks, sinks=sinks,
                                        return_lse=True)
-        out = torch.where(torch.isneginf(lse).unsqueeze(-1), torch.zeros_like(out), out)
+        # A query that reads only sinks (a stream's first tokens, batched beside a stream past its window) has
+        # every score of this part at -inf: whatever the path made of it (-inf or NaN), it contributes nothing.
+        dead = ~torch.isfinite(lse)
+        out = torch.where(dead.unsqueeze(-1), torch.zeros_like(out), out)
+        lse = torch.where(dead, float("-inf"), lse)
 
         keys, values, valid = rotation.sink_entries(gplan)  # [N, H, S, D], [N, H, S, Dv], [N, S]
         N, Hq, T, D = q.shape
@@ -167,8 +184,9 @@ class CachePositions:
         evicted = (pos - window - S).clamp_min(0)
         q_back = rotation.rotary.rotate(q, -evicted)  # at its in-cache position, as seen from the sinks
         scale = D ** -0.5 if scale is None else scale
-        qg = q_back.view(N, H, Hq // H, T, D).float()
-        scores = torch.einsum("nhgtd,nhsd->nhgts", qg, keys.float()) * scale
+        work = torch.promote_types(torch.float32, q.dtype)  # scores and weights in at least float32
+        qg = q_back.view(N, H, Hq // H, T, D).to(work)
+        scores = torch.einsum("nhgtd,nhsd->nhgts", qg, keys.to(work)) * scale
         if score_mod is not None:
             b = torch.arange(N, device=q.device).view(N, 1, 1, 1, 1)
             h = torch.arange(Hq, device=q.device).view(1, H, Hq // H, 1, 1)
@@ -178,7 +196,7 @@ class CachePositions:
         scores = scores.masked_fill(~readable, float("-inf"))
         sink_lse = torch.logsumexp(scores, dim=-1)
         weights = torch.exp(scores - torch.where(torch.isneginf(sink_lse), 0.0, sink_lse).unsqueeze(-1))
-        sink_out = torch.einsum("nhgts,nhsd->nhgtd", weights, values.float())
+        sink_out = torch.einsum("nhgts,nhsd->nhgtd", weights, values.to(work))
         sink_out = sink_out.reshape(N, Hq, T, -1).to(out.dtype)
         merged, _ = merge_attention((out, lse), (sink_out, sink_lse.reshape(N, Hq, T)))
         return merged
