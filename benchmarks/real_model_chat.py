@@ -13,9 +13,9 @@ cache before them). The turns:
 3. a self-contained question with a known answer (`--last`), and the first
    turn's question again (`--again`), long after the first turn left the window.
 
-`--rope-positions cache` gives the cache StreamingLLM's positions (inside
-the cache), which a stream longer than the model's trained context needs;
-it feeds one token per forward once the window is full, so it is slower.
+FlexKVCache's default gives SmolLM2 StreamingLLM's positions (inside the
+cache), which a stream longer than the model's trained context needs;
+`--rope-positions stream` takes the stream index instead, to compare.
 
 Every turn prints its tokens, the stream's length, the cache's bytes
 (`memory_bytes`, allocated when the cache is built) and the process's
@@ -93,8 +93,9 @@ def main(argv=None) -> int:
     parser.add_argument("--first", default=FIRST)
     parser.add_argument("--last", default=LAST)
     parser.add_argument("--again", default=AGAIN, help="the first turn's question, asked again at the end")
-    parser.add_argument("--rope-positions", choices=["stream", "cache"], default="stream",
-                        help="FlexKVCache's rope_positions: 'cache' is StreamingLLM's, needed past the trained context")
+    parser.add_argument("--rope-positions", choices=["stream", "cache"], default=None,
+                        help="FlexKVCache's rope_positions (default: FlexKVCache's own, 'cache' for SmolLM2): 'cache' "
+                             "is StreamingLLM's, needed past the trained context")
     parser.add_argument("--answer", type=int, default=40, help="most new tokens for the questions' answers")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
     fresh = Chat(model, tokenizer, DynamicCache(config=model.config)).turn(args.last, args.answer)[0]
     print()
     print(f"{number} turns, {chat.fed} tokens through one stream in {time.perf_counter() - start:.0f} s, "
-          f"SinkWindow({args.sink}, {args.window}), rope_positions={args.rope_positions!r}, stream length {cache.stream_length('chat')}")
+          f"SinkWindow({args.sink}, {args.window}), rope_positions={cache.rope_positions!r}, stream length {cache.stream_length('chat')}")
     print(f"turn 1, {args.first!r}: {first!r} (the model's own DynamicCache: {alone!r}, "
           f"{'same' if first == alone else 'DIFFERENT'})")
     for question, answer in answers:

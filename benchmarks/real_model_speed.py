@@ -6,7 +6,8 @@ held off with `min_new_tokens` so every run makes the same number), one
 process, one cache after another:
 
 - `FlexKVCache(model, SinkWindow(4, 1020))` (`--sink`, `--window`);
-- with `--caches flexkv-cache-positions`, the same with `rope_positions="cache"`;
+- with `--caches flexkv-stream-positions`, the same with `rope_positions="stream"` (`flexkv` takes
+  FlexKVCache's default, StreamingLLM's in-cache positions for SmolLM2);
 - transformers' `DynamicCache` (grows by one token per layer per step);
 - transformers' `StaticCache` sized for the whole run (`prompt + tokens`);
 
@@ -83,7 +84,7 @@ def run_one(model, prompt, tokens: int, kind: str, compiled: bool, args) -> dict
 
     label = f"{kind}, {'compiled' if compiled else 'eager'}"
     if kind.startswith("flexkv"):
-        rope = "cache" if kind == "flexkv-cache-positions" else None
+        rope = "stream" if kind == "flexkv-stream-positions" else None
         cache = FlexKVCache(model, SinkWindow(args.sink, args.window), max_streams=1, rope_positions=rope)
     elif kind == "dynamic":
         cache = DynamicCache(config=model.config)
@@ -146,8 +147,9 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, default=1020)
     parser.add_argument("--every", type=int, default=500, help="report ms per token every this many tokens")
     parser.add_argument("--caches", nargs="+", default=["flexkv", "dynamic", "static"],
-                        choices=["flexkv", "flexkv-cache-positions", "dynamic", "static"],
-                        help="flexkv-cache-positions: FlexKVCache with rope_positions='cache'")
+                        choices=["flexkv", "flexkv-stream-positions", "dynamic", "static"],
+                        help="flexkv: FlexKVCache as built by default (in-cache positions for a rotary model); "
+                             "flexkv-stream-positions: with rope_positions='stream'")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
     if args.tokens < 0 or args.tokens == 0 and args.compiled_tokens == 0:

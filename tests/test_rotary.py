@@ -114,7 +114,7 @@ def test_interleaved_layout_is_gptj_rope():
         Rotary(D, layout="gptj")
 
 
-def _run_against_streamingllm(cfg, steps, step_fn, seed, layout="half"):
+def _run_against_streamingllm(cfg, steps, step_fn, seed, layout="half", rotated_inputs=False):
     """Decode `steps` steps for a churning batch; compare every live row with StreamingLLM.
 
     The first step, layer and request further than 2e-5 from it fails there; returns the length `r2`
@@ -124,7 +124,7 @@ def _run_against_streamingllm(cfg, steps, step_fn, seed, layout="half"):
     torch.manual_seed(seed)
     m = BoundedKVManager(cfg, block_size=16)
     rot = Rotary(D, base=100.0, layout=layout)
-    layers = [SinkRotation(m, i, rot, "cache") for i in range(LAYERS)]
+    layers = [SinkRotation(m, i, rot, "cache", rotated_inputs=rotated_inputs) for i in range(LAYERS)]
     ref = StreamingLLM(GPTJRotary(D, 100.0) if layout == "interleaved" else rot, SINK, WINDOW, D ** -0.5)
     live = ["r0", "r1", None]
     written = {}
@@ -139,7 +139,11 @@ def _run_against_streamingllm(cfg, steps, step_fn, seed, layout="half"):
         qs = [torch.randn(N, HQ, 1, D) for _ in range(LAYERS)]
         ks = [torch.randn(N, H, 1, D) for _ in range(LAYERS)]
         vs = [torch.randn(N, H, 1, D) for _ in range(LAYERS)]
-        outs = step_fn(m, layers, plan, qs, ks, vs)
+        if rotated_inputs:  # as a model that rotates at the stream positions the cache gives it
+            at = m.stream_positions(plan, 1)
+            outs = step_fn(m, layers, plan, [rot.rotate(q, at) for q in qs], [rot.rotate(k, at) for k in ks], vs)
+        else:
+            outs = step_fn(m, layers, plan, qs, ks, vs)
         for li in range(LAYERS):
             for si, rid in enumerate(live):
                 rows = slice(si * R, si * R + R)
@@ -178,6 +182,14 @@ def _eager_step(m, layers, plan, qs, ks, vs):
 def test_cache_positions_match_streamingllm_eager(query_window, steps, layout):
     longest = _run_against_streamingllm(_cache_config(query_window), steps, _eager_step, seed=1, layout=layout)
     assert longest >= SINK + WINDOW + 8  # past the window, so sinks have been re-rotated several times
+
+
+@pytest.mark.parametrize("query_window", [None, WINDOW])
+def test_cache_positions_from_queries_and_keys_the_model_rotated_match_streamingllm(query_window):
+    """`rotated_inputs=True` (what FlexKVCache uses): q and k arrive rotated at stream positions and only the
+    sink cells are turned, by the eviction count; the result is StreamingLLM's, through churn and resets."""
+    longest = _run_against_streamingllm(_cache_config(query_window), 30, _eager_step, seed=3, rotated_inputs=True)
+    assert longest >= SINK + WINDOW + 8
 
 
 @pytest.fixture(scope="module")

@@ -63,22 +63,30 @@ def test_rotary_cache_positions_match_streamingllm():
     cfg = BoundedKVConfig(L_, H, D, R, 0, SinkWindow(3, 5), max_slots=2)
     rot = Rotary(D, base=50.0)
     unc, by_stream, sllm = UncachedHistory(cfg), UncachedHistory(cfg), StreamingLLM(rot, 3, 5, D ** -0.5)
+    pre = UncachedHistory(cfg)  # fed q and k rotated at stream positions, as transformers models give them
+    turns = []
     for layer in range(L_):
         unc.rotation(layer, rot, "cache")
         by_stream.rotation(layer, rot, "stream")
+        turns.append(pre.rotation(layer, rot, "cache", rotated_inputs=True))
     for n in range(20):
         step = BoundedKVStep((Segment("a", 1),), {"a": StreamPosition(0, n)})
         unc.admit(step)
         by_stream.admit(step)
+        pre.admit(step)
         for layer in range(L_):
             q, k, v = torch.randn(R, HQ, 1, D), torch.randn(R, H, 1, D), torch.randn(R, H, 1, D)
             got = unc.attend(layer, q, k, v, step)
+            at = torch.full((R, 1), n)
+            q_in, k_in = turns[layer](rot.rotate(q, at), rot.rotate(k, at), step)
+            assert (pre.attend(layer, q_in, k_in, v, step) - got).abs().max() < 1e-5
             assert (got.double() - sllm.attend(layer, "a", q, k, v)).abs().max() < 1e-5
             stream = by_stream.attend(layer, q, k, v, step)
             if n > 3 + 5:  # evicting: the two position modes part
                 assert (stream - got).abs().max() > 1e-3
         unc.commit(step)
         by_stream.commit(step)
+        pre.commit(step)
 
 
 def test_rejects_stale_positions_and_bad_modes():

@@ -83,15 +83,21 @@ class _Rotation:
     """What `UncachedHistory.rotation` returns: the twin rotates inside `attend`, so `q` and `k`
     pass through unchanged here; the layer's rotary and mode are recorded for `attend`."""
 
-    def __init__(self, history: "UncachedHistory", layer_idx: int, rotary: Rotary, mode: str):
+    def __init__(self, history: "UncachedHistory", layer_idx: int, rotary: Rotary, mode: str,
+                 rotated_inputs: bool = False):
         self.history, self.layer_idx, self.rotary, self.mode = history, layer_idx, rotary, mode
+        self.rotated_inputs = rotated_inputs
 
     def check_step(self, step: BoundedKVStep) -> None:
         if self.mode == "cache":
             check_cache_step(self.history.layer_config(self.layer_idx), step)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, plan=None):
-        return q, k
+        if not self.rotated_inputs:
+            return q, k
+        # Rotated at stream positions by the model: turned back, as the twin keeps keys un-rotated.
+        pos = self.history.stream_positions(plan, k.shape[2])
+        return self.rotary.rotate(q, -pos), self.rotary.rotate(k, -pos)
 
 
 class HistoryStore(StoreHooks):
@@ -234,9 +240,11 @@ class UncachedHistory(StreamLifecycle):
         return KeyPart(keys.to(dtype=k.dtype, device=k.device), values.to(dtype=v.dtype, device=v.device),
                        valid.to(k.device))
 
-    def rotation(self, layer_idx: int, rotary: Rotary, mode: str = "stream") -> _Rotation:
+    def rotation(self, layer_idx: int, rotary: Rotary, mode: str = "stream", *,
+                 rotated_inputs: bool = False) -> _Rotation:
         """Rotary positions for layer `layer_idx`: applied by `attend` over the whole history (keys
-        are kept un-rotated), refusing what the bounded cache refuses in ``"cache"`` mode."""
+        are kept un-rotated; with `rotated_inputs` the rotation turns the model's stream-rotated q and k
+        back first), refusing what the bounded cache refuses in ``"cache"`` mode."""
         if not isinstance(rotary, Rotary):
             raise ValueError(f"rotation: rotary must be a flexkv.cache.rotary.Rotary, got {type(rotary).__name__}")
         if mode not in ROPE_POSITIONS:
@@ -253,7 +261,7 @@ class UncachedHistory(StreamLifecycle):
         if mode == "cache":
             check_cache_config(cfg)
         self._rotary[layer_idx] = (rotary, mode)
-        return _Rotation(self, layer_idx, rotary, mode)
+        return _Rotation(self, layer_idx, rotary, mode, rotated_inputs)
 
     def attend(
         self,
