@@ -93,7 +93,7 @@ def recompute_nll(model, ids: torch.Tensor, window: int, positions: list, progre
             target = torch.stack([ids[0, i + 1] for i in group])
             out.append(torch.nn.functional.cross_entropy(logits, target, reduction="none"))
             progress.advance(len(group) * (window + 1))
-    return torch.cat(out)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)  # --recompute-samples 0
 
 
 def _ppl(nll: torch.Tensor) -> float:
