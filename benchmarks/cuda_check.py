@@ -336,6 +336,15 @@ def run_workload(name, cfg, kw, steps, device, dtype, seed=0, options: Optional[
     return res
 
 
+#: Messages of a device fault after which the CUDA context is unusable: every later kernel fails with it.
+CONTEXT_FAULTS = ("illegal memory access", "unspecified launch failure", "device-side assert")
+
+
+def context_fault(error: Optional[str]) -> bool:
+    """Whether a row's error is a fault that leaves the CUDA context unusable for the rest of the run."""
+    return bool(error) and any(f in error for f in CONTEXT_FAULTS)
+
+
 def device_type(device) -> str:
     return torch.device(device).type
 
@@ -369,6 +378,12 @@ def correctness(device: torch.device, report: dict, save: Callable[[], None],
     todo = correctness_rows(cuda, True) + correctness_rows(cuda, False) if first is None else \
         correctness_rows(cuda, first)
     for name, cfg, kw, steps, dtype in todo:
+        lost = report.get("context_lost")
+        if lost:
+            # Rows run after a fault would only repeat it: say so instead of listing them as failures.
+            report.setdefault("skipped", []).append(f"correctness {name} {dtype}: the CUDA context was lost at {lost}")
+            print(f"  (skipped: the CUDA context was lost at {lost}) {name} {str(dtype).replace('torch.', '')}")
+            continue
         if any(part in name for part in skip):
             report.setdefault("skipped", []).append(f"correctness {name} {dtype}: --skip")
             continue
@@ -385,6 +400,10 @@ def correctness(device: torch.device, report: dict, save: Callable[[], None],
             traceback.print_exc()
         rows.append(res)
         _print_correctness_row(res)
+        if context_fault(res.get("error")):
+            report["context_lost"] = f"{name} {str(dtype).replace('torch.', '')}"
+            print(f"  the CUDA context is unusable after this fault: the rest of the run is skipped; run each "
+                  f"workload apart with `python -m benchmarks.cuda_probe NAME ship` (and --skip {name})")
         save()
 
 
@@ -857,6 +876,8 @@ def _failures(report: dict) -> list:
         failed.append("flexkv vs SDPA at the bench shape")
     failed += [f"variant {v}" for v in report.get("variant_failures", [])]
     failed += [f"quantized: {r['name']}" for r in report.get("quantized", {}).get("rows", []) if r.get("ok") is False]
+    if report.get("context_lost"):
+        failed.append(f"the CUDA context was lost at {report['context_lost']}: later checks did not run")
     return failed
 
 
@@ -907,7 +928,10 @@ def main(argv=None) -> int:
             _section_error(report, "correctness", e)
             report.setdefault("correctness", []).append(dict(name="correctness section", ok=False))
         save()
-        if not args.skip_timing and deadline is not None and time.monotonic() > deadline:
+        if not args.skip_timing and report.get("context_lost"):
+            report.setdefault("skipped", []).append(f"timing: the CUDA context was lost at {report['context_lost']}")
+            print(f"  (timing skipped: the CUDA context was lost at {report['context_lost']})")
+        elif not args.skip_timing and deadline is not None and time.monotonic() > deadline:
             report.setdefault("skipped", []).append("timing: past the deadline")
             print("  (timing skipped, past the deadline)")
         elif not args.skip_timing:
@@ -930,7 +954,8 @@ def main(argv=None) -> int:
         except Exception as e:
             _section_error(report, "correctness (second pass)", e)
         save()
-        if not args.skip_quantized and (deadline is None or time.monotonic() < deadline):
+        if not args.skip_quantized and not report.get("context_lost") and \
+                (deadline is None or time.monotonic() < deadline):
             print("quantized slots: float8 cells against bf16 cells at the decode shape (one compiled layer):")
             try:
                 quantized_decode(device, report, save, deadline)

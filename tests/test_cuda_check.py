@@ -118,3 +118,26 @@ def test_nothing_starts_past_the_deadline():
     correctness(torch.device("cpu"), report, lambda: saves.append(1), first=True, deadline=0.0)
     assert report["correctness"] == [] and saves == []
     assert report["skipped"] and all("past the deadline" in s for s in report["skipped"])
+
+
+def test_a_fault_that_loses_the_cuda_context_skips_the_rest_instead_of_failing_it(monkeypatch):
+    """After an illegal memory access every later kernel fails the same way: those rows are reported as
+    skipped with the reason, and the run fails naming the workload that faulted."""
+    from benchmarks import cuda_check
+
+    ran = []
+
+    def fake(name, cfg, kw, steps, device, dtype, **_):
+        ran.append(name)
+        error = "AcceleratorError: CUDA error: an illegal memory access was encountered" if len(ran) == 2 else None
+        return dict(name=name, dtype=str(dtype), ok=error is None, error=error)
+
+    monkeypatch.setattr(cuda_check, "run_workload", fake)
+    report: dict = {}
+    cuda_check.correctness(torch.device("cpu"), report, lambda: None, first=True)
+    first, second = ran
+    assert [r["name"] for r in report["correctness"]] == [first, second]
+    assert report["context_lost"].startswith(second)
+    assert len(report["skipped"]) == len(cuda_check.correctness_rows(False, True)) - 2
+    assert all("context was lost" in s for s in report["skipped"])
+    assert cuda_check._failures(report)[-1].startswith(f"the CUDA context was lost at {second}")
