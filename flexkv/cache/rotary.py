@@ -31,8 +31,10 @@ in the cache changes.
 This needs every query of a step to share one eviction count `e`: true for
 the per-step window, and for a per-query window (`query_window`) when a step
 has one query or the stream has not started evicting by the step's last
-query. `SinkRotation.check_step` says so on the host; chunked prefill past
-the window in ``"cache"`` mode is not served. It also needs the sink entries
+query. `SinkRotation.check_step` says so on the host; a step whose queries
+evicted different counts is not served by the sink cells alone (the
+transformers door serves such chunks with a per-query sink part merged by
+log-sum-exp, `CachePositions.attend_per_query`). It also needs the sink entries
 to be written by the request (in its slot): a source's cells are shared by
 every request that reads it and cannot carry a per-request rotation.
 
@@ -383,15 +385,16 @@ class SinkRotation(nn.Module):
         N, H, T, D = k_raw.shape
         eager = not torch.compiler.is_compiling()
         memo = self.store.per_plan(plan) if eager else {}
-        geometry = memo.get("sink_geometry")
+        # Keyed by the input kind too: a cache's layers may mix rotations fed raw and rotated q, k.
+        geometry = memo.get(("sink_geometry", self.rotated_inputs))
         if geometry is None:
-            geometry = memo["sink_geometry"] = self._sink_geometry(pos, plan, N, T)
+            geometry = memo[("sink_geometry", self.rotated_inputs)] = self._sink_geometry(pos, plan, N, T)
         flat, slot_row, cells, at, copies = geometry
         if copies:
             self.raw_sink.index_put_((flat,), k_raw.transpose(1, 2).reshape(N * T, H, D))
         # Each row's copies as [N, S * H, D]: one row read whole per plan row.
         raw = self.raw_sink.view(self._slot_rows + 1, S * H, D).index_select(0, slot_row)
-        angles = ("sink_angles", id(self.rotary), k_raw.dtype)
+        angles = ("sink_angles", id(self.rotary), k_raw.dtype, self.rotated_inputs)
         turn = memo.get(angles)
         if turn is None:
             if self.rotated_inputs:

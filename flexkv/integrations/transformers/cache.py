@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Hashable, List, Optional, Sequence
 
@@ -16,7 +15,7 @@ from ...cache.slots import SlotsExhausted
 from ...cache.transaction import StepTransaction
 from ...config import BoundedKVConfig, SinkWindow
 from .branching import BranchingCache
-from .cache_positions import CachePositions
+from .cache_positions import CachePositions, warn_past_trained_context
 from .hooks import enable, switch
 from .model_config import RECURRENT_TYPES
 from .model_survey import check_retention, own_cache_class, survey
@@ -165,7 +164,7 @@ class FlexKVCache(BranchingCache, CacheShim):
                 if rope_positions is not None:
                     raise
                 # The default where in-cache positions cannot be served: stream positions, said once a stream
-                # would run past what the model was trained on (`_check_trained_context`).
+                # would run past what the model was trained on (`warn_past_trained_context`).
                 self.rope_positions = "stream"
                 self.stream_positions_reason = str(exc)
         trained = getattr(m.config, "max_position_embeddings", None)
@@ -433,8 +432,9 @@ class FlexKVCache(BranchingCache, CacheShim):
                         f"learned absolute positions ({name}) stop at max_position_embeddings={limit}; start a new "
                         f"stream (cache.finish({sid!r}) and select it again), or use a model with rotary positions"
                     )
-        if self._trained_context is not None:
-            self._check_trained_context(rows, written, lengths)
+        if self._trained_context is not None and warn_past_trained_context(
+                rows, written, lengths, self._trained_context, self.stream_positions_reason):
+            self._trained_context = None  # once per cache
         if self._recurrent is not None:
             check_recurrent_forward([s.index for s in self.layer_specs if s.recurrent], self._restarts, rows, written,
                                     real, T)
@@ -566,26 +566,6 @@ class FlexKVCache(BranchingCache, CacheShim):
         if self.device.type == "cuda":
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
-
-    def _check_trained_context(self, rows, written, lengths) -> None:
-        """Warn once when a stream under stream positions runs past the model's trained context: rotary
-        distances past it were never seen in training and quality falls apart (StreamingLLM's finding)."""
-        limit = self._trained_context
-        for sid, w, n in zip(rows, written, lengths):
-            if w + n > limit:
-                why = "" if self.stream_positions_reason is None else \
-                    f" (in-cache positions are not served for this model: {self.stream_positions_reason})"
-                warnings.warn(
-                    f"FlexKVCache: stream {sid!r} reaches position {w + n}, past the model's trained context "
-                    f"(max_position_embeddings={limit}), under rope_positions='stream'{why}; rotary distances this "
-                    f"long were not trained and the output degrades. Use rope_positions='cache' (StreamingLLM's "
-                    f"in-cache positions) where the model allows it, or finish the stream and start a new one "
-                    f"before that position.",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-                self._trained_context = None  # once per cache
-                return
 
     def __repr__(self):
         c = self.manager.config

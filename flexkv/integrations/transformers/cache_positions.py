@@ -18,6 +18,8 @@ merged by their log-sum-exps (`flexkv.cache.merge`).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ...cache.groups import GroupedKVManager, GroupedPlan
@@ -26,7 +28,7 @@ from ...cache.rotary import Rotary, check_cache_config, eviction_shared
 from ...step import BoundedKVStep
 from .model_config import text_config
 
-__all__ = ["CachePositions"]
+__all__ = ["CachePositions", "warn_past_trained_context"]
 
 _LINEAR_ROPE = ("default", "linear", "llama3", "yarn")
 
@@ -187,11 +189,11 @@ class CachePositions:
         work = torch.promote_types(torch.float32, q.dtype)  # scores and weights in at least float32
         qg = q_back.view(N, H, Hq // H, T, D).to(work)
         scores = torch.einsum("nhgtd,nhsd->nhgts", qg, keys.to(work)) * scale
+        b = torch.arange(N, device=q.device).view(N, 1, 1, 1, 1)
+        h = torch.arange(Hq, device=q.device).view(1, H, Hq // H, 1, 1)
+        offs = torch.arange(keys.shape[2], device=q.device)  # the sink cells' stream positions
         if score_mod is not None:
-            b = torch.arange(N, device=q.device).view(N, 1, 1, 1, 1)
-            h = torch.arange(Hq, device=q.device).view(1, H, Hq // H, 1, 1)
-            scores = score_mod(scores, b, h, pos.view(N, 1, 1, T, 1), torch.arange(S, device=q.device))
-        offs = torch.arange(keys.shape[2], device=q.device)
+            scores = score_mod(scores, b, h, pos.view(N, 1, 1, T, 1), offs)
         readable = valid.view(N, 1, 1, 1, -1) & (offs.view(1, 1, 1, 1, -1) <= pos.view(N, 1, 1, T, 1))
         scores = scores.masked_fill(~readable, float("-inf"))
         sink_lse = torch.logsumexp(scores, dim=-1)
@@ -200,3 +202,23 @@ class CachePositions:
         sink_out = sink_out.reshape(N, Hq, T, -1).to(out.dtype)
         merged, _ = merge_attention((out, lse), (sink_out, sink_lse.reshape(N, Hq, T)))
         return merged
+
+
+def warn_past_trained_context(rows, written, lengths, limit: int, reason=None) -> bool:
+    """Warn (and return True) when a stream under stream positions would run past the model's trained context
+    `limit`: rotary distances past it were never seen in training and quality falls apart (StreamingLLM's
+    finding). `reason`: why in-cache positions are not served for this model, if they are not."""
+    for sid, w, n in zip(rows, written, lengths):
+        if w + n > limit:
+            why = "" if reason is None else f" (in-cache positions are not served for this model: {reason})"
+            warnings.warn(
+                f"FlexKVCache: stream {sid!r} reaches position {w + n}, past the model's trained context "
+                f"(max_position_embeddings={limit}), under rope_positions='stream'{why}; rotary distances this "
+                f"long were not trained and the output degrades. Use rope_positions='cache' (StreamingLLM's "
+                f"in-cache positions) where the model allows it, or finish the stream and start a new one "
+                f"before that position.",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+            return True
+    return False
