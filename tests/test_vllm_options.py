@@ -5,15 +5,33 @@ from types import SimpleNamespace
 import pytest
 
 from flexkv import SinkWindow
-from flexkv.integrations.vllm.options import check_engine, refusals, retention_from
+from flexkv.integrations.vllm.options import (
+    check_engine,
+    positions_from,
+    refusals,
+    retention_from,
+    rope_table_len,
+    serving_positions,
+    startup_line,
+)
+
+
+def model(max_model_len=8192, max_position_embeddings=8192, **hf):
+    hf.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 100000.0})
+    return SimpleNamespace(max_model_len=max_model_len,
+                           hf_text_config=SimpleNamespace(max_position_embeddings=max_position_embeddings, **hf))
 
 
 def engine(**over):
     cfg = dict(cache_config=SimpleNamespace(enable_prefix_caching=False, cache_dtype="auto"), speculative_config=None,
                parallel_config=SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1),
-               additional_config={"flexkv": {"sink": 4, "window": 1020}})
+               additional_config={"flexkv": {"sink": 4, "window": 1020}}, model_config=model())
     cfg.update(over)
     return SimpleNamespace(**cfg)
+
+
+def entry(**kw):
+    return {"flexkv": {"sink": 4, "window": 1020, **kw}}
 
 
 def test_the_entry_is_a_sink_window():
@@ -29,7 +47,7 @@ def test_the_entry_is_a_sink_window():
     ({"sink": 4.0, "window": 8}, r'\["sink"\] must be an int, got 4.0'),
     ({"sink": -1, "window": 8}, "SinkWindow.sink must be >= 0, got -1"),
     ({"sink": 4, "window": 0}, r'\["window"\] must be >= 1'),
-    ({"sink": 4, "window": 8, "positions": "cache"}, "must be \"stream\", got 'cache'"),
+    ({"sink": 4, "window": 8, "positions": "in-cache"}, r"must be one of \['cache', 'stream'\], got 'in-cache'"),
 ])
 def test_a_bad_entry_is_refused_naming_it(entry, match):
     with pytest.raises(ValueError, match=match):
@@ -47,3 +65,41 @@ def test_what_cannot_be_served_exactly_is_refused_with_every_reason():
     assert "decode_context_parallel_size=2" in why[3]
     with pytest.raises(ValueError, match=r"cannot serve SinkWindow\(sink=4, window=1020.* exactly in this engine"):
         check_engine(bad)
+
+
+def test_positions_default_to_in_cache_ones_where_the_rope_type_is_served():
+    assert positions_from(entry()) is None and positions_from(entry(positions="stream")) == "stream"
+    assert serving_positions(engine()) == "cache"
+    assert serving_positions(engine(additional_config=entry(positions="stream"))) == "stream"
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    assert serving_positions(engine(model_config=model(rope_parameters=llama3))) == "cache"
+    # a rope type whose rows are not plain rotations (YaRN scales them), or no rotary at all: stream positions
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+    assert serving_positions(engine(model_config=model(rope_parameters=yarn))) == "stream"
+    assert serving_positions(engine(model_config=model(rope_parameters=None))) == "stream"
+    # a backend that does not serve them (the FlexAttention one): stream by default, refused when asked
+    assert serving_positions(engine(), backend_serves_cache=False) == "stream"
+    with pytest.raises(ValueError, match="CPU backend only"):
+        serving_positions(engine(additional_config=entry(positions="cache")), backend_serves_cache=False)
+    with pytest.raises(ValueError, match=r"rope_type 'yarn'.*use \"positions\": \"stream\""):
+        check_engine(engine(model_config=model(rope_parameters=yarn), additional_config=entry(positions="cache")))
+
+
+def test_streams_past_a_rotary_table_flexkv_cannot_lengthen_are_refused():
+    # plain rope: the plugin lengthens the table, so a longer max_model_len is served
+    assert refusals(engine(model_config=model(max_model_len=65536))) == []
+    assert rope_table_len(model(rope_parameters={"rope_type": "linear", "factor": 2.0}).hf_text_config) == 16384
+    dynamic = {"rope_type": "dynamic", "factor": 2.0}
+    (why,) = refusals(engine(model_config=model(max_model_len=65536, rope_parameters=dynamic)))
+    assert "max_model_len=65536 is past the model's rotary table (8192 positions, rope_type 'dynamic')" in why
+    assert "use max_model_len <= 8192" in why
+    assert refusals(engine(model_config=model(max_model_len=8192, rope_parameters=dynamic))) == []
+    (why,) = refusals(engine(model_config=model(max_model_len=4096, max_position_embeddings=1024,
+                                                rope_parameters=None)))
+    assert "1024 learned positions" in why
+
+
+def test_the_startup_line_says_how_many_keys_a_query_reads():
+    line = startup_line(SinkWindow(4, 1020), "cache", 65536)
+    assert "each query reads at most 1025 keys" in line and "sliding_window=1021 plus 4 sinks" in line
+    assert "positions 'cache'" in line

@@ -16,7 +16,8 @@ things for a layer whose spec is a `SinkWindowSpec`:
   window (the ones `SinkWindowManager` gave back to the pool, null in the
   block table) are never visited.
 
-Positions are stream indices, as vLLM's rotary embedding applies them. The
+Positions are stream indices, as vLLM's rotary embedding applies them
+(`positions="cache"` is refused here: the CPU backend serves it). The
 mask and block hint are unit-tested on CPU tensors against
 `create_block_mask(...).to_dense()` and against `sink_window_attention`
 (tests/test_vllm_flex.py); the backend has not run on a GPU.
@@ -32,7 +33,7 @@ from vllm.v1.attention.backends.flex_attention import (
     FlexAttentionMetadataBuilder,
 )
 
-from .options import check_engine
+from .options import check_engine, serving_positions
 from .retention_mask import apply_retention
 from .spec import SinkWindowSpec
 
@@ -59,6 +60,9 @@ class FlexKVFlexAttentionImpl(FlexAttentionImpl):
                                  f"attention-sink logits, which vLLM's FlexAttention does not apply")
         #: the layer's retention, or None: vLLM's own attention (no flexkv entry, or a sliding-window layer)
         self.retention = retention if sliding_window is None else None
+        #: always "stream" here: in-cache positions are served by the CPU backend only, and asking for them is refused
+        self.positions = serving_positions(get_current_vllm_config(), backend_serves_cache=False) \
+            if self.retention is not None else None
 
 
 class FlexKVFlexAttentionBuilder(FlexAttentionMetadataBuilder):

@@ -5,6 +5,14 @@ window (`query_window=W`, contract section 2): the query at stream index `p` att
 `j < S` (up to itself) and the `W` entries before it, `p - W <= j <= p`. That is what a prompt fed
 one token at a time attends, so vLLM's chunked prefill, its batching and a preempted request's
 recompute all give the same result as plain decoding.
+
+`positions` (optional) says which positions the model's rotary embedding turns keys and queries by:
+`"cache"`, StreamingLLM's in-cache positions (the sinks keep theirs, every later entry moves down by
+the number evicted), or `"stream"`, each token's index in its stream. Unset, it is `"cache"` for a
+model whose rotary embedding flexkv serves in that mode (`SERVED_ROPE`) and `"stream"` otherwise.
+Either way the model's rotary table must cover every stream index a request reaches
+(`max_model_len`); the plugin lengthens the tables of the rope types in `SERVED_ROPE`, whose rows
+are a plain function of the position, and refuses an engine that would rotate past any other table.
 """
 
 from __future__ import annotations
@@ -13,12 +21,18 @@ from typing import Optional
 
 from ...config import SinkWindow, is_int
 
-__all__ = ["KEY", "ALLOWED", "retention_from", "refusals", "check_engine"]
+__all__ = ["KEY", "ALLOWED", "POSITIONS", "SERVED_ROPE", "retention_from", "positions_from", "rope_of",
+           "rope_table_len", "serving_positions", "refusals", "check_engine", "startup_line"]
 
 #: the key of vLLM's `additional_config` the plugin reads
 KEY = "flexkv"
 #: what the entry may hold
 ALLOWED = ("sink", "window", "positions")
+#: the position modes the entry's `positions` takes
+POSITIONS = ("cache", "stream")
+#: rope types served in both modes: a row of their cos/sin table is a rotation by a fixed set of
+#: frequencies, so rotations compose (`R(a) R(b) = R(a + b)`) and a longer table only adds rows
+SERVED_ROPE = ("default", "linear", "llama3")
 
 
 def retention_from(additional_config) -> Optional[SinkWindow]:
@@ -43,13 +57,7 @@ def retention_from(additional_config) -> Optional[SinkWindow]:
             f'additional_config["{KEY}"] needs {missing}: "sink" (tokens kept from the stream\'s start) and '
             f'"window" (tokens kept before each query), e.g. {{"sink": 4, "window": 1020}}'
         )
-    positions = entry.get("positions", "stream")
-    if positions != "stream":
-        raise ValueError(
-            f'additional_config["{KEY}"]["positions"] must be "stream", got {positions!r}: vLLM rotates keys by '
-            f"their stream index before it stores them, so StreamingLLM's in-cache positions would need every "
-            f"kept key re-rotated at every step; flexkv does not serve them inside vLLM"
-        )
+    positions_from(additional_config)
     for k in ("sink", "window"):
         if not is_int(entry[k]):
             raise ValueError(f'additional_config["{KEY}"]["{k}"] must be an int, got {entry[k]!r}')
@@ -58,6 +66,75 @@ def retention_from(additional_config) -> Optional[SinkWindow]:
             f'additional_config["{KEY}"]["window"] must be >= 1 (tokens kept before each query), got {entry["window"]}'
         )
     return SinkWindow(entry["sink"], entry["window"])
+
+
+def positions_from(additional_config) -> Optional[str]:
+    """The entry's `positions` (`"cache"` or `"stream"`), or None when it does not say (the default applies)."""
+    if not isinstance(additional_config, dict) or not isinstance(additional_config.get(KEY), dict):
+        return None
+    positions = additional_config[KEY].get("positions")
+    if positions is not None and positions not in POSITIONS:
+        raise ValueError(
+            f'additional_config["{KEY}"]["positions"] must be one of {list(POSITIONS)}, got {positions!r}: "cache" '
+            f"numbers kept entries as StreamingLLM does (quality holds past the model's trained context), "
+            f'"stream" rotates by each token\'s index in its stream'
+        )
+    return positions
+
+
+def rope_of(hf_config) -> Optional[dict]:
+    """The model's rotary parameters (a dict with `"rope_type"`), or None when it has no rotary embedding."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:
+        params = getattr(hf_config, "rope_scaling", None)
+        if params is None and getattr(hf_config, "rope_theta", None) is None:
+            return None
+    params = dict(params or {})
+    if "layer_types" in params or any(isinstance(v, dict) for v in params.values()):
+        params = {"rope_type": "per-layer"}  # one rope per layer type (Gemma 3 and others)
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
+
+
+def rope_table_len(hf_config) -> Optional[int]:
+    """Stream indices the model's own rotary table covers (None: no rotary embedding, or unknown)."""
+    rope = rope_of(hf_config)
+    n = getattr(hf_config, "max_position_embeddings", None)
+    if rope is None or n is None:
+        return None
+    if rope["rope_type"] == "linear":
+        return int(n * rope.get("factor", 1))
+    return n
+
+
+def serving_positions(vllm_config, backend_serves_cache: bool = True) -> str:
+    """The position mode an engine with the entry serves: the entry's, else the default (`"cache"` where
+    `SERVED_ROPE` has the model's rope type and the attention backend serves it, `"stream"` otherwise).
+    Raises `ValueError` when `"cache"` is asked of a model or backend it cannot be served for."""
+    asked = positions_from(getattr(vllm_config, "additional_config", None))
+    rope = rope_of(vllm_config.model_config.hf_text_config)
+    served = rope is not None and rope["rope_type"] in SERVED_ROPE
+    if asked == "cache" and served and not backend_serves_cache:
+        raise ValueError(
+            f'additional_config["{KEY}"]["positions"] is "cache", which flexkv serves in vLLM\'s CPU backend only '
+            f'so far (not in its FlexAttention backend); use "positions": "stream"'
+        )
+    served = served and backend_serves_cache
+    if asked == "cache" and not served:
+        what = "no rotary embedding" if rope is None else f"rope_type {rope['rope_type']!r}"
+        raise ValueError(
+            f'additional_config["{KEY}"]["positions"] is "cache", but the model has {what}: flexkv serves '
+            f'in-cache positions for rope types {list(SERVED_ROPE)}; use "positions": "stream"'
+        )
+    return asked or ("cache" if served else "stream")
+
+
+def startup_line(retention: SinkWindow, positions: str, max_model_len: int) -> str:
+    """What the plugin logs once per engine: how many keys a query reads, in flexkv's terms and vLLM's."""
+    s, w = retention.sink, retention.window
+    return (f"flexkv: sink {s} + window {w}: each query reads at most {s + w + 1} keys: its stream's first {s} "
+            f"tokens, the {w} tokens before it, and itself (in vLLM's terms, sliding_window={w + 1} plus {s} "
+            f"sinks); positions {positions!r}; streams up to max_model_len={max_model_len} tokens")
 
 
 def refusals(vllm_config) -> list:
@@ -79,6 +156,20 @@ def refusals(vllm_config) -> list:
     if dtype not in ("auto", None):
         out.append(f"kv_cache_dtype={dtype!r}: flexkv's attention reads the cache in the model's dtype only; "
                    f"use kv_cache_dtype='auto'")
+    model = getattr(vllm_config, "model_config", None)
+    if model is not None:
+        rope = rope_of(model.hf_text_config)
+        table = rope_table_len(model.hf_text_config)
+        if table is not None and model.max_model_len > table and rope["rope_type"] not in SERVED_ROPE:
+            out.append(f"max_model_len={model.max_model_len} is past the model's rotary table ({table} positions, "
+                       f"rope_type {rope['rope_type']!r}), which flexkv lengthens only for rope types "
+                       f"{list(SERVED_ROPE)}: streams would be rotated by positions the model has no table for; "
+                       f"use max_model_len <= {table}")
+        elif rope is None and getattr(model.hf_text_config, "max_position_embeddings", None) is not None \
+                and model.max_model_len > model.hf_text_config.max_position_embeddings:
+            out.append(f"max_model_len={model.max_model_len} is past the model's "
+                       f"{model.hf_text_config.max_position_embeddings} learned positions; use max_model_len <= "
+                       f"{model.hf_text_config.max_position_embeddings}")
     par = vllm_config.parallel_config
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(par, name, 1) not in (1, None):
@@ -96,6 +187,11 @@ def check_engine(vllm_config) -> Optional[SinkWindow]:
     if retention is None:
         return None
     why = refusals(vllm_config)
+    if getattr(vllm_config, "model_config", None) is not None:
+        try:
+            serving_positions(vllm_config)
+        except ValueError as e:
+            why.append(str(e))
     if why:
         raise ValueError(f"flexkv cannot serve {retention!r} exactly in this engine:\n- " + "\n- ".join(why))
     return retention

@@ -9,14 +9,34 @@
   `attention_config={"backend": "FLEX_ATTENTION"}`); it has not run on a GPU;
 - a wrapper of `Attention.get_kv_cache_spec`: a layer whose implementation keeps a flexkv
   retention reports a `SinkWindowSpec` instead of vLLM's full-attention spec. vLLM offers no hook
-  for this; every other layer reports what vLLM's own method says.
+  for this; every other layer reports what vLLM's own method says;
+- a wrapper of `RotaryEmbeddingBase.__init__`: in an engine with the `flexkv` entry, the rotary
+  table of a rope type in `options.SERVED_ROPE` covers `max_model_len` positions (its rows past the
+  model's own length are the same formula's next rows), so a stream longer than the model's
+  `max_position_embeddings` is rotated by real angles, never read past the table's end. The angles
+  of a plain or llama3 table are computed in float64 (vLLM's float32 `position * frequency` is off
+  by up to `position * 6e-8` radians: 1.5e-3 at 24,576, where in-cache positions would have been
+  exact). Other rope types keep their table, and an engine whose streams would outrun it is
+  refused (`options.refusals`).
 
 Calling `install` again changes nothing (vLLM may load plugins more than once).
 """
 
 from __future__ import annotations
 
-__all__ = ["install"]
+import torch
+
+__all__ = ["install", "served_rope_classes"]
+
+
+def served_rope_classes() -> tuple:
+    """vLLM's rotary classes for the rope types of `options.SERVED_ROPE` (exact classes, not subclasses:
+    a subclass may compute its rows another way)."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.linear_scaling_rope import LinearScalingRotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.llama3_rope import Llama3RotaryEmbedding
+
+    return (RotaryEmbedding, LinearScalingRotaryEmbedding, Llama3RotaryEmbedding)
 
 _installed = False
 
@@ -25,7 +45,9 @@ def install() -> None:
     global _installed
     if _installed:
         return
+    from vllm.config import get_current_vllm_config_or_none
     from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
@@ -79,4 +101,23 @@ def install() -> None:
 
     get_kv_cache_spec.__wrapped__ = own
     Attention.get_kv_cache_spec = get_kv_cache_spec
+
+    own_rope_init = RotaryEmbeddingBase.__init__
+    lengthened = served_rope_classes()
+
+    def rope_init(self, head_size, rotary_dim, max_position_embeddings, *args, **kwargs):
+        cfg = get_current_vllm_config_or_none()
+        ours = cfg is not None and type(self) in lengthened and check_engine(cfg) is not None
+        if ours:
+            max_position_embeddings = max(max_position_embeddings, cfg.model_config.max_model_len)
+        own_rope_init(self, head_size, rotary_dim, max_position_embeddings, *args, **kwargs)
+        if ours and type(self) is not lengthened[1] and getattr(self, "cos_sin_cache", None) is not None:
+            inv_freq = self._compute_inv_freq(self.base).double()
+            t = torch.arange(self.max_position_embeddings, dtype=torch.float64)
+            angles = torch.outer(t, inv_freq)
+            table = torch.cat((angles.cos(), angles.sin()), dim=-1)
+            self.cos_sin_cache.copy_(table.to(self.cos_sin_cache.dtype))
+
+    rope_init.__wrapped__ = own_rope_init
+    RotaryEmbeddingBase.__init__ = rope_init
     _installed = True
