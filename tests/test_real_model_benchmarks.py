@@ -1,10 +1,12 @@
-"""Smoke tests of the trained-model benchmarks (speed of generate(), an endless chat), tiny sizes.
+"""Smoke tests of the trained-model benchmarks (speed of generate(), an endless chat, a pass key), tiny sizes.
 
 They run when the model is present (`FLEXKV_TEST_MODEL`, default the GGUF
 file `.ci/run` fetches), as tests/test_real_model.py does, and check what
 the benchmarks print against what must hold: a bounded cache that has not
 evicted anything generates the dynamic cache's tokens, and a chat's cache
-bytes do not change from turn to turn.
+bytes do not change from turn to turn, and a pass key is found while it
+is inside the window and not once it has left (tests/test_retrieval.py
+checks that benchmark's logic on a tiny random model, without this one).
 """
 
 from __future__ import annotations
@@ -53,3 +55,22 @@ def test_chat_keeps_its_memory_flat_and_prints_both_answers(capsys):
     assert lengths == sorted(lengths) and lengths[-1] > 300
     assert "(the model's own DynamicCache:" in out and ", same)" in out  # nothing evicted in turn 1
     assert "'What is the capital of France?':" in out
+
+
+@needs_model
+def test_retrieval_finds_the_key_inside_the_window_and_not_past_it(capsys):
+    import torch
+
+    from benchmarks import retrieval
+
+    threads = torch.get_num_threads()
+    try:  # one thread: on a busy 2-core machine a second one makes these small forwards several times slower
+        assert retrieval.main(["--model", MODEL, "--trials", "1", "--distances", "8", "80", "--window", "40",
+                               "--max-prefix", "8", "--caches", "dynamic", "cache", "--threads", "1", "--quiet"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "| cache | N = 8 | N = 80 |" in out
+    assert "| transformers' DynamicCache (the model's own) | 1/1 (100%) | 1/1 (100%) |" in out
+    # the key's last digit 80 + 18 tokens before the answer: past SinkWindow(4, 40), the key is gone
+    assert "| sinks + window, FlexKVCache's default positions (positions: cache) | 1/1 (100%) | 0/1 (0%) |" in out
