@@ -3,12 +3,17 @@
 Skipped where vLLM is not installed: the main suite's environment has none (its transformers pin
 and vLLM's differ); `.ci/run` builds one with `pip install -e '.[vllm]'` and runs this file there.
 
-The engines run a random-init two-layer Llama. The reference is flexkv's contract section 2 for a
-per-query window: the same weights under transformers, teacher-forced over the ids vLLM generated,
-each query masked to what `query_window_attends` admits. Greedy ids must be equal and logits agree
-to float tolerance, over ten windows past the first eviction. A last test runs the trained
-SmolLM2-135M-Instruct (a float32 folder: FLEXKV_TEST_MODEL_DIR, or the one `load_pretrained` made from
-FLEXKV_TEST_MODEL's GGUF) over 700 tokens of text against the same masked reference.
+The engines run a random-init two-layer Llama whose config says 512 positions, served to 2,048
+(`VLLM_ALLOW_LONG_MAX_MODEL_LEN`): past 512 the plugin's lengthened rotary table is what rotates. The
+reference is docs/vllm.md's sentence for what a query attends ("the query at stream index `p`
+attends the sinks `j < S` and the `W` entries before it"), written here as a mask of its own
+(`docs_mask`, not flexkv's predicate), over the same weights under transformers, teacher-forced over
+the ids vLLM generated. For `positions="stream"` every query and key is rotated by its stream index;
+for `"cache"` (the default) StreamingLLM's in-cache positions: `definition_attention` rotates
+un-rotated queries and keys pair by pair, angles in float64. Greedy ids must be equal and
+logits agree to float tolerance, over ten windows past the first eviction. A last test runs the
+trained SmolLM2-135M-Instruct (a float32 folder: FLEXKV_TEST_MODEL_DIR, or the one `load_pretrained`
+made from FLEXKV_TEST_MODEL's GGUF) over 700 tokens of text against the same references.
 """
 
 import os
@@ -18,6 +23,7 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its pool is readable
+os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"  # streams past the model's 512 configured positions
 vllm = pytest.importorskip("vllm")
 
 import torch  # noqa: E402
@@ -28,7 +34,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from flexkv import BoundedKVConfig, SinkWindow  # noqa: E402
 from flexkv.cache.masks import query_window_attends  # noqa: E402
-from flexkv.integrations.vllm.backend import sink_window_attention  # noqa: E402
+from flexkv.integrations.vllm.backend import decode_plan, sink_window_attention, turn_sinks  # noqa: E402
 from flexkv.integrations.vllm.spec import SinkWindowManager, SinkWindowSpec, block_bound  # noqa: E402
 from flexkv.model.reference import attended_indices  # noqa: E402
 
@@ -70,6 +76,9 @@ def test_the_manager_frees_the_gap_on_vllms_block_pool(sink, window, chunk):
             for j in range(p + 1):
                 if query_window_attends(j, p, sink, window):
                     assert not table[j // BLOCK].is_null, (n, p, j)
+            # a decode step copies the sinks into the `sink` slots below the window: those are held too
+            for j in range(max(sink, p - window - sink), p - window):
+                assert not table[j // BLOCK].is_null, (n, p, j)
         freed_any |= any(b.is_null for b in table)
         n += chunk
     assert freed_any and peak <= bound, (peak, bound)
@@ -113,10 +122,49 @@ def test_the_batched_attention_attends_the_contracts_set(sink, window, lens, ste
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_decode_step_copies_each_requests_sinks_just_below_its_window():
+    """Hand-worked: sink 2, window 5, block 4. Stream lengths 7 (nothing evicted), 12 (query 11: evicted
+    11 - 7 = 4 >= 2, copies go to slots 4, 5), 9 (evicted 1: its copies would land on sink 1)."""
+    table = torch.tensor([[3, 9, 0, 0], [5, 6, 7, 8], [1, 2, 4, 0]], dtype=torch.int32)
+    assert decode_plan(table, torch.tensor([7, 12, 9]), 2, 5, 4) is None
+    rows, (blocks, offsets), targets, evicted = decode_plan(table[:2], torch.tensor([7, 12]), 2, 5, 4)
+    assert rows.tolist() == [1] and evicted.tolist() == [4]
+    assert blocks.tolist() == [[5, 5]] and offsets.tolist() == [[0, 1]]  # sinks 0, 1 in the request's block 0
+    assert targets.tolist() == [6 * 4 + 0, 6 * 4 + 1]  # stream slots 4, 5: its block 1 (physical 6)
+    rows, _, targets, _ = decode_plan(table[:2], torch.tensor([7, 12]), 0, 5, 4)  # no sinks: nothing to copy
+    assert rows.tolist() == [] and targets.tolist() == []
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_turning_a_sink_key_by_e_puts_it_at_its_stream_index_plus_e(neox):
+    """A key rotated at index `i` and turned by `e` equals the key rotated at `i + e`, angles in float64."""
+    torch.manual_seed(0)
+    d, base = 16, 10000.0
+    inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+
+    def rotate(x, pos):  # x [..., d] by pos (broadcast), either pairing
+        ang = pos.double()[..., None] * inv
+        c, s = ang.cos(), ang.sin()
+        if neox:
+            x1, x2 = x[..., :d // 2].double(), x[..., d // 2:].double()
+            return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1).float()
+        x1, x2 = x[..., 0::2].double(), x[..., 1::2].double()
+        return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), -1).flatten(-2).float()
+
+    table = torch.cat(((torch.arange(200, dtype=torch.float64)[:, None] * inv).cos(),
+                       (torch.arange(200, dtype=torch.float64)[:, None] * inv).sin()), -1).float()
+    raw = torch.randn(3, 2, 4, d)  # [T, H, sinks, D]
+    k = rotate(raw, torch.arange(4))
+    evicted = torch.tensor([0, 7, 150])
+    turn_sinks(k, 4, evicted, table, neox)
+    want = rotate(raw, torch.arange(4) + evicted[:, None, None])
+    torch.testing.assert_close(k, want, rtol=0, atol=2e-6)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                    tie_word_embeddings=False, initializer_range=0.3)
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("llama")
@@ -124,26 +172,85 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager",
-                                                          dtype=torch.float32)
+def docs_mask(n: int, sink: int, window: int) -> torch.Tensor:
+    """`[n, n]`: whether query `p` attends key `j`, from docs/vllm.md's sentence: the sinks `j < sink`
+    (those up to `p`) and the `window` entries before it, `p - window <= j <= p`."""
+    p, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    return (j <= p) & ((j < sink) | (j >= p - window))
+
+
+def definition_attention(inv_freq, sink: int, window: int, positions: str, block: int = 64):
+    """A transformers attention function written from the definitions. The model runs with every position 0,
+    so queries and keys arrive un-rotated; each pair is rotated here, with angles in float64, by the
+    positions the mode gives: `"stream"`, every token its stream index; `"cache"` (StreamingLLM's), query
+    `p` of a stream that has evicted `e = max(0, p - sink - window)` entries at `p - e`, a sink `j` at `j`,
+    a window key `j` at `j - e`. Query `p` attends what `docs_mask` says."""
+
+    angles = {}  # cos, sin by (positions' shape, first query): the same for every layer
+
+    def cos_sin(pos, tag):
+        if tag not in angles:
+            a = pos.double()[..., None] * inv_freq.double()
+            a = torch.cat((a, a), -1)
+            angles[tag] = a.cos().float(), a.sin().float()
+        return angles[tag]
+
+    def turned(x, cos, sin):  # x [H, Q, K, D] rotated (Llama's pairing: i with i + D/2)
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+    def attend(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        _, hq, n, d = query.shape
+        h = key.shape[1]
+        g = hq // h
+        q, k, v = query[0].view(h, g, n, d), key[0], value[0]
+        ok = docs_mask(n, sink, window)
+        out = torch.empty_like(q)
+        for q0 in range(0, n, block):
+            p = torch.arange(q0, min(n, q0 + block))
+            e = (p - sink - window).clamp(min=0) if positions == "cache" else torch.zeros_like(p)
+            j = torch.arange(n)
+            kpos = torch.where(j[None, :] < sink, j[None, :], j[None, :] - e[:, None])  # [Q, n]
+            kt = turned(k[:, None], *cos_sin(kpos, ("k", n, q0)))  # [H, Q, n, D]
+            qt = turned(q[:, :, p, None], *cos_sin((p - e)[:, None], ("q", n, q0)))  # [H, G, Q, 1, D]
+            scores = (qt * kt[:, None]).sum(-1) * scaling  # [H, G, Q, n]
+            w = torch.softmax(scores.masked_fill(~ok[p], float("-inf")), -1)
+            out[:, :, p] = w @ v[:, None]
+        return out.view(hq, n, d).transpose(0, 1)[None], None
+
+    return attend
+
+
+def reference_logits(model, sink: int, window: int, positions: str):
+    """Each position's logits when every query attends what docs/vllm.md says, under `positions`."""
+    name = f"flexkv_definition_{sink}_{window}_{positions}"
+    transformers.AttentionInterface.register(
+        name, definition_attention(model.model.rotary_emb.inv_freq, sink, window, positions))
 
     def logits(ids):
-        """Each position's logits when every query attends what flexkv's per-query window admits."""
-        n = len(ids)
-        ok = query_window_attends(torch.arange(n)[None, :], torch.arange(n)[:, None], SINK, WINDOW)
-        mask = torch.zeros(n, n).masked_fill(~ok, float("-inf"))[None, None]
-        with torch.no_grad():
-            return model(torch.tensor([ids]), attention_mask=mask).logits[0]
+        model.set_attn_implementation(name)
+        try:
+            with torch.no_grad():
+                n = len(ids)
+                return model(torch.tensor([ids]), position_ids=torch.zeros(1, n, dtype=torch.long)).logits[0]
+        finally:
+            model.set_attn_implementation("eager")
 
     return logits
 
 
-def engine(model_dir, **kw):
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager",
+                                                          dtype=torch.float32)
+    return {positions: reference_logits(model, SINK, WINDOW, positions) for positions in ("cache", "stream")}
+
+
+def engine(model_dir, positions=None, **kw):
+    entry = {"sink": SINK, "window": WINDOW} | ({"positions": positions} if positions else {})
     return LLM(model_dir, skip_tokenizer_init=True, enable_prefix_caching=False, block_size=BLOCK, dtype="float32",
                max_model_len=2048, enforce_eager=True, logprobs_mode="raw_logits", seed=0,
-               additional_config={"flexkv": {"sink": SINK, "window": WINDOW}}, **kw)
+               additional_config={"flexkv": entry}, **kw)
 
 
 def scheduler(llm):
@@ -189,10 +296,19 @@ def prompts_of(lengths):
     return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
 
 
-def test_single_request_and_a_mixed_batch_equal_flexkvs_contract(model_dir, reference, monkeypatch):
-    llm = engine(model_dir)
-    run_and_check(llm, reference, prompts_of([39]), monkeypatch)
-    run_and_check(llm, reference, prompts_of([5, 70, 130, 33]), monkeypatch)
+@pytest.mark.parametrize("positions", [None, "stream"])
+def test_single_request_and_a_mixed_batch_equal_flexkvs_contract(model_dir, reference, monkeypatch, positions):
+    """Unset, positions are in-cache ones (the model's rope type is served)."""
+    llm = engine(model_dir, positions)
+    assert {layer.impl.positions for layer in static_layers(llm)} == {positions or "cache"}
+    run_and_check(llm, reference[positions or "cache"], prompts_of([39]), monkeypatch)
+    run_and_check(llm, reference[positions or "cache"], prompts_of([5, 70, 130, 33]), monkeypatch)
+
+
+def static_layers(llm):
+    """The engine's attention layers (in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    ctx = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+    return [layer for layer in ctx.values() if hasattr(layer, "impl")]
 
 
 def test_chunked_prefill_and_preemption_stay_exact(model_dir, reference, monkeypatch):
@@ -212,7 +328,7 @@ def test_chunked_prefill_and_preemption_stay_exact(model_dir, reference, monkeyp
         return own(self, *args, **kwargs)
 
     monkeypatch.setattr(Scheduler, "schedule", schedule)
-    outs = run_and_check(llm, reference, prompts_of([200, 150, 90, 250]), monkeypatch)
+    outs = run_and_check(llm, reference["cache"], prompts_of([200, 150, 90, 250]), monkeypatch)
     assert len(preempted) == 2
     assert sum(out.num_cached_tokens == 0 for out in outs) == 4  # nothing came back from a prefix cache
 
@@ -272,10 +388,11 @@ def prompt_logprobs(llm, prompt, max_tokens=1):
     return lps, list(out.outputs[0].token_ids)
 
 
-def test_a_trained_model_equals_the_masked_reference_past_the_window(smol):
-    """700 tokens of text through SmolLM2-135M-Instruct (30 layers) under sink 4 + window 252: each
-    prompt token's logprob equals transformers' (float32, eager, each query masked to what
-    `query_window_attends` admits), and five greedy tokens equal the reference's argmax, teacher-forced.
+def test_a_trained_model_equals_the_reference_past_the_window(smol):
+    """700 tokens of text through SmolLM2-135M-Instruct (30 layers) under sink 4 + window 252 and the
+    default (in-cache) positions: each prompt token's logprob equals transformers' (float32, each query
+    attending what docs/vllm.md says at StreamingLLM's in-cache positions, `reference_logits`), and five
+    greedy tokens equal the reference's argmax, teacher-forced.
     Tolerance: the two run the same float32 weights through different kernels and summation orders
     over 30 layers; the largest gap measured here is a few 1e-5, so 2e-3 fails on any retention
     error (a query that sees one key more or less moves its logprobs by ~1e-2 and more) while not on
@@ -285,11 +402,7 @@ def test_a_trained_model_equals_the_masked_reference_past_the_window(smol):
     llm = smol_engine(folder)
     got, gen = prompt_logprobs(llm, prompt, max_tokens=5)
     full = prompt + gen
-    n = len(full)
-    ok = query_window_attends(torch.arange(n)[None, :], torch.arange(n)[:, None], SMOL_SINK, SMOL_WINDOW)
-    mask = torch.zeros(n, n).masked_fill(~ok, float("-inf"))[None, None]
-    with torch.no_grad():
-        logp = model(torch.tensor([full]), attention_mask=mask).logits[0].log_softmax(-1)
+    logp = reference_logits(model, SMOL_SINK, SMOL_WINDOW, "cache")(full).log_softmax(-1)
     want = logp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
     assert logp[len(prompt) - 1:-1].argmax(-1).tolist() == gen

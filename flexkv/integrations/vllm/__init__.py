@@ -8,7 +8,8 @@ keeps its stream's first `S` tokens and its last `W` tokens before each query (f
 back to vLLM's block pool as a request advances, and attention reads only what is kept.
 
 Modules: `options` (reading and checking the `flexkv` entry of `additional_config`, and what is
-refused), `spec` (the KV-cache spec and block manager), `backend` (the CPU attention backend),
+refused, and which positions are served), `spec` (the KV-cache spec and block manager), `cpu_layout`
+(reading vLLM's CPU cache layout), `backend` (the CPU attention backend),
 `retention_mask` (the retention as vLLM's FlexAttention metadata reads it), `flex_backend` (the
 FlexAttention backend, for CUDA), `plugin` (what `register` installs into vLLM). docs/vllm.md is the full description.
 """

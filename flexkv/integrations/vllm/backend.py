@@ -4,28 +4,52 @@
 other) and is vLLM's own backend for every layer of an engine without the `flexkv` entry, and
 for the model's own sliding-window layers. For a full-attention decoder layer of an engine with
 the entry, `FlexKVCPUImpl` attends what contract section 2 says a per-query window attends:
-query `p` reads the sinks `j < sink` and `p - window <= j <= p`. Positions are stream indices, as
-vLLM's rotary embedding applies them.
+query `p` reads the sinks `j < sink` and `p - window <= j <= p`.
 
-Such a layer stores its keys and values in vLLM's block layout `[blocks, heads, block, 2 * head]`
-in plain token order (vLLM's CPU kernel stores them in an ISA-specific order, which flexkv does
-not read), and every step runs one batched path over every query token of every request at once
-(in tiles of tokens, never a loop per request): each token gathers its `sink + window + 1`
-candidate keys through the block table, keeps those `query_window_attends` (flexkv.cache.masks)
-admits, and takes a softmax over them in float32.
+Positions (`options.serving_positions`): vLLM's rotary embedding turns every query and key by its
+stream index before attention sees it. That is `"stream"`. For `"cache"` (StreamingLLM's in-cache
+positions) nothing about a window key changes: it keeps its distance to the query. Only a sink key
+sits `e` positions closer to the query in-cache than by stream index, where `e = p - sink - window`
+is the number of entries the query's stream has evicted; so each query reads its sink keys turned
+by a further `e` positions (`turn_sinks`), taken from the model's own rotary table.
+
+Such a layer keeps vLLM's own cache: vLLM's layout and vLLM's write (`cpu_attn_reshape_and_cache`,
+in the per-ISA order `cpu_layout` finds). A step in which no request has evicted anything (every
+stream at most `sink + window + 1` long: the retention is then plain causal attention) goes to
+vLLM's own kernel unchanged. A step past eviction runs one batched path over every query token of
+every request at once (in tiles of tokens, never a loop per request): each token gathers its
+`sink + window + 1` candidate keys through the block table (reading vLLM's layout,
+`cpu_layout.RegionReader`), keeps those `query_window_attends` (flexkv.cache.masks) admits, and
+takes a softmax over them in float32.
+
+A decode step past eviction (one query per request) goes to vLLM's own sliding-window kernel too,
+with a window of `sink + window + 1` keys: before it runs, each request's sink keys and values are
+copied (read from the sink slots, which nothing overwrites) into the `sink` slots just below its
+query's window, entries the retention has already evicted (`decode_plan`; the block manager keeps
+those slots, `spec.SinkWindowManager`). That is O(sink) work per request and layer, through vLLM's
+own write. Until a request has evicted `sink` entries the copies would land on the sinks
+themselves, so such a step, and any step with a prompt chunk past eviction, takes the batched path.
 """
 
 from __future__ import annotations
 
 import torch
+import vllm.envs as envs
+from vllm import _custom_ops as ops
 from vllm.config import get_current_vllm_config
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from ...cache.masks import query_window_attends
-from .options import check_engine
+from .cpu_layout import RegionReader, region_order, split_cache
+from .options import check_engine, serving_positions, startup_line
 
-__all__ = ["FlexKVCPUBackend", "FlexKVCPUImpl", "sink_window_attention", "step_gather"]
+__all__ = ["FlexKVCPUBackend", "FlexKVCPUImpl", "sink_window_attention", "step_gather", "turn_sinks", "model_rotary",
+           "decode_plan"]
+
+logger = init_logger(__name__)
+_announced = set()
 
 #: bytes of gathered keys (or values) one tile of query tokens may take
 TILE_BYTES = 64 << 20
@@ -33,9 +57,11 @@ TILE_BYTES = 64 << 20
 
 def step_gather(block_table, query_start_loc, seq_lens, n: int, sink: int, window: int, bs: int, per_token: int,
                 max_len=None) -> list:
-    """Where every query token of a step reads, in tiles of tokens: `[(t0, t1, blocks, offsets, keep)]`,
-    `blocks`/`offsets` `[T, S]` the block and in-block offset of each candidate key, `keep` `[T, S]`
-    whether the query attends it (`query_window_attends`). The same for every layer of the step."""
+    """Where every query token of a step reads, in tiles of tokens: `[(t0, t1, blocks, offsets, keep, evicted)]`,
+    `blocks`/`offsets` `[T, S]` the block and in-block offset of each candidate key (the sink slots
+    first), `keep` `[T, S]` whether the query attends it (`query_window_attends`), `evicted` `[T]` how
+    many entries the query's stream has evicted (`p - sink - window`, at least 0). The same for every
+    layer of the step."""
     dev = query_start_loc.device
     starts = query_start_loc.to(torch.long)
     tokens = torch.arange(n, device=dev)
@@ -59,29 +85,106 @@ def step_gather(block_table, query_start_loc, seq_lens, n: int, sink: int, windo
         # A window slot below the sinks duplicates a sink slot (or is before the stream): drop it.
         keep = query_window_attends(j, p, sink, window) & (is_sink | (j >= sink)) & (j >= 0)
         jc = j.clamp(min=0)
-        out.append((t0, t1, block_table[row[t0:t1, None], jc // bs].to(torch.long), jc % bs, keep[:, None, None, :]))
+        evicted = (p[:, 0] - sink - window).clamp(min=0)
+        out.append((t0, t1, block_table[row[t0:t1, None], jc // bs].to(torch.long), jc % bs, keep[:, None, None, :],
+                    evicted))
     return out
 
 
+def turn_sinks(k, sinks: int, evicted, cos_sin, neox: bool):
+    """`k` `[T, H, S, D]` (float32) with its first `sinks` slots turned by `evicted[t]` positions, in place:
+    each query reads its sink keys at their in-cache positions. `cos_sin` is the model's rotary table
+    (`[positions, rotary_dim]`, cosines then sines); `neox`: dimension `i` pairs with `i + rotary_dim / 2`
+    (else `2i` with `2i + 1`). Rows with nothing evicted are left as they are."""
+    rows = (evicted > 0).nonzero().flatten()
+    if sinks == 0 or rows.numel() == 0:
+        return k
+    cos, sin = cos_sin[evicted[rows]].float().chunk(2, dim=-1)  # [R, rotary_dim / 2]
+    cos, sin = cos[:, None, None, :], sin[:, None, None, :]
+    half = cos.shape[-1]
+    x = k[rows, :, :sinks]
+    if neox:
+        x1, x2 = x[..., :half], x[..., half:2 * half]
+        turned = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        turned = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    x[..., :2 * half] = turned
+    k[rows, :, :sinks] = x
+    return k
+
+
+def model_rotary(head_size: int, max_model_len: int):
+    """The model's rotary embedding for heads of `head_size`: the one module of vLLM's rope cache
+    (`get_rope` builds one per set of parameters, shared by every layer) of a served type with that
+    head size. Raises `ValueError` when there is none or several differ."""
+    from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
+
+    from .plugin import served_rope_classes
+
+    found = {id(r): r for r in _ROPE_DICT.values()
+             if type(r) in served_rope_classes() and r.head_size == head_size
+             and r.cos_sin_cache.shape[0] >= max_model_len}
+    kinds = {(r.rotary_dim, r.is_neox_style, r.cos_sin_cache.shape, tuple(r.cos_sin_cache[1].tolist()))
+             for r in found.values()}
+    if len(kinds) != 1:
+        raise ValueError(
+            f"flexkv serves positions='cache' with the model's rotary table, and found {len(kinds)} rotary "
+            f"embeddings of head size {head_size} covering {max_model_len} positions (of types "
+            f"{sorted({type(r).__name__ for r in found.values()})}); serve this model with "
+            f'additional_config={{"flexkv": {{..., "positions": "stream"}}}}'
+        )
+    return next(iter(found.values()))
+
+
+def decode_plan(block_table, seq_lens, sink: int, window: int, bs: int):
+    """Where a decode step (one query per request, at stream index `seq_lens - 1`) copies its requests'
+    sinks, or None when some request has evicted fewer than `sink` entries but more than none (its
+    copies would overwrite its own sinks). Returns `(rows, sources, targets, evicted)`: the requests
+    that copy, the block `[R, S]` and offset `[R, S]` of each one's sinks, the physical slots `[R * S]`
+    just below its window, and how many entries each has evicted `[R]`. The same for every layer."""
+    p = seq_lens.to(torch.long) - 1
+    evicted = p - sink - window
+    if sink and ((evicted > 0) & (evicted < sink)).any():
+        return None
+    rows = (evicted >= sink).nonzero().flatten() if sink else evicted[:0]
+    i = torch.arange(sink)
+    src = block_table[rows[:, None], i[None, :] // bs].to(torch.long), (i % bs).expand(len(rows), sink)
+    dst = (p[rows] - window - sink)[:, None] + i[None, :]
+    targets = (block_table[rows[:, None], dst // bs].to(torch.long) * bs + dst % bs).flatten()
+    return rows, src, targets, evicted[rows]
+
+
+def _token_major(cache, blocks, offsets):
+    return cache[blocks, :, offsets]
+
+
 def sink_window_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                          sink: int, window: int, scale: float, out, max_len=None, gather=None) -> None:
+                          sink: int, window: int, scale: float, out, max_len=None, gather=None, rotary=None,
+                          read_keys=_token_major, read_values=_token_major) -> None:
     """Attention of every query token under a per-query sink + window, written into `out`.
 
     `query` `[N, Hq, D]` are the step's tokens of every request in order; `query_start_loc` `[R + 1]`
     where each request's tokens start; `seq_lens` `[R]` each request's length with this step's
     tokens; `key_cache` / `value_cache` `[blocks, H, B, D]` hold every token's key and value (this
     step's included) at `block_table[r, j // B]`, offset `j % B`. `out` `[N, Hq, D]`. `gather`: the
-    step's `step_gather` (made here when None; every layer of a step may share one).
+    step's `step_gather` (made here when None; every layer of a step may share one). `rotary`:
+    `(cos_sin, neox)` of the model's rotary table for in-cache positions (`turn_sinks`), None for stream
+    positions. `read_keys` / `read_values`: `(cache, blocks [T, S], offsets [T, S]) -> [T, S, H, D]`
+    (`cpu_layout.RegionReader` for vLLM's layout; token-major `[blocks, H, B, D]` caches by default).
     """
     n, hq, d = query.shape
     h, bs = key_cache.shape[1], key_cache.shape[2]
     g = hq // h
     if gather is None:
         gather = step_gather(block_table, query_start_loc, seq_lens, n, sink, window, bs, h * d * 4, max_len)
-    for t0, t1, blocks, offs, keep in gather:
+    sinks = min(sink, max_len) if max_len is not None else sink
+    for t0, t1, blocks, offs, keep, evicted in gather:
         # [T, S, H, D] gathered, read as [T, H, S, D]; the GQA group rides on the query axis.
-        k = key_cache[blocks, :, offs].float().transpose(1, 2)
-        v = value_cache[blocks, :, offs].float().transpose(1, 2)
+        k = read_keys(key_cache, blocks, offs).float().transpose(1, 2)
+        if rotary is not None:
+            turn_sinks(k, sinks, evicted, *rotary)
+        v = read_values(value_cache, blocks, offs).float().transpose(1, 2)
         q = query[t0:t1].float().view(t1 - t0, h, g, d)
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
         out[t0:t1] = o.reshape(t1 - t0, hq, d).to(out.dtype)
@@ -112,6 +215,18 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
                 raise ValueError(f"flexkv cannot serve {retention!r} exactly for this model: it has " + "; ".join(why))
         #: the layer's retention, or None: vLLM's own attention (no flexkv entry, or a sliding-window layer)
         self.retention = retention if sliding_window is None else None
+        self.positions = None
+        self._rotary = None
+        self._readers = None
+        if self.retention is not None:
+            cfg = get_current_vllm_config()
+            #: "cache" or "stream" (options.serving_positions)
+            self.positions = serving_positions(cfg)
+            self.max_model_len = cfg.model_config.max_model_len
+            line = startup_line(self.retention, self.positions, self.max_model_len)
+            if line not in _announced:
+                _announced.add(line)
+                logger.info(line)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -125,35 +240,75 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
             raise NotImplementedError("vLLM passed an output scale to flexkv's attention, which does not fuse output "
                                       "quantization: turn off vLLM's attention + quantization fusion pass "
                                       "(compilation_config={'pass_config': {'fuse_attn_quant': False}})")
+        if attn_metadata.max_seq_len <= pol.sink + pol.window + 1:
+            # no stream of the step has evicted anything: the retention is causal attention, vLLM's own kernel
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
         n = attn_metadata.num_actual_tokens
         blocks, heads, bs, _ = kv_cache.shape
-        key_cache, value_cache = kv_cache.view(blocks, heads, 2 * bs, -1).chunk(2, dim=2)
+        key_cache, value_cache = split_cache(kv_cache)
+        if self._readers is None:
+            orders = region_order(layer.isa, kv_cache.dtype, bs, self.head_size)
+            self._readers = tuple(RegionReader(order) for order in orders)
+        rotary = None
+        if self.positions == "cache":
+            if self._rotary is None:
+                rope = model_rotary(self.head_size, self.max_model_len)
+                self._rotary = (rope.cos_sin_cache, rope.is_neox_style)
+            rotary = self._rotary
+        memo = attn_metadata.__dict__.setdefault("_flexkv", {})
+        if attn_metadata.max_query_len == 1:
+            entry = ("decode", pol.sink, pol.window, bs)
+            if entry not in memo:
+                memo[entry] = decode_plan(attn_metadata.block_table, attn_metadata.seq_lens, pol.sink, pol.window, bs)
+            if memo[entry] is not None:
+                self._decode_in_window(layer, query, key_cache, value_cache, attn_metadata, output, memo,
+                                       memo[entry], rotary)
+                return output
         out = output[:n].view(n, self.num_heads, self.head_size)
         # Every full-attention layer of the step reads the same places: found once, kept on the step's metadata.
-        memo = attn_metadata.__dict__.setdefault("_flexkv_gather", {})
-        key = (pol.sink, pol.window, bs, heads * self.head_size * 4)
-        gather = memo.get(key)
+        entry = (pol.sink, pol.window, bs, heads * self.head_size * 4)
+        gather = memo.get(entry)
         if gather is None:
-            gather = memo[key] = step_gather(attn_metadata.block_table, attn_metadata.query_start_loc,
-                                             attn_metadata.seq_lens, n, pol.sink, pol.window, bs, key[3],
-                                             attn_metadata.max_seq_len)
+            gather = memo[entry] = step_gather(attn_metadata.block_table, attn_metadata.query_start_loc,
+                                               attn_metadata.seq_lens, n, pol.sink, pol.window, bs, entry[3],
+                                               attn_metadata.max_seq_len)
         sink_window_attention(query[:n].view(n, self.num_heads, self.head_size), key_cache, value_cache,
                               attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens,
-                              pol.sink, pol.window, self.scale, out, gather=gather)
+                              pol.sink, pol.window, self.scale, out, gather=gather, rotary=rotary,
+                              max_len=attn_metadata.max_seq_len, read_keys=self._readers[0],
+                              read_values=self._readers[1])
         return output
 
-
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        if self.retention is None:
-            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        blocks, heads, bs, _ = kv_cache.shape
-        key_cache, value_cache = kv_cache.view(blocks, heads, 2 * bs, -1).chunk(2, dim=2)
-        n = min(slot_mapping.shape[0], key.shape[0])
-        slots = slot_mapping[:n].to(torch.long)
-        ok = slots >= 0  # padding tokens have no slot
-        slots = slots[ok]
-        key_cache[slots // bs, :, slots % bs] = key[:n][ok].to(key_cache.dtype)
-        value_cache[slots // bs, :, slots % bs] = value[:n][ok].to(value_cache.dtype)
+    def _decode_in_window(self, layer, query, key_cache, value_cache, attn_metadata, output, memo, plan,
+                          rotary) -> None:
+        """A decode step on vLLM's sliding-window kernel: the sinks copied below each query's window first."""
+        pol = self.retention
+        rows, (src_blocks, src_offsets), targets, evicted = plan
+        if rows.numel():
+            k = self._readers[0](key_cache, src_blocks, src_offsets)  # [R, S, H, D]
+            v = self._readers[1](value_cache, src_blocks, src_offsets)
+            if rotary is not None:
+                k = turn_sinks(k.float().transpose(1, 2), pol.sink, evicted, *rotary).transpose(1, 2)
+            heads = key_cache.shape[1]
+            ops.cpu_attn_reshape_and_cache(
+                k.reshape(-1, heads, self.head_size).to(key_cache.dtype).contiguous(),
+                v.reshape(-1, heads, self.head_size).contiguous(), key_cache, value_cache, targets, layer.isa,
+                k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
+        reach = pol.sink + pol.window + 1  # keys vLLM's window spans: the copied sinks, the window, the query
+        entry = ("scheduler", reach)
+        if entry not in memo:
+            memo[entry] = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=attn_metadata.seq_lens.shape[0], num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_size, seq_lens=attn_metadata.seq_lens, dtype=query.dtype,
+                query_start_loc=attn_metadata.query_start_loc, causal=True, sliding_window_size=reach,
+                isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype)
+        n = attn_metadata.num_actual_tokens
+        ops.cpu_attention_with_kv_cache(
+            query=query[:n], key_cache=key_cache, value_cache=value_cache, output=output[:n],
+            query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens, scale=self.scale,
+            causal=True, alibi_slopes=None, sliding_window=reach, block_table=attn_metadata.block_table,
+            softcap=0, scheduler_metadata=memo[entry], s_aux=None, k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
 
 
 class FlexKVCPUBackend(CPUAttentionBackend):

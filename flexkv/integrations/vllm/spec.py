@@ -23,13 +23,16 @@ __all__ = ["SinkWindowSpec", "SinkWindowManager", "block_bound"]
 
 def block_bound(retention: SinkWindow, block_size: int, tokens_in_flight: int) -> int:
     """The most blocks one request holds under `retention`, whatever its length:
-    `ceil(sink / B) + ceil((window - 1 + tokens_in_flight) / B) + 1`.
+    `ceil(sink / B) + ceil((sink + window - 1 + tokens_in_flight) / B) + 1`.
 
     A step writing `T` tokens from stream index `n` reads the sinks (the first `ceil(sink / B)`
-    blocks) and `n - window .. n + T - 1`, `window + T` entries, which touch at most
-    `ceil((window + T - 1) / B) + 1` blocks when they do not start at a block's edge.
+    blocks) and `n - window .. n + T - 1`, `window + T` entries; the `sink` entries just below the
+    window are kept too (a decode step copies the sinks there for vLLM's sliding-window kernel,
+    `backend.FlexKVCPUImpl`). Those `sink + window + T` entries touch at most
+    `ceil((sink + window + T - 1) / B) + 1` blocks when they do not start at a block's edge.
     """
-    return cdiv(retention.sink, block_size) + cdiv(retention.window - 1 + tokens_in_flight, block_size) + 1
+    sink = retention.sink
+    return cdiv(sink, block_size) + cdiv(sink + retention.window - 1 + tokens_in_flight, block_size) + 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +59,8 @@ class SinkWindowSpec(SlidingWindowSpec):
 
 
 class SinkWindowManager(SlidingWindowManager):
-    """Keeps a request's sink blocks and the blocks its next query's window touches; frees the rest.
+    """Keeps a request's sink blocks and the blocks its next query's window (and the `sink` slots below it)
+    touches; frees the rest.
 
     Freed blocks become vLLM's null block in the request's block table (as the sliding-window
     manager does), so block indices keep meaning stream positions. Prefix caching is refused at
@@ -76,8 +80,10 @@ class SinkWindowManager(SlidingWindowManager):
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens=None) -> None:
         # The next query (stream index `processed_computed_tokens`) and every later one read nothing
-        # below its window's start except the sinks: free the blocks wholly in between.
-        lo = self.retention.window_start(processed_computed_tokens, 0)
+        # below its window's start except the sinks; the `sink` slots just below the window take the
+        # sinks' copies of a decode step. Free the blocks wholly between those and the sinks.
+        pol = self.retention
+        lo = max(pol.sink, pol.window_start(processed_computed_tokens, 0) - pol.sink)
         self._remove_blocks_in_range(request_id, self.first_gap_block, lo // self.block_size)
 
     @classmethod
