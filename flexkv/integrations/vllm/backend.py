@@ -193,28 +193,29 @@ def sink_window_attention(query, key_cache, value_cache, block_table, query_star
 class FlexKVCPUImpl(CPUAttentionBackendImpl):
     """vLLM's CPU attention, with flexkv's retention on full-attention decoder layers when configured."""
 
-    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
-                 logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
-                 sinks=None) -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
-                         logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
+    def __init__(self, *args, **kwargs) -> None:
+        # vLLM's arguments pass through as vLLM gives them (a newer vLLM may add some); what flexkv needs
+        # is read back from the attributes vLLM's class sets.
+        super().__init__(*args, **kwargs)
         retention = check_engine(get_current_vllm_config())
-        if retention is not None and sliding_window is None:
+        windowed = getattr(self, "sliding_window", -1) not in (None, -1)
+        if retention is not None and not windowed:
             why = []
+            attn_type = getattr(self, "attn_type", AttentionType.DECODER)
             if attn_type != AttentionType.DECODER:
                 why.append(f"a layer of attention type {attn_type!r} (flexkv keeps decoder self-attention only)")
-            if alibi_slopes is not None:
+            if getattr(self, "alibi_slopes", None) is not None:
                 why.append("ALiBi slopes (not applied by flexkv's attention)")
-            if sinks is not None:
+            if getattr(self, "sinks", None) is not None:
                 why.append("learned attention-sink logits (not applied by flexkv's attention)")
-            if logits_soft_cap:
-                why.append(f"logits soft-capping at {logits_soft_cap} (not applied by flexkv's attention)")
-            if kv_sharing_target_layer_name is not None:
-                why.append(f"a layer reading another layer's cache ({kv_sharing_target_layer_name})")
+            if getattr(self, "logits_soft_cap", 0):
+                why.append(f"logits soft-capping at {self.logits_soft_cap} (not applied by flexkv's attention)")
+            if getattr(self, "kv_sharing_target_layer_name", None) is not None:
+                why.append(f"a layer reading another layer's cache ({self.kv_sharing_target_layer_name})")
             if why:
                 raise ValueError(f"flexkv cannot serve {retention!r} exactly for this model: it has " + "; ".join(why))
         #: the layer's retention, or None: vLLM's own attention (no flexkv entry, or a sliding-window layer)
-        self.retention = retention if sliding_window is None else None
+        self.retention = None if windowed else retention
         self.positions = None
         self._rotary = None
         self._readers = None

@@ -24,6 +24,8 @@ Calling `install` again changes nothing (vLLM may load plugins more than once).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 __all__ = ["install", "served_rope_classes"]
@@ -88,16 +90,11 @@ def install() -> None:
         if type(spec) is not FullAttentionSpec:
             raise ValueError(f"flexkv cannot serve {pol!r} for layer {self.layer_name}: vLLM describes its cache as "
                              f"{type(spec).__name__}, and flexkv bounds plain full-attention layers only")
-        return SinkWindowSpec(
-            block_size=spec.block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_size=spec.head_size,
-            head_size_v=spec.head_size_v,
-            dtype=spec.dtype,
-            kv_quant_mode=spec.kv_quant_mode,
-            sliding_window=pol.window + 1,
-            sink=pol.sink,
-        )
+        # vLLM's own fields as vLLM filled them (a newer vLLM's new fields included), the window and sinks set here
+        own_fields = {f.name for f in dataclasses.fields(spec)}
+        carried = {f.name: getattr(spec, f.name) for f in dataclasses.fields(SinkWindowSpec)
+                   if f.init and f.name in own_fields and f.name != "sliding_window"}
+        return SinkWindowSpec(**carried, sliding_window=pol.window + 1, sink=pol.sink)
 
     get_kv_cache_spec.__wrapped__ = own
     Attention.get_kv_cache_spec = get_kv_cache_spec
