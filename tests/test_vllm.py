@@ -35,7 +35,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from flexkv import BoundedKVConfig, SinkWindow  # noqa: E402
 from flexkv.cache.masks import query_window_attends  # noqa: E402
 from flexkv.integrations.vllm.backend import decode_plan, sink_window_attention, turn_sinks  # noqa: E402
-from flexkv.integrations.vllm.spec import SinkWindowManager, SinkWindowSpec, block_bound  # noqa: E402
+from flexkv.integrations.vllm.spec import SinkWindowManager, SinkWindowSpec, block_bound, pool_line  # noqa: E402
 from flexkv.model.reference import attended_indices  # noqa: E402
 
 SINK, WINDOW, BLOCK = 4, 60, 32
@@ -122,11 +122,20 @@ def test_the_batched_attention_attends_the_contracts_set(sink, window, lens, ste
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_pool_line_says_how_many_whole_streams_the_pool_holds():
+    # bound: ceil(4 / 32) + ceil((4 + 1020 - 1 + 1) / 32) + 1 = 1 + 32 + 1 = 34 blocks; 1000 // 34 = 29 streams
+    line = pool_line(SinkWindow(4, 1020), 32, 1, 1000, 16)
+    assert "holds at most 34 blocks of 32 tokens" in line and "hold 29 such streams" in line
+    assert "no preemption" in line
+    assert "set it to 29 or less" in pool_line(SinkWindow(4, 1020), 32, 1, 1000, 64)
+
+
 def test_a_plugin_that_cannot_install_refuses_only_engines_that_ask_for_it(monkeypatch):
     """`register` never raises (vLLM loads it in every process); an engine with the `flexkv` entry is then
     refused with the reason, one without it configures as stock vLLM."""
-    import flexkv.integrations.vllm as plugin
     from vllm.config import VllmConfig
+
+    import flexkv.integrations.vllm as plugin
 
     monkeypatch.setattr(VllmConfig, "__post_init__", VllmConfig.__post_init__)  # put back after the test
 

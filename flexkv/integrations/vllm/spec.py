@@ -12,13 +12,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm.config import get_current_vllm_config_or_none
+from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
 from ...config import SinkWindow
 
-__all__ = ["SinkWindowSpec", "SinkWindowManager", "block_bound"]
+__all__ = ["SinkWindowSpec", "SinkWindowManager", "block_bound", "pool_line"]
+
+logger = init_logger(__name__)
+_announced = set()
+
+
+def pool_line(retention: SinkWindow, block_size: int, tokens_in_flight: int, pool_blocks: int, max_num_seqs) -> str:
+    """What an operator needs to size an engine: the block bound per request, and the whole streams the pool
+    holds at that bound (against `max_num_seqs`, past which vLLM would have to preempt)."""
+    bound = block_bound(retention, block_size, tokens_in_flight)
+    streams = pool_blocks // bound
+    line = (f"flexkv: a request under {retention!r} holds at most {bound} blocks of {block_size} tokens "
+            f"(with {tokens_in_flight} tokens in flight), whatever its length; the pool's {pool_blocks} blocks "
+            f"hold {streams} such streams at once")
+    if max_num_seqs is not None:
+        line += (f" (max_num_seqs={max_num_seqs}: no preemption for lack of blocks)" if streams >= max_num_seqs
+                 else f" (max_num_seqs={max_num_seqs} can run more: set it to {streams} or less to keep preemption "
+                      f"away)")
+    return line
 
 
 def block_bound(retention: SinkWindow, block_size: int, tokens_in_flight: int) -> int:
@@ -72,6 +92,13 @@ class SinkWindowManager(SlidingWindowManager):
         self.retention = kv_cache_spec.retention
         #: the first block that may be freed: every block before it holds a sink
         self.first_gap_block = cdiv(self.retention.sink, self.block_size)
+        cfg = get_current_vllm_config_or_none()
+        if cfg is not None and getattr(cfg, "scheduler_config", None) is not None:
+            line = pool_line(self.retention, self.block_size, cfg.max_in_flight_tokens,
+                             self.block_pool.num_gpu_blocks - 1, cfg.scheduler_config.max_num_seqs)
+            if line not in _announced:
+                _announced.add(line)
+                logger.info(line)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         # vLLM reads this as "the first N tokens are gone"; here the sinks stay, so no prefix is skipped.
