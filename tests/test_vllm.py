@@ -124,10 +124,12 @@ def test_the_batched_attention_attends_the_contracts_set(sink, window, lens, ste
 
 def test_the_pool_line_says_how_many_whole_streams_the_pool_holds():
     # bound: ceil(4 / 32) + ceil((4 + 1020 - 1 + 1) / 32) + 1 = 1 + 32 + 1 = 34 blocks; 1000 // 34 = 29 streams
-    line = pool_line(SinkWindow(4, 1020), 32, 1, 1000, 16)
+    bound = block_bound(SinkWindow(4, 1020), 32, 1)
+    line = pool_line(SinkWindow(4, 1020), 32, bound, 1000, 16)
     assert "holds at most 34 blocks of 32 tokens" in line and "hold 29 such streams" in line
     assert "no preemption" in line
-    assert "set it to 29 or less" in pool_line(SinkWindow(4, 1020), 32, 1, 1000, 64)
+    assert "set it to 29 or less" in pool_line(SinkWindow(4, 1020), 32, bound, 1000, 64)
+    assert "max_num_seqs" not in pool_line(SinkWindow(4, 1020), 32, bound, 1000)
 
 
 def test_a_plugin_that_cannot_install_refuses_only_engines_that_ask_for_it(monkeypatch):

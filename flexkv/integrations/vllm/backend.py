@@ -48,7 +48,7 @@ from .options import check_engine, serving_positions, startup_line
 __all__ = ["FlexKVCPUBackend", "FlexKVCPUImpl", "sink_window_attention", "step_gather", "turn_sinks", "model_rotary",
            "decode_plan"]
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.flexkv")  # under vLLM's logger, whose handler prints INFO
 _announced = set()
 
 #: bytes of gathered keys (or values) one tile of query tokens may take

@@ -10,6 +10,9 @@
 - a wrapper of `Attention.get_kv_cache_spec`: a layer whose implementation keeps a flexkv
   retention reports a `SinkWindowSpec` instead of vLLM's full-attention spec. vLLM offers no hook
   for this; every other layer reports what vLLM's own method says;
+- a wrapper of `VllmConfig.__post_init__`: an engine's configuration with the `flexkv` entry is
+  checked (`options.check_engine`) where it is made, so a bad entry or a refused setting stops
+  `vllm serve`'s front-end process with flexkv's message, not only its engine core;
 - a wrapper of `RotaryEmbeddingBase.__init__`: in an engine with the `flexkv` entry, the rotary
   table of a rope type in `options.SERVED_ROPE` covers `max_model_len` positions (its rows past the
   model's own length are the same formula's next rows), so a stream longer than the model's
@@ -47,7 +50,7 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from vllm.config import get_current_vllm_config_or_none
+    from vllm.config import VllmConfig, get_current_vllm_config_or_none
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
     from vllm.platforms import current_platform
@@ -117,4 +120,14 @@ def install() -> None:
 
     rope_init.__wrapped__ = own_rope_init
     RotaryEmbeddingBase.__init__ = rope_init
+
+    own_post_init = VllmConfig.__post_init__
+
+    def post_init(self, *args, **kwargs):
+        own_post_init(self, *args, **kwargs)
+        if getattr(self, "model_config", None) is not None:
+            check_engine(self)  # raises, naming every reason, where the engine cannot be served exactly
+
+    post_init.__wrapped__ = own_post_init
+    VllmConfig.__post_init__ = post_init
     _installed = True

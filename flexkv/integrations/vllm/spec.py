@@ -22,18 +22,17 @@ from ...config import SinkWindow
 
 __all__ = ["SinkWindowSpec", "SinkWindowManager", "block_bound", "pool_line"]
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.flexkv")  # under vLLM's logger, whose handler prints INFO
 _announced = set()
 
 
-def pool_line(retention: SinkWindow, block_size: int, tokens_in_flight: int, pool_blocks: int, max_num_seqs) -> str:
-    """What an operator needs to size an engine: the block bound per request, and the whole streams the pool
-    holds at that bound (against `max_num_seqs`, past which vLLM would have to preempt)."""
-    bound = block_bound(retention, block_size, tokens_in_flight)
+def pool_line(retention: SinkWindow, block_size: int, bound: int, pool_blocks: int, max_num_seqs=None) -> str:
+    """What an operator needs to size an engine: the block bound per request (`bound`, as vLLM admits with it),
+    and the whole streams the pool holds at that bound (against `max_num_seqs`, where known: past it vLLM
+    would have to preempt)."""
     streams = pool_blocks // bound
-    line = (f"flexkv: a request under {retention!r} holds at most {bound} blocks of {block_size} tokens "
-            f"(with {tokens_in_flight} tokens in flight), whatever its length; the pool's {pool_blocks} blocks "
-            f"hold {streams} such streams at once")
+    line = (f"flexkv: a request under {retention!r} holds at most {bound} blocks of {block_size} tokens, "
+            f"whatever its length; the pool's {pool_blocks} blocks hold {streams} such streams at once")
     if max_num_seqs is not None:
         line += (f" (max_num_seqs={max_num_seqs}: no preemption for lack of blocks)" if streams >= max_num_seqs
                  else f" (max_num_seqs={max_num_seqs} can run more: set it to {streams} or less to keep preemption "
@@ -92,10 +91,12 @@ class SinkWindowManager(SlidingWindowManager):
         self.retention = kv_cache_spec.retention
         #: the first block that may be freed: every block before it holds a sink
         self.first_gap_block = cdiv(self.retention.sink, self.block_size)
-        cfg = get_current_vllm_config_or_none()
-        if cfg is not None and getattr(cfg, "scheduler_config", None) is not None:
-            line = pool_line(self.retention, self.block_size, cfg.max_in_flight_tokens,
-                             self.block_pool.num_gpu_blocks - 1, cfg.scheduler_config.max_num_seqs)
+        # vLLM hands the manager the bound it admits with (the spec's, at its own tokens in flight)
+        bound = getattr(self, "max_admission_blocks_per_request", None)
+        if bound:
+            cfg = get_current_vllm_config_or_none()
+            seqs = getattr(getattr(cfg, "scheduler_config", None), "max_num_seqs", None)
+            line = pool_line(self.retention, self.block_size, bound, self.block_pool.num_gpu_blocks - 1, seqs)
             if line not in _announced:
                 _announced.add(line)
                 logger.info(line)

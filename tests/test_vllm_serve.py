@@ -1,0 +1,129 @@
+"""flexkv under vLLM's OpenAI-compatible server, as operators start it (its engine core in a process of
+its own, vLLM's defaults otherwise), spoken to over HTTP on localhost.
+
+Skipped where vLLM is not installed or the trained SmolLM2 folder is absent (tests/test_vllm.py's
+`smol_dir`). The server's greedy completions, plain and streamed, must equal the offline engine's for
+the same prompt past the first eviction; a bad `flexkv` entry must stop the server at start-up with
+flexkv's message.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from test_vllm import smol_dir  # noqa: E402
+
+SINK, WINDOW = 4, 60
+ENTRY = json.dumps({"flexkv": {"sink": SINK, "window": WINDOW}})
+#: what the server and the offline engine share (vLLM's defaults otherwise: prefix caching is what flexkv refuses)
+COMMON = ["--no-enable-prefix-caching", "--dtype", "float32", "--max-model-len", "1024", "--block-size", "32",
+          "--enforce-eager", "--seed", "0"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(folder, entry, log_path, port):
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the engine core in its own process
+    # vllm-cpu 0.32.0's `vllm` console script stops before parsing (it asks importlib.metadata for a
+    # distribution named "vllm"; this one is "vllm-cpu"), so the same server starts by its module path.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--port", str(port),
+           "--host", "127.0.0.1", "--additional-config", entry, *COMMON]
+    return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
+
+
+def post(port, path, body, stream=False):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        if not stream:
+            return json.loads(r.read())
+        chunks = []
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+        return chunks
+
+
+def wait_ready(proc, port, log_path, limit=420):
+    start = time.time()
+    while time.time() - start < limit:
+        if proc.poll() is not None:
+            raise AssertionError("the server exited at start-up:\n" + open(log_path).read()[-4000:])
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(2)
+    raise AssertionError(f"the server was not ready in {limit} s:\n" + open(log_path).read()[-4000:])
+
+
+@pytest.fixture(scope="module")
+def folder():
+    path = smol_dir()
+    if path is None:
+        pytest.skip("no converted SmolLM2 folder (see tests/test_vllm.py's smol_dir)")
+    return path
+
+
+def test_the_openai_server_generates_what_the_offline_engine_does(folder, tmp_path):
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    from pydoc_data.topics import topics
+
+    prompt = tok.decode(tok(topics[sorted(topics)[3]], add_special_tokens=False)["input_ids"][:100])
+    new = 80  # 100 + 80 tokens: past sink + window + 1 = 65, so the stream evicts as it goes
+    port, log = free_port(), tmp_path / "serve.log"
+    proc = serve(folder, ENTRY, log, port)
+    try:
+        wait_ready(proc, port, log)
+        text = post(port, "/v1/completions", dict(model=folder, prompt=prompt, max_tokens=new, temperature=0,
+                                                  ignore_eos=True))["choices"][0]["text"]
+        streamed = "".join(c["choices"][0]["text"] for c in post(
+            port, "/v1/completions", dict(model=folder, prompt=prompt, max_tokens=new, temperature=0,
+                                          ignore_eos=True, stream=True), stream=True))
+        chat = post(port, "/v1/chat/completions", dict(model=folder, max_tokens=new, temperature=0,
+                                                       messages=[{"role": "user", "content": prompt}]))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+    assert proc.returncode is not None
+    logged = log.read_text()
+    assert "each query reads at most 65 keys" in logged and "positions 'cache'" in logged
+    assert "flexkv: a request under SinkWindow(sink=4, window=60" in logged and "such streams at once" in logged
+    assert text == streamed and len(text) > 50
+    assert chat["choices"][0]["message"]["content"]
+
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(folder, enable_prefix_caching=False, dtype="float32", max_model_len=1024, block_size=32,
+              enforce_eager=True, seed=0, additional_config=json.loads(ENTRY))
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert out.outputs[0].text == text
+
+
+def test_a_bad_entry_stops_the_server_at_start_up_with_flexkvs_message(folder, tmp_path):
+    port, log = free_port(), tmp_path / "serve.log"
+    proc = serve(folder, json.dumps({"flexkv": {"sink": 4}}), log, port)
+    try:
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "needs ['window']" in log.read_text()
