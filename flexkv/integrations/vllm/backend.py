@@ -44,9 +44,9 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from ...cache.masks import query_window_attends
 from .cpu_layout import RegionReader, region_order, split_cache
 from .options import check_engine, serving_positions, startup_line
+from .rope import model_rotary
 
-__all__ = ["FlexKVCPUBackend", "FlexKVCPUImpl", "sink_window_attention", "step_gather", "turn_sinks", "model_rotary",
-           "decode_plan"]
+__all__ = ["FlexKVCPUBackend", "FlexKVCPUImpl", "sink_window_attention", "step_gather", "turn_sinks", "decode_plan"]
 
 logger = init_logger("vllm.flexkv")  # under vLLM's logger, whose handler prints INFO
 _announced = set()
@@ -112,29 +112,6 @@ def turn_sinks(k, sinks: int, evicted, cos_sin, neox: bool):
     x[..., :2 * half] = turned
     k[rows, :, :sinks] = x
     return k
-
-
-def model_rotary(head_size: int, max_model_len: int):
-    """The model's rotary embedding for heads of `head_size`: the one module of vLLM's rope cache
-    (`get_rope` builds one per set of parameters, shared by every layer) of a served type with that
-    head size. Raises `ValueError` when there is none or several differ."""
-    from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
-
-    from .plugin import served_rope_classes
-
-    found = {id(r): r for r in _ROPE_DICT.values()
-             if type(r) in served_rope_classes() and r.head_size == head_size
-             and r.cos_sin_cache.shape[0] >= max_model_len}
-    kinds = {(r.rotary_dim, r.is_neox_style, r.cos_sin_cache.shape, tuple(r.cos_sin_cache[1].tolist()))
-             for r in found.values()}
-    if len(kinds) != 1:
-        raise ValueError(
-            f"flexkv serves positions='cache' with the model's rotary table, and found {len(kinds)} rotary "
-            f"embeddings of head size {head_size} covering {max_model_len} positions (of types "
-            f"{sorted({type(r).__name__ for r in found.values()})}); serve this model with "
-            f'additional_config={{"flexkv": {{..., "positions": "stream"}}}}'
-        )
-    return next(iter(found.values()))
 
 
 def decode_plan(block_table, seq_lens, sink: int, window: int, bs: int):

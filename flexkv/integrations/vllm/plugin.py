@@ -31,17 +31,8 @@ import dataclasses
 
 import torch
 
-__all__ = ["install", "served_rope_classes"]
+__all__ = ["install"]
 
-
-def served_rope_classes() -> tuple:
-    """vLLM's rotary classes for the rope types of `options.SERVED_ROPE` (exact classes, not subclasses:
-    a subclass may compute its rows another way)."""
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-    from vllm.model_executor.layers.rotary_embedding.linear_scaling_rope import LinearScalingRotaryEmbedding
-    from vllm.model_executor.layers.rotary_embedding.llama3_rope import Llama3RotaryEmbedding
-
-    return (RotaryEmbedding, LinearScalingRotaryEmbedding, Llama3RotaryEmbedding)
 
 _installed = False
 
@@ -60,6 +51,7 @@ def install() -> None:
 
     from .backend import FlexKVCPUImpl
     from .options import check_engine
+    from .rope import served_rope_classes
     from .spec import SinkWindowManager, SinkWindowSpec
 
     # vLLM registers its own specs only when the registry is empty: fill it first.
