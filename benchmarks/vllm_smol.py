@@ -101,7 +101,7 @@ def main():
         nll = [-lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], scored[1:])]  # nll[q]: token q + 1
         nll += [None] * (len(ids) - 1 - len(nll))
         ppl = perplexities(nll, spans)
-        results[name] = {"perplexity": ppl, "seconds": seconds, "engine": {k: v for k, v in kw.items()}}
+        results[name] = {"perplexity": ppl, "seconds": seconds, "engine": dict(kw)}
         cells = " | ".join("-" if x is None else f"{x:.2f}" for x in ppl)
         print(f"| {name} | {cells} | {seconds:.0f} |", flush=True)
         del llm

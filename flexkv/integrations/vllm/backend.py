@@ -42,6 +42,7 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from ...cache.masks import query_window_attends
+from ...cache.rotary import apply_rotary
 from .cpu_layout import RegionReader, region_order, split_cache
 from .options import check_engine, serving_positions, startup_line
 from .rope import model_rotary
@@ -95,21 +96,17 @@ def turn_sinks(k, sinks: int, evicted, cos_sin, neox: bool):
     """`k` `[T, H, S, D]` (float32) with its first `sinks` slots turned by `evicted[t]` positions, in place:
     each query reads its sink keys at their in-cache positions. `cos_sin` is the model's rotary table
     (`[positions, rotary_dim]`, cosines then sines); `neox`: dimension `i` pairs with `i + rotary_dim / 2`
-    (else `2i` with `2i + 1`). Rows with nothing evicted are left as they are."""
+    (flexkv's `"half"` layout), else `2i` with `2i + 1` (`"interleaved"`); dimensions past `rotary_dim`
+    are not rotated. Rows with nothing evicted are left as they are."""
     rows = (evicted > 0).nonzero().flatten()
     if sinks == 0 or rows.numel() == 0:
         return k
     cos, sin = cos_sin[evicted[rows]].float().chunk(2, dim=-1)  # [R, rotary_dim / 2]
-    cos, sin = cos[:, None, None, :], sin[:, None, None, :]
-    half = cos.shape[-1]
+    widen = (lambda x: torch.cat((x, x), -1)) if neox else (lambda x: torch.repeat_interleave(x, 2, dim=-1))
+    cos, sin = widen(cos)[:, None, None, :], widen(sin)[:, None, None, :]
+    rd = cos.shape[-1]
     x = k[rows, :, :sinks]
-    if neox:
-        x1, x2 = x[..., :half], x[..., half:2 * half]
-        turned = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    else:
-        x1, x2 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
-        turned = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    x[..., :2 * half] = turned
+    x[..., :rd] = apply_rotary(x[..., :rd], cos, sin, "half" if neox else "interleaved")
     k[rows, :, :sinks] = x
     return k
 

@@ -103,7 +103,9 @@ def install() -> None:
         if ours:
             max_position_embeddings = max(max_position_embeddings, cfg.model_config.max_model_len)
         own_rope_init(self, head_size, rotary_dim, max_position_embeddings, *args, **kwargs)
-        if ours and type(self) is not lengthened[1] and getattr(self, "cos_sin_cache", None) is not None:
+        # a table from vLLM's base formula (plain, llama3: cos and sin of position x frequency) again in float64
+        base_rows = type(self)._compute_cos_sin_cache is RotaryEmbeddingBase._compute_cos_sin_cache
+        if ours and base_rows and getattr(self, "cos_sin_cache", None) is not None:
             inv_freq = self._compute_inv_freq(self.base).double()
             t = torch.arange(self.max_position_embeddings, dtype=torch.float64)
             angles = torch.outer(t, inv_freq)
