@@ -22,10 +22,11 @@ import functools
 import inspect
 
 import torch
+from transformers.masking_utils import create_masks_for_generate
 
 from .branching import generate_branching
 from .model_config import text_config
-from .plan import FlexKVForward
+from .plan import FlexKVForward, compiled_forward
 from .registration import ATTN_IMPLEMENTATION, register
 from .shim import CacheShim
 from .turns import check_continuation, record_owed_tokens, strip_first_column, with_owed_tokens
@@ -123,6 +124,24 @@ class ModelState:
         self.generate = None
         #: while this model drafts for another's assisted `generate()`: the FlexKVCache it drafts with
         self.assistant_cache = None
+        #: the model's own instance attribute `create_masks_for_generate` before `enable` (None: none)
+        self.create_masks = None
+        #: torch.compile's automatic dynamic shapes as they were before a compiled forward turned them off
+        self._dynamic_before = None
+
+    def static_shapes(self, on: bool) -> None:
+        """Turn torch.compile's automatic dynamic shapes off for a compiled forward (`on`), or restore them.
+
+        A flexkv forward's graph is shaped by its plan: under automatic dynamic shapes (`dynamic=None`)
+        the recompile that follows the prefill would make every plan size a symbol, and torch 2.13's
+        shared FlexAttention region and CPU template fail on those (`TORCH_WORKAROUNDS["DYNAMIC_PLAN"]`).
+        Static, the decode step compiles one graph however long the streams run."""
+        cfg = torch._dynamo.config
+        if on and self._dynamic_before is None:
+            self._dynamic_before = cfg.automatic_dynamic_shapes
+            cfg.automatic_dynamic_shapes = False
+        elif not on and self._dynamic_before is not None:
+            cfg.automatic_dynamic_shapes, self._dynamic_before = self._dynamic_before, None
 
     def recover(self) -> bool:
         """Roll back a forward the hooks planned whose end never ran (interrupted by a `BaseException`).
@@ -130,6 +149,7 @@ class ModelState:
         Returns whether there was one. Safe to call at any time outside a running forward.
         """
         fwd, self.running = self.running, None
+        self.static_shapes(False)
         if fwd is None:
             return False
         cache = fwd.cache
@@ -139,9 +159,19 @@ class ModelState:
 
 
 def _pre_forward(state: ModelState, module, args, kwargs):
-    """Forward pre-hook: plan a forward that carries a FlexKVCache and hand the plan down as keywords."""
+    """Forward pre-hook: plan a forward that carries a FlexKVCache and hand the plan down as keywords.
+
+    Traced (transformers' `generate(compile_config=...)` compiles the module's `__call__`, hooks
+    included), planning runs outside the graph: it is host work whose every int would otherwise be
+    guarded on, a recompile per token."""
     if kwargs.get("flexkv_step") is not None:
         return None  # inside a forward planned further up (the LM head's forward calls the base model's)
+    if torch.compiler.is_compiling():
+        return _plan_outside_graph(state, module, args, kwargs)
+    return _plan_forward(state, module, args, kwargs)
+
+
+def _plan_forward(state: ModelState, module, args, kwargs):
     # Not inside a planned forward: a forward these hooks planned and that is still pending was
     # interrupted (KeyboardInterrupt skips forward hooks); undo it before this forward runs.
     state.recover()
@@ -163,16 +193,28 @@ def _pre_forward(state: ModelState, module, args, kwargs):
     # Consumed: flexkv masks attention itself. Models with recurrent layers get the padding
     # mask of this forward's columns for those layers only (see FlexKVCache.model_masks).
     kwargs["attention_mask"] = cache.model_masks(mask, fwd)
+    if compiled_forward(module):
+        state.static_shapes(True)
     return args, kwargs
+
+
+_plan_outside_graph = torch.compiler.disable(_plan_forward)
 
 
 def _post_forward(state: ModelState, module, args, kwargs, result):
     """Forward hook (run on success and on `Exception`): commit the forward this module planned, or roll it back."""
     fwd = kwargs.get("flexkv_step") if isinstance(kwargs, dict) else None
     if not isinstance(fwd, FlexKVForward) or fwd.owner is not module:
-        return None
+        return None  # not a forward these hooks planned, or the base model's inside the LM's
+    if torch.compiler.is_compiling():
+        return _end_outside_graph(state, module, fwd, result)
+    return _end_forward(state, module, fwd, result)
+
+
+def _end_forward(state: ModelState, module, fwd, result):
     if state.running is fwd:
         state.running = None
+    state.static_shapes(False)
     cache = fwd.cache
     if cache._pending is None or cache._pending.forward is not fwd:
         return None
@@ -181,6 +223,9 @@ def _post_forward(state: ModelState, module, args, kwargs, result):
     else:
         cache.commit()
     return None
+
+
+_end_outside_graph = torch.compiler.disable(_end_forward)
 
 
 def attention_configs(model) -> list:
@@ -330,6 +375,15 @@ def _guarded_generate(state: ModelState, model, generate, *args, **kwargs):
     return result
 
 
+def _padding_mask_for_flexkv(masks, *args, **kwargs):
+    """`generate()`'s mask builder for a compileable cache: with a FlexKVCache, the 2-D padding mask
+    as given (flexkv plans its forwards from it and builds the attention pattern itself); else the
+    model's own builder (`masks`)."""
+    if isinstance(kwargs.get("cache"), CacheShim) or isinstance(kwargs.get("past_key_values"), CacheShim):
+        return kwargs.get("attention_mask")
+    return masks(*args, **kwargs)
+
+
 def enable(model) -> None:
     """Install flexkv's forward hooks on `model` and its guard around `model.generate` (idempotent).
 
@@ -352,6 +406,10 @@ def enable(model) -> None:
         state.handles.append(mod.register_forward_pre_hook(functools.partial(_pre_forward, state), with_kwargs=True))
         state.handles.append(mod.register_forward_hook(functools.partial(_post_forward, state), with_kwargs=True,
                                                        always_call=True))
+    own_masks = model.__dict__.get("create_masks_for_generate")
+    masks = getattr(model, "create_masks_for_generate", None) or create_masks_for_generate
+    state.create_masks = own_masks
+    model.create_masks_for_generate = functools.partial(_padding_mask_for_flexkv, masks)
     generate = getattr(model, "generate", None)
     if callable(generate):
         state.generate = model.__dict__.get("generate")
@@ -370,6 +428,10 @@ def disable(model) -> None:
     state.recover()
     for h in state.handles:
         h.remove()
+    if state.create_masks is None:
+        model.__dict__.pop("create_masks_for_generate", None)
+    else:
+        model.create_masks_for_generate = state.create_masks
     if "generate" in model.__dict__:
         if state.generate is None:
             del model.generate

@@ -37,8 +37,9 @@ def softcap_mod(cap: float):
 
 def compiled_forward(model) -> bool:
     """Whether `model`'s forward may run under `torch.compile`: planned while tracing, the module
-    compiled (`model.compile()`), or its `forward` replaced by a compiled one (the model's or its
-    base model's). A forward that may is given plans whose parts are made before the graph."""
+    compiled (`model.compile()`), its `forward` replaced by a compiled one (the model's or its
+    base model's), or its `__call__` compiled by transformers' `generate(compile_config=...)`
+    (`_compiled_call`). A forward that may is given plans whose parts are made before the graph."""
     if torch.compiler.is_compiling():
         return True
     if model is None:
@@ -49,7 +50,8 @@ def compiled_forward(model) -> bool:
         if mod is None:
             continue
         d = mod.__dict__
-        if d.get("_compiled_call_impl") is not None or hasattr(d.get("forward"), "_torchdynamo_orig_callable"):
+        if (d.get("_compiled_call_impl") is not None or d.get("_compiled_call") is not None
+                or hasattr(d.get("forward"), "_torchdynamo_orig_callable")):
             return True
     return False
 

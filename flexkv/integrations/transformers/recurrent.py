@@ -44,7 +44,7 @@ def probe_states(model) -> Dict[StateKey, tuple]:
     it (often float32 in a bfloat16 model).
     """
     probe = torch.zeros(1, 1, dtype=torch.long, device=model.device)
-    with torch.no_grad():
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):  # no graph compiled for a probe
         out = model(input_ids=probe, use_cache=True)
     cache = getattr(out, "cache", None)
     if cache is None:

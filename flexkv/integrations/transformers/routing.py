@@ -49,7 +49,8 @@ def probe_attention(model, configs) -> Dict[int, Tuple[int, int, int]]:
     try:
         for cfg in configs:
             cfg._attn_implementation_internal = ATTN_IMPLEMENTATION
-        with torch.no_grad():
+        # Eager even where the user compiled the forward: a probe must not compile a graph of its own.
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             model(input_ids=probe, use_cache=False, flexkv_step=recorder)
     except UnplannedAttention as exc:
         flag = getattr(type(model), "_supports_attention_backend", None)

@@ -137,7 +137,10 @@ class CacheShim(Cache):
 
     @property
     def is_compileable(self) -> bool:
-        return False
+        """True: a forward's plan is an input of the graph, so a compiled decode step compiles once
+        (transformers' `generate(compile_config=...)` compiles it; `enable` keeps the 2-D padding
+        mask that flexkv plans from, where transformers would build 4-D masks for such a cache)."""
+        return True
 
     @property
     def is_croppable(self) -> bool:
