@@ -27,6 +27,7 @@ start; the dynamic cache's keys and values, its peak; the static cache's
 allocation) and the process's resident set after the run.
 
     python -m benchmarks.real_model_speed --tokens 4000 --compiled-tokens 1000
+    python -m benchmarks.real_model_speed --tokens 4000 --compiled-tokens 4000 --eager-caches dynamic flexkv
 
 Needs `pip install 'flexkv[transformers,real]'` and the model (docs/real_model.md).
 """
@@ -155,6 +156,9 @@ def main(argv=None) -> int:
                         choices=["flexkv", "flexkv-stream-positions", "dynamic", "static"],
                         help="flexkv: FlexKVCache as built by default (in-cache positions for a rotary model); "
                              "flexkv-stream-positions: with rope_positions='stream'")
+    parser.add_argument("--eager-caches", nargs="+", default=None,
+                        choices=["flexkv", "flexkv-stream-positions", "dynamic", "static"],
+                        help="the caches run eagerly (default: --caches)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
     if args.tokens < 0 or args.tokens == 0 and args.compiled_tokens == 0:
@@ -173,7 +177,7 @@ def main(argv=None) -> int:
     print(f"{args.model}: prompt {prompt.shape[1]} tokens, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads", file=sys.stderr)
     results, failures = [], []
-    for kind in args.caches if args.tokens else ():
+    for kind in (args.caches if args.eager_caches is None else args.eager_caches) if args.tokens else ():
         results.append(run_one(model, prompt, args.tokens, kind, False, args))
     if args.compiled_tokens:
         for kind in args.caches:

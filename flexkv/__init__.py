@@ -22,7 +22,6 @@ The package in layers, each importing only its own layer or below:
 """
 
 import importlib as _importlib
-import warnings as _warnings
 
 from .compiling import warn_if_untested as _warn_if_untested
 
@@ -69,20 +68,6 @@ _PUBLIC = {
 
 __all__ = list(_PUBLIC)
 
-#: Names `flexkv` exported before 0.2 that are not what a user writes (what a call returns, a plan
-#: callers never look inside, the serving engine's seams): they still resolve, with a
-#: DeprecationWarning naming their module, until 0.3.
-_DEPRECATED = {
-    "StepResult": "session",
-    "SwappedAttention": "model.port",
-    "BoundedPlan": "cache.planner",
-    "GroupedPlan": "cache.groups",
-    "BoundedKVResource": "serving",
-    "BoundedKVSpec": "serving",
-    "EngineResourceInfo": "serving",
-    "load_deployment": "serving",
-}
-
 #: The sub-packages, imported on first use as attributes too (`flexkv.serving.BoundedKVSpec`).
 _SUBPACKAGES = ("config", "step", "compiling", "cache", "model", "session", "cli", "serving", "integrations")
 
@@ -92,11 +77,6 @@ def __getattr__(name: str):
         value = getattr(_importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
         globals()[name] = value
         return value
-    if name in _DEPRECATED:
-        home = f"{__name__}.{_DEPRECATED[name]}"
-        _warnings.warn(f"flexkv.{name} is deprecated and goes in flexkv 0.3; import it from {home}",
-                       DeprecationWarning, stacklevel=2)
-        return getattr(_importlib.import_module(home), name)
     if name in _SUBPACKAGES:
         return _importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

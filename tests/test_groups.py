@@ -207,15 +207,10 @@ def test_sources_are_split_by_layer():
     assert m.sources == {} and all(mm.sources == {} for mm in m.managers)
 
 
-def test_layer_manager_warns_that_it_goes_in_0_3_and_still_answers():
-    """`layer_manager` had no caller; both spellings still answer, warning with what to use instead."""
+def test_a_layer_is_found_by_group_of_and_its_config_by_layer_config():
+    """`group_of` says where a model layer lives, `layer_config` its config (`layer_manager` is gone)."""
     m = GroupedKVManager(base_config(), GROUPS, block_size=8)
-    with pytest.warns(DeprecationWarning, match=r"GroupedKVManager\.layer_manager\(\) is deprecated and goes in "
-                                                r"flexkv 0\.3; group_of\(layer_idx\)"):
-        store, i = m.layer_manager(3)
-    assert i == m.group_of(3)[1] == 1 and store.config.retention == SinkWindow(2, 6)
-    assert m.layer_config(3).retention == store.config.retention
-    single = BoundedKVManager(base_config(), block_size=8)
-    with pytest.warns(DeprecationWarning, match=r"BoundedKVManager\.layer_manager\(\) is deprecated and goes in "
-                                                r"flexkv 0\.3"):
-        assert single.layer_manager(2) == (single, 2)
+    g, i = m.group_of(3)
+    assert i == 1 and m.layer_config(3).retention == m.managers[g].config.retention == SinkWindow(2, 6)
+    assert not hasattr(m, "layer_manager") and not hasattr(BoundedKVManager(base_config(), block_size=8),
+                                                           "layer_manager")

@@ -448,22 +448,16 @@ def test_model_layer_types_are_read_or_refused():
         cache._check_layer(0, 7, None)
 
 
-def test_a_layer_spec_names_its_value_width_value_head_dim_and_the_old_name_still_works_with_a_warning():
+def test_a_layer_spec_names_its_value_width_value_head_dim():
     """DeepSeek-V3's keys are 24 wide and its values 16 (tests/hf_models.py): the spec says so as
-    `value_head_dim`, the name of `BoundedKVConfig`; `v_head_dim` reads and builds it, warning until 0.3."""
+    `value_head_dim`, the name of `BoundedKVConfig` (the old `v_head_dim` is gone)."""
     cache = FlexKVCache(make_model("deepseek_v3"), SinkWindow(SINK, WINDOW), block_size=16)
     spec = next(s for s in cache.layer_specs if s.attends)
     assert (spec.kv_heads, spec.head_dim, spec.value_head_dim) == (4, 24, 16)
-    warns = dict(match=r"LayerSpec\.v_head_dim is deprecated and goes in flexkv 0\.3; use LayerSpec\.value_head_dim")
-    with pytest.warns(DeprecationWarning, **warns):
-        assert spec.v_head_dim == 16
-    with pytest.warns(DeprecationWarning, **warns):
-        old = LayerSpec(0, "full_attention", True, False, None, 4, 24, v_head_dim=16, kv_source=0)
-    assert old == dataclasses.replace(spec, index=0, kv_source=0)
+    assert not hasattr(spec, "v_head_dim")
+    with pytest.raises(TypeError, match="v_head_dim"):
+        LayerSpec(0, "full_attention", True, False, None, 4, 24, v_head_dim=16, kv_source=0)
     assert dataclasses.replace(spec, value_head_dim=8).value_head_dim == 8
-    with pytest.raises(TypeError, match="got both value_head_dim and its deprecated name v_head_dim"), \
-            pytest.warns(DeprecationWarning):
-        LayerSpec(0, "full_attention", True, False, value_head_dim=16, v_head_dim=16)
 
 
 @pytest.mark.parametrize("family, args, kw, match", [

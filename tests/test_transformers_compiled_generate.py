@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import left_pad, make_model, prompts
-from single_thread import one_thread  # noqa: F401
 
 from flexkv import SinkWindow
 from flexkv.integrations.transformers import FlexKVCache
+from hf_models import left_pad, make_model, prompts
+from single_thread import one_thread  # noqa: F401
 
 RETENTION = SinkWindow(4, 12)
 NEW = 48  # new tokens per call: the 4 + 12 retention's ring wraps several times in each call
@@ -64,7 +64,7 @@ def llama():
     return model, want
 
 
-def test_generate_with_transformers_compile_config_compiles_decoding_once(llama, one_thread):
+def test_generate_with_transformers_compile_config_compiles_decoding_once(llama):
     """transformers' own switch for a compileable cache (`compile_config`; on the CPU it must be asked
     for with `_compile_all_devices`): same greedy ids as eager, one decode graph for both calls."""
     from transformers import CompileConfig
@@ -83,7 +83,7 @@ def test_generate_with_transformers_compile_config_compiles_decoding_once(llama,
     assert len(graphs) >= 2 * (NEW - 1) and graphs[2] >= 1
     assert graphs[2:] == [graphs[2]] * (len(graphs) - 2), f"decode steps compiled again: {graphs}"
 
-def test_a_forward_compiled_with_dynamic_none_decodes_on_one_graph(llama, one_thread):
+def test_a_forward_compiled_with_dynamic_none_decodes_on_one_graph(llama):
     """`torch.compile(model.forward, dynamic=None)` (torch's default): the prefill's graph, then the
     first decode step's, and no other decode step compiles; the ids are the eager cache's. The graphs
     are traced by dynamo alone (`backend="eager"`), where the automatic-dynamic failure lay."""

@@ -26,7 +26,6 @@ over the table and every group's store, as for every other cache.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Tuple
 
@@ -339,15 +338,6 @@ class GroupedKVManager(StreamLifecycle, nn.Module):
     def group_of(self, layer_idx: int) -> Tuple[int, int]:
         """`(group, index inside the group)` of model layer `layer_idx`."""
         return self._route[check_layer_index(layer_idx, len(self._route))]
-
-    def layer_manager(self, layer_idx: int) -> Tuple[BoundedKVManager, int]:
-        """The store holding model layer `layer_idx`, and the layer's index in it. Deprecated, goes in
-        flexkv 0.3 (nothing calls it): `group_of` says where a layer lives, `layer_config` its config."""
-        warnings.warn("GroupedKVManager.layer_manager() is deprecated and goes in flexkv 0.3; group_of(layer_idx) "
-                      "gives (group, index in it) and layer_config(layer_idx) the layer's config",
-                      DeprecationWarning, stacklevel=2)
-        g, i = self.group_of(layer_idx)
-        return self._mgrs[g], i
 
     # ------------------------------------------------------ the cache protocol
     # What every flexkv cache offers the front doors above it (`flexkv.cache.protocol.StreamCache`).

@@ -22,7 +22,6 @@ grouped cache.
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -189,14 +188,6 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
         """The config that governs layer `layer_idx` (its retention and windows): this cache's own."""
         check_layer_index(layer_idx, self.config.num_layers)
         return self.config
-
-    def layer_manager(self, layer_idx: int):
-        """`(manager, index in it)` holding layer `layer_idx`: this manager and the same index.
-        Deprecated, goes in flexkv 0.3 (nothing calls it: a layer's config is `layer_config`)."""
-        warnings.warn("BoundedKVManager.layer_manager() is deprecated and goes in flexkv 0.3; the layer lives in "
-                      "this cache at the index you hold, and layer_config(layer_idx) gives its config",
-                      DeprecationWarning, stacklevel=2)
-        return self, check_layer_index(layer_idx, self.config.num_layers)
 
     def rotation(self, layer_idx: int, rotary, mode: str = "stream", *, rotated_inputs: bool = False) -> SinkRotation:
         """Rotary positions for layer `layer_idx` (`flexkv.cache.rotary.SinkRotation`): call it as

@@ -12,7 +12,6 @@ layer and the reason, what flexkv cannot serve exactly.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -50,9 +49,7 @@ class LayerSpec:
     keys and values as its attention receives them (the names of
     `BoundedKVConfig`). `kv_source`: the layer whose keys and values this
     layer attends (itself, or, for Gemma 3n/4's shared-KV layers, the last
-    layer of its type that computes them). `v_head_dim`, the earlier name
-    of `value_head_dim`, is still accepted and read, with a
-    `DeprecationWarning`, until flexkv 0.3.
+    layer of its type that computes them).
     """
 
     index: int
@@ -64,32 +61,6 @@ class LayerSpec:
     head_dim: int = 0
     value_head_dim: int = 0
     kv_source: Optional[int] = None
-
-    @property
-    def v_head_dim(self) -> int:
-        _warn_v_head_dim()
-        return self.value_head_dim
-
-
-def _warn_v_head_dim() -> None:
-    warnings.warn("LayerSpec.v_head_dim is deprecated and goes in flexkv 0.3; use LayerSpec.value_head_dim",
-                  DeprecationWarning, stacklevel=3)
-
-
-_layer_spec_init = LayerSpec.__init__
-
-
-def _init_accepting_v_head_dim(self, *args, v_head_dim: Optional[int] = None, **kwargs):
-    if v_head_dim is not None:
-        _warn_v_head_dim()
-        if "value_head_dim" in kwargs or len(args) > 7:
-            raise TypeError("LayerSpec() got both value_head_dim and its deprecated name v_head_dim "
-                            "(dataclasses.replace() passes every field): give value_head_dim only")
-        kwargs["value_head_dim"] = v_head_dim
-    _layer_spec_init(self, *args, **kwargs)
-
-
-LayerSpec.__init__ = _init_accepting_v_head_dim
 
 
 def text_config(config):
