@@ -12,10 +12,10 @@ process, one cache after another:
 - transformers' `StaticCache` sized for the whole run (`prompt + tokens`);
 
 each eager, and with `--compiled-tokens N > 0` also compiled (flexkv and the
-static cache: `model.forward = torch.compile(model.forward, fullgraph=True)`,
-the way docs/transformers.md compiles the decode step, with torch's default
-`dynamic=None` since `generate()`'s attention mask grows a column per step;
-a `DynamicCache` changes shape every step, so it is not compiled). A logits
+static cache) the way transformers compiles a compileable cache's decoding:
+`generate(compile_config=CompileConfig())` (`--fullgraph` sets its
+`fullgraph`), the decode step compiled with torch's default `dynamic=None`
+and the prefill eager (a `DynamicCache` is not compileable). A logits
 processor stamps the time of every step, so the table gives tokens/s over
 the decode (prefill excluded), the first decode step alone (compiled: the
 decode graph's compile; the prefill column holds the prefill graph's), the
@@ -93,26 +93,31 @@ def run_one(model, prompt, tokens: int, kind: str, compiled: bool, args) -> dict
         cache = DynamicCache(config=model.config)
     else:
         cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + tokens + 1)
-    original = model.forward
+    extra = {}
     if compiled:
+        from transformers import CompileConfig
+
         torch._dynamo.reset()
-        # generate() hands the forward an attention mask one column longer each step: dynamic=None (torch's and
-        # transformers' default) makes that length symbolic after its first change instead of recompiling per step
-        model.forward = torch.compile(original, fullgraph=True, dynamic=None)
+        model.__dict__.pop("_compiled_call", None)
+        # transformers' own compiled path, the one a StaticCache (any compileable cache) gets from generate():
+        # the decode step compiled with CompileConfig's defaults, the prefill eager. On the CPU it is asked for.
+        config = CompileConfig(fullgraph=args.fullgraph)
+        config._compile_all_devices = True
+        extra["compile_config"] = config
     clock = StepClock(label, tokens)
     start = time.perf_counter()
     try:
         with torch.no_grad():
             out = model.generate(prompt, attention_mask=torch.ones_like(prompt), cache=cache, do_sample=False,
                                  max_new_tokens=tokens, min_new_tokens=tokens,
-                                 logits_processor=LogitsProcessorList([clock]), pad_token_id=0)
+                                 logits_processor=LogitsProcessorList([clock]), pad_token_id=0, **extra)
     finally:
-        model.forward = original
+        model.__dict__.pop("_compiled_call", None)
     print(file=sys.stderr)
     stamps = torch.tensor(clock.stamps, dtype=torch.float64)
     steps = torch.diff(stamps)  # step i -> i + 1: one decode forward each
     memory = cache.memory_bytes if kind.startswith("flexkv") else _tensor_bytes(cache)
-    return {
+    result = {
         "label": label, "kind": kind, "compiled": compiled, "tokens": tokens,
         "prefill_s": clock.stamps[0] - start,
         "first_step_s": steps[0].item() if steps.numel() else float("nan"),  # compiled: the decode graph's compile
@@ -123,6 +128,11 @@ def run_one(model, prompt, tokens: int, kind: str, compiled: bool, args) -> dict
         "cache_mib": memory / 2**20, "rss_mib": rss_mib(),
         "out": out[0, prompt.shape[1]:].tolist(),
     }
+    # Each run's figures as it ends (a long run interrupted keeps what finished).
+    print(f"  {label}: prefill {result['prefill_s']:.2f} s, first decode step {result['first_step_s']:.2f} s, "
+          f"{result['decode_tokens_per_s']:.2f} tokens/s, last 100 tokens {result['last100_s']:.2f} s, "
+          f"cache {result['cache_mib']:.1f} MiB, ms per token {result['per_token_ms']}", file=sys.stderr, flush=True)
+    return result
 
 
 def table(results, every: int) -> str:
@@ -156,6 +166,7 @@ def main(argv=None) -> int:
                         choices=["flexkv", "flexkv-stream-positions", "dynamic", "static"],
                         help="flexkv: FlexKVCache as built by default (in-cache positions for a rotary model); "
                              "flexkv-stream-positions: with rope_positions='stream'")
+    parser.add_argument("--fullgraph", action="store_true", help="compiled runs: CompileConfig(fullgraph=True)")
     parser.add_argument("--eager-caches", nargs="+", default=None,
                         choices=["flexkv", "flexkv-stream-positions", "dynamic", "static"],
                         help="the caches run eagerly (default: --caches)")
