@@ -121,12 +121,13 @@ TORCH_WORKAROUNDS = {
         "the transformers door clears them when a forward's plan ends "
         "(`flexkv.integrations.transformers.registration.release_compile_globals`)"),
     "DYNAMIC_PLAN": TorchWorkaround(
-        "any", ((2, 13), None),
+        "any", ((2, 13), (2, 13)),
         "under automatic dynamic shapes (torch.compile's dynamic=None) a recompiled forward makes every plan size a "
         "symbol; one later specialised fails the shared FlexAttention region (InternalTorchDynamoError: KeyError in "
         "invoke_subgraph's stamp_out_subgraph) and an inline CPU call fails its template's epilogue check",
         "a transformers forward through a FlexKVCache compiles with automatic dynamic shapes off "
-        "(`flexkv.integrations.transformers.hooks.ModelState.static_shapes`): its graph is shaped by its plan"),
+        "(`flexkv.integrations.transformers.hooks.ModelState.static_shapes`): its graph is shaped by its plan; "
+        "kept on 2.15, where dynamo no longer fails, since a plan's sizes are static by design"),
     "SHARED_KERNEL": TorchWorkaround(
         "cpu", (SHARED_KERNEL_TORCH, None),
         "the CPU template emits a kernel per layer call (its C++ differs in a buffer name alone)",
