@@ -66,6 +66,18 @@ def test_run_report_fields_and_accounting(tiny_run):
     assert 0 < rep["plan_ms"]["p50"] and 0 < rep["plan_ms"]["fraction_of_step"] < 1
 
 
+def test_run_reports_the_process_memory(tiny_run):
+    """The report gives the process's resident memory after warm-up and at the end, its growth per 1,000
+    finished requests from those two, and the text report prints them."""
+    proc, rep = tiny_run
+    p = rep["process"]
+    assert p["rss_start_bytes"] > 0 and p["rss_end_bytes"] > 0
+    finished = rep["requests"]["finished"]
+    assert finished > 0
+    assert p["rss_growth_per_1000_requests_bytes"] == pytest.approx(
+        (p["rss_end_bytes"] - p["rss_start_bytes"]) * 1000 / finished)
+
+
 def test_run_memory_is_the_slots_and_flat(tiny_run):
     _, rep = tiny_run
     m = rep["memory"]
@@ -100,7 +112,7 @@ def test_run_prints_report_and_progress(tiny_run):
     out = proc.stdout.splitlines()
     assert out[0] == "flexkv run: tiny-run (small)"
     heads = [line.split()[0] for line in out[2:]]
-    assert heads == ["steps", "step", "compile", "planning", "memory", "unbounded", "requests", "reference", "wall"]
+    assert heads == ["steps", "step", "compile", "planning", "memory", "unbounded", "process", "requests", "reference", "wall"]
     assert "recompiles after warm-up: 0" in proc.stdout
     assert "rings wrapped" in proc.stdout
     assert proc.stderr.splitlines()[-1].startswith("[40/40]")

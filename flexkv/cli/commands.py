@@ -163,6 +163,12 @@ def format_report(rep: dict, title: str) -> str:
                  f"{'flat' if m['flat'] else 'NOT flat'} over the run; cache total {_bytes(m['memory_bytes'])} "
                  f"(+ sources {_bytes(m['sources_bytes'])}, scratch and block padding {_bytes(m['other_bytes'])})")
     lines.append(_unbounded_line(m, "slots"))
+    proc = rep.get("process") or {}
+    if proc.get("rss_start_bytes") is not None and proc.get("rss_end_bytes") is not None:
+        per = proc["rss_growth_per_1000_requests_bytes"]
+        lines.append(f"process      resident {_bytes(proc['rss_start_bytes'])} after warm-up, "
+                     f"{_bytes(proc['rss_end_bytes'])} at the end"
+                     + (f" ({_bytes(per)} per 1,000 finished requests)" if per is not None else ""))
     wrapped = req["longest_stream"] > req["sink"] + req["window"]
     lines.append(f"requests     {req['arrived']} arrived, {req['finished']} finished; longest stream "
                  f"{req['longest_stream']} entries (sink {req['sink']} + window {req['window']}"

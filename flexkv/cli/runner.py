@@ -12,6 +12,7 @@ plain dict (`report`), ready for JSON.
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -30,6 +31,15 @@ from .traffic import Traffic
 from .workload import Workload
 
 __all__ = ["run_workload", "CompiledStep", "graphs_compiled", "percentile"]
+
+
+def resident_bytes() -> Optional[int]:
+    """This process's resident memory in bytes (None where /proc is absent)."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def percentile(values: List[float], q: int) -> float:
@@ -234,6 +244,7 @@ class _WorkloadRun:
         _sync(self.device)
         self.compile_s = time.perf_counter() - t0
         self.graphs_warm = graphs_compiled()
+        self.rss_start = resident_bytes()  # after the compile: what the run itself adds is measured from here
         self.arrived = len(self.traffic.active)
         self._start(self.traffic.active)
 
@@ -339,6 +350,14 @@ class _WorkloadRun:
                 "elapsed_s": now - self.wall0,
             })
 
+    def _process_memory(self) -> dict:
+        """The process's resident memory after warm-up and at the end, and its growth per 1,000 finished
+        requests (None where it cannot be read). Host state that outlived its request shows here."""
+        start, end = self.rss_start, resident_bytes()
+        growth = None if start is None or end is None or not self.finished else \
+            (end - start) * 1000 / self.finished
+        return {"rss_start_bytes": start, "rss_end_bytes": end, "rss_growth_per_1000_requests_bytes": growth}
+
     def report(self) -> dict:
         w, m, cfg = self.w, self.manager, self.cfg
         step_times, plan_times = self.step_times, self.plan_times
@@ -385,6 +404,7 @@ class _WorkloadRun:
                 "unbounded_bytes_end": end.get("unbounded_bytes", 0),
                 "unbounded_bytes_peak": self.unbounded_peak,
             },
+            "process": self._process_memory(),
             "requests": {"arrived": self.arrived, "finished": self.finished, "longest_stream": self.longest,
                          "window": w.window, "sink": w.sink},
             "reference": {
