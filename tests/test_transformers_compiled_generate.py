@@ -18,10 +18,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexkv import SinkWindow
-from flexkv.integrations.transformers import FlexKVCache
 from hf_models import left_pad, make_model, prompts
 from single_thread import one_thread  # noqa: F401
+
+# hf_models above skips this module without the transformers extra: it imports before transformers, flexkv
+# isort: split
+
+from flexkv import SinkWindow
+from flexkv.integrations.transformers import FlexKVCache
 
 RETENTION = SinkWindow(4, 12)
 NEW = 48  # new tokens per call: the 4 + 12 retention's ring wraps several times in each call
