@@ -1,4 +1,5 @@
-"""What `enable(model)` installs: forward hooks that plan and commit, and a guard around `generate()`.
+"""What `enable(model)` installs: forward hooks that plan and commit, a guard around `generate()`, and
+the mask builder `generate()` calls for a compileable cache (with a FlexKVCache: the 2-D padding mask).
 
 A forward that carries a flexkv cache (`cache=` or `past_key_values=`) is
 planned by the pre-hook (`cache.prepare`), runs with the model's attention
@@ -390,7 +391,9 @@ def enable(model) -> None:
     Registers the `"flexkv"` attention function and installs the hooks that
     plan a forward given a `FlexKVCache`, switch the model's attention to
     flexkv for that forward, and commit (or, if it raised, roll back) its
-    tokens afterwards. Forwards and `generate()` calls without a
+    tokens afterwards; and, as the instance attribute
+    `create_masks_for_generate`, a mask builder that passes a FlexKVCache's
+    2-D padding mask through (the model's own builder serves other caches). Forwards and `generate()` calls without a
     `FlexKVCache` are untouched.
     """
     check_model(model)
