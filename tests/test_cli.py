@@ -78,6 +78,32 @@ def test_run_reports_the_process_memory(tiny_run):
         (p["rss_end_bytes"] - p["rss_start_bytes"]) * 1000 / finished)
 
 
+def test_the_reference_tracker_keeps_only_what_a_check_reads():
+    """A tracked request's host copy holds the chunks with its first `sink` entries and those with its
+    last `window + max step` entries, however long it runs; `stream` gives the whole written length
+    with the kept entries where they were and zeros where chunks were dropped."""
+    from flexkv.cli.runner import _Tracker
+
+    w = load_workload(str(TINY)).replace(reverse_step_order=False)
+    tracker = _Tracker(w, limit=1)
+    tracker.offer(7)
+    written, span = 0, 3
+    for _ in range(60):  # 180 entries, far past sink + window + T
+        # token i of the stream carries the value i + 1 in every cell (0 is what a dropped entry reads)
+        k = (torch.arange(written, written + span, dtype=w.torch_dtype) + 1).view(1, 1, span, 1).expand(
+            w.rows, w.kv_heads, span, w.head_dim)
+        tracker.record(7, slice(0, w.rows), span, [(None, k, -k, None)] * w.layers)
+        written += span
+        assert tracker.stored_entries(7) <= w.sink + tracker.tail + 2 * span
+    keys, values = tracker.stream(7)
+    assert len(keys) == w.layers and keys[0].shape == (w.rows, w.kv_heads, written, w.head_dim)
+    got = keys[0][0, 0, :, 0]
+    kept = [i for i in range(written) if got[i] != 0]
+    assert all(got[i] == i + 1 for i in kept) and torch.equal(values[0], -keys[0])
+    assert set(range(w.sink)) <= set(kept) and set(range(written - tracker.tail, written)) <= set(kept)
+    assert len(kept) < written // 2  # the middle went
+
+
 def test_run_memory_is_the_slots_and_flat(tiny_run):
     _, rep = tiny_run
     m = rep["memory"]

@@ -129,24 +129,33 @@ def _sync(device: torch.device) -> None:
 
 
 class _Tracker:
-    """Written keys/values of the requests checked against the reference (host copies, stream order)."""
+    """Written keys/values of the requests checked against the reference (host copies, stream order).
+
+    Only what a check can read is kept: the chunks holding a request's first `sink` entries and the
+    chunks holding its last `window + max step` entries (a query reads its sinks and the window
+    before it). The chunks between are dropped as the stream grows, and `stream` hands the reference
+    zeros in their place: a check that read them would fail, not pass. So a long-lived tracked request
+    holds a bounded copy, and a long run's memory stays flat with checks on."""
 
     def __init__(self, workload: Workload, limit: int):
         self.w = workload
         self.limit = limit
-        self.hist: Dict[int, tuple] = {}  # rid -> (keys per layer: list of chunks, values per layer)
+        # rid -> (keys per layer: list of chunks, values per layer, chunk lengths, entries dropped after the head)
+        self.hist: Dict[int, tuple] = {}
         self.slot_dtype = workload.config().slot_dtype
+        self.head = workload.sink
+        self.tail = max(workload.window, workload.query_window or 0) + workload.max_tokens
 
     def offer(self, rid: int) -> None:
         """Track `rid` if there is room; longer-lived requests are preferred by the caller's order."""
         if len(self.hist) < self.limit and rid not in self.hist:
             L = self.w.layers
-            self.hist[rid] = ([[] for _ in range(L)], [[] for _ in range(L)])
+            self.hist[rid] = ([[] for _ in range(L)], [[] for _ in range(L)], [], [0])
 
     def record(self, rid: int, rows: slice, span: int, records) -> None:
         if span == 0:
             return
-        keys, values = self.hist[rid]
+        keys, values, lengths, dropped = self.hist[rid]
         for l, (q, k, v, o) in enumerate(records):
             kk, vv = k[rows, :, :span], v[rows, :, :span]
             if self.w.reverse_step_order:  # token t < span sits at n + span - 1 - t
@@ -154,13 +163,39 @@ class _Tracker:
             # What a quantized cache reads back for them (the same values when unquantized).
             keys[l].append(round_trip(kk.detach(), self.slot_dtype).to("cpu", copy=True))
             values[l].append(round_trip(vv.detach(), self.slot_dtype).to("cpu", copy=True))
+        lengths.append(span)
+        self._trim(keys, values, lengths, dropped)
+
+    def _trim(self, keys, values, lengths, dropped) -> None:
+        """Drop the oldest chunk after the head while the chunks after it still hold `tail` entries."""
+        head, total = 0, 0
+        while head < len(lengths) and total < self.head:  # the chunks that hold the first `sink` entries
+            total += lengths[head]
+            head += 1
+        while head < len(lengths) - 1 and sum(lengths[head + 1:]) >= self.tail:
+            dropped[0] += lengths.pop(head)
+            for chunks in (*keys, *values):
+                del chunks[head]
+
+    def stored_entries(self, rid: int) -> int:
+        """Entries of `rid` held now (what the bound above limits)."""
+        return sum(self.hist[rid][2])
 
     def stream(self, rid: int):
+        """`(keys, values)` per layer, `[rows, heads, written, dim]` in stream order, zeros where dropped."""
         w = self.w
-        keys, values = self.hist[rid]
-        empty = torch.zeros(w.rows, w.kv_heads, 0, w.head_dim, dtype=w.torch_dtype)
-        cat = lambda chunks: torch.cat(chunks, dim=2) if chunks else empty
-        return [cat(c) for c in keys], [cat(c) for c in values]
+        keys, values, lengths, dropped = self.hist[rid]
+        head, total = 0, 0
+        while head < len(lengths) and total < self.head:
+            total += lengths[head]
+            head += 1
+
+        def cat(chunks, width):
+            gap = torch.zeros(w.rows, w.kv_heads, dropped[0], width, dtype=w.torch_dtype)
+            parts = chunks[:head] + ([gap] if dropped[0] else []) + chunks[head:]
+            return torch.cat(parts, dim=2) if parts else gap
+
+        return [cat(c, w.head_dim) for c in keys], [cat(c, w.head_dim) for c in values]
 
 
 def _feeds(w: Workload, traffic: Traffic, inputs: Callable):
