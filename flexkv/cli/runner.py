@@ -12,6 +12,7 @@ plain dict (`report`), ready for JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import statistics
@@ -140,8 +141,7 @@ class _Tracker:
     def __init__(self, workload: Workload, limit: int):
         self.w = workload
         self.limit = limit
-        # rid -> (keys per layer: list of chunks, values per layer, chunk lengths, entries dropped after the head)
-        self.hist: Dict[int, tuple] = {}
+        self.hist: Dict[int, _Tracked] = {}
         self.slot_dtype = workload.config().slot_dtype
         self.head = workload.sink
         self.tail = max(workload.window, workload.query_window or 0) + workload.max_tokens
@@ -150,52 +150,63 @@ class _Tracker:
         """Track `rid` if there is room; longer-lived requests are preferred by the caller's order."""
         if len(self.hist) < self.limit and rid not in self.hist:
             L = self.w.layers
-            self.hist[rid] = ([[] for _ in range(L)], [[] for _ in range(L)], [], [0])
+            self.hist[rid] = _Tracked([[] for _ in range(L)], [[] for _ in range(L)])
 
     def record(self, rid: int, rows: slice, span: int, records) -> None:
         if span == 0:
             return
-        keys, values, lengths, dropped = self.hist[rid]
+        t = self.hist[rid]
         for l, (q, k, v, o) in enumerate(records):
             kk, vv = k[rows, :, :span], v[rows, :, :span]
             if self.w.reverse_step_order:  # token t < span sits at n + span - 1 - t
                 kk, vv = kk.flip(2), vv.flip(2)
             # What a quantized cache reads back for them (the same values when unquantized).
-            keys[l].append(round_trip(kk.detach(), self.slot_dtype).to("cpu", copy=True))
-            values[l].append(round_trip(vv.detach(), self.slot_dtype).to("cpu", copy=True))
-        lengths.append(span)
-        self._trim(keys, values, lengths, dropped)
-
-    def _trim(self, keys, values, lengths, dropped) -> None:
-        """Drop the oldest chunk after the head while the chunks after it still hold `tail` entries."""
-        head, total = 0, 0
-        while head < len(lengths) and total < self.head:  # the chunks that hold the first `sink` entries
-            total += lengths[head]
-            head += 1
-        while head < len(lengths) - 1 and sum(lengths[head + 1:]) >= self.tail:
-            dropped[0] += lengths.pop(head)
-            for chunks in (*keys, *values):
+            t.keys[l].append(round_trip(kk.detach(), self.slot_dtype).to("cpu", copy=True))
+            t.values[l].append(round_trip(vv.detach(), self.slot_dtype).to("cpu", copy=True))
+        t.lengths.append(span)
+        # Drop the oldest chunk after the head while the chunks after it still hold `tail` entries.
+        head, after = self._head_chunks(t.lengths), sum(t.lengths)
+        after -= sum(t.lengths[:head])
+        while head < len(t.lengths) - 1 and after - t.lengths[head] >= self.tail:
+            after -= t.lengths[head]
+            t.dropped += t.lengths.pop(head)
+            for chunks in (*t.keys, *t.values):
                 del chunks[head]
 
-    def stored_entries(self, rid: int) -> int:
-        """Entries of `rid` held now (what the bound above limits)."""
-        return sum(self.hist[rid][2])
-
-    def stream(self, rid: int):
-        """`(keys, values)` per layer, `[rows, heads, written, dim]` in stream order, zeros where dropped."""
-        w = self.w
-        keys, values, lengths, dropped = self.hist[rid]
+    def _head_chunks(self, lengths: List[int]) -> int:
+        """How many leading chunks hold the first `sink` entries."""
         head, total = 0, 0
         while head < len(lengths) and total < self.head:
             total += lengths[head]
             head += 1
+        return head
 
-        def cat(chunks, width):
-            gap = torch.zeros(w.rows, w.kv_heads, dropped[0], width, dtype=w.torch_dtype)
-            parts = chunks[:head] + ([gap] if dropped[0] else []) + chunks[head:]
-            return torch.cat(parts, dim=2) if parts else gap
+    def stored_entries(self, rid: int) -> int:
+        """Entries of `rid` held now (what the bound above limits)."""
+        return sum(self.hist[rid].lengths)
 
-        return [cat(c, w.head_dim) for c in keys], [cat(c, w.head_dim) for c in values]
+    def stream(self, rid: int):
+        """`(keys, values)` per layer, `[rows, heads, written, dim]` in stream order, zeros where dropped."""
+        w, t = self.w, self.hist[rid]
+        head = self._head_chunks(t.lengths)
+        gap = [torch.zeros(w.rows, w.kv_heads, t.dropped, w.head_dim, dtype=w.torch_dtype)] if t.dropped else []
+        empty = torch.zeros(w.rows, w.kv_heads, 0, w.head_dim, dtype=w.torch_dtype)
+
+        def cat(chunks):
+            parts = chunks[:head] + gap + chunks[head:]
+            return torch.cat(parts, dim=2) if parts else empty
+
+        return [cat(c) for c in t.keys], [cat(c) for c in t.values]
+
+
+@dataclasses.dataclass
+class _Tracked:
+    """One tracked request's kept chunks (per layer), their lengths, and the entries dropped after the head."""
+
+    keys: List[list]
+    values: List[list]
+    lengths: List[int] = dataclasses.field(default_factory=list)
+    dropped: int = 0
 
 
 def _feeds(w: Workload, traffic: Traffic, inputs: Callable):
