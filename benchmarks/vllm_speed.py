@@ -11,6 +11,9 @@ untimed warm-up request, then the timed one). Engines:
   (`hf_overrides={"sliding_window": ...}`): the same memory bound as the plugin, on vLLM's kernel;
 - `cache`, `stream`: the plugin, sink + window, in-cache / stream positions.
 
+Each name with `+pc` appended (`stock+pc`, `cache+pc`, ...) is the same engine with vLLM's prefix caching
+on, as `vllm serve` starts by default; without it, prefix caching is off.
+
 A length at most `sink + window + 1 - 16` stays inside the window (nothing evicted); a longer one
 spends its steps past eviction. Printed: tokens/s per round, and each engine's median against the
 first engine's.
@@ -23,11 +26,13 @@ import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-ENGINES = ("stock", "sliding", "cache", "stream")
+BASE = ("stock", "sliding", "cache", "stream")
+ENGINES = BASE + tuple(f"{name}+pc" for name in BASE)
 
 
 def engine_args(name: str, sink: int, window: int, max_len: int) -> dict:
-    kw = dict(skip_tokenizer_init=True, enable_prefix_caching=False, block_size=32, dtype="float32",
+    name, _, caching = name.partition("+")
+    kw = dict(skip_tokenizer_init=True, enable_prefix_caching=caching == "pc", block_size=32, dtype="float32",
               enforce_eager=True, seed=0, max_model_len=max_len)
     if name == "sliding":
         kw["hf_overrides"] = {"sliding_window": sink + window + 1}
@@ -40,7 +45,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="a transformers folder with safetensors and config")
     ap.add_argument("--generate", type=int, nargs="+", default=[200, 1500], help="tokens to decode per run")
-    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(BASE))
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--window", type=int, default=252)
     ap.add_argument("--rounds", type=int, default=2)

@@ -275,10 +275,10 @@ def reference(model_dir):
     return {positions: reference_logits(model, SINK, WINDOW, positions) for positions in ("cache", "stream")}
 
 
-def engine(model_dir, positions=None, **kw):
+def engine(model_dir, positions=None, enable_prefix_caching=False, **kw):
     entry = {"sink": SINK, "window": WINDOW} | ({"positions": positions} if positions else {})
-    return LLM(model_dir, skip_tokenizer_init=True, enable_prefix_caching=False, block_size=BLOCK, dtype="float32",
-               max_model_len=2048, enforce_eager=True, logprobs_mode="raw_logits", seed=0,
+    return LLM(model_dir, skip_tokenizer_init=True, enable_prefix_caching=enable_prefix_caching, block_size=BLOCK,
+               dtype="float32", max_model_len=2048, enforce_eager=True, logprobs_mode="raw_logits", seed=0,
                additional_config={"flexkv": entry}, **kw)
 
 
@@ -362,10 +362,85 @@ def test_chunked_prefill_and_preemption_stay_exact(model_dir, reference, monkeyp
     assert sum(out.num_cached_tokens == 0 for out in outs) == 4  # nothing came back from a prefix cache
 
 
-def test_prefix_caching_is_refused_at_start_up(model_dir):
-    with pytest.raises(Exception, match="prefix caching is on"):
-        LLM(model_dir, skip_tokenizer_init=True, enable_prefix_caching=True, block_size=BLOCK, dtype="float32",
-            max_model_len=2048, enforce_eager=True, additional_config={"flexkv": {"sink": SINK, "window": WINDOW}})
+class CachedBlocks:
+    """The part of vLLM's `BlockPool` a cache-hit lookup reads: the blocks cached under each hash."""
+
+    def __init__(self, cached):
+        self.hash_block_size = BLOCK
+        self.null_block = "null"
+        self.cached = set(cached)
+
+    def get_cached_block(self, block_hash, group_ids):
+        return [f"b{block_hash}"] * len(group_ids) if block_hash in self.cached else None
+
+
+def hit(cached, max_length, alignment=BLOCK, sink=SINK, window=WINDOW):
+    pool = CachedBlocks(cached)
+    (blocks,), length = SinkWindowManager.find_longest_cache_hit(
+        list(range(64)), max_length, [0], pool, spec(sink, window), False, alignment)
+    return [b if b == "null" else int(b[1:]) for b in blocks], length
+
+
+def readable_blocks(n: int, sink: int, window: int) -> set:
+    """The blocks the query at stream index `n * BLOCK` reads, from docs/vllm.md's sentence: the sinks
+    `j < sink` and the `window` entries before it."""
+    q = n * BLOCK
+    return {j // BLOCK for j in range(q) if j < sink or j >= q - window}
+
+
+@pytest.mark.parametrize("cached, max_length, alignment, expected", [
+    # sink 4, window 60, blocks of 32: a hit of n blocks needs block 0 and blocks (32n - 60) // 32 .. n - 1
+    (range(12), 384, BLOCK, ([0] + ["null"] * 9 + [10, 11], 384)),
+    ({0, 8, 9}, 384, BLOCK, ([0] + ["null"] * 7 + [8, 9], 320)),  # the gap need not be cached
+    ({8, 9}, 384, BLOCK, ([], 0)),  # nor the window without the sink block
+    ({0, 1, 2}, 384, BLOCK, ([0, 1, 2], 96)),
+    ({0, 9}, 384, BLOCK, ([0], 32)),  # block 9 alone is not a window's tail
+    (range(12), 200, BLOCK, ([0, "null", "null", "null", 4, 5], 192)),  # at most max_length tokens
+    ({0, 8, 9, 10}, 384, 64, ([0] + ["null"] * 7 + [8, 9], 320)),  # 352 is not a multiple of 64
+])
+def test_a_cache_hit_needs_the_sink_blocks_and_the_windows_tail(cached, max_length, alignment, expected):
+    assert hit(cached, max_length, alignment) == expected
+
+
+@pytest.mark.parametrize("sink, window", [(4, 60), (0, 31), (40, 33), (32, 64), (70, 20)])
+def test_a_cache_hit_is_the_longest_prefix_whose_next_query_finds_what_it_reads(sink, window):
+    """Against a search written from the docs' sentence: over random cached sets, the hit is the longest
+    `n` whose next query's readable blocks are all cached, and the blocks handed back are those."""
+    g = torch.Generator().manual_seed(sink * 100 + window)
+    for _ in range(200):
+        cached = {i for i in range(16) if torch.rand((), generator=g) < 0.7}
+        max_length = int(torch.randint(0, 16 * BLOCK + 1, (), generator=g))
+        best = max((n for n in range(max_length // BLOCK + 1) if readable_blocks(n, sink, window) <= cached),
+                   default=0)
+        blocks, length = hit(cached, max_length, sink=sink, window=window)
+        assert length == best * BLOCK, (cached, max_length)
+        want = readable_blocks(best, sink, window)
+        assert blocks == [i if i in want else "null" for i in range(best)]
+
+
+def test_prefix_caching_resumes_from_the_sinks_and_the_windows_tail(model_dir, reference, monkeypatch):
+    """vLLM's default prefix caching: requests sharing a 200-token system prompt resume from its cached
+    blocks (the sink block and the window's tail; the gap comes back as null blocks) and stay exact,
+    in a pool small enough that cached blocks are evicted and reused as requests come and go."""
+    llm = engine(model_dir, enable_prefix_caching=True, max_num_batched_tokens=64, max_num_seqs=4,
+                 num_gpu_blocks_override=40)
+    evicted = []
+    own = BlockPool._maybe_evict_cached_block
+
+    def evict(self, block):
+        out = own(self, block)
+        evicted.append(out)
+        return out
+
+    monkeypatch.setattr(BlockPool, "_maybe_evict_cached_block", evict)
+    system, *tails = prompts_of([200, 3, 17, 40, 9, 70])
+    other = prompts_of([1, 130])[1]
+    first = run_and_check(llm, reference["cache"], [system + tails[0]], monkeypatch)
+    assert first[0].num_cached_tokens == 0
+    outs = run_and_check(llm, reference["cache"], [system + t for t in tails[1:]] + [other], monkeypatch)
+    # a 200-token prompt resumes at 192 tokens (six whole blocks); the unrelated prompt hits nothing
+    assert [out.num_cached_tokens for out in outs] == [192, 192, 192, 192, 0]
+    assert sum(evicted) > 10  # cached blocks were evicted from the 40-block pool and their blocks reused
 
 
 # ---- a trained model: SmolLM2-135M-Instruct ------------------------------------------------------------------

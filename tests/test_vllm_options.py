@@ -61,8 +61,8 @@ def test_what_cannot_be_served_exactly_is_refused_with_every_reason():
                  speculative_config=object(),
                  parallel_config=SimpleNamespace(decode_context_parallel_size=2, prefill_context_parallel_size=1))
     why = refusals(bad)
-    assert len(why) == 4 and "prefix caching" in why[0] and "speculative" in why[1] and "fp8" in why[2]
-    assert "decode_context_parallel_size=2" in why[3]
+    assert len(why) == 3 and "speculative" in why[0] and "fp8" in why[1]  # prefix caching is served
+    assert "decode_context_parallel_size=2" in why[2]
     with pytest.raises(ValueError, match=r"cannot serve SinkWindow\(sink=4, window=1020.* exactly in this engine"):
         check_engine(bad)
 
@@ -102,7 +102,9 @@ def test_streams_past_a_rotary_table_flexkv_cannot_lengthen_are_refused():
 def test_the_startup_line_says_how_many_keys_a_query_reads():
     line = startup_line(SinkWindow(4, 1020), "cache", 65536)
     assert "each query reads at most 1025 keys" in line and "sliding_window=1021 plus 4 sinks" in line
-    assert "positions 'cache'" in line
+    assert "positions 'cache'" in line and "vLLM's sliding-window kernel" in line
+    cached = startup_line(SinkWindow(4, 1020), "cache", 65536, prefix_caching=True)
+    assert "prefix caching on" in cached and "--no-enable-prefix-caching" in cached
 
 
 def test_the_vllm_release_is_checked():

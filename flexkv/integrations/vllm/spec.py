@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from vllm.config import get_current_vllm_config_or_none
 from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_utils import resolve_block_hashes
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
@@ -72,9 +73,6 @@ class SinkWindowSpec(SlidingWindowSpec):
         return all(isinstance(s, SinkWindowSpec) and s.sliding_window == self.sliding_window and s.sink == self.sink
                    for s in kv_cache_specs.values())
 
-    @property
-    def prefix_cacheable(self) -> bool:
-        return False
 
 
 class SinkWindowManager(SlidingWindowManager):
@@ -82,8 +80,10 @@ class SinkWindowManager(SlidingWindowManager):
     touches; frees the rest.
 
     Freed blocks become vLLM's null block in the request's block table (as the sliding-window
-    manager does), so block indices keep meaning stream positions. Prefix caching is refused at
-    start-up (`options.refusals`), so no cache hit is ever looked up here.
+    manager does), so block indices keep meaning stream positions. With prefix caching on, every full
+    block is cached as vLLM caches it, and a prompt hits a cached prefix of `n` blocks when the
+    blocks its next query reads are cached: the sink blocks and the window's contiguous tail just
+    before the hit point (`find_longest_cache_hit`); the gap between them comes back as null blocks.
     """
 
     def __init__(self, kv_cache_spec: SinkWindowSpec, **kwargs) -> None:
@@ -108,16 +108,69 @@ class SinkWindowManager(SlidingWindowManager):
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens=None) -> None:
         # The next query (stream index `processed_computed_tokens`) and every later one read nothing
-        # below its window's start except the sinks; the `sink` slots just below the window take the
-        # sinks' copies of a decode step. Free the blocks wholly between those and the sinks.
+        # below its window's start except the sinks; without prefix caching the `sink` slots just below
+        # the window take the sinks' copies of a decode step (`backend.FlexKVCPUImpl`). Free the blocks
+        # wholly between those and the sinks.
         pol = self.retention
-        lo = max(pol.sink, pol.window_start(processed_computed_tokens, 0) - pol.sink)
+        below = 0 if self.enable_caching else pol.sink
+        lo = max(pol.sink, pol.window_start(processed_computed_tokens, 0) - below)
         self._remove_blocks_in_range(request_id, self.first_gap_block, lo // self.block_size)
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
                                drop_eagle_block, alignment_tokens, dcp_world_size=1, pcp_world_size=1):
-        return tuple([] for _ in kv_cache_group_ids), 0
+        """The longest cached prefix the request can resume from: `n` blocks (`n * B <= max_length`, a
+        multiple of `alignment_tokens`) such that the query at stream index `n * B` finds everything it
+        reads cached: the sink blocks `[0, ceil(sink / B))` and the window's blocks
+        `[(n * B - window) // B, n)`. Returns, per group, the `n` blocks with the gap between the two as
+        null blocks, and the hit length `n * B` (0 blocks where there is none)."""
+        if drop_eagle_block or dcp_world_size != 1 or pcp_world_size != 1:
+            raise ValueError("flexkv's retention manager serves no EAGLE drafts and no context parallelism")
+        pol, bs = kv_cache_spec.retention, kv_cache_spec.block_size
+        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, bs, alignment_tokens=alignment_tokens)
+        limit, found = max_length // bs, {}
+
+        def cached(i):  # the cached block of each group for block `i` of the prompt, or None
+            if i >= limit:
+                return None
+            if i not in found:
+                found[i] = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+            return found[i]
+
+        def aligned(n):
+            return not alignment_tokens or (n * bs) % alignment_tokens == 0
+
+        def first_window_block(n):
+            return max(0, n * bs - pol.window) // bs
+
+        sink_blocks = cdiv(pol.sink, bs)
+        hit, end = 0, None  # `end`: one past the right end of the cached run the scan is in
+        for i in range(limit - 1, -1, -1):
+            if cached(i) is None:
+                end = None
+                continue
+            end = i + 1 if end is None else end
+            n = next((m for m in range(end, i, -1) if aligned(m)), None)
+            if n is None or first_window_block(n) < i:
+                continue  # the run does not reach back to the window's start yet
+            if i == 0 or all(cached(j) is not None for j in range(min(sink_blocks, n))):
+                hit = n
+                break
+            # the sinks are not cached: only a run from block 0 (a plain prefix) can be a hit
+            run = 0
+            while cached(run) is not None:
+                run += 1
+            hit = next((m for m in range(run, 0, -1) if aligned(m)), 0)
+            break
+        null = block_pool.null_block
+        keep = set(range(min(sink_blocks, hit))) | set(range(first_window_block(hit), hit))
+        blocks = tuple([cached(j)[g] if j in keep else null for j in range(hit)] for g in range(len(kv_cache_group_ids)))
+        return blocks, hit * bs
+
+    @classmethod
+    def reachable_block_mask(cls, *args, **kwargs):
+        # every full block may serve a hit: the sink blocks for every later hit point, the rest as a window's tail
+        return None
 
     def held_blocks(self, request_id: str) -> int:
         """Blocks `request_id` holds now (its table's entries that are not the null block)."""
