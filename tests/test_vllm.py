@@ -362,6 +362,18 @@ def test_chunked_prefill_and_preemption_stay_exact(model_dir, reference, monkeyp
     assert sum(out.num_cached_tokens == 0 for out in outs) == 4  # nothing came back from a prefix cache
 
 
+def test_two_tensor_parallel_ranks_stay_exact_with_bounded_blocks(model_dir, reference, monkeypatch):
+    """Tensor parallelism: two ranks (each its share of the heads and its own cache, one block manager for
+    both) give the reference's ids and logits, each request within the block bound. vLLM's CPU build binds
+    one NUMA node per rank unless told which cores each rank takes; a one-node machine names them."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip(f"tensor parallelism on vLLM's CPU build needs a core per rank; this process has {len(cpus)}")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[1]}")
+    llm = engine(model_dir, tensor_parallel_size=2)
+    run_and_check(llm, reference["cache"], prompts_of([5, 70, 130]), monkeypatch)
+
+
 class CachedBlocks:
     """The part of vLLM's `BlockPool` a cache-hit lookup reads: the blocks cached under each hash."""
 

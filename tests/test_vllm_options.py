@@ -58,11 +58,13 @@ def test_what_cannot_be_served_exactly_is_refused_with_every_reason():
     assert check_engine(engine()) == SinkWindow(4, 1020)
     assert check_engine(engine(additional_config={})) is None
     bad = engine(cache_config=SimpleNamespace(enable_prefix_caching=True, cache_dtype="fp8"),
-                 speculative_config=object(),
-                 parallel_config=SimpleNamespace(decode_context_parallel_size=2, prefill_context_parallel_size=1))
+                 speculative_config=object(), kv_transfer_config=object(),
+                 parallel_config=SimpleNamespace(decode_context_parallel_size=2, prefill_context_parallel_size=1,
+                                                 pipeline_parallel_size=2, tensor_parallel_size=2))
     why = refusals(bad)
-    assert len(why) == 3 and "speculative" in why[0] and "fp8" in why[1]  # prefix caching is served
-    assert "decode_context_parallel_size=2" in why[2]
+    assert len(why) == 5 and "speculative" in why[0] and "fp8" in why[1]  # prefix caching and TP are served
+    assert "pipeline_parallel_size=2" in why[2] and "KV connector" in why[3]
+    assert "decode_context_parallel_size=2" in why[4]
     with pytest.raises(ValueError, match=r"cannot serve SinkWindow\(sink=4, window=1020.* exactly in this engine"):
         check_engine(bad)
 

@@ -170,6 +170,14 @@ def refusals(vllm_config) -> list:
                        f"{model.hf_text_config.max_position_embeddings} learned positions; use max_model_len <= "
                        f"{model.hf_text_config.max_position_embeddings}")
     par = vllm_config.parallel_config
+    if getattr(par, "pipeline_parallel_size", 1) not in (1, None):
+        out.append(f"pipeline_parallel_size={par.pipeline_parallel_size}: flexkv has not run under pipeline "
+                   f"parallelism (vLLM's CPU build 0.32 stops with it even without flexkv), so it is not "
+                   f"served; use 1 (tensor parallelism is served)")
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        out.append("a KV connector is configured (kv_transfer_config): it would move blocks by a block table "
+                   "whose evicted middle is vLLM's null block, and the receiving side would not know the "
+                   "retention; start the engine without kv_transfer_config")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(par, name, 1) not in (1, None):
             out.append(f"{name}={getattr(par, name)}: context parallelism splits a stream's tokens across ranks, "
