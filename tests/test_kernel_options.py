@@ -104,3 +104,23 @@ def test_head_dim_below_16_is_refused_on_cuda_only():
     assert opts(1, head_dim=16) is None
     assert opts(1, head_dim=8, device="cpu") is None
     assert opts(1, head_dim=4, device="meta") is None
+
+
+def test_every_torch_workaround_is_named_where_flexkv_works_around_it():
+    """The registry and the code agree: each entry's name appears in flexkv outside the registry (the code or
+    the docstring of what works around it), and every `TORCH_WORKAROUNDS["..."]` the code names is registered."""
+    import re
+    from pathlib import Path
+
+    import flexkv
+    from flexkv.cache.attention_options import TORCH_WORKAROUNDS
+
+    root = Path(flexkv.__file__).parent
+    registry = root / "cache" / "attention_options.py"
+    text = {p: p.read_text() for p in root.rglob("*.py")}
+    named = {m for p, t in text.items() for m in re.findall(r'TORCH_WORKAROUNDS\["(\w+)"\]', t)}
+    assert named - set(TORCH_WORKAROUNDS) == set(), "named in the code but not registered"
+    for name in TORCH_WORKAROUNDS:
+        elsewhere = [p for p, t in text.items() if p != registry and name in t]
+        in_registry_code = text[registry].count(name) > 1  # the entry itself, and a use in the same module
+        assert elsewhere or in_registry_code, f"TORCH_WORKAROUNDS[{name!r}] is named nowhere in flexkv's code"

@@ -128,6 +128,31 @@ TORCH_WORKAROUNDS = {
         "a transformers forward through a FlexKVCache compiles with automatic dynamic shapes off "
         "(`flexkv.integrations.transformers.hooks.ModelState.static_shapes`): its graph is shaped by its plan; "
         "kept on 2.15, where dynamo no longer fails, since a plan's sizes are static by design"),
+    "CPU_BLOCK_TAIL": TorchWorkaround(
+        "cpu", ((2, 13), None),
+        "the compiled CPU kernel miscomputes (off by 0.1 to 10, NaN at times) with a KV block size 8 more than a "
+        "multiple of its 16-key micro-GEMM tile (8, 24, 40, 136...) once a query reads more than one block",
+        "such block sizes take the rows path (`kernel_options.cpu_kernel_block_exact`), and the layout never "
+        "picks one by default"),
+    "DECODE_TILE": TorchWorkaround(
+        "cuda", ((2, 11), None),
+        "the decode kernel packs a KV head's query group into one tile and drops every config whose tile does not "
+        "divide the 128-row query block: q_len * group > 128 (4-way GQA from 33 queries) leaves none and the "
+        "compile fails (NoValidChoicesError / 'Invalid FlexAttention decode kernel options')",
+        "such shapes get FORCE_USE_FLEX_ATTENTION (the main kernel) (`kernel_options.flex_kernel_options`)"),
+    "KV_TILE": TorchWorkaround(
+        "cuda", ((2, 11), None),
+        "the main kernel takes BLOCK_N from a per-GPU table without capping it at the KV block size, and both "
+        "Triton kernels assert the KV block size is a multiple of BLOCK_N ('Q and KV block size must be "
+        "divisible by BLOCK_M and BLOCK_N')",
+        "a KV block size that is not a multiple of 128 pins BLOCK_N to its largest power-of-two divisor, at most 64 "
+        "(`kernel_options.flex_kernel_options`); sizes not a multiple of 16 are refused"),
+    "DECODE_STAGES": TorchWorkaround(
+        "cuda", ((2, 13), None),
+        "torch's decode config for sm_90/sm_100 means num_stages=3 but a later branch overwrites it with 1, and "
+        "num_warps stays 2 whatever the tile (read in the source; not yet timed on a GPU)",
+        "with the device's capability given, decode calls get BLOCK_N=64, num_stages=3 on those GPUs and "
+        "num_warps by tile (`kernel_options.flex_kernel_options`)"),
     "SHARED_KERNEL": TorchWorkaround(
         "cpu", (SHARED_KERNEL_TORCH, None),
         "the CPU template emits a kernel per layer call (its C++ differs in a buffer name alone)",
@@ -196,7 +221,7 @@ class AttentionOptions:
         defaults = cls(
             path="auto",
             pack_gqa=kind == "cpu",
-            full_blocks=kind in ("cuda", "meta"),  # "meta" plans as CUDA does; FULL_BLOCKS_SLOW on the CPU
+            full_blocks=kind in ("cuda", "meta"),  # "meta" plans as CUDA does; TORCH_WORKAROUNDS["FULL_BLOCKS_SLOW"]
             epilogue_barrier=applies("EPILOGUE_FUSION", kind),
             share_flex_kernel=shares_flex_kernel(kind),
             cpu_fast_paths=True,

@@ -35,7 +35,7 @@ def plan_block_mask(layout: Layout, device_type: str, plan, q_len: int, mask_mod
     `own_buffers`: the lists are views of one tensor inside the graph (`PlanView`); each is
     then made a buffer of its own (`clamp_min(0)` leaves counts and block indices as they are;
     a clone would be removed as a no-op), since inductor's CPU template names kernel arguments
-    by their storage and would merge them.
+    by their storage and would merge them (`TORCH_WORKAROUNDS["STORAGE_NAMES"]`).
     """
     N = plan.rows
     nq = layout.q_blocks(q_len)
@@ -45,7 +45,8 @@ def plan_block_mask(layout: Layout, device_type: str, plan, q_len: int, mask_mod
         kv_num, kv_idx, full_num, full_idx = (x.clamp_min(0) for x in (kv_num, kv_idx, full_num, full_idx))
     if device_type == "cpu" and kv_idx.shape[3] < layout.num_blocks:
         # The CPU kernel wants block lists as wide as the layer tensor (it reads only the first
-        # kv_num_blocks of each); the plan stays compact and is widened here, on the device side.
+        # kv_num_blocks of each); the plan stays compact and is widened here, on the device side
+        # (TORCH_WORKAROUNDS["WIDE_BLOCK_LISTS"]).
         kv_idx = F.pad(kv_idx, (0, layout.num_blocks - kv_idx.shape[3]))
     if nq > 1:
         kv_num, full_num = (x.expand(N, 1, nq).contiguous() for x in (kv_num, full_num))
@@ -53,7 +54,7 @@ def plan_block_mask(layout: Layout, device_type: str, plan, q_len: int, mask_mod
     if not plan.full_blocks and device_type != "cpu":
         # No full-block tensors at all: CUDA's decode kernel then splits a row by its own blocks.
         # (The CPU kernel is given the plan's zero counts instead: torch 2.13's compiled CPU
-        # kernel failed to build without full-block tensors.)
+        # kernel failed to build without full-block tensors: TORCH_WORKAROUNDS["FULL_BLOCKS_REQUIRED"].)
         full_num = full_idx = None
     return BlockMask.from_kv_blocks(
         kv_num,

@@ -105,6 +105,7 @@ def cpu_kernel_block_exact(kv_block_size: int) -> bool:
     at that block size gives the same wrong result, so the block lists are not at fault. Blocks
     of 4, 12, 16, 20, 32 are exact. The narrow last tile of 8 keys (one AVX2 vector) is the
     common factor. Eager FlexAttention and the rows path are exact at every block size.
+    (`TORCH_WORKAROUNDS["CPU_BLOCK_TAIL"]`.)
     """
     return kv_block_size % CPU_GEMM_BLOCK_N != _CPU_BAD_TAIL
 
@@ -200,14 +201,14 @@ def flex_kernel_options(
         )
     opts: dict = {}
     if kv_block_size % 128:
-        # Largest power of two dividing the block, at most 64: valid for both kernels.
+        # Largest power of two dividing the block, at most 64: valid for both kernels (TORCH_WORKAROUNDS["KV_TILE"]).
         opts["BLOCK_N"] = min(kv_block_size & -kv_block_size, 64)
     group = q_heads // kv_heads
     if uses_decode_kernel(q_len, q_heads, kv_heads):
         block_m = decode_block_m(q_len, group)
         if q_block_size % block_m:
-            opts["FORCE_USE_FLEX_ATTENTION"] = True
-        elif capability is not None:
+            opts["FORCE_USE_FLEX_ATTENTION"] = True  # TORCH_WORKAROUNDS["DECODE_TILE"]
+        elif capability is not None:  # TORCH_WORKAROUNDS["DECODE_STAGES"]
             opts.setdefault("BLOCK_N", 64)  # not yet set: the block is a multiple of 128
             opts["num_warps"] = 2 if block_m <= 32 else 4 if block_m <= 64 else 8
             if tuple(capability) in _PIPELINED_DECODE:

@@ -102,7 +102,8 @@ class LayerStore(StoreHooks, nn.Module):
         Every layer keeps tensors of its own (`k_cache_{i}`, `v_cache_{i}`):
         inductor's CPU FlexAttention kernel reads a key or value view from its
         storage's start, ignoring the view's offset (torch 2.11 to 2.15), so a
-        layer sliced out of one stacked tensor would read layer 0 when compiled.
+        layer sliced out of one stacked tensor would read layer 0 when compiled
+        (`TORCH_WORKAROUNDS["VIEW_OFFSET"]`).
 
         Under `torch.compile` a layer index may arrive as a symbolic int (a
         compiled `attend` called with one layer after another). It is compared
