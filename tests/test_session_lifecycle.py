@@ -324,3 +324,62 @@ def test_a_session_needs_a_cache_of_its_own():
     with pytest.raises(ValueError, match=r"needs a cache that holds no request .* holds \['x'\]"):
         StreamSession(cache, compile=False)
     assert cache.requests == ("x",)
+
+
+def host_entries(obj) -> int:
+    """Entries of every container reachable from `obj` through flexkv's own objects (tensors are device state,
+    counted elsewhere): what a session keeps on the host."""
+    from collections import deque
+
+    seen, total, todo = set(), 0, [obj]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen or isinstance(x, torch.Tensor):
+            continue
+        seen.add(id(x))
+        if isinstance(x, dict):
+            total += len(x)
+            todo.extend(x.keys())
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple, set, frozenset, deque)):
+            total += len(x)
+            todo.extend(x)
+        elif type(x).__module__.startswith("flexkv"):
+            todo.extend(getattr(x, "__dict__", {}).values())
+            todo.extend(getattr(x, s) for s in getattr(type(x), "__slots__", ()) if hasattr(x, s))
+    return total
+
+
+def test_a_finished_request_leaves_no_host_state_behind():
+    """Requests come and go (some wait for a lane, some hold a private source, some are reset): after the
+    first round the session's host state no longer grows with the number of requests it has finished."""
+    c = Checked()
+    c.add_source(6, 1)
+
+    def round_of(r):
+        ids = [f"{r}-{i}" for i in range(3)]
+        c.add_private_source(ids[2], 4, r)
+        c.session.start(ids[0], source=0, source_len=5)
+        c.session.start(ids[1])
+        assert not c.session.start(ids[2], source=-1, source_len=4)  # both lanes held: it waits
+        c.step({ids[0]: feed(2, r), ids[1]: feed(3, r + 1)})
+        c.session.reset(ids[1])
+        c.ref.reset_request(ids[1])
+        c.step({ids[0]: feed(1, r + 2), ids[1]: feed(2, r + 3)})
+        c.session.finish(ids[0])  # ids[2] takes its lane
+        c.ref.remove_request(ids[0])
+        c.step({ids[1]: feed(1, r + 4), ids[2]: feed(3, r + 5)})
+        live.append(host_entries(c.session))  # two requests on their lanes
+        for rid in ids[1:]:
+            c.session.finish(rid)
+            c.ref.remove_request(rid)
+        c.ref.remove_private_source(ids[2])
+
+    live = []
+    round_of(0)
+    after_one = host_entries(c.session)
+    assert live[0] > after_one  # the count sees what a live request keeps
+    for r in range(1, 25):
+        round_of(r)
+    assert not c.session.requests and not c.session.waiting
+    assert host_entries(c.session) == after_one
