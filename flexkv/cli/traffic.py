@@ -1,12 +1,11 @@
-"""`Traffic`: seeded arrivals and departures over a workload's batch lanes, as `BoundedKVStep`s."""
+"""`Traffic`: seeded arrivals and departures over a workload's batch lanes."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
-from ..step import BoundedKVStep, Segment, StreamPosition
 from .workload import Workload
 
 __all__ = ["Traffic", "Request"]
@@ -31,9 +30,9 @@ class Traffic:
     regular phase writes `span`) and, when the workload has a final chunk and
     some request reached its length, one final step for those requests. Lanes
     without a request are padding segments, so every step of a kind has the
-    same batch shape. Call `steps()` for the step(s) of the next model step,
-    then `advance(done_steps)` once they are committed; `departed` and
-    `arrived` list what changed.
+    same batch shape. `lanes` holds each lane's request (a request whose
+    `final` is set writes its final chunk next); call `advance()` once a model
+    step is committed; `departed` and `arrived` list what changed.
     """
 
     def __init__(self, workload: Workload, seed: Optional[int] = None):
@@ -66,32 +65,6 @@ class Traffic:
     @property
     def active(self) -> List[Request]:
         return [r for r in self.lanes if r is not None]
-
-    def _position(self, r: Request) -> StreamPosition:
-        return StreamPosition(self.w.source_len, r.written, r.source)
-
-    def steps(self) -> List[Tuple[str, BoundedKVStep]]:
-        """The step(s) of the next model step: `("main", step)` and maybe `("final", step)`."""
-        w = self.w
-        out = []
-        segs, pos = [], {}
-        for r in self.lanes:
-            if r is None or r.final:
-                segs.append(Segment(None, 0))
-            else:
-                segs.append(Segment(r.rid, w.span))
-                pos[r.rid] = self._position(r)
-        out.append(("main", BoundedKVStep(tuple(segs), pos, tokens=w.step_tokens)))
-        if w.final_tokens is not None and any(r is not None and r.final for r in self.lanes):
-            segs, pos = [], {}
-            for r in self.lanes:
-                if r is not None and r.final:
-                    segs.append(Segment(r.rid, w.final_span))
-                    pos[r.rid] = self._position(r)
-                else:
-                    segs.append(Segment(None, 0))
-            out.append(("final", BoundedKVStep(tuple(segs), pos, tokens=w.final_tokens)))
-        return out
 
     def advance(self) -> None:
         """Account the committed step(s): requests write, finish, leave; new ones arrive."""
