@@ -164,12 +164,20 @@ def stream_nll(model, ids: torch.Tensor, cache, *, chunk: int = 64,
 
         cache = DynamicCache(config=model.config)
     nll = []
+    wide = None  # one float64 buffer for every chunk's logits (see below)
     with torch.no_grad():
         for start in range(0, ids.shape[1], chunk):
             piece = ids[:, start:start + chunk + 1]
-            logits = model(piece[:, :chunk], cache=cache, use_cache=True).logits[0, :piece.shape[1] - 1].double()
+            logits = model(piece[:, :chunk], cache=cache, use_cache=True).logits[0, :piece.shape[1] - 1]
             if logits.shape[0]:
-                nll.append(torch.nn.functional.cross_entropy(logits, piece[0, 1:], reduction="none"))
+                # The chunk's logits in float64 go through one buffer made once, not a fresh [chunk, vocab]
+                # tensor per forward: with torch on two threads and the CPU busy, glibc served those ~25 MB
+                # allocations from ever more arenas and kept them, and a long stream's resident memory climbed
+                # by one such buffer every few chunks (24 MiB steps, 1 GB in three minutes).
+                if wide is None or wide.shape[1] != logits.shape[1]:
+                    wide = torch.empty(chunk, logits.shape[1], dtype=torch.float64)
+                wide64 = wide[:logits.shape[0]].copy_(logits)
+                nll.append(torch.nn.functional.cross_entropy(wide64, piece[0, 1:], reduction="none"))
             if progress is not None:
                 progress(min(start + chunk, ids.shape[1]))
     return torch.cat(nll)
