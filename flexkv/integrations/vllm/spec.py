@@ -74,7 +74,6 @@ class SinkWindowSpec(SlidingWindowSpec):
                    for s in kv_cache_specs.values())
 
 
-
 class SinkWindowManager(SlidingWindowManager):
     """Keeps a request's sink blocks and the blocks its next query's window (and the `sink` slots below it)
     touches; frees the rest.
@@ -143,15 +142,17 @@ class SinkWindowManager(SlidingWindowManager):
         def first_window_block(n):
             return max(0, n * bs - pol.window) // bs
 
+        def longest_aligned(n):  # the most blocks, at most `n`, a hit may have
+            return next((m for m in range(n, 0, -1) if aligned(m)), 0)
+
         sink_blocks = cdiv(pol.sink, bs)
-        hit, end = 0, None  # `end`: one past the right end of the cached run the scan is in
+        hit, n = 0, None  # `n`: the longest hit the cached run the scan is in could give
         for i in range(limit - 1, -1, -1):
             if cached(i) is None:
-                end = None
+                n = None
                 continue
-            end = i + 1 if end is None else end
-            n = next((m for m in range(end, i, -1) if aligned(m)), None)
-            if n is None or first_window_block(n) < i:
+            n = longest_aligned(i + 1) if n is None else n
+            if n <= i or first_window_block(n) < i:
                 continue  # the run does not reach back to the window's start yet
             if i == 0 or all(cached(j) is not None for j in range(min(sink_blocks, n))):
                 hit = n
@@ -160,7 +161,7 @@ class SinkWindowManager(SlidingWindowManager):
             run = 0
             while cached(run) is not None:
                 run += 1
-            hit = next((m for m in range(run, 0, -1) if aligned(m)), 0)
+            hit = longest_aligned(run)
             break
         null = block_pool.null_block
         keep = set(range(min(sink_blocks, hit))) | set(range(first_window_block(hit), hit))
