@@ -7,10 +7,10 @@ and with SDPA over the same entries already laid out (`benchmarks.impls.LaidOut`
 
 - `write`: the step's keys and values into the layer tensors (two `index_put_`);
 - `geometry`: the plan's cells, the mask as an additive bias, which queries read anything
-  (`flexkv.cache.cpu_fast_rows.geometry`);
+  (`flexkv.cache.cpu.cpu_fast_rows.geometry`);
 - `kernel`: SDPA on the rows path's own inputs (the slot pool in place, or the gathered block),
   with the bias;
-- `rows path`: `flexkv.cache.cpu_fast_rows.attend` with the geometry given: for gathered rows the
+- `rows path`: `flexkv.cache.cpu.cpu_fast_rows.attend` with the geometry given: for gathered rows the
   gather and the kernel, in place the query gather, the kernel and the read-back;
 - `attend`: all of it, as shipped.
 
@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from benchmarks.chunked import SHAPES
 from benchmarks.impls import LaidOut, Steady, check
 from benchmarks.timing import interleaved
-from flexkv.cache.cpu_fast_rows import attend
-from flexkv.cache.cpu_fast_rows import geometry as fast_geometry
-from flexkv.cache.masks import make_mask_mod
-from flexkv.cache.row_attention import gather_width
+from flexkv.cache.cpu.cpu_fast_rows import attend
+from flexkv.cache.cpu.cpu_fast_rows import geometry as fast_geometry
+from flexkv.cache.paths.row_attention import gather_width
+from flexkv.cache.positions.masks import make_mask_mod
 
 
 def run(name: str, rounds: int) -> dict:

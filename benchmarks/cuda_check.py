@@ -47,7 +47,7 @@ the timing and the fp32 rows after it; the time budget for optional variants
    kernel reading cells as stored (`QUANTIZED_VARIANTS`): keys and values,
    keys alone (`AttentionOptions(quantized_keys_in_kernel=True)`, the scale in
    `score_mod`), values alone (`quantized_values_in_kernel=True`, two calls:
-   `flexkv.cache.quantized.value_scaled_attention`), while the deadline
+   `flexkv.cache.storage.quantized.value_scaled_attention`), while the deadline
    allows. Time, bytes the step must read over time, and the norm-relative
    error against a bf16 cache holding the dequantized cells.
 
@@ -77,12 +77,12 @@ from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.benchmark import Timer
 
-import flexkv.cache.flex_call as flex_call_module
+import flexkv.cache.paths.flex_call as flex_call_module
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cache import quantized
-from flexkv.cache.attention_options import AttentionOptions
-from flexkv.cache.kernel_options import decode_split_kv, flex_kernel_options
-from flexkv.cache.layout import entry_cell
+from flexkv.cache.host.layout import entry_cell
+from flexkv.cache.paths.attention_options import AttentionOptions
+from flexkv.cache.paths.kernel_options import decode_split_kv, flex_kernel_options
+from flexkv.cache.storage import quantized
 from flexkv.compiling import fresh_function
 from tests.random_workload import RandomWorkload, relative_error, score_bias
 
@@ -127,7 +127,7 @@ def kernel_options_as(options: Optional[Callable], drop_full_blocks: bool = Fals
     must also run inside it.
     """
     if not hasattr(flex_call_module, "flex_attention"):
-        raise RuntimeError("flexkv.cache.flex_call no longer calls flex_attention by that name; cannot set kernel "
+        raise RuntimeError("flexkv.cache.paths.flex_call no longer calls flex_attention by that name; cannot set kernel "
                            "options")
     original = flex_call_module.flex_attention
 

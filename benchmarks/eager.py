@@ -6,7 +6,7 @@ every layer; flexkv also admits, plans and commits).
 
 - `flexkv`: `BoundedKVManager.attend` per layer, called eagerly, every setting left to flexkv;
 - `flexkv/plain` (with `--plain`): the same with `AttentionOptions(cpu_fast_paths=False)`: the rows
-  path's plain reference in place of its CPU fast paths (`flexkv.cache.cpu_fast_rows`);
+  path's plain reference in place of its CPU fast paths (`flexkv.cache.cpu.cpu_fast_rows`);
 - `flexkv/flex` (with `--flex`): the same with `AttentionOptions(path="flex")` (uncompiled FlexAttention,
   which forms every score of the whole layer tensor);
 - `ring`: what a model without flexkv does eagerly: per layer a `[B, H, sink + window + 1, D]`
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 from benchmarks.timing import cycle, interleaved
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cache.attention_options import AttentionOptions
-from flexkv.cache.layout import entry_cell
+from flexkv.cache.host.layout import entry_cell
+from flexkv.cache.paths.attention_options import AttentionOptions
 
 SHAPE = dict(streams=8, layers=4, q_heads=16, kv_heads=8, head_dim=64, sink=4, window=252)
 

@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.timing import decode_shape_args, round_robin
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cache.attention_options import AttentionOptions
+from flexkv.cache.paths.attention_options import AttentionOptions
 
 
 def bench(args, barrier: bool, gated: bool):

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from flexkv import BoundedKVManager, BoundedKVStep, Segment, StreamPosition
-from flexkv.cache.attention_options import AttentionOptions
-from flexkv.cache.layout import entry_cell
+from flexkv.cache.host.layout import entry_cell
+from flexkv.cache.paths.attention_options import AttentionOptions
 from flexkv.cli.stream_model import StreamModel
 from flexkv.cli.workload import Workload
 from flexkv.compiling import fresh_function

@@ -19,7 +19,7 @@ import timeit
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cache.attention_options import AttentionOptions
+from flexkv.cache.paths.attention_options import AttentionOptions
 
 ROWS = (1, 16, 64, 256)
 WINDOWS = (1020, 4092, 16380)

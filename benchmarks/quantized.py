@@ -30,7 +30,7 @@ numbers), and torch's own float8 conversion.
 
 `--plain` adds, for every cache, the same cache with `AttentionOptions(cpu_fast_paths=False)`
 (path `plain`): the rows path's plain reference (`row_attention.attend_rows`) in place of its CPU
-fast paths (`flexkv.cache.cpu_fast_rows`), side by side with them.
+fast paths (`flexkv.cache.cpu.cpu_fast_rows`), side by side with them.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch
 from benchmarks.chunked import SHAPES
 from benchmarks.impls import FlexKV, Steady, check
 from benchmarks.timing import cycle, interleaved
-from flexkv.cache import quantized
+from flexkv.cache.storage import quantized
 
 MODES = ("eager", "compiled")
 

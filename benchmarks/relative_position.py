@@ -7,7 +7,7 @@ chunks of `--chunk` frames plus `--lookahead` frames over a window of
 
 - `plain`: `attend(q + u, k, v)`, no position term (what the cache costs
   without relative positions);
-- `rel_pos`: `flexkv.cache.relative_position`: the per-step table
+- `rel_pos`: `flexkv.cache.positions.relative_position`: the per-step table
   `(q + v) . p(d)` over the distances the window reaches, read by the
   score_mod (on the rows path, folded into SDPA's mask);
 - `folded`: the workaround without it: `p(i - j)` split by the angle-
@@ -31,7 +31,7 @@ import time
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cache.relative_position import RelativePosition
+from flexkv.cache.positions.relative_position import RelativePosition
 
 
 def frequencies(dim: int) -> torch.Tensor:

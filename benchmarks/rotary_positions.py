@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from benchmarks.timing import decode_shape_args, round_robin
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cache.rotary import Rotary, SinkRotation
+from flexkv.cache.positions.rotary import Rotary, SinkRotation
 
 
 def bench_flexkv(args, mode: str):

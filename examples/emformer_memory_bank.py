@@ -11,7 +11,7 @@ segment on.
 
 On flexkv each layer keeps two caches, each with its own retention and at
 the model's own memory, and attends once (the joint path,
-`flexkv.cache.joint_path`):
+`flexkv.cache.paths.joint_path`):
 
 - the frames (`SinkWindow(0, L)`, `U` tokens a step): the segment's frames
   are the step's own queries; the look-ahead and the summary are query-only

@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from flexkv import MultiCacheSession, RelativePosition, UncachedHistory, swap_attention
-from flexkv.cache.quantized import SLOT_DTYPE_NAMES, slot_dtype_named
+from flexkv.cache.storage.quantized import SLOT_DTYPE_NAMES, slot_dtype_named
 
 try:
     from examples.streaming_conformer import ConformerBlock, ConformerConfig

@@ -18,7 +18,7 @@ bounded flexkv cache:
 
 `rope_positions="stream"` rotates every key once, at its stream index;
 `"cache"` uses StreamingLLM's in-cache positions (served by
-`flexkv.cache.rotary.SinkRotation`: only the sink keys are re-rotated, O(sink) per
+`flexkv.cache.positions.rotary.SinkRotation`: only the sink keys are re-rotated, O(sink) per
 step). In ``"cache"`` mode the prompt goes in one token per step, as
 StreamingLLM feeds it: a chunk past the window would need a different
 rotation of the sinks for each of its queries.

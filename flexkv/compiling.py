@@ -5,7 +5,7 @@ the running one, `warn_if_untested` says when it is outside). The APIs it
 uses have the same signatures across those releases; where their behaviour
 differs, the code that depends on it decides at its own site (the kernel
 paths in `flexkv.cache.manager`, `kernel_sharing` and `kernel_options`,
-learned sinks in `flexkv.cache.sinks`). `fresh_function` gives a compiled
+learned sinks in `flexkv.cache.paths.sinks`). `fresh_function` gives a compiled
 use a code object (and so a graph cache) of its own, `graphs_compiled`
 counts graphs, and `watch_recompiles` turns a recompile after warm-up into
 a warning, or an error at dynamo's limit, that names the guard that failed.

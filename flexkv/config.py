@@ -16,7 +16,7 @@ import torch
 __all__ = ["SinkWindow", "BoundedKVConfig", "SUPPORTED_DTYPES", "SLOT_DTYPES", "is_int", "check_config", "check_layer_index"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-#: Cell dtypes of a quantized cache (`BoundedKVConfig.slot_dtype`; `flexkv.cache.quantized` stores them).
+#: Cell dtypes of a quantized cache (`BoundedKVConfig.slot_dtype`; `flexkv.cache.storage.quantized` stores them).
 SLOT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
@@ -164,7 +164,7 @@ class BoundedKVConfig:
 
     `slot_dtype` stores the cache's key and value cells quantized: `torch.int8`
     or `torch.float8_e4m3fn`, each cell with a float32 scale per head
-    (`flexkv.cache.quantized`); None (the default) keeps cells in `dtype`.
+    (`flexkv.cache.storage.quantized`); None (the default) keeps cells in `dtype`.
     Queries, keys and values still enter and leave `attend` in `dtype`. On
     the CPU choose int8: it is the more accurate of the two and steps over it
     run within 1.25x of unquantized ones (compiled decode about twice as

@@ -5,7 +5,7 @@ back; spans vary (look-ahead tokens when `span < T`, read-only steps when
 `span == 0`); requests start on random sources and lengths. Every step's
 outputs are compared with `flexkv.model.reference.ReferenceCache` on the same
 inputs (for a cache with quantized slots, on what the cache reads back for
-them: `flexkv.cache.quantized.round_trip`): the worst difference is kept, and
+them: `flexkv.cache.storage.quantized.round_trip`): the worst difference is kept, and
 with a `tolerance` the first step, layer and request over it fails there
 (`check_close`). The test suite drives its property
 and compiled tests with it, and `benchmarks/cuda_check.py` its checks on a
@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from flexkv.cache.manager import BoundedKVManager
-from flexkv.cache.quantized import round_trip
+from flexkv.cache.storage.quantized import round_trip
 from flexkv.config import BoundedKVConfig
 from flexkv.model.reference import ReferenceCache
 from flexkv.step import BoundedKVStep, Segment, StreamPosition

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cache.attention_options import AttentionOptions
-from flexkv.cache.layout import entry_cell
+from flexkv.cache.host.layout import entry_cell
+from flexkv.cache.paths.attention_options import AttentionOptions
 from flexkv.model.reference import attended_indices, own_stream_indices
 
 CONFIGS = {

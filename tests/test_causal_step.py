@@ -24,9 +24,9 @@ from flexkv import (
     StreamPosition,
     StreamSession,
 )
-from flexkv.cache.attention_options import AttentionOptions
 from flexkv.cache.groups import per_layer_groups
-from flexkv.cache.rotary import Rotary
+from flexkv.cache.paths.attention_options import AttentionOptions
+from flexkv.cache.positions.rotary import Rotary
 from flexkv.model.reference import ReferenceCache
 from flexkv.model.uncached import UncachedHistory
 from flexkv.model.wrap import StepContext, attention

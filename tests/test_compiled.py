@@ -12,9 +12,9 @@ from random_workload import RandomWorkload, score_bias
 from torch._dynamo.utils import counters
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cache.attention_options import AttentionOptions
-from flexkv.cache.kernel_sharing import SHARED_KERNEL_TORCH
-from flexkv.cache.row_attention import gather_width
+from flexkv.cache.paths.attention_options import AttentionOptions
+from flexkv.cache.paths.kernel_sharing import SHARED_KERNEL_TORCH
+from flexkv.cache.paths.row_attention import gather_width
 
 TOL = 1e-4
 
@@ -224,7 +224,7 @@ def test_quantized_slots_compiled_without_a_score_mod_run_the_grouped_dequantize
     group of rows dequantized into the cache's scratch and attended at a time), in place (no
     sources) and gathered (sources), decode and chunked, with GQA (6 and 2 query heads per KV head),
     through ring wraps and without recompiling, against the reference on the dequantized cells."""
-    from flexkv.cache import quantized_rows
+    from flexkv.cache.cpu import quantized_rows
 
     assert tokens * q_heads // 2 > quantized_rows.REDUCED_DECODE_MAX_QUERIES[slot_dtype]
 
@@ -251,7 +251,9 @@ def test_the_rows_paths_custom_ops_pass_torchs_opcheck_with_token_major_queries(
     """`torch.library.opcheck` on flexkv's custom ops (schema, fake tensor against the real output's
     shape and strides, autograd registration, AOT dispatch), with queries laid out as a model projects
     them (`[B, Q, H, D]` transposed) and the cells of every dtype the rows path reads."""
-    from flexkv.cache import gathered_rows, quantized, quantized_rows, row_cells
+    from flexkv.cache.cpu import gathered_rows, quantized_rows
+    from flexkv.cache.paths import row_cells
+    from flexkv.cache.storage import quantized
 
     g = torch.Generator().manual_seed(0)
     B, H, S, W, D = 2, 2, 40, 9, 16
@@ -277,7 +279,7 @@ def test_a_chunk_whose_queries_are_a_models_transposed_projection_runs_the_rows_
     """Queries laid out as a model projects them (`[N, T, H, D]` seen as `[N, H, T, D]`) reach the rows
     path's ops (`gathered_rows_attention`, `quantized_rows_attention`) in one group: their output is laid
     out as their fake says, so the compiled step runs and matches the reference."""
-    from flexkv.cache import gathered_rows
+    from flexkv.cache.cpu import gathered_rows
 
     cfg = BoundedKVConfig(
         num_layers=2, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=5, retention=SinkWindow(2, 6),
@@ -304,7 +306,7 @@ def test_compiled_quantized_decode_reads_the_cells_inside_inductors_kernels(monk
     `quantized_rows.reduced_decode` instead of the group op, in place (no sources) and gathered
     (sources), through ring wraps and slot reuse, without recompiling, against the reference on the
     dequantized cells; padding rows read nothing."""
-    from flexkv.cache import quantized_rows
+    from flexkv.cache.cpu import quantized_rows
 
     grouped = []
     op = quantized_rows.grouped_attention
@@ -350,8 +352,7 @@ def test_block_size_the_cpu_kernel_miscomputes_takes_the_rows_path():
     """torch 2.13's compiled CPU FlexAttention kernel is wrong at KV blocks of 8 (more than 1 off from
     the second decode step on, with torch's own block mask too): such a cache's compiled decode steps
     take the rows path under "auto" and match the eager step; "flex" is refused by name."""
-    from flexkv.cache.kernel_options import cpu_kernel_block_exact
-    from flexkv.cache.layout import default_block_size
+    from flexkv.cache.host.layout import cpu_kernel_block_exact, default_block_size
 
     assert [b for b in (4, 8, 12, 16, 20, 24, 32, 40) if not cpu_kernel_block_exact(b)] == [8, 24, 40]
     wide = BoundedKVConfig(num_layers=1, num_heads=1, head_dim=8, rows_per_request=1, max_source_len=0,
@@ -446,8 +447,8 @@ def test_gathered_attention_in_groups_equals_sdpa_over_the_whole_gather():
     width than keys, and zeros where a row reads nothing."""
     import torch.nn.functional as F
 
-    from flexkv.cache.gathered_rows import gathered_attention
-    from flexkv.cache.row_cells import batch_cells
+    from flexkv.cache.cpu.gathered_rows import gathered_attention
+    from flexkv.cache.paths.row_cells import batch_cells
 
     g = torch.Generator().manual_seed(5)
     B, H, Q, W, D, Dv, S = 5, 2, 3, 7, 8, 4, 40
@@ -471,7 +472,7 @@ def test_gathered_rows_attend_a_group_at_a_time_in_the_caches_buffer(monkeypatch
     memory_bytes) and attends gathered rows a group at a time in it (here one row: a group made one
     row's bytes): rows beside a source, with GQA and padding rows, through ring wraps, eager and
     compiled without recompiling, against the reference. The same cache without sources keeps none."""
-    from flexkv.cache import gathered_rows
+    from flexkv.cache.cpu import gathered_rows
 
     cfg = BoundedKVConfig(num_layers=2, num_heads=2, head_dim=16, rows_per_request=2, max_source_len=5,
                           retention=SinkWindow(2, 6), max_step_tokens=3, max_slots=3, max_sources=1)
@@ -502,7 +503,7 @@ def test_gathered_rows_attend_a_group_at_a_time_in_the_caches_buffer(monkeypatch
 def test_a_query_that_wants_a_gradient_still_gets_one_beside_a_source(monkeypatch):
     """The grouped gather (`gathered_rows`) has no backward: a query that requires grad gathers the
     step whole, as before, and its gradient flows."""
-    from flexkv.cache import gathered_rows
+    from flexkv.cache.cpu import gathered_rows
 
     cfg = BoundedKVConfig(num_layers=1, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=5,
                           retention=SinkWindow(2, 6), max_step_tokens=2, max_slots=3, max_sources=1)

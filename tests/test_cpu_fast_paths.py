@@ -1,7 +1,7 @@
 """The rows path with its CPU fast paths on and off (`AttentionOptions.cpu_fast_paths`).
 
 Off, the rows path runs the plain reference (`row_attention.attend_rows`); on, it goes through
-`flexkv.cache.cpu_fast_rows`. Both are checked against the dense float64 reference
+`flexkv.cache.cpu.cpu_fast_rows`. Both are checked against the dense float64 reference
 (`flexkv.model.reference`, driven by `random_workload.RandomWorkload`), eagerly and compiled, and
 the switch is checked to really bypass the fast paths: none of their functions or custom ops runs,
 no scratch is allocated, no memo is kept.
@@ -13,8 +13,8 @@ import torch._dynamo
 from random_workload import RandomWorkload, score_bias
 
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
-from flexkv.cache import cpu_fast_rows, gathered_rows, quantized_rows
-from flexkv.cache.attention_options import AttentionOptions
+from flexkv.cache.cpu import cpu_fast_rows, gathered_rows, quantized_rows
+from flexkv.cache.paths.attention_options import AttentionOptions
 from single_thread import one_thread  # noqa: F401
 
 TOL = 1e-4

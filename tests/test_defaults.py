@@ -10,13 +10,13 @@ import pytest
 import torch
 from random_workload import check_close
 
-import flexkv.cache.flex_call as flex_call_module
-import flexkv.cache.rows_path as rows_path_module
+import flexkv.cache.paths.flex_call as flex_call_module
+import flexkv.cache.paths.rows_path as rows_path_module
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cache.attention_options import AttentionOptions
-from flexkv.cache.kernel_sharing import shares_flex_kernel
-from flexkv.cache.layout import Layout, default_block_size
-from flexkv.cache.row_attention import RowGeometry
+from flexkv.cache.host.layout import Layout, default_block_size
+from flexkv.cache.paths.attention_options import AttentionOptions
+from flexkv.cache.paths.kernel_sharing import shares_flex_kernel
+from flexkv.cache.paths.row_attention import RowGeometry
 from flexkv.model.reference import ReferenceCache
 from single_thread import one_thread  # noqa: F401
 
@@ -190,7 +190,7 @@ def test_attention_options_are_fixed_when_the_cache_is_built():
         AttentionOptions.for_cache(cfg, "cpu", path="row")
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['attention_path'\]"):
         AttentionOptions.for_cache(cfg, "cpu", attention_path="rows")
-    with pytest.raises(ValueError, match="options must be a flexkv.cache.attention_options.AttentionOptions"):
+    with pytest.raises(ValueError, match="options must be a flexkv.cache.paths.attention_options.AttentionOptions"):
         BoundedKVManager(cfg, "cpu", options={"path": "rows"})
     assert AttentionOptions.for_cache(cfg, "meta").full_blocks and not AttentionOptions.for_cache(cfg, "cpu").full_blocks
 

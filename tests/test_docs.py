@@ -469,7 +469,7 @@ def _expand(path: str) -> List[str]:
 
 
 def quoted_paths() -> List[Span]:
-    """Every repository path the docs quote as code (`flexkv/cache/layout.py`, `configs/*.yaml`)."""
+    """Every repository path the docs quote as code (`flexkv/cache/host/layout.py`, `configs/*.yaml`)."""
     return [span for path in DOCS for span in inline_spans(path) if _REPO_PATH.match(span.text)]
 
 

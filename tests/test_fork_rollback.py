@@ -15,7 +15,7 @@ from random_workload import check_close
 
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
 from flexkv.cache.groups import GroupedKVManager, LayerGroup, layer_group_configs
-from flexkv.cache.slots import SlotsExhausted
+from flexkv.cache.host.slots import SlotsExhausted
 from flexkv.model.reference import ReferenceCache
 from flexkv.model.uncached import UncachedHistory
 from flexkv.step import BoundedKVStep, Segment, StreamPosition
@@ -306,7 +306,7 @@ def test_fork_of_a_stream_on_a_private_source_is_refused_with_the_reason():
 
 
 def test_a_failed_copy_leaves_no_child(monkeypatch):
-    import flexkv.cache.slot_copy as slot_copy_module
+    import flexkv.cache.storage.slot_copy as slot_copy_module
 
     cfg = make_config()
     m = BoundedKVManager(cfg)
@@ -324,7 +324,7 @@ def test_a_failed_copy_leaves_no_child(monkeypatch):
 
 def test_cache_mode_rotary_copies_its_unrotated_sinks():
     """`"cache"` rotary positions keep un-rotated sink keys per slot; a fork copies them too."""
-    from flexkv.cache.rotary import Rotary
+    from flexkv.cache.positions.rotary import Rotary
 
     cfg = make_config(retention=SinkWindow(2, 3), num_layers=1)
     m = BoundedKVManager(cfg)
@@ -368,7 +368,7 @@ def test_compiled_session_forks_and_rolls_back_without_recompiling():
     torch._dynamo.reset()
     # The rows path compiled for every step size: what is checked here is that forks and rollbacks
     # between compiled steps are exact and compile nothing (the FlexAttention path reads the same cells).
-    from flexkv.cache.attention_options import AttentionOptions
+    from flexkv.cache.paths.attention_options import AttentionOptions
 
     cache = BoundedKVManager(cfg, block_size=8, options=AttentionOptions.for_cache(cfg, "cpu", path="rows"))
     session = StreamSession(cache, token_sizes=(1, 3))

@@ -27,9 +27,9 @@ from flexkv import (
     StreamPosition,
     StreamSession,
 )
+from flexkv.cache.positions.rotary import Rotary
 from flexkv.cache.protocol import StreamCache, check_cache
-from flexkv.cache.quantized import round_trip
-from flexkv.cache.rotary import Rotary
+from flexkv.cache.storage.quantized import round_trip
 from flexkv.model.reference import ReferenceCache
 from flexkv.model.uncached import UncachedHistory
 from flexkv.model.wrap import StepContext, attention

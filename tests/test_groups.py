@@ -1,4 +1,4 @@
-"""Layer groups (`GroupedKVManager`) and learned sinks (`flexkv.cache.sinks`), in the core.
+"""Layer groups (`GroupedKVManager`) and learned sinks (`flexkv.cache.paths.sinks`), in the core.
 
 A grouped cache must attend each layer exactly as a `ReferenceCache` of that
 layer's own retention does, hold per group only what that group keeps, and

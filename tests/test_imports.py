@@ -142,7 +142,7 @@ def test_import_flexkv_loads_no_layer_until_a_name_is_used():
 def test_names_that_left_the_top_level_are_gone():
     """The names `flexkv` exported before 0.2 and later moved to their modules no longer resolve at the
     top (their shims went at 0.1.0); each lives in its own module."""
-    from flexkv.cache.planner import BoundedPlan  # noqa: F401
+    from flexkv.cache.host.planner import BoundedPlan  # noqa: F401
     from flexkv.serving import load_deployment  # noqa: F401
 
     for name in ("BoundedPlan", "load_deployment", "StepResult", "SwappedAttention", "GroupedPlan",
@@ -187,6 +187,77 @@ def test_modules_import_only_their_layer_or_below():
             if layer_of(dep) > layer_of(name):
                 upward.append(f"{name} ({LAYERS[layer_of(name)][0]}) imports {dep} ({LAYERS[layer_of(dep)][0]})")
     assert not upward, "imports pointing up a layer:\n" + "\n".join(upward)
+
+
+#: The cache's sub-packages by role. The host side and the device state never read an attention path; a
+#: path reads the host's layout and plan (what a step is), never its tables, lifecycle or transaction; the
+#: CPU speed work builds on the plain rows path's pieces only and is entered from one module.
+CACHE_ROLES = ("host", "storage", "positions", "paths", "cpu")
+HOST_FOR_PATHS = {"flexkv.cache.host.layout", "flexkv.cache.host.planner"}
+PLAIN_ROWS_PIECES = {"flexkv.cache.paths.row_attention", "flexkv.cache.paths.row_cells"}
+CPU_DOOR = {"flexkv.cache.paths.rows_path"}
+
+
+def cache_role(module: str) -> str:
+    parts = module.split(".")
+    if parts[:2] != ["flexkv", "cache"]:
+        return ""
+    return parts[2] if len(parts) > 2 and parts[2] in CACHE_ROLES else "caches"
+
+
+def cache_rule_breaks(graph: dict) -> list:
+    """Each import in `graph` (module -> modules it imports) that breaks a rule of the cache's roles."""
+    broken = []
+    for name, deps in graph.items():
+        role = cache_role(name)
+        for dep in deps:
+            to = cache_role(dep)
+            if to == "caches" and role not in ("caches", ""):
+                why = "only the caches and the layers above read the caches"
+            elif role in ("host", "storage", "positions") and to in ("paths", "cpu"):
+                why = f"the {role} side imports no attention path"
+            elif role in ("paths", "cpu") and to == "host" and dep not in HOST_FOR_PATHS:
+                why = "a path reads the host's layout and plan only"
+            elif role == "cpu" and to == "paths" and dep not in PLAIN_ROWS_PIECES:
+                why = "the CPU work imports only the plain rows path's pieces"
+            elif to == "cpu" and role != "cpu" and name not in CPU_DOOR:
+                why = f"the CPU work is entered from {sorted(CPU_DOOR)} only"
+            else:
+                continue
+            broken.append(f"{name} imports {dep}: {why}")
+    return broken
+
+
+def test_every_cache_module_sits_in_a_role():
+    """`flexkv/cache/` holds the caches themselves at its top, everything else in a role's sub-package."""
+    top = sorted(n for n in MODULES if n.startswith("flexkv.cache.") and n.count(".") == 2)
+    assert top == sorted(["flexkv.cache.groups", "flexkv.cache.manager", "flexkv.cache.protocol",
+                          *(f"flexkv.cache.{role}" for role in CACHE_ROLES)])
+
+
+def test_the_cache_roles_import_as_the_architecture_says():
+    graph = {name: imports_of(name, path) for name, path in MODULES.items() if name.startswith("flexkv.cache.")}
+    assert cache_rule_breaks(graph) == []
+
+
+def test_the_cache_role_check_finds_each_kind_of_break():
+    """The checker itself, on a hand-made graph with one break of each rule and two allowed imports."""
+    graph = {
+        "flexkv.cache.host.planner": {"flexkv.cache.paths.flex_call"},
+        "flexkv.cache.paths.flex_path": {"flexkv.cache.host.slots", "flexkv.cache.host.planner"},
+        "flexkv.cache.cpu.gathered_rows": {"flexkv.cache.paths.flex_call", "flexkv.cache.paths.row_cells"},
+        "flexkv.cache.paths.merge": {"flexkv.cache.cpu.gathered_rows"},
+        "flexkv.cache.storage.store": {"flexkv.cache.manager"},
+    }
+    assert cache_rule_breaks(graph) == [
+        "flexkv.cache.host.planner imports flexkv.cache.paths.flex_call: the host side imports no attention path",
+        "flexkv.cache.paths.flex_path imports flexkv.cache.host.slots: a path reads the host's layout and plan only",
+        "flexkv.cache.cpu.gathered_rows imports flexkv.cache.paths.flex_call: "
+        "the CPU work imports only the plain rows path's pieces",
+        "flexkv.cache.paths.merge imports flexkv.cache.cpu.gathered_rows: "
+        "the CPU work is entered from ['flexkv.cache.paths.rows_path'] only",
+        "flexkv.cache.storage.store imports flexkv.cache.manager: only the caches and the layers above read the caches",
+    ]
 
 
 #: Run in a fresh interpreter: hide transformers (as a core-only install has it), then collect every test module.

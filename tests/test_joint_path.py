@@ -1,4 +1,4 @@
-"""The joint path (`flexkv.cache.joint_path`): a cache's cells and joined keys in one softmax.
+"""The joint path (`flexkv.cache.paths.joint_path`): a cache's cells and joined keys in one softmax.
 
 Checked against a hand-worked row, the float64 reference (which shares no
 code with it), the same attention computed as separate calls merged by
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cache.joint_path import KeyPart
-from flexkv.cache.merge import merge_attention
+from flexkv.cache.paths.joint_path import KeyPart
+from flexkv.cache.paths.merge import merge_attention
 from flexkv.model.attendance import AttendanceError
 from flexkv.model.multi_context import MultiStepContext
 from flexkv.model.reference import ReferenceCache

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flexkv.cache.kernel_options import decode_block_m, decode_split_kv, flex_kernel_options, uses_decode_kernel
+from flexkv.cache.paths.kernel_options import decode_block_m, decode_split_kv, flex_kernel_options, uses_decode_kernel
 
 BF16 = torch.bfloat16
 
@@ -113,10 +113,10 @@ def test_every_torch_workaround_is_named_where_flexkv_works_around_it():
     from pathlib import Path
 
     import flexkv
-    from flexkv.cache.attention_options import TORCH_WORKAROUNDS
+    from flexkv.cache.paths.attention_options import TORCH_WORKAROUNDS
 
     root = Path(flexkv.__file__).parent
-    registry = root / "cache" / "attention_options.py"
+    registry = root / "cache" / "paths" / "attention_options.py"
     text = {p: p.read_text() for p in root.rglob("*.py")}
     named = {m for p, t in text.items() for m in re.findall(r'TORCH_WORKAROUNDS\["(\w+)"\]', t)}
     assert named - set(TORCH_WORKAROUNDS) == set(), "named in the code but not registered"

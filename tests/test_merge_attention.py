@@ -1,5 +1,5 @@
 """Keys of several caches in one softmax: `attend(..., return_lse=True)`, query-only queries and
-`flexkv.cache.merge.merge_attention`.
+`flexkv.cache.paths.merge.merge_attention`.
 
 The oracle for a cache's log-sum-exp and its query-only queries is the dense
 reference (`flexkv.model.reference.ReferenceCache`, float64); the oracle for
@@ -20,9 +20,9 @@ from flexkv import (
     StreamPosition,
     UncachedHistory,
 )
-from flexkv.cache.attention_options import AttentionOptions
-from flexkv.cache.merge import merge_attention
-from flexkv.cache.quantized import round_trip
+from flexkv.cache.paths.attention_options import AttentionOptions
+from flexkv.cache.paths.merge import merge_attention
+from flexkv.cache.storage.quantized import round_trip
 from flexkv.model.reference import ReferenceCache
 from single_thread import one_thread  # noqa: F401
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cache.attention_options import AttentionOptions
-from flexkv.cache.masks import make_mask_mod
+from flexkv.cache.paths.attention_options import AttentionOptions
+from flexkv.cache.positions.masks import make_mask_mod
 
 
 def cfg(**kw):
@@ -224,7 +224,7 @@ def test_full_blocks_of_a_per_query_window_hold_what_every_query_reads():
 def test_table_parts_lie_where_the_one_table_definition_puts_them():
     """Every part of a plan table is the span `PLAN_TABLE` gives it: the device views, the host
     readers and the planner's emit order agree, parts in order, nothing between or after them."""
-    from flexkv.cache.planner import PLAN_TABLE, table_spans
+    from flexkv.cache.host.planner import PLAN_TABLE, table_spans
 
     m = manager(cfg(max_slots=2))
     plan = m.plan(start(m, (Segment("a", 2), Segment(None, 0), Segment("b", 1)),
@@ -249,7 +249,7 @@ def test_a_plan_for_eager_calls_makes_each_part_when_read_as_the_plan_with_parts
     """`plan(step, eager_only=True)` makes no table part with the plan; each part read later is the
     same view of the table (offset, shape, strides, values) as the part a plan with its parts made
     holds, and `make_parts` makes the rest before a graph takes the plan in."""
-    from flexkv.cache.planner import PLAN_TABLE
+    from flexkv.cache.host.planner import PLAN_TABLE
 
     m = manager(cfg(max_slots=2))
     # One token: a chunk's plan reads its parts at once (the rows path's geometry, `_plan_from`).

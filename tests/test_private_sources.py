@@ -19,7 +19,7 @@ from flexkv import (
     SourcesExhausted,
     StreamPosition,
 )
-from flexkv.cache.attention_options import AttentionOptions
+from flexkv.cache.paths.attention_options import AttentionOptions
 from flexkv.model.reference import ReferenceCache
 
 H, HQ, D, R = 2, 4, 8, 2

@@ -1,7 +1,7 @@
 """Random configs and random workloads through the public API, against the dense reference (eager).
 
 Caches with quantized slots (`slot_dtype`) are drawn too: the reference then runs on what the
-cache reads back for every key and value (`flexkv.cache.quantized.round_trip`), and must agree
+cache reads back for every key and value (`flexkv.cache.storage.quantized.round_trip`), and must agree
 as closely as for an unquantized cache.
 """
 
@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from random_workload import RandomWorkload, score_bias
 
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
-from flexkv.cache.attention_options import AttentionOptions
-from flexkv.cache.kernel_options import cpu_kernel_block_exact
+from flexkv.cache.host.layout import cpu_kernel_block_exact
+from flexkv.cache.paths.attention_options import AttentionOptions
 
 TOL = 1e-4
 #: Norm-relative agreement with the reference (on the dequantized cells for quantized slots).

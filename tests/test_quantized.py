@@ -1,4 +1,4 @@
-"""Quantized slots (`BoundedKVConfig(slot_dtype=...)`, `flexkv.cache.quantized`): what is refused,
+"""Quantized slots (`BoundedKVConfig(slot_dtype=...)`, `flexkv.cache.storage.quantized`): what is refused,
 what a cell stores, and what the memory accounting counts. Attention against the reference runs in
 tests/test_properties.py, tests/test_front_doors.py and tests/test_compiled.py."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, GroupedKVManager, LayerGroup, SinkWindow
-from flexkv.cache import quantized
-from flexkv.cache.rotary import Rotary
+from flexkv.cache.positions.rotary import Rotary
+from flexkv.cache.storage import quantized
 from flexkv.cli.workload import WorkloadError, parse_workload
 from flexkv.model.uncached import UncachedHistory
 
@@ -276,7 +276,7 @@ def test_the_eager_rows_path_dequantizes_a_group_of_rows_at_a_time_exactly(monke
     cells (`fused_queries=0`: the dequantize before SDPA that longer query blocks take)."""
     from random_workload import RandomWorkload, score_bias
 
-    from flexkv.cache import quantized_rows
+    from flexkv.cache.cpu import quantized_rows
 
     monkeypatch.setattr(quantized_rows, "DEQUANTIZE_GROUP_BYTES", 1)
     monkeypatch.setattr(quantized_rows, "FUSED_SCALES_MAX_QUERIES", fused_queries)
@@ -319,8 +319,8 @@ def test_float8_cells_read_as_stored_by_the_kernel_match_the_reference(monkeypat
     sinks, and each in-kernel tensor reaches the kernel as float8."""
     from random_workload import RandomWorkload, score_bias
 
-    from flexkv.cache import flex_path, float8_path
-    from flexkv.cache.attention_options import AttentionOptions
+    from flexkv.cache.paths import flex_path, float8_path
+    from flexkv.cache.paths.attention_options import AttentionOptions
 
     monkeypatch.setattr(quantized, "CELLS_IN_KERNEL", {"cpu": "eager"})
     call = _widening_flex_call(float8_path.flex_call)
@@ -355,8 +355,8 @@ def test_compiled_float8_keys_read_as_stored_match_the_reference_with_no_recompi
     step's `score_mod` agrees with the reference on the dequantized cells, with no recompile."""
     from random_workload import RandomWorkload
 
-    from flexkv.cache import flex_path, float8_path
-    from flexkv.cache.attention_options import AttentionOptions
+    from flexkv.cache.paths import flex_path, float8_path
+    from flexkv.cache.paths.attention_options import AttentionOptions
 
     monkeypatch.setattr(quantized, "CELLS_IN_KERNEL", {"cpu": "compiled"})
     real = float8_path.flex_call
@@ -416,7 +416,7 @@ def test_a_cache_whose_kernel_reads_cells_as_stored_allocates_no_dequantized_cop
     (value) cells as stored keeps no dequantized copy of them: `memory_bytes` is less by exactly that copy,
     and a cache reading values so holds the zero cell of its second call. "meta" stands for a device
     whose kernels read float8 cells (`quantized.CELLS_IN_KERNEL`)."""
-    from flexkv.cache.attention_options import AttentionOptions
+    from flexkv.cache.paths.attention_options import AttentionOptions
 
     monkeypatch.setattr(quantized, "CELLS_IN_KERNEL", {"meta": "compiled"})
     cfg = config(slot_dtype=torch.float8_e4m3fn)

@@ -1,4 +1,4 @@
-"""Relative-position attention (`flexkv.cache.relative_position`) against the conformer's own attention.
+"""Relative-position attention (`flexkv.cache.positions.relative_position`) against the conformer's own attention.
 
 The reference is ESPnet's `RelPositionMultiHeadedAttention` ("latest" relative
 encoding) written out in plain torch over the whole utterance: the encoding
@@ -26,8 +26,8 @@ from flexkv import (
     StreamPosition,
     UncachedHistory,
 )
-from flexkv.cache.attention_options import AttentionOptions
-from flexkv.cache.relative_position import RelativePosition, RelativePositionScores, distance_range
+from flexkv.cache.paths.attention_options import AttentionOptions
+from flexkv.cache.positions.relative_position import RelativePosition, RelativePositionScores, distance_range
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 C, LA, W = 4, 2, 8  # chunk, look-ahead frames, window of earlier frames

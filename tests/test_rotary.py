@@ -14,7 +14,7 @@ import torch
 from random_workload import check_close
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cache.rotary import Rotary, SinkRotation, apply_rotary, rotate_half, stream_positions
+from flexkv.cache.positions.rotary import Rotary, SinkRotation, apply_rotary, rotate_half, stream_positions
 from flexkv.model.reference import ReferenceCache, own_stream_indices
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 from streamingllm import StreamingLLM

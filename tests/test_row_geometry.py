@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cache.cpu_fast_rows import one_token_in_place
-from flexkv.cache.row_attention import mask_geometry, reads_in_place
+from flexkv.cache.cpu.cpu_fast_rows import one_token_in_place
+from flexkv.cache.paths.row_attention import mask_geometry, reads_in_place
 
 
 @pytest.mark.parametrize("query_window", [None, "window"])

@@ -1,8 +1,8 @@
-"""Learned attention sinks (`flexkv.cache.sinks`): one extra softmax score per query head, with a zero value."""
+"""Learned attention sinks (`flexkv.cache.paths.sinks`): one extra softmax score per query head, with a zero value."""
 
 import torch
 
-from flexkv.cache.sinks import apply_learned_sinks
+from flexkv.cache.paths.sinks import apply_learned_sinks
 
 HQ, D = 4, 8
 

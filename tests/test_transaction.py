@@ -1,4 +1,4 @@
-"""The step transaction (`flexkv.cache.transaction.StepTransaction`): each undo on its own, and through
+"""The step transaction (`flexkv.cache.host.transaction.StepTransaction`): each undo on its own, and through
 the doors that use it.
 
 "Changed nothing" is checked on the cache's slot table itself (`slots.snapshot()`: every request, slot,
@@ -13,8 +13,8 @@ import torch
 
 from flexkv import BoundedKVConfig, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache.groups import GroupedKVManager, LayerGroup
+from flexkv.cache.host.transaction import StepTransaction
 from flexkv.cache.manager import BoundedKVManager
-from flexkv.cache.transaction import StepTransaction
 from flexkv.model.uncached import UncachedHistory
 from flexkv.model.wrap import StepContext, attention
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)

@@ -44,7 +44,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 import flexkv.integrations.transformers as fkt
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, SlotsExhausted, StreamPosition
-from flexkv.cache.attention_options import AttentionOptions
+from flexkv.cache.paths.attention_options import AttentionOptions
 from flexkv.integrations.transformers import FlexKVCache
 from flexkv.integrations.transformers.model_config import HYBRID_TYPES, LayerSpec, layer_windows
 

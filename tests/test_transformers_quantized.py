@@ -6,7 +6,7 @@ the attention changes. So its greedy `generate()` must give, row by row, the
 tokens and logits of the same model run without any cache over the whole
 history (`hf_models.reference_greedy`) with one change: every key and value
 its attention layers receive is replaced by what a quantized cell reads back
-(`flexkv.cache.quantized.round_trip`). The reference is the model's own
+(`flexkv.cache.storage.quantized.round_trip`). The reference is the model's own
 attention function (eager or SDPA, as the family runs it) behind that round
 trip; recurrent layers run over the whole history unchanged.
 """
@@ -40,7 +40,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from flexkv import SinkWindow
-from flexkv.cache.quantized import round_trip
+from flexkv.cache.storage.quantized import round_trip
 from flexkv.integrations.transformers import FlexKVCache
 from flexkv.integrations.transformers.hooks import attention_configs
 

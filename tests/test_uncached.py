@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cache.rotary import Rotary
+from flexkv.cache.positions.rotary import Rotary
 from flexkv.model.reference import ReferenceCache
 from flexkv.model.uncached import UncachedHistory
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)

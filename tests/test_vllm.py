@@ -33,7 +33,7 @@ from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from flexkv import BoundedKVConfig, SinkWindow  # noqa: E402
-from flexkv.cache.masks import query_window_attends  # noqa: E402
+from flexkv.cache.positions.masks import query_window_attends  # noqa: E402
 from flexkv.integrations.vllm.backend import decode_plan, sink_window_attention, turn_sinks  # noqa: E402
 from flexkv.integrations.vllm.spec import SinkWindowManager, SinkWindowSpec, block_bound, pool_line  # noqa: E402
 from flexkv.model.reference import attended_indices  # noqa: E402

@@ -5,7 +5,7 @@ import torch
 from random_workload import check_close
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cache.rotary import Rotary
+from flexkv.cache.positions.rotary import Rotary
 from flexkv.model.uncached import UncachedHistory
 from flexkv.model.wrap import CacheAttention, StepContext, attention
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)

@@ -1,5 +1,5 @@
-"""The cache: where every entry lives (`layout`), the host planner (`planner`), retention as
-FlexAttention masks (`masks`), the attention paths (`row_attention` with `row_cells` and
-`gathered_rows`, `kernel_options`, `kernel_sharing`), learned sinks (`sinks`), quantized slots
-(`quantized`), rotary positions (`rotary`), relative positions (`relative_position`), the slot pool and its step
-(`manager`), layer groups (`groups`) and the protocol every cache meets (`protocol`)."""
+"""The cache, one sub-package per role, bottom up: `host` (layout, slot table, planner, lifecycle,
+transaction: plain Python), `storage` (the device buffers), `positions` (masks, rotary, relative
+positions), `paths` (the attention paths and their choice), `cpu` (the rows path's CPU fast paths);
+then the caches over them: `manager` (`BoundedKVManager`), `groups` (`GroupedKVManager`, per-layer
+retention) and `protocol` (`StreamCache`, what every cache offers the doors above)."""

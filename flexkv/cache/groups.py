@@ -3,7 +3,7 @@
 Models mix layer types: Gemma 3 alternates five sliding-window layers with
 one global layer, gpt-oss alternates sliding and global layers, and each
 kind keeps a different part of the stream. `GroupedKVManager` is one
-`flexkv.cache.slots.SlotTable` (the requests, their slots, written counts
+`flexkv.cache.host.slots.SlotTable` (the requests, their slots, written counts
 and sources: the same for every group) and one device store per
 `LayerGroup` (a `BoundedKVManager` over that shared table), each with its
 own retention and so its own slot size: a group whose window is 128 holds
@@ -20,7 +20,7 @@ A step still goes `admit -> plan -> attend (per layer) -> commit`:
 
 A source is checked for every group before any is written, then copied
 into the same place of every group's tensors. Only what each group keeps
-differs. The lifecycle members are `flexkv.cache.lifecycle.StreamLifecycle`'s
+differs. The lifecycle members are `flexkv.cache.host.lifecycle.StreamLifecycle`'s
 over the table and every group's store, as for every other cache.
 """
 
@@ -34,12 +34,12 @@ from torch import nn
 
 from ..config import BoundedKVConfig, Retention, SinkWindow, check_config, check_layer_index, is_int, resolve_device
 from ..step import BoundedKVStep
-from .joint_path import KeyPart
-from .lifecycle import StreamLifecycle
+from .host.lifecycle import StreamLifecycle
+from .host.planner import BoundedPlan
+from .host.slots import SlotTable
+from .host.sources import split_source
 from .manager import BoundedKVManager
-from .planner import BoundedPlan
-from .slots import SlotTable
-from .sources import split_source
+from .paths.joint_path import KeyPart
 
 __all__ = ["LayerGroup", "GroupedKVManager", "GroupedPlan", "layer_group_configs", "per_layer_groups", "as_layer_groups",
            "build_cache"]
@@ -251,7 +251,7 @@ class GroupedPlan:
 
 
 class GroupRotation(nn.Module):
-    """One group's `flexkv.cache.rotary.SinkRotation`, called with a `GroupedPlan` (it takes its group's plan)."""
+    """One group's `flexkv.cache.positions.rotary.SinkRotation`, called with a `GroupedPlan` (it takes its group's plan)."""
 
     def __init__(self, group: int, rotation: nn.Module):
         super().__init__()
@@ -316,7 +316,7 @@ class GroupedKVManager(StreamLifecycle, nn.Module):
         self.config = config
         self.groups = groups
         self.device = resolve_device(device)
-        #: The requests, slots and sources of every group (`flexkv.cache.slots.SlotTable`).
+        #: The requests, slots and sources of every group (`flexkv.cache.host.slots.SlotTable`).
         self.slots = SlotTable(config)
         built = [manager(c, self.slots) for c in configs]
         for gi, m in enumerate(built):
@@ -397,7 +397,7 @@ class GroupedKVManager(StreamLifecycle, nn.Module):
         return tuple(out)
 
     # -------------------------------------------------------------- lifecycle
-    # `StreamLifecycle` (flexkv.cache.lifecycle) writes the members once, over the one table and every
+    # `StreamLifecycle` (flexkv.cache.host.lifecycle) writes the members once, over the one table and every
     # group's store: the table changes once, each store copies its own slots, each group's ring and
     # retention decide what can be taken back.
 

@@ -1,17 +1,17 @@
 """`BoundedKVManager`: a slot table, the device store of its layers, and the attention paths over it.
 
 Host state (which request holds which slot, what each has committed) lives
-in a `flexkv.cache.slots.SlotTable`, plain Python objects behind its lock.
-Device state is the store (`flexkv.cache.store.LayerStore`): one key and one
+in a `flexkv.cache.host.slots.SlotTable`, plain Python objects behind its lock.
+Device state is the store (`flexkv.cache.storage.store.LayerStore`): one key and one
 value tensor per layer, registered buffers allocated once (see
-`flexkv.cache.layout`), and the scratch its paths asked for. Attention is one
-of the paths of `flexkv.cache.paths`, chosen per call in one place. A step
+`flexkv.cache.host.layout`), and the scratch its paths asked for. Attention is one
+of the paths of `flexkv.cache.paths.choice`, chosen per call in one place. A step
 goes `admit -> plan -> attend (per layer) -> commit`; `attend` checks the
 call, writes the step's tokens into the store, runs the chosen path and
 applies the epilogue (learned sinks, the log-sum-exp, query-only queries).
 
 The lifecycle members (admit checks, plan, commit, reset, remove, sources,
-fork, reorder, rollback) are `flexkv.cache.lifecycle.StreamLifecycle`'s,
+fork, reorder, rollback) are `flexkv.cache.host.lifecycle.StreamLifecycle`'s,
 written once for every cache: this one is its one-store case. A manager
 keeps a table of its own, or (`slots=`) stores one layer group of a
 `flexkv.cache.groups.GroupedKVManager` over the table every group shares;
@@ -29,19 +29,19 @@ from torch import nn
 
 from ..config import BoundedKVConfig, check_config, check_layer_index, resolve_device
 from ..step import BoundedKVStep
-from .attention_options import AttentionOptions
-from .joint_path import KeyPart, check_joined
-from .layout import Layout
-from .lifecycle import StreamLifecycle
-from .masks import POSITION_MODES, make_score_mod
-from .paths import AttentionPaths, PathCall
-from .planner import BoundedPlan, build_plan
-from .query_only import attend_query_only, check_query_only
-from .relative_position import RelativePositionScores
-from .rotary import SinkRotation, stream_positions
-from .sinks import apply_learned_sinks, check_sinks
-from .slots import SlotsExhausted, SlotTable, SourcesExhausted
-from .store import LayerStore
+from .host.layout import Layout
+from .host.lifecycle import StreamLifecycle
+from .host.planner import BoundedPlan, build_plan
+from .host.slots import SlotsExhausted, SlotTable, SourcesExhausted
+from .paths.attention_options import AttentionOptions
+from .paths.choice import AttentionPaths, PathCall
+from .paths.joint_path import KeyPart, check_joined
+from .paths.query_only import attend_query_only, check_query_only
+from .paths.sinks import apply_learned_sinks, check_sinks
+from .positions.masks import POSITION_MODES, make_score_mod
+from .positions.relative_position import RelativePositionScores
+from .positions.rotary import SinkRotation, stream_positions
+from .storage.store import LayerStore
 
 __all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted"]
 
@@ -78,19 +78,19 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
             still plans, exactly as CUDA would (block size and full blocks), which
             shows that planning never touches device data.
         block_size: FlexAttention's KV block size (cells per block); None (the default) lets
-            flexkv choose for the config and device (`flexkv.cache.layout.default_block_size`).
+            flexkv choose for the config and device (`flexkv.cache.host.layout.default_block_size`).
         slots: the `SlotTable` to keep the requests in; None (the default) makes one. A
             `GroupedKVManager` passes the table all its groups share; such a manager stores one
             group and refuses sources of its own (the grouped cache writes them in every group).
-        options: how attention is computed (`flexkv.cache.attention_options.AttentionOptions`:
+        options: how attention is computed (`flexkv.cache.paths.attention_options.AttentionOptions`:
             path, GQA packing, full blocks, epilogue barrier, kernel sharing), fixed for the cache's
             life; None (the default) takes `AttentionOptions.for_cache(config, device)`.
         store: builds the cache's device store, `store(config, device, layout)` returning a
-            `flexkv.cache.store.LayerStore`; None (the default) builds a `LayerStore`. A
+            `flexkv.cache.storage.store.LayerStore`; None (the default) builds a `LayerStore`. A
             tensor-parallel rank passes one that keeps its heads of each source.
 
     `store` is the `LayerStore` (its `k_cache_{i}`, `v_cache_{i}` buffers also read as the cache's
-    own attributes), `paths` the `flexkv.cache.paths.AttentionPaths` that choose each call's path.
+    own attributes), `paths` the `flexkv.cache.paths.choice.AttentionPaths` that choose each call's path.
     """
 
     def __init__(self, config: BoundedKVConfig, device="cpu", *, block_size: Optional[int] = None,
@@ -107,29 +107,29 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
         self.device = resolve_device(device)
         self.layout = Layout.for_config(config, block_size, self.device.type)
         if slots is not None and not isinstance(slots, SlotTable):
-            raise ValueError(f"slots must be a flexkv.cache.slots.SlotTable or None, got {type(slots).__name__}")
+            raise ValueError(f"slots must be a flexkv.cache.host.slots.SlotTable or None, got {type(slots).__name__}")
         if slots is not None:
             slots.check_shares(config, "this manager")
         if options is None:
             options = AttentionOptions.for_cache(config, self.device)
         elif not isinstance(options, AttentionOptions):
             raise ValueError(
-                f"options must be a flexkv.cache.attention_options.AttentionOptions or None, got "
+                f"options must be a flexkv.cache.paths.attention_options.AttentionOptions or None, got "
                 f"{type(options).__name__}; build one with AttentionOptions.for_cache(config, device, ...)")
         built = LayerStore(config, self.device, self.layout) if store is None else store(config, self.device,
                                                                                              self.layout)
         if not isinstance(built, LayerStore) or built.config != config or built.layout != self.layout:
-            raise ValueError(f"store(config, device, layout) must return a flexkv.cache.store.LayerStore of that "
+            raise ValueError(f"store(config, device, layout) must return a flexkv.cache.storage.store.LayerStore of that "
                              f"config and layout, got {type(built).__name__}")
         #: Whether this manager stores one layer group of a grouped cache (its table is that cache's): every
         #: change to the table then goes through the grouped cache, which changes every group.
         self._in_group = slots is not None
-        #: Host bookkeeping: slots, requests, source places (`flexkv.cache.slots`), under its lock.
+        #: Host bookkeeping: slots, requests, source places (`flexkv.cache.host.slots`), under its lock.
         self.slots = SlotTable(config) if slots is None else slots
         self._lock = self.slots.lock
         #: How attention is computed (`AttentionOptions`), fixed for the cache's life.
         self._options = options
-        #: The device state: every layer's tensors (`flexkv.cache.store.LayerStore`), a submodule.
+        #: The device state: every layer's tensors (`flexkv.cache.storage.store.LayerStore`), a submodule.
         self.store = built
         object.__setattr__(self, "_store", built)  # the same, read without nn.Module's lookup
         #: The attention paths over the store and the one choice among them (their scratch is allocated now).
@@ -168,7 +168,7 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
         with sources whose gathered step would be larger); with quantized slots their scales too,
         the one layer of dequantized scratch the FlexAttention path reads (allocated with the cache
         off the CPU, or on it with options path="flex"; under path="auto" without the keys' or the
-        values' half where the kernel reads those cells as stored, `flexkv.cache.float8_path`) and
+        values' half where the kernel reads those cells as stored, `flexkv.cache.paths.float8_path`) and
         the group buffer cells widen into (`cpu_fast_rows.dequantize_scratch`, unless path="flex" or cpu_fast_paths=False)."""
         return self._store.memory_bytes
 
@@ -190,7 +190,7 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
         return self.config
 
     def rotation(self, layer_idx: int, rotary, mode: str = "stream", *, rotated_inputs: bool = False) -> SinkRotation:
-        """Rotary positions for layer `layer_idx` (`flexkv.cache.rotary.SinkRotation`): call it as
+        """Rotary positions for layer `layer_idx` (`flexkv.cache.positions.rotary.SinkRotation`): call it as
         `q, k = rotation(q, k, plan)` before `attend`; in ``"cache"`` mode run its `check_step`
         on the host before planning (`flexkv.model.wrap.StepContext` does)."""
         rotation = SinkRotation(self, check_layer_index(layer_idx, self.config.num_layers), rotary, mode,
@@ -206,7 +206,7 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
         return stream_positions(plan, plan.tokens if tokens is None else tokens, self.config.reverse_step_order)
 
     # -------------------------------------------------------------- lifecycle
-    # `StreamLifecycle` (flexkv.cache.lifecycle) writes the members once; this cache is its one-group case.
+    # `StreamLifecycle` (flexkv.cache.host.lifecycle) writes the members once; this cache is its one-group case.
 
     def _check_owner(self, what: str) -> None:
         if self._in_group:
@@ -267,19 +267,19 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
         `[N, num_heads, T, Dv]` (`D = head_dim`, `Dv = value_head_dim`) with `N =
         len(step.segments) * rows_per_request`. Returns `[N, Hq, T, Dv]`. `score_mod(score, b, h,
         q_pos, kv_pos)` gets stream positions (`positions="stream"`) or in-cache positions
-        (`positions="cache"`). One attention path per call (`flexkv.cache.paths`: the rows path or
+        (`positions="cache"`). One attention path per call (`flexkv.cache.paths.choice`: the rows path or
         one FlexAttention call), chosen by `options.route`; traceable by
-        `torch.compile(fullgraph=True)`. `sinks`: learned sink logits `[Hq]` (`flexkv.cache.sinks`),
+        `torch.compile(fullgraph=True)`. `sinks`: learned sink logits `[Hq]` (`flexkv.cache.paths.sinks`),
         served from the same call's log-sum-exp. `return_lse`: `(out, lse)`, each query's natural-log
         sum of exp of its scores `[N, Hq, T]` (at least float32; the sink logit included; -inf where
         a query reads nothing), so that attention over this cache and over another set of keys can
-        be merged into one softmax exactly (`flexkv.cache.merge.merge_attention`); on the CPU it
+        be merged into one softmax exactly (`flexkv.cache.paths.merge.merge_attention`); on the CPU it
         takes the rows path under `path="auto"`, as sinks do (`CPU_NO_LSE`). `query_only`: queries
         `[N, Hq, Q, D]` that write nothing and attend what each row's newest own token attends
-        (`flexkv.cache.query_only`); the call then returns `(out, query_only_out)`, each an
+        (`flexkv.cache.paths.query_only`); the call then returns `(out, query_only_out)`, each an
         `(out, lse)` pair with `return_lse`. `joined`: `KeyPart`s (keys and values kept elsewhere:
         another cache's `write_part`, keys recomputed every step) that join every query's softmax
-        (`flexkv.cache.joint_path`; no `score_mod` then).
+        (`flexkv.cache.paths.joint_path`; no `score_mod` then).
         """
         self._check_attend(layer_idx, q, k, v, plan)
         relative = self._check_extras(q, score_mod, positions, sinks, query_only)
@@ -335,7 +335,7 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
     def write_part(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan: BoundedPlan) -> KeyPart:
         """Write the step's tokens into layer `layer_idx` as `attend` does, and return the cells each row's
         newest own token reads as a `KeyPart` that another cache's `attend(..., joined=...)` reads in
-        its softmax (`flexkv.cache.joint_path`): the layer's attention for this step, computed there.
+        its softmax (`flexkv.cache.paths.joint_path`): the layer's attention for this step, computed there.
         `k`, `v` as in `attend`."""
         self._check_attend(layer_idx, k, k, v, plan)
         kc, vc = self._store.write(layer_idx, k, v, plan)

@@ -14,8 +14,8 @@ The class body below is the one statement of the protocol: its members are
 grouped by what they are for (the step lifecycle, declarations, sources,
 views, fork and roll back, the model side), `PROTOCOL_MEMBERS` is read from it, and
 tests/test_protocol.py checks that every cache's public signatures are its
-signatures. A step transaction (`flexkv.cache.transaction`) drives the
-lifecycle: `admit` returns what it changed (`flexkv.cache.slots.Admission`)
+signatures. A step transaction (`flexkv.cache.host.transaction`) drives the
+lifecycle: `admit` returns what it changed (`flexkv.cache.host.slots.Admission`)
 and `undo_admit` takes that back when the step fails.
 
 A plan is whatever the cache's `plan` returns; callers hand it back to the
@@ -32,8 +32,8 @@ import torch
 
 from ..config import BoundedKVConfig
 from ..step import BoundedKVStep, StreamPosition
-from .joint_path import KeyPart
-from .slots import Admission
+from .host.slots import Admission
+from .paths.joint_path import KeyPart
 
 __all__ = ["StreamCache", "check_cache", "PROTOCOL_MEMBERS", "protocol_members"]
 

@@ -66,7 +66,7 @@ def run_model(w: Workload, model, tokenizer, *, device=None,
     """Drive `w`'s traffic through `model` with a `FlexKVCache`; returns the report (a plain dict)."""
     from transformers import DynamicCache
 
-    from ..cache.quantized import slot_dtype_named
+    from ..cache.storage.quantized import slot_dtype_named
     from ..config import SinkWindow
     from ..integrations.transformers import FlexKVCache
     from ..integrations.transformers.pretrained import reference_text

@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..cache.manager import BoundedKVManager
-from ..cache.quantized import round_trip
+from ..cache.storage.quantized import round_trip
 from ..compiling import fresh_function, graphs_compiled
 from ..model.reference import ReferenceCache
 from ..session import Chunk, StreamSession

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from ..cache.layout import Layout, entry_cell
-from ..cache.planner import build_plan
+from ..cache.host.layout import Layout, entry_cell
+from ..cache.host.planner import build_plan
 from ..config import BoundedKVConfig, is_int
 from ..model.reference import attended_indices, own_stream_indices
 from ..step import BoundedKVStep, Segment, StreamPosition

@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..cache.quantized import SLOT_DTYPE_NAMES, cell_bytes, slot_dtype_named
+from ..cache.storage.quantized import SLOT_DTYPE_NAMES, cell_bytes, slot_dtype_named
 from ..config import BoundedKVConfig, SinkWindow, is_int
 
 __all__ = [
@@ -58,7 +58,7 @@ class Workload:
     step as one graph); `check_steps` steps checked against the float64
     reference for up to `check_requests` tracked requests. `dtype`: the
     model's; `slot_dtype`: how the cache stores its cells (`none`, or `int8` /
-    `fp8` for quantized slots, `flexkv.cache.quantized`).
+    `fp8` for quantized slots, `flexkv.cache.storage.quantized`).
     """
 
     name: str

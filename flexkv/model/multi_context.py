@@ -4,7 +4,7 @@ Some models keep more than one cache: a streaming speech encoder whose two
 attention stacks run at different frame rates (25 and 50 frames per chunk),
 each stack with its own layers, heads, retention and step length. A
 `StepContext` over named caches steps them together in one
-`flexkv.cache.transaction.StepTransaction`. `MultiStepContext` is that
+`flexkv.cache.host.transaction.StepTransaction`. `MultiStepContext` is that
 class spelled for this use (a subclass that adds nothing), and
 `multi[name]` is each cache's one-cache `StepContext`:
 

@@ -105,9 +105,9 @@ class ReferenceCache:
 
         `score_mod(score, b, h, q_pos, kv_pos)` gets stream positions, or with
         `positions="cache"` in-cache positions (section 6). `sinks`: learned
-        sink logits `[Hq]` (see `flexkv.cache.sinks`): each query head's softmax
+        sink logits `[Hq]` (see `flexkv.cache.paths.sinks`): each query head's softmax
         also normalises over one extra score `sinks[h]` that carries no value.
-        `rotary` (a `flexkv.cache.rotary.Rotary`): the keys and values kept are
+        `rotary` (a `flexkv.cache.positions.rotary.Rotary`): the keys and values kept are
         un-rotated, and every query and attended key is rotated at its stream
         index, or with `rope_positions="cache"` at its in-cache position, at
         every step (StreamingLLM's definition). Queries whose attended sets are
@@ -116,7 +116,7 @@ class ReferenceCache:
         `[N, Hq, T]` float64, -inf where a query reads nothing. `query_only`
         (`[N, Hq, Q, D]`): queries that attend each row's newest own token's set
         at its positions and write nothing; the call returns `(out, extra)`
-        (each `(out, lse)` with `return_lse`). `joined`: `KeyPart`s (`flexkv.cache.joint_path`) whose
+        (each `(out, lse)` with `return_lse`). `joined`: `KeyPart`s (`flexkv.cache.paths.joint_path`) whose
         keys of a row that exist join the softmax of each query the part names (own queries
         `0 .. T - 1`, then query-only ones `T ..`), as plain scores (no position, rotation or
         `score_mod`); a padding row reads none.

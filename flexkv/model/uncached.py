@@ -11,7 +11,7 @@ swaps one for the other without a change.
 
 Its host bookkeeping (which requests hold slots, which sources are
 registered, what each request committed) is a bounded cache's own slot
-table (`flexkv.cache.slots.SlotTable`), and its sources are checked by the
+table (`flexkv.cache.host.slots.SlotTable`), and its sources are checked by the
 bounded cache's shape checks: it accepts and refuses exactly the
 declarations, sources and slot counts the bounded cache does, with the same
 messages. Its attention is the dense whole-stream reference's
@@ -25,7 +25,7 @@ position mode: ``"stream"`` rotates each entry at its stream index;
 query at its own, at every step, the way StreamingLLM's reference code does.
 
 With quantized slots (`config.slot_dtype`), it keeps what the bounded cache
-reads back for every key and value (`flexkv.cache.quantized.round_trip`) and
+reads back for every key and value (`flexkv.cache.storage.quantized.round_trip`) and
 attends over that: a quantized cache and its twin then agree as closely as
 unquantized ones do. (Rotary embeddings applied here are refused with
 quantized slots: the bounded cache quantizes rotated keys, which the twin,
@@ -39,13 +39,13 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from ..cache.groups import as_layer_groups, layer_group_configs
-from ..cache.joint_path import KeyPart, check_joined
-from ..cache.lifecycle import StoreHooks, StreamLifecycle
-from ..cache.masks import POSITION_MODES
-from ..cache.quantized import round_trip
-from ..cache.rotary import ROPE_POSITIONS, Rotary, check_cache_config, check_cache_step
-from ..cache.slots import SlotTable
-from ..cache.sources import check_source_shapes, split_source
+from ..cache.host.lifecycle import StoreHooks, StreamLifecycle
+from ..cache.host.slots import SlotTable
+from ..cache.host.sources import check_source_shapes, split_source
+from ..cache.paths.joint_path import KeyPart, check_joined
+from ..cache.positions.masks import POSITION_MODES
+from ..cache.positions.rotary import ROPE_POSITIONS, Rotary, check_cache_config, check_cache_step
+from ..cache.storage.quantized import round_trip
 from ..config import BoundedKVConfig, check_config, check_layer_index
 from ..step import BoundedKVStep
 from .reference import ReferenceCache, own_stream_indices
@@ -167,7 +167,7 @@ class UncachedHistory(StreamLifecycle):
         self.config = config
         host_config = config if config.dtype is not None else config.replace(dtype=torch.float64)
         self.groups, self._configs, self._route = layer_group_configs(host_config, groups)
-        #: The bounded cache's own host bookkeeping and checks (`flexkv.cache.slots.SlotTable`).
+        #: The bounded cache's own host bookkeeping and checks (`flexkv.cache.host.slots.SlotTable`).
         self.slots = SlotTable(host_config)
         self._lock = self.slots.lock
         # Every stream whole, per layer group: the dense reference of each group's retention keeps it,
@@ -192,7 +192,7 @@ class UncachedHistory(StreamLifecycle):
         return total
 
     # --------------------------------------------------------- lifecycle
-    # `StreamLifecycle` (flexkv.cache.lifecycle) writes the members once, over the same table as the
+    # `StreamLifecycle` (flexkv.cache.host.lifecycle) writes the members once, over the same table as the
     # bounded cache and one whole-history store per group: every call is refused exactly where the
     # bounded cache refuses it (the same table and each group's ring decide), though nothing here is
     # ever overwritten.
@@ -246,7 +246,7 @@ class UncachedHistory(StreamLifecycle):
         are kept un-rotated; with `rotated_inputs` the rotation turns the model's stream-rotated q and k
         back first), refusing what the bounded cache refuses in ``"cache"`` mode."""
         if not isinstance(rotary, Rotary):
-            raise ValueError(f"rotation: rotary must be a flexkv.cache.rotary.Rotary, got {type(rotary).__name__}")
+            raise ValueError(f"rotation: rotary must be a flexkv.cache.positions.rotary.Rotary, got {type(rotary).__name__}")
         if mode not in ROPE_POSITIONS:
             raise ValueError(f"rotation: mode must be one of {ROPE_POSITIONS}, got {mode!r}")
         cfg = self.layer_config(layer_idx)

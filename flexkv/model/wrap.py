@@ -14,7 +14,7 @@ Every core reads the step from a `StepContext`, the one object a model's
 layers share: the host loop calls `context.begin(step)` (admit, checks,
 plan), runs the model, then `context.commit()`, or `context.abort()` if the
 model raised (`with context.stepping(step) as plan:` does both). The step is
-one `flexkv.cache.transaction.StepTransaction`: an aborted step changes
+one `flexkv.cache.host.transaction.StepTransaction`: an aborted step changes
 nothing in the cache. Nothing about the step is
 an argument of the layers, so the model's own forward signature stays as it
 was. `context.stream_positions()` gives the step's stream index of every
@@ -54,11 +54,11 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optio
 import torch
 from torch import nn
 
-from ..cache.masks import POSITION_MODES
+from ..cache.host.slots import SlotsExhausted
+from ..cache.host.transaction import StepTransaction
+from ..cache.positions.masks import POSITION_MODES
+from ..cache.positions.rotary import ROPE_POSITIONS, Rotary
 from ..cache.protocol import check_cache
-from ..cache.rotary import ROPE_POSITIONS, Rotary
-from ..cache.slots import SlotsExhausted
-from ..cache.transaction import StepTransaction
 from ..config import check_layer_index
 from ..step import BoundedKVStep
 from .attendance import AttendanceRecord
@@ -128,7 +128,7 @@ class StepContext:
     already. A one-cache context is the one-entry case: `context[None]` is
     itself.
 
-    Either way a step is one `flexkv.cache.transaction.StepTransaction` over
+    Either way a step is one `flexkv.cache.host.transaction.StepTransaction` over
     every cache, with one commit check: every declared layer of every cache
     attended exactly once (`flexkv.model.attendance`).
     """
@@ -136,7 +136,7 @@ class StepContext:
     def __init__(self, caches):
         self._one = not isinstance(caches, Mapping)
         kind = type(self).__name__
-        #: The step begun last (`flexkv.cache.transaction.StepTransaction`), None before the first.
+        #: The step begun last (`flexkv.cache.host.transaction.StepTransaction`), None before the first.
         self.transaction: Optional[StepTransaction] = None
         #: The plan the layers read (a one-cache context; None on a named one, whose plans live in `context[name]`).
         self.plan: Any = None
@@ -323,7 +323,7 @@ class StepContext:
 
     def write_part(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
         """The bound step's keys written into layer `layer_idx`, and the cells each row's newest own token
-        reads, as a `flexkv.cache.joint_path.KeyPart` that another cache's `attend(..., joined=...)`
+        reads, as a `flexkv.cache.paths.joint_path.KeyPart` that another cache's `attend(..., joined=...)`
         reads in its softmax: the cache's `write_part(layer_idx, k, v, plan)`, counted for the step's
         attendance check as the layer's attention."""
         if not self._one:
@@ -425,10 +425,10 @@ class CacheAttention(nn.Module):
     Args:
         context: a `StepContext`.
         layer_idx: the cache layer this attention writes and reads.
-        rotary: a `flexkv.cache.rotary.Rotary` to rotate `q` and `k` (un-rotated
+        rotary: a `flexkv.cache.positions.rotary.Rotary` to rotate `q` and `k` (un-rotated
             on input) at the step's positions, or None for no rotary.
         rope_positions: ``"stream"`` or ``"cache"`` (StreamingLLM's
-            in-cache positions; see `flexkv.cache.rotary`).
+            in-cache positions; see `flexkv.cache.positions.rotary`).
         scale, score_mod, positions, sinks: as `BoundedKVManager.attend`.
         rows: how the model orders the step's rows (`ROW_ORDERS`):
             ``"request"`` (flexkv's: a request's `rows_per_request` rows
@@ -463,7 +463,7 @@ class CacheAttention(nn.Module):
             raise ValueError(f"rows must be one of {ROW_ORDERS} (the model's order of a step's rows), got {rows!r}")
         check_layer_index(layer_idx, context.config.num_layers)
         if rotary is not None and not isinstance(rotary, Rotary):
-            raise ValueError(f"rotary must be a flexkv.cache.rotary.Rotary or None, got {type(rotary).__name__}")
+            raise ValueError(f"rotary must be a flexkv.cache.positions.rotary.Rotary or None, got {type(rotary).__name__}")
         if rope_positions not in ROPE_POSITIONS:
             raise ValueError(f"rope_positions must be one of {ROPE_POSITIONS}, got {rope_positions!r}")
         if positions not in POSITION_MODES:

@@ -46,10 +46,10 @@ from typing import Any, Hashable, Optional
 
 import torch
 
+from ..cache.host.planner import BoundedPlan
+from ..cache.host.slots import SlotTable
 from ..cache.manager import BoundedKVManager
-from ..cache.planner import BoundedPlan
-from ..cache.slots import SlotTable
-from ..cache.store import LayerStore
+from ..cache.storage.store import LayerStore
 from ..config import BoundedKVConfig, check_config, is_int
 from ..step import BoundedKVStep
 
@@ -215,7 +215,7 @@ def _stable_id(rid: Hashable) -> str:
 
 
 class ShardStore(LayerStore):
-    """A rank's `flexkv.cache.store.LayerStore`: this rank's heads (`shard`), and of a source given with every
+    """A rank's `flexkv.cache.storage.store.LayerStore`: this rank's heads (`shard`), and of a source given with every
     head, this rank's slice (`source_tensors`)."""
 
     def __init__(self, config: BoundedKVConfig, device, layout, shard: HeadShard):

@@ -68,7 +68,7 @@ only through that protocol, and adds no semantics of its own.
 Every operation is atomic: it happens, or it raises and nothing changed
 (the cache, every lane, every waiting request). That holds for a model
 function that raises (`KeyboardInterrupt` included): a step is one
-`flexkv.cache.transaction.StepTransaction`, so its tokens are not committed
+`flexkv.cache.host.transaction.StepTransaction`, so its tokens are not committed
 and its new requests are not started. The one exception is
 what `finish`, `reset` and `add_source` do next: handing freed lanes to
 waiting requests. If starting one raises (its `initial_state` fails, an

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 from ..cache.groups import build_cache
+from ..cache.host.slots import SlotsExhausted
+from ..cache.host.transaction import StepTransaction
 from ..cache.protocol import check_cache
-from ..cache.slots import SlotsExhausted
-from ..cache.transaction import StepTransaction
 from ..config import BoundedKVConfig, is_int
 
 __all__ = ["Lanes", "Waiting", "WHEN_FULL", "bucket_sizes", "session_caches", "declarations", "source_call",

@@ -6,7 +6,7 @@ rates (25 and 50 frames per chunk), each stack with its own cache (its own
 chunk as one model step over both caches. `MultiCacheSession` is
 `StreamSession`'s loop for such a model, over a mapping of named caches,
 stepped together through one `flexkv.model.multi_context.MultiStepContext`
-(one `flexkv.cache.transaction.StepTransaction` over every cache):
+(one `flexkv.cache.host.transaction.StepTransaction` over every cache):
 
     session = MultiCacheSession({"slow": config_25, "fast": config_50})
     out = session.step({"utt0": {"slow": x25, "fast": x50}}, fn)

@@ -28,8 +28,8 @@ from typing import Any, Callable, Dict, Hashable, Mapping, Optional, Sequence, T
 
 import torch
 
-from ..cache.slots import SlotsExhausted
-from ..cache.transaction import StepTransaction
+from ..cache.host.slots import SlotsExhausted
+from ..cache.host.transaction import StepTransaction
 from ..config import is_int
 from ..model.multi_context import MultiStepContext
 from ..model.wrap import StepContext, named_error, naming_errors

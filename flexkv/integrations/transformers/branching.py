@@ -29,8 +29,8 @@ from typing import Hashable, List
 
 import torch
 
-from ...cache.slot_copy import SlotBuffer, copy_slots
-from ...cache.slots import SlotsExhausted
+from ...cache.host.slots import SlotsExhausted
+from ...cache.storage.slot_copy import SlotBuffer, copy_slots
 
 __all__ = ["BranchingCache", "generate_branching", "expansion"]
 

@@ -10,9 +10,9 @@ from transformers.cache_utils import Cache
 from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
 
 from ...cache.groups import GroupedKVManager
-from ...cache.rotary import ROPE_POSITIONS
-from ...cache.slots import SlotsExhausted
-from ...cache.transaction import StepTransaction
+from ...cache.host.slots import SlotsExhausted
+from ...cache.host.transaction import StepTransaction
+from ...cache.positions.rotary import ROPE_POSITIONS
 from ...config import BoundedKVConfig, SinkWindow
 from .branching import BranchingCache
 from .cache_positions import CachePositions, warn_past_trained_context
@@ -68,7 +68,7 @@ class FlexKVCache(BranchingCache, CacheShim):
         block_size: FlexAttention's KV block size (None: flexkv picks one for the config and device).
         device, dtype: default to the model's.
         slot_dtype: how the cache stores keys and values: None (in `dtype`), or `torch.int8` /
-            `torch.float8_e4m3fn` for quantized slots (`flexkv.cache.quantized`).
+            `torch.float8_e4m3fn` for quantized slots (`flexkv.cache.storage.quantized`).
         max_rollback: the most tokens a stream may take back at once beyond
             `prefill_chunk` (assisted decoding's rejected draft tokens,
             `crop`): every slot holds `max(prefill_chunk, max_rollback)`
@@ -146,7 +146,7 @@ class FlexKVCache(BranchingCache, CacheShim):
                 dtype=dtype,
                 query_window=first.retention.window,
                 max_step_tokens=prefill_chunk,
-                slot_dtype=slot_dtype,  # quantized slots (flexkv.cache.quantized); None: the model's dtype
+                slot_dtype=slot_dtype,  # quantized slots (flexkv.cache.storage.quantized); None: the model's dtype
                 max_rollback=max_rollback,
             ),
             groups,

@@ -4,7 +4,7 @@ Under rotary positions a window key keeps its distance to the query whichever
 position mode is used; only the sink keys sit closer in-cache, by the number
 of entries evicted so far. So the model's own queries and keys, rotated at
 stream positions, go to the cache as they are, and per chunk and KV layer
-`CachePositions` has `flexkv.cache.rotary.SinkRotation` (`rotated_inputs`)
+`CachePositions` has `flexkv.cache.positions.rotary.SinkRotation` (`rotated_inputs`)
 rewrite the few sink cells rotated that many positions further on: O(sink)
 per step, nothing un-rotated.
 
@@ -13,7 +13,7 @@ a prompt past the window, under the model's per-query window) reads each
 sink at its own offset per query. `attend_per_query` serves it exactly as
 two parts of one softmax: the cache's call with the sinks scored out, and
 the sinks scored with each query turned back by its own eviction count,
-merged by their log-sum-exps (`flexkv.cache.merge`).
+merged by their log-sum-exps (`flexkv.cache.paths.merge`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import warnings
 import torch
 
 from ...cache.groups import GroupedKVManager, GroupedPlan
-from ...cache.merge import merge_attention
-from ...cache.rotary import Rotary, check_cache_config, eviction_shared
+from ...cache.paths.merge import merge_attention
+from ...cache.positions.rotary import Rotary, check_cache_config, eviction_shared
 from ...step import BoundedKVStep
 from .model_config import text_config
 
@@ -41,7 +41,7 @@ def _layer_uses_rope(cfg, layer_idx: int) -> bool:
 
 
 class CachePositions:
-    """StreamingLLM's in-cache rotary positions per layer, through `flexkv.cache.rotary.SinkRotation`.
+    """StreamingLLM's in-cache rotary positions per layer, through `flexkv.cache.positions.rotary.SinkRotation`.
 
     The model rotates `q` and `k` at the stream positions the cache gave it;
     they are attended as they are. Per chunk and layer the layer's

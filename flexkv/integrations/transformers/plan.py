@@ -155,7 +155,7 @@ class Pending:
 
     def __init__(self, forward: FlexKVForward, transaction, state):
         self.forward = forward
-        #: the forward's `flexkv.cache.transaction.StepTransaction` (its new streams, selection and columns)
+        #: the forward's `flexkv.cache.host.transaction.StepTransaction` (its new streams, selection and columns)
         self.transaction = transaction
         #: the model's hook state whose attention switch this forward turned on (`hooks.ModelState`)
         self.state = state

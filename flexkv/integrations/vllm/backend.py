@@ -19,7 +19,7 @@ stream at most `sink + window + 1` long: the retention is then plain causal atte
 vLLM's own kernel unchanged. A step past eviction runs one batched path over every query token of
 every request at once (in tiles of tokens, never a loop per request): each token gathers its
 `sink + window + 1` candidate keys through the block table (reading vLLM's layout,
-`cpu_layout.RegionReader`), keeps those `query_window_attends` (flexkv.cache.masks) admits, and
+`cpu_layout.RegionReader`), keeps those `query_window_attends` (flexkv.cache.positions.masks) admits, and
 takes a softmax over them in float32.
 
 A decode step past eviction (one query per request) goes to vLLM's own sliding-window kernel too,
@@ -44,8 +44,8 @@ from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from ...cache.masks import query_window_attends
-from ...cache.rotary import apply_rotary
+from ...cache.positions.masks import query_window_attends
+from ...cache.positions.rotary import apply_rotary
 from .cpu_layout import RegionReader, region_order, split_cache
 from .options import check_engine, serving_positions, startup_line
 from .rope import model_rotary

@@ -8,7 +8,7 @@ by a `BlockSparsityHint`. flexkv's backend keeps all of that and changes two
 things for a layer whose spec is a `SinkWindowSpec`:
 
 - the logical `mask_mod` is `retention_mask.retention_mask_mod`: `query_window_attends`
-  from `flexkv.cache.masks`, the predicate flexkv's own FlexAttention mask and
+  from `flexkv.cache.positions.masks`, the predicate flexkv's own FlexAttention mask and
   the CPU backend use (query `p` reads `j <= p` with `j < sink` or
   `j >= p - window`);
 - the block hint `retention_mask.retention_block_hint` keeps a query block's KV blocks that

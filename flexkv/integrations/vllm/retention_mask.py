@@ -1,7 +1,7 @@
 """flexkv's retention as vLLM's FlexAttention metadata reads it: a logical mask and a block hint.
 
 Plain torch, no vLLM import (tested in the main suite): `retention_mask_mod` is
-`query_window_attends` from `flexkv.cache.masks` as a logical `mask_mod`
+`query_window_attends` from `flexkv.cache.positions.masks` as a logical `mask_mod`
 (query and key as stream indices), `retention_block_hint` the
 `BlockSparsityHint` function that keeps a query block's KV blocks holding a
 sink or reaching its window, and `apply_retention` sets both on a
@@ -11,7 +11,7 @@ sink or reaching its window, and `apply_retention` sets both on a
 
 from __future__ import annotations
 
-from ...cache.masks import query_window_attends
+from ...cache.positions.masks import query_window_attends
 
 __all__ = ["apply_retention", "retention_block_hint", "retention_mask_mod"]
 

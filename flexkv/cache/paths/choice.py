@@ -15,14 +15,14 @@ alone (`AttentionOptions.path_for` and `route`), which steps reach which
 path: the same rule sizes the scratch, adds the plan parts and routes each
 call. The paths:
 
-- `rows_path.RowsPath`: each row's cells, then dense attention (`flexkv.cache.row_attention`, or its CPU
-  fast paths `flexkv.cache.cpu_fast_rows` unless `AttentionOptions.cpu_fast_paths` is off);
+- `rows_path.RowsPath`: each row's cells, then dense attention (`flexkv.cache.paths.row_attention`, or its CPU
+  fast paths `flexkv.cache.cpu.cpu_fast_rows` unless `AttentionOptions.cpu_fast_paths` is off);
 - `flex_path.FlexPath`: one FlexAttention call (inline, or the region every compiled layer shares);
 - `float8_path.Float8FlexPath`: FlexPath reading float8 cells as stored, for compiled CUDA kernels;
 - `joint_path.JointPath`: a call with keys joined from elsewhere (`attend(..., joined=...)`): the
   row's cells, the joined keys and the query-only queries in one softmax.
 
-Otherwise query-only queries (`flexkv.cache.query_only`) are one more
+Otherwise query-only queries (`flexkv.cache.paths.query_only`) are one more
 rows-path call beside the call's path.
 """
 
@@ -32,11 +32,11 @@ from typing import Callable, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 
+from ..host.layout import cpu_kernel_block_exact
 from .attention_options import AttentionOptions, Route
 from .flex_path import FlexPath
 from .float8_path import Float8FlexPath, reads_cells_in_kernel
 from .joint_path import JointPath
-from .kernel_options import cpu_kernel_block_exact
 from .rows_path import RowsPath
 
 __all__ = ["AttentionPaths", "AttentionPath", "PathCall"]
@@ -59,7 +59,7 @@ class PathCall(NamedTuple):
     scales: Optional[tuple]
     plan: object
     route: Route
-    #: The step's `score_mod` as built for the route (`flexkv.cache.masks.make_score_mod`), or None.
+    #: The step's `score_mod` as built for the route (`flexkv.cache.positions.masks.make_score_mod`), or None.
     score_mod: Optional[Callable]
     #: Whether the call returns its log-sum-exp.
     lse: bool
@@ -89,7 +89,7 @@ class AttentionPaths:
     """The attention paths of one store under `options`, and the choice among them.
 
     Args:
-        store: the cache's `flexkv.cache.store.LayerStore` (its config, device and layout).
+        store: the cache's `flexkv.cache.storage.store.LayerStore` (its config, device and layout).
         options: the cache's `AttentionOptions`.
     """
 
@@ -100,7 +100,7 @@ class AttentionPaths:
         self.device_type = store.device.type
         self.quantized = c.slot_dtype is not None
         #: Whether the compiled CPU FlexAttention kernel is exact at this cache's KV block size
-        #: (`flexkv.cache.kernel_options.cpu_kernel_block_exact`; where it is not, `"auto"` takes the
+        #: (`flexkv.cache.host.layout.cpu_kernel_block_exact`; where it is not, `"auto"` takes the
         #: rows path and `"flex"` is refused). A plain bool: every compiled layer reads it.
         self.flex_exact = self.device_type != "cpu" or cpu_kernel_block_exact(store.layout.block_size)
         self.rows = RowsPath(store, options.cpu_fast_paths)

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Tuple
 
-from ..step import BoundedKVStep
+from ...step import BoundedKVStep
 from .slots import Admission
 
 __all__ = ["StepTransaction"]

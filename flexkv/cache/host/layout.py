@@ -28,16 +28,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ..config import BoundedKVConfig, is_int
-from .kernel_options import cpu_kernel_block_exact
+from ...config import BoundedKVConfig, is_int
 
-__all__ = ["Layout", "DEFAULT_BLOCK_SIZE", "ALIGNED_BLOCK_PADDING", "default_block_size", "entry_cell"]
+__all__ = ["Layout", "DEFAULT_BLOCK_SIZE", "ALIGNED_BLOCK_PADDING", "default_block_size", "entry_cell",
+           "cpu_kernel_block_exact", "CPU_GEMM_BLOCK_N"]
 
 DEFAULT_BLOCK_SIZE = 128
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+#: Columns of the register block of the micro-GEMM inside inductor's CPU FlexAttention template
+#: (`GemmBlocking(1, 16, 1)` in `cpp_flex_attention_template.py`): a KV block is cut into tiles of
+#: this many keys, the last one narrower when the block is not a multiple of it.
+CPU_GEMM_BLOCK_N = 16
+#: Width of the narrow last tile that the compiled CPU kernel gets wrong.
+_CPU_BAD_TAIL = 8
+
+
+def cpu_kernel_block_exact(kv_block_size: int) -> bool:
+    """Whether torch's compiled CPU FlexAttention kernel computes exactly with this KV block size.
+
+    Seen on torch 2.13.0 (CPU build, AVX2, fp32): with a KV block size of 8, 24, 40 or 136
+    (8 more than a multiple of `CPU_GEMM_BLOCK_N`) the compiled kernel is off by 0.1 to 10 (NaN
+    at times) as soon as a query reads more than one block, or a partly masked one, with or
+    without a score_mod, for any query length (1 to 16 tested); torch's own `create_block_mask`
+    at that block size gives the same wrong result, so the block lists are not at fault. Blocks
+    of 4, 12, 16, 20, 32 are exact. The narrow last tile of 8 keys (one AVX2 vector) is the
+    common factor. Eager FlexAttention and the rows path are exact at every block size.
+    (`TORCH_WORKAROUNDS["CPU_BLOCK_TAIL"]`.)
+    """
+    return kv_block_size % CPU_GEMM_BLOCK_N != _CPU_BAD_TAIL
 
 
 #: Most of the slot pool (1/16) that one whole-slot-row block of padding may add on the CPU.

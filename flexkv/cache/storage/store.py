@@ -1,8 +1,8 @@
 """`LayerStore`: a cache's device state, its layers' key and value tensors and what is kept beside them.
 
-A `BoundedKVManager` is a slot table (host state, `flexkv.cache.slots`), a
+A `BoundedKVManager` is a slot table (host state, `flexkv.cache.host.slots`), a
 store (this module: device state) and the attention paths over it
-(`flexkv.cache.paths`). The store holds, for each of `config.num_layers`
+(`flexkv.cache.paths.choice`). The store holds, for each of `config.num_layers`
 layers:
 
 ==================  ==========================  ========================================
@@ -11,10 +11,10 @@ buffer              shape                       holds
 `k_cache_{i}`       `[1, H, S, head_dim]`       key cells (`slot_dtype` when quantized)
 `v_cache_{i}`       `[1, H, S, value_head_dim]` value cells
 `k_scale_{i}`,      `[1, H, S, 1]` float32      a scale per cell and head (quantized
-`v_scale_{i}`                                   slots only, `flexkv.cache.quantized`)
+`v_scale_{i}`                                   slots only, `flexkv.cache.storage.quantized`)
 ==================  ==========================  ========================================
 
-with `S = layout.total_len` (`flexkv.cache.layout`), plus the scratch the
+with `S = layout.total_len` (`flexkv.cache.host.layout`), plus the scratch the
 cache's attention paths asked for when it was built (`scratch`), the
 per-slot buffers kept for it outside it (a ``"cache"``-mode rotation's
 un-rotated sink keys), and the memos of one step (`per_plan`) and of the
@@ -36,13 +36,13 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..config import BoundedKVConfig, resolve_device
+from ...config import BoundedKVConfig, resolve_device
+from ..host.layout import Layout
+from ..host.lifecycle import StoreHooks
+from ..host.sources import check_source_shapes
+from ..positions.masks import make_mask_mod
 from . import quantized
-from .layout import Layout
-from .lifecycle import StoreHooks
-from .masks import make_mask_mod
 from .slot_copy import SlotBuffer
-from .sources import check_source_shapes
 
 __all__ = ["LayerStore"]
 
@@ -63,7 +63,7 @@ class LayerStore(StoreHooks, nn.Module):
         self.layout = layout
         shape = (1, config.num_heads, layout.total_len, config.head_dim)
         v_shape = shape[:3] + (config.value_head_dim,)
-        # Quantized slots (flexkv.cache.quantized): cells in slot_dtype, plus a scale per cell and head.
+        # Quantized slots (flexkv.cache.storage.quantized): cells in slot_dtype, plus a scale per cell and head.
         cells = config.dtype if config.slot_dtype is None else config.slot_dtype
         for i in range(config.num_layers):
             self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=cells, device=self.device))
@@ -145,7 +145,7 @@ class LayerStore(StoreHooks, nn.Module):
                 yield from self.layer_scales(i)
 
     def mask_mod(self, plan, tokens: int, pack_gqa: bool) -> Callable:
-        """The step's retention `mask_mod` (`flexkv.cache.masks`); the one place every path builds it."""
+        """The step's retention `mask_mod` (`flexkv.cache.positions.masks`); the one place every path builds it."""
         return make_mask_mod(plan, self.layout.ring_len, tokens, self.config.query_window, pack_gqa=pack_gqa,
                              causal_step=self.config.causal_step)
 
@@ -257,7 +257,7 @@ class LayerStore(StoreHooks, nn.Module):
         self._slot_state.add(owner)
 
     def slot_buffers(self):
-        """Every buffer that holds per-slot state (`flexkv.cache.slot_copy.SlotBuffer`): each layer's
+        """Every buffer that holds per-slot state (`flexkv.cache.storage.slot_copy.SlotBuffer`): each layer's
         cells (and scales), and those kept for it outside it (`keep_slot_state`)."""
         lay = self.layout
         for buf in self.cell_buffers():

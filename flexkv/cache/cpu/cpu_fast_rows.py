@@ -1,6 +1,6 @@
 """The rows path's CPU fast paths: one boundary, entered unless `AttentionOptions.cpu_fast_paths` is off.
 
-`flexkv.cache.row_attention.attend_rows` is the rows path as a reader
+`flexkv.cache.paths.row_attention.attend_rows` is the rows path as a reader
 should see it: each row's cells read in place or gathered, dequantized if
 quantized, then SDPA (or an explicit softmax). Everything here computes the
 same thing faster on the CPU, each measured (`benchmarks/`):
@@ -13,13 +13,13 @@ same thing faster on the CPU, each measured (`benchmarks/`):
   (`LayerStore.memos`), never to the process;
 - **eager slot pool views** (`slot_pool`), made once per layer buffer;
 - **gathered rows a group at a time** in a buffer the cache allocates once
-  (`flexkv.cache.gathered_rows`, custom op `flexkv::gathered_rows_attention`),
+  (`flexkv.cache.cpu.gathered_rows`, custom op `flexkv::gathered_rows_attention`),
   so the pages of fresh full-step copies are not faulted in every call;
-- **the gather of a compiled step as one opaque op** (`flexkv.cache.row_cells.gather_kv`);
+- **the gather of a compiled step as one opaque op** (`flexkv.cache.paths.row_cells.gather_kv`);
 - **quantized cells widened a group of rows at a time** in a scratch
-  buffer, as one op when compiled (`flexkv.cache.quantized_rows`, custom op
+  buffer, as one op when compiled (`flexkv.cache.cpu.quantized_rows`, custom op
   `flexkv::quantized_rows_attention`), float8 widened through its bits
-  (`flexkv.cache.quantized.widen_into`), and a compiled quantized decode as
+  (`flexkv.cache.storage.quantized.widen_into`), and a compiled quantized decode as
   sums of products inductor reads each cell once for (`quantized_rows.reduced_decode`);
 - **no zero fill** where the kernel already gives zeros (`_zeros_empty_rows`),
   and no query gather where the geometry is known to be the identity.
@@ -35,12 +35,12 @@ from typing import Callable, Optional
 
 import torch
 
+from ..host.layout import Layout
+from ..paths.row_attention import NEG_INF, RowGeometry, dense_attention, gather_width, mask_geometry, reads_in_place
+from ..paths.row_cells import batch_cells, gather_kv
+from ..storage.quantized import dequantize
 from . import quantized_rows
 from .gathered_rows import gather_scratch, gathered_attention
-from .layout import Layout
-from .quantized import dequantize
-from .row_attention import NEG_INF, RowGeometry, dense_attention, gather_width, mask_geometry, reads_in_place
-from .row_cells import batch_cells, gather_kv
 
 __all__ = ["attend", "geometry", "slot_pool", "dequantize_scratch", "gather_scratch", "one_token_in_place"]
 
@@ -252,7 +252,7 @@ def attend(
     float32; -inf where it reads nothing), as FlexAttention's log-sum-exp. `additive`: `score_mod`
     only adds a term to each score (`RelativePositionScores`); see `row_attention.dense_attention`.
     `scales`: `(k_scale, v_scale)`, `[1, H, S, 1]` each, for quantized cells
-    (`flexkv.cache.quantized`): the cells a row reads are dequantized as they are read, into `q`'s dtype;
+    (`flexkv.cache.storage.quantized`): the cells a row reads are dequantized as they are read, into `q`'s dtype;
     `scratch` (`dequantize_scratch`) holds them a group of rows at a time. Unquantized, `scratch`
     (`gathered_rows.gather_scratch`) holds gathered rows a group at a time, for steps without a
     `score_mod` or log-sum-exp (`gathered_rows.gathered_attention`).

@@ -13,7 +13,7 @@ and each layer is one call:
                                joined=(bank_part.for_queries(range(U + R)), KeyPart(k_ahead, v_ahead)))
 
 The call's queries are its `T` own queries, then its `Q` query-only queries
-(`flexkv.cache.query_only`), `T + Q` in all. Each query's softmax runs over:
+(`flexkv.cache.paths.query_only`), `T + Q` in all. Each query's softmax runs over:
 
 ==================  ==========================================================
 the cache's cells   what the query reads under the cache's retention (a
@@ -53,7 +53,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .quantized import SCALE_DTYPE
+from ..storage.quantized import SCALE_DTYPE
 from .query_only import newest_token
 from .row_attention import NEG_INF, gather_width, interval_cells
 from .row_cells import batch_cells
@@ -88,7 +88,7 @@ def check_joined(joined, q: torch.Tensor, query_only: Optional[torch.Tensor], co
     if score_mod is not None:
         raise ValueError("attend: joined keys take no score_mod (a joined key has no position in this cache's "
                          "stream); attend without score_mod, or merge a separate call by its log-sum-exp "
-                         "(flexkv.cache.merge.merge_attention)")
+                         "(flexkv.cache.paths.merge.merge_attention)")
     N = q.shape[0]
     n_q = q.shape[2] + (0 if query_only is None else query_only.shape[2])
     if type(joined) is tuple and joined:
@@ -278,7 +278,7 @@ def cells_part(store, kc, vc, scales, plan) -> KeyPart:
 
 
 class JointPath:
-    """The joint path of one store (`flexkv.cache.paths.AttentionPath`): no scratch, no plan parts; a
+    """The joint path of one store (`flexkv.cache.paths.choice.AttentionPath`): no scratch, no plan parts; a
     call is `joint_attention` over its `PathCall` (`query_only` and `joined` set; the queries
     unscaled, the scale in `scale`); `part` is `write_part`'s `cells_part`."""
 

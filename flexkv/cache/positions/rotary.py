@@ -55,9 +55,9 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from ..config import BoundedKVConfig, check_layer_index, is_int
-from ..step import BoundedKVStep
-from .slot_copy import SlotBuffer
+from ...config import BoundedKVConfig, check_layer_index, is_int
+from ...step import BoundedKVStep
+from ..storage.slot_copy import SlotBuffer
 
 __all__ = [
     "ROPE_POSITIONS",
@@ -217,7 +217,7 @@ class SinkRotation(nn.Module):
     def __init__(self, manager, layer_idx: int, rotary: Rotary, mode: str = "stream", *, rotated_inputs: bool = False):
         super().__init__()
         # A BoundedKVManager (not imported here: the manager builds these, see its `rotation`), whose
-        # `store` (`flexkv.cache.store.LayerStore`) holds the layer's keys; or that store itself.
+        # `store` (`flexkv.cache.storage.store.LayerStore`) holds the layer's keys; or that store itself.
         store = getattr(manager, "store", manager)
         if not all(hasattr(store, a) for a in ("layout", "config", "write_keys", "keep_slot_state")):
             raise ValueError(
@@ -227,7 +227,7 @@ class SinkRotation(nn.Module):
         c = manager.config
         check_layer_index(layer_idx, c.num_layers, "SinkRotation: ")
         if not isinstance(rotary, Rotary):
-            raise ValueError(f"SinkRotation: rotary must be a flexkv.cache.rotary.Rotary, got {type(rotary).__name__}")
+            raise ValueError(f"SinkRotation: rotary must be a flexkv.cache.positions.rotary.Rotary, got {type(rotary).__name__}")
         if rotary.head_dim != c.head_dim:
             raise ValueError(
                 f"SinkRotation: rotary.head_dim={rotary.head_dim} differs from the cache's head_dim={c.head_dim}"
@@ -288,7 +288,7 @@ class SinkRotation(nn.Module):
 
     def slot_buffers(self):
         """The per-slot buffers this rotation keeps (the un-rotated sink keys, ``"cache"`` mode), as
-        `flexkv.cache.slot_copy.SlotBuffer`s: a fork or reorder of the manager copies them too."""
+        `flexkv.cache.storage.slot_copy.SlotBuffer`s: a fork or reorder of the manager copies them too."""
         raw = getattr(self, "raw_sink", None)
         if raw is not None:
             yield SlotBuffer(raw, 0, 0, self._sink * self.manager.config.rows_per_request)

@@ -10,7 +10,7 @@ again. Traced inside `torch.compiler.nested_compile_region`, a layer's call
 is lowered once and the same compiled code is called by every layer, so a
 graph of any depth builds one FlexAttention kernel.
 
-`AttentionOptions.share_flex_kernel` (`flexkv.cache.attention_options`) turns it on or off; the default is on
+`AttentionOptions.share_flex_kernel` (`flexkv.cache.paths.attention_options`) turns it on or off; the default is on
 for the CPU with torch 2.13 or later (the release flexkv's compiled tests run
 it on), off elsewhere. Calls with a `score_mod` or learned sinks are traced
 inline as before (a score_mod is usually a closure over one layer's tensors).
@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ..compiling import TORCH_VERSION
+from ...compiling import TORCH_VERSION
 
 __all__ = ["shares_flex_kernel", "layer_region", "SHARED_KERNEL_TORCH"]
 

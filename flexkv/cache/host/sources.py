@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from ..config import BoundedKVConfig
+from ...config import BoundedKVConfig
 
 __all__ = ["check_source_shapes", "split_source"]
 

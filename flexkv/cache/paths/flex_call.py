@@ -1,12 +1,12 @@
 """flexkv's FlexAttention call: a plan's block lists as a `BlockMask`, and the one kernel call.
 
-Two ways in, both from `flexkv.cache.flex_path.FlexPath`:
+Two ways in, both from `flexkv.cache.paths.flex_path.FlexPath`:
 
 - `flex_call`: one inline `flex_attention` call with the step's `score_mod`
   and, when asked, its log-sum-exp;
 - `flex_layer`: the same call from the plan's one table alone, inside the
   compiled region every layer of a step shares
-  (`flexkv.cache.kernel_sharing.layer_region`), for calls without a
+  (`flexkv.cache.paths.kernel_sharing.layer_region`), for calls without a
   `score_mod` or sinks.
 
 The plan lists each row's KV blocks once (every query block of a row visits
@@ -21,9 +21,9 @@ from typing import Callable
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
+from ..host.layout import Layout
+from ..host.planner import table_views
 from .kernel_sharing import layer_region
-from .layout import Layout
-from .planner import table_views
 
 __all__ = ["flex_call", "flex_layer", "plan_block_mask"]
 
@@ -92,7 +92,7 @@ def flex_layer(q, k_cache, v_cache, table, store, rows, tokens, width, full_widt
 
     The plan enters as its one table (its named tensors are views of it, and a region takes no
     inputs that alias each other); everything else is static (`store`: the cache's
-    `flexkv.cache.store.LayerStore`).
+    `flexkv.cache.storage.store.LayerStore`).
     """
     plan = PlanView(table, rows, tokens, width, full_width, full_blocks)
     group = q.shape[2] // tokens

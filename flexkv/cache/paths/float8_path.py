@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from . import quantized
+from ..storage import quantized
 from .flex_call import flex_call
 from .flex_path import FlexPath, apart_from_kernel
 

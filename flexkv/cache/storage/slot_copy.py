@@ -1,7 +1,7 @@
 """Copying whole slots on the device: what a fork and a reorder do to a cache's tensors.
 
 A slot is a contiguous run of cells in every buffer that holds per-slot
-state (`flexkv.cache.layout`: a slot's `rows_per_request` slot rows lie one
+state (`flexkv.cache.host.layout`: a slot's `rows_per_request` slot rows lie one
 after the other). Copying slot `a` to slot `b` copies that run, in every
 layer's key and value tensor and in any other per-slot buffer (the
 un-rotated sink keys of ``"cache"`` rotary positions): per buffer, the

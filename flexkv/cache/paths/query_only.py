@@ -14,7 +14,7 @@ call as the step's own tokens, so they always see the step's writes:
 - a `score_mod` sees that token's position as the query's (stream or
   in-cache, as `positions` says), and learned `sinks` join its softmax as they
   join the step's;
-- it runs on the rows path (`flexkv.cache.rows_path`), eager or compiled,
+- it runs on the rows path (`flexkv.cache.paths.rows_path`), eager or compiled,
   whatever path the step's own queries take; the output is `[N, Hq, Q, Dv]`
   (with `return_lse`, its log-sum-exp `[N, Hq, Q]` too).
 
@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .masks import make_score_mod
+from ..positions.masks import make_score_mod
 from .sinks import apply_learned_sinks
 
 __all__ = ["check_query_only", "attend_query_only"]
@@ -58,7 +58,7 @@ def attend_query_only(rows, q2: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
                       want_lse: bool, scales=None):
     """`(out [N, Hq, Q, Dv], lse [N, Hq, Q] or None)` of the query-only queries `q2` (module docstring)
     over layer cells `kc`, `vc` (as stored; `scales` for quantized cells) of the step `plan`, on the
-    cache's rows path `rows` (`flexkv.cache.rows_path.RowsPath`, over its store)."""
+    cache's rows path `rows` (`flexkv.cache.paths.rows_path.RowsPath`, over its store)."""
     store = rows.store
     c, lay = store.config, store.layout
     N, Hq, Q, D = q2.shape

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .row_cells import batch_cells
+from ..paths.row_cells import batch_cells
 
 __all__ = ["gathered_attention", "attend_group", "gather_scratch", "GATHER_GROUP_BYTES"]
 

@@ -1,6 +1,6 @@
 """The FlexAttention path as a cache's attention path: one `flex_attention` call per layer.
 
-`flexkv.cache.paths` chooses it per call (route `"flex"`: an inline call
+`flexkv.cache.paths.choice` chooses it per call (route `"flex"`: an inline call
 with the step's `score_mod` and log-sum-exp; `"region"`: the call every
 compiled layer shares, `flex_call.flex_layer`). What it answers:
 
@@ -15,14 +15,14 @@ compiled layer shares, `flex_call.flex_layer`). What it answers:
   CPU step needs (`TORCH_WORKAROUNDS["EPILOGUE_FUSION"]`).
 
 Compiled CUDA kernels may read float8 cells as stored instead of the copy:
-that variant is `flexkv.cache.float8_path`.
+that variant is `flexkv.cache.paths.float8_path`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import quantized
+from ..storage import quantized
 from .flex_call import flex_call, flex_layer, plan_block_mask
 from .kernel_options import flex_kernel_options
 
@@ -44,7 +44,7 @@ def apart_from_kernel(out: torch.Tensor) -> torch.Tensor:
 
 
 class FlexPath:
-    """The FlexAttention path of one store (`flexkv.cache.store.LayerStore`) under `options`."""
+    """The FlexAttention path of one store (`flexkv.cache.storage.store.LayerStore`) under `options`."""
 
     name = "flex"
 
@@ -91,7 +91,7 @@ class FlexPath:
         return True
 
     def __call__(self, call):
-        """`(out, log-sum-exp or None)` of one `attend` call (`flexkv.cache.paths.PathCall`)."""
+        """`(out, log-sum-exp or None)` of one `attend` call (`flexkv.cache.paths.choice.PathCall`)."""
         kc, vc, qs, plan = call.k_cells, call.v_cells, call.q, call.plan
         if call.scales is not None:
             kc, vc = self.dequantized_layer(kc, call.scales[0], vc, call.scales[1], qs.dtype)

@@ -1,6 +1,6 @@
 """The lifecycle of a cache's streams, written once over one slot table and the stores of its layer groups.
 
-Every flexkv cache keeps its requests in one `flexkv.cache.slots.SlotTable`
+Every flexkv cache keeps its requests in one `flexkv.cache.host.slots.SlotTable`
 and their tokens in one store per layer group: a `BoundedKVManager` in its
 `LayerStore`, a `GroupedKVManager` in one `LayerStore` per group, the
 uncached twin (`flexkv.model.uncached.UncachedHistory`) in a whole-history
@@ -32,8 +32,8 @@ from __future__ import annotations
 from itertools import chain
 from typing import Hashable
 
-from ..step import BoundedKVStep, StreamPosition
-from .slot_copy import fork_slot, reorder_slots
+from ...step import BoundedKVStep, StreamPosition
+from ..storage.slot_copy import fork_slot, reorder_slots
 from .table_views import TableViews
 
 __all__ = ["StoreHooks", "StreamLifecycle"]
@@ -43,7 +43,7 @@ class StoreHooks:
     """What a store does when the table changes (every hook a no-op here); `config` is its group's config."""
 
     def slot_buffers(self):
-        """The store's per-slot buffers (`flexkv.cache.slot_copy.SlotBuffer`), copied by a fork or reorder."""
+        """The store's per-slot buffers (`flexkv.cache.storage.slot_copy.SlotBuffer`), copied by a fork or reorder."""
         return ()
 
     def write_source(self, index: int, keys, values, length: int, request_id=None) -> None:

@@ -45,7 +45,7 @@ from typing import Optional
 
 import torch
 
-from ..config import BoundedKVConfig, is_int
+from ...config import BoundedKVConfig, is_int
 
 __all__ = ["RelativePosition", "RelativePositionScores", "distance_range"]
 

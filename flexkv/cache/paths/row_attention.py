@@ -35,7 +35,7 @@ passes it to every layer (`BoundedKVManager.attend` does).
 `attend_rows` here is the plain reference: the cells read in place or
 gathered, dequantized if quantized, then SDPA or an explicit softmax. The
 CPU speed work over it (custom ops, group buffers, host-built one-token
-geometry and its memos) is `flexkv.cache.cpu_fast_rows`, which the rows
+geometry and its memos) is `flexkv.cache.cpu.cpu_fast_rows`, which the rows
 path enters unless `AttentionOptions.cpu_fast_paths` is off; both compute
 what the same queries attend.
 
@@ -50,9 +50,9 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from .layout import Layout
-from .planner import INTERVALS
-from .quantized import SCALE_DTYPE
+from ..host.layout import Layout
+from ..host.planner import INTERVALS
+from ..storage.quantized import SCALE_DTYPE
 from .row_cells import batch_cells
 
 __all__ = ["attend_rows", "reads_in_place", "gather_width", "interval_cells", "mask_geometry", "repeat_queries",
@@ -147,7 +147,7 @@ def mask_geometry(layout: Layout, plan, mask_mod: Callable, q_len: int, dtype: t
     """The rows path's view of `plan` for queries of length `q_len` (a folded GQA group counts), built by
     evaluating `mask_mod` on every cell a row may read (any step, any device).
 
-    `mask_mod` is the FlexAttention mask of the step (`flexkv.cache.masks.make_mask_mod`), `dtype` the
+    `mask_mod` is the FlexAttention mask of the step (`flexkv.cache.positions.masks.make_mask_mod`), `dtype` the
     queries' dtype (the bias is formed in it), `width` the cells per gathered row
     (`gather_width(config)`; needed unless the step reads in place).
     """
@@ -233,7 +233,7 @@ def attend_rows(
 ):
     """Attention of `q` (`[N, H, Q, D]`, already scaled; `Q` may hold a folded GQA group) over the
     cells each row may read, with the mask and score modifications of the FlexAttention path: the
-    plain reference of the rows path (`flexkv.cache.cpu_fast_rows.attend` computes the same faster).
+    plain reference of the rows path (`flexkv.cache.cpu.cpu_fast_rows.attend` computes the same faster).
 
     `width`: cells per gathered row (`gather_width(config)`); needed unless the step reads in place.
     `geometry`: `mask_geometry(layout, plan, mask_mod, Q, q.dtype, width)` built once for several
@@ -242,7 +242,7 @@ def attend_rows(
     `(out, lse)`: each query's natural-log sum of exp of its scores (`[N, H, Q]`, at least float32;
     -inf where it reads nothing). `additive`: `score_mod` only adds a term to each score
     (`dense_attention`). `scales`: `(k_scale, v_scale)`, `[1, H, S, 1]` each, for quantized cells
-    (`flexkv.cache.quantized`): the cells read are dequantized (`cells * scale` in float32) into
+    (`flexkv.cache.storage.quantized`): the cells read are dequantized (`cells * scale` in float32) into
     `q`'s dtype.
     """
     N, H, Q, D = q.shape

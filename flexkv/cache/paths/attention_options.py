@@ -9,7 +9,7 @@ in one place, that a compiled graph specialises on.
 ==================  =====================================================  =======================
 option              what it does                                           default
 ==================  =====================================================  =======================
-`path`              `"auto"`, `"rows"` (`flexkv.cache.row_attention`) or   `"auto"`
+`path`              `"auto"`, `"rows"` (`flexkv.cache.paths.row_attention`) or   `"auto"`
                     `"flex"` (one FlexAttention call per layer)
 `pack_gqa`          fold each GQA group into the query axis, so a KV head  CPU
                     meets its group's queries in one pass over its keys
@@ -18,14 +18,14 @@ option              what it does                                           defau
 `epilogue_barrier`  keep a compiled step's elementwise ops on the output   CPU (`EPILOGUE_FUSION`)
                     out of the FlexAttention kernel
 `share_flex_kernel` compiled layers share one FlexAttention kernel         CPU (`SHARED_KERNEL`)
-                    (`flexkv.cache.kernel_sharing`)
+                    (`flexkv.cache.paths.kernel_sharing`)
 `quantized_keys_    float8 slots compiled on CUDA: the kernel reads key    off
 in_kernel`          cells as stored, their scales applied in `score_mod`
 `quantized_values_  float8 slots compiled on CUDA: the kernel reads value  off
 in_kernel`          cells as stored (two calls, exact: see
-                    `flexkv.cache.quantized.value_scaled_attention`)
+                    `flexkv.cache.storage.quantized.value_scaled_attention`)
 `cpu_fast_paths`    the rows path runs through its measured speed work     on
-                    (`flexkv.cache.cpu_fast_rows`); off, the plain
+                    (`flexkv.cache.cpu.cpu_fast_rows`); off, the plain
                     reference (`row_attention.attend_rows`): the same
                     result, slower
 ==================  =====================================================  =======================
@@ -38,7 +38,7 @@ Learned sinks on the CPU take the rows path under `"auto"` (`CPU_NO_LSE`).
 Quantized slots (`BoundedKVConfig.slot_dtype`) on the CPU take the rows path
 under `"auto"`, which dequantizes only the cells a row reads, a group of rows
 at a time while they are in the CPU's caches (compiled, as one op:
-`flexkv.cache.quantized_rows`); measured, that is several times faster there
+`flexkv.cache.cpu.quantized_rows`); measured, that is several times faster there
 than a forced `path="flex"`, which reads a dequantized copy of the layer
 (exact, compiled too, at a KV block size the CPU kernel computes exactly).
 
@@ -55,7 +55,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..compiling import TORCH_VERSION
+from ...compiling import TORCH_VERSION
 from .kernel_sharing import SHARED_KERNEL_TORCH, shares_flex_kernel
 
 __all__ = ["AttentionOptions", "Route", "TorchWorkaround", "TORCH_WORKAROUNDS", "ATTENTION_PATHS",
@@ -132,7 +132,7 @@ TORCH_WORKAROUNDS = {
         "cpu", ((2, 13), None),
         "the compiled CPU kernel miscomputes (off by 0.1 to 10, NaN at times) with a KV block size 8 more than a "
         "multiple of its 16-key micro-GEMM tile (8, 24, 40, 136...) once a query reads more than one block",
-        "such block sizes take the rows path (`kernel_options.cpu_kernel_block_exact`), and the layout never "
+        "such block sizes take the rows path (`layout.cpu_kernel_block_exact`), and the layout never "
         "picks one by default"),
     "DECODE_TILE": TorchWorkaround(
         "cuda", ((2, 11), None),
@@ -164,7 +164,7 @@ class Route(NamedTuple):
     """How one `attend` call computes attention (`AttentionOptions.route`).
 
     `path`: `"rows"`, `"flex"` (an inline FlexAttention call), `"region"` (the FlexAttention
-    call every compiled layer shares) or `"joint"` (a call with joined keys, `flexkv.cache.joint_path`,
+    call every compiled layer shares) or `"joint"` (a call with joined keys, `flexkv.cache.paths.joint_path`,
     chosen by `AttentionPaths.choose`); `pack_gqa`: the GQA group is folded into the query axis;
     `barrier`: the output is kept apart from the kernel (`epilogue_barrier`).
     """
@@ -196,9 +196,9 @@ class AttentionOptions:
     #: calls (`quantized.value_scaled_attention`: the scales as a log in `score_mod`, then a second
     #: call over no values for the step's own log-sum-exp). Off by default, as the keys' option.
     quantized_values_in_kernel: bool = False
-    #: The rows path through its CPU fast paths (`flexkv.cache.cpu_fast_rows`: custom ops, group
+    #: The rows path through its CPU fast paths (`flexkv.cache.cpu.cpu_fast_rows`: custom ops, group
     #: buffers, host-built one-token geometry and its memos). Off: the plain reference
-    #: (`flexkv.cache.row_attention.attend_rows`), which attends exactly the same cells, to read,
+    #: (`flexkv.cache.paths.row_attention.attend_rows`), which attends exactly the same cells, to read,
     #: debug or compare against. On by default on every device (they were measured on the CPU).
     cpu_fast_paths: bool = True
 
@@ -237,7 +237,7 @@ class AttentionOptions:
         """`"rows"` or `"flex"`: the path a step of `tokens` tokens takes, compiled or eagerly. On the
         CPU, a `dtype` the compiled kernel does not lower (`CPU_FLEX_DTYPES`: float64), `quantized`
         slots (the rows path dequantizes only the cells a row reads) and a KV block size it
-        miscomputes (`flex_exact=False`, `kernel_options.cpu_kernel_block_exact`) take the rows path."""
+        miscomputes (`flex_exact=False`, `layout.cpu_kernel_block_exact`) take the rows path."""
         if self.path == "auto":
             cpu = device_type == "cpu"
             rows = not compiled or (cpu and (tokens > 1 or (dtype is not None and dtype not in CPU_FLEX_DTYPES)

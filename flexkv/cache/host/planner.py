@@ -66,10 +66,10 @@ from typing import Callable, Hashable, Optional
 
 import torch
 
-from ..config import BoundedKVConfig, resolve_device
-from ..step import BoundedKVStep
+from ...config import BoundedKVConfig, resolve_device
+from ...step import BoundedKVStep
+from ..positions.masks import MASK_INTERVALS
 from .layout import Layout
-from .masks import MASK_INTERVALS
 
 __all__ = ["BoundedPlan", "ROW_FIELDS", "INTERVALS", "PLAN_TABLE", "build_plan", "table_spans", "table_views"]
 

@@ -18,7 +18,7 @@ so the same single attention pass serves it. A query that attends nothing
 FlexAttention returns that log-sum-exp when it runs eagerly and from
 inductor's GPU (Triton) kernel; inductor's CPU kernel does not (torch 2.13:
 "`return_lse` is not supported yet"), so on the CPU `attend` serves sinks
-through `flexkv.cache.row_attention`, which forms each query's log-sum-exp itself,
+through `flexkv.cache.paths.row_attention`, which forms each query's log-sum-exp itself,
 compiled or not.
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import resolve_device
+from ...config import resolve_device
 
 __all__ = ["apply_learned_sinks", "check_sinks"]
 

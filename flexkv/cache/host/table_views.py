@@ -2,7 +2,7 @@
 
 A bounded cache (`BoundedKVManager`), a grouped one (`GroupedKVManager`) and
 the uncached twin (`UncachedHistory`) each keep their host bookkeeping in one
-`flexkv.cache.slots.SlotTable` under one lock. The protocol members that only
+`flexkv.cache.host.slots.SlotTable` under one lock. The protocol members that only
 read that table (requests, slots, positions, sources) or admit a step into it
 are the same for all three, and live here once.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Hashable
 
-from ..step import BoundedKVStep, StreamPosition
+from ...step import BoundedKVStep, StreamPosition
 
 __all__ = ["TableViews"]
 
@@ -21,7 +21,7 @@ class TableViews:
     its lock `self._lock`): the views of requests and sources, and admitting a step. A bounded, a
     grouped and the uncached cache all hold their bookkeeping in one table, so they share these."""
 
-    #: The cache's one `flexkv.cache.slots.SlotTable` (not imported here: the table's module
+    #: The cache's one `flexkv.cache.host.slots.SlotTable` (not imported here: the table's module
     #: re-exports this class).
     slots: object
 
@@ -72,7 +72,7 @@ class TableViews:
 
     def admit(self, step: BoundedKVStep) -> tuple:
         """Give each new request of `step` a free slot and check every declaration; returns what
-        changed (`flexkv.cache.slots.Admission`, for `undo_admit`). Atomic: on any error nothing changes. A full pool
+        changed (`flexkv.cache.host.slots.Admission`, for `undo_admit`). Atomic: on any error nothing changes. A full pool
         raises `SlotsExhausted`; a bad declaration raises `ValueError`."""
         self._check_owner("admit")
         with self._lock:

@@ -17,7 +17,7 @@ values separately:
   range rather than clipped.
 - **read** (`dequantize`): `cells.float() * scale`, cast to the cache's
   `dtype`, where a path reads cells: the rows path (eager and compiled CPU)
-  a group of rows at a time (`flexkv.cache.quantized_rows`; float32 steps
+  a group of rows at a time (`flexkv.cache.cpu.quantized_rows`; float32 steps
   apply the scales to the scores and probabilities instead, equal to a few
   ulps); the FlexAttention path on a dequantized copy
   of the layer tensor (a value scale per cell cannot be applied inside one
@@ -45,7 +45,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..config import SLOT_DTYPES
+from ...config import SLOT_DTYPES
 
 __all__ = ["SLOT_DTYPES", "SLOT_DTYPE_NAMES", "SCALE_DTYPE", "slot_dtype_named", "quantize", "dequantize",
            "dequantize_into", "widen_into", "F8_WIDEN_FACTOR",

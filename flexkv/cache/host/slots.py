@@ -23,8 +23,8 @@ import threading
 from dataclasses import dataclass
 from typing import Hashable, NamedTuple, Optional, Tuple
 
-from ..config import BoundedKVConfig, is_int
-from ..step import BoundedKVStep, Segment, StreamPosition
+from ...config import BoundedKVConfig, is_int
+from ...step import BoundedKVStep, Segment, StreamPosition
 
 __all__ = ["SlotTable", "TableViews", "Admission", "SlotsExhausted", "SourcesExhausted", "SHARED_FIELDS", "rollback_floor"]
 

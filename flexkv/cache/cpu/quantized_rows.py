@@ -33,8 +33,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .quantized import dequantize_into, widen_into
-from .row_cells import batch_cells
+from ..paths.row_cells import batch_cells
+from ..storage.quantized import dequantize_into, widen_into
 
 __all__ = ["grouped_attention", "reduced_decode", "reduces_decode", "group_rows", "scratch_width", "dequantized_group",
            "widened_group", "DEQUANTIZE_GROUP_BYTES", "FUSED_SCALES_MAX_QUERIES", "REDUCED_DECODE_MAX_QUERIES"]

@@ -1,14 +1,14 @@
 """The rows path as a cache's attention path: each row's cells, then dense attention (`row_attention`).
 
-`flexkv.cache.paths` chooses it per call; this module answers the three
-things every path answers (`flexkv.cache.paths.AttentionPath`), in one of
+`flexkv.cache.paths.choice` chooses it per call; this module answers the three
+things every path answers (`flexkv.cache.paths.choice.AttentionPath`), in one of
 two ways set by `AttentionOptions.cpu_fast_paths`:
 
 - off: the plain reference, `row_attention.mask_geometry` and
   `row_attention.attend_rows` (no scratch, no plan parts, no memos, no
   custom ops);
 - on (the default): through the one boundary of the CPU fast paths,
-  `flexkv.cache.cpu_fast_rows`, which computes the same thing.
+  `flexkv.cache.cpu.cpu_fast_rows`, which computes the same thing.
 
 With the fast paths on:
 
@@ -26,14 +26,14 @@ With the fast paths on:
 
 from __future__ import annotations
 
-from . import cpu_fast_rows
+from ..cpu import cpu_fast_rows
 from .row_attention import attend_rows, device_geometry, gather_width, mask_geometry, repeat_queries
 
 __all__ = ["RowsPath"]
 
 
 class RowsPath:
-    """The rows path of one store (`flexkv.cache.store.LayerStore`); `fast`: through the CPU fast paths
+    """The rows path of one store (`flexkv.cache.storage.store.LayerStore`); `fast`: through the CPU fast paths
     (`AttentionOptions.cpu_fast_paths`), else the plain reference."""
 
     name = "rows"
@@ -66,7 +66,7 @@ class RowsPath:
             plan.rows_geometry = self.geometry(plan, s.mask_mod(plan, T, False), T, s.config.dtype)
 
     def __call__(self, call):
-        """`(out, log-sum-exp or None)` of one `attend` call (`flexkv.cache.paths.PathCall`)."""
+        """`(out, log-sum-exp or None)` of one `attend` call (`flexkv.cache.paths.choice.PathCall`)."""
         s, plan, qs = self.store, call.plan, call.q
         T = plan.tokens
         pack, gT = call.route.pack_gqa, qs.shape[2]
