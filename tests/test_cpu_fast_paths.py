@@ -14,7 +14,9 @@ from random_workload import RandomWorkload, score_bias
 
 from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
 from flexkv.cache.cpu import cpu_fast_rows, gathered_rows, quantized_rows
+from flexkv.cache.cpu.fast_rows_path import FastRowsPath
 from flexkv.cache.paths.attention_options import AttentionOptions
+from flexkv.cache.paths.rows_path import RowsPath
 from single_thread import one_thread  # noqa: F401
 
 TOL = 1e-4
@@ -126,6 +128,14 @@ def test_with_the_switch_off_no_fast_path_runs_and_nothing_is_kept(monkeypatch, 
         monkeypatch.undo()
     assert calls[False] == []
     assert "attend" in calls[True] and "geometry" in calls[True]
+
+
+def test_the_switch_chooses_the_rows_path_class_once():
+    """`cpu_fast_paths` picks the rows path's class when the cache is built: the plain `RowsPath` (which
+    adds nothing to a plan) off, `FastRowsPath` on; every call of the cache then goes to that one."""
+    cfg = _config(None, False)
+    assert type(_manager(cfg, False).paths.rows) is RowsPath
+    assert type(_manager(cfg, True).paths.rows) is FastRowsPath
 
 
 @pytest.mark.parametrize("slot_dtype, sources, tokens", [(torch.int8, False, 3), (None, True, 2)])

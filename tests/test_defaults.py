@@ -11,8 +11,8 @@ import torch
 from random_workload import check_close
 
 import flexkv.cache.paths.flex_call as flex_call_module
-import flexkv.cache.paths.rows_path as rows_path_module
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.cache.cpu.fast_rows_path import FastRowsPath
 from flexkv.cache.host.layout import Layout, default_block_size
 from flexkv.cache.paths.attention_options import AttentionOptions
 from flexkv.cache.paths.kernel_sharing import shares_flex_kernel
@@ -79,14 +79,14 @@ def test_eager_default_never_runs_flex_attention_and_shares_the_plan_geometry(to
     def no_flex(*a, **k):
         raise AssertionError("eager attend called flex_attention")
 
-    built = rows_path_module.RowsPath.geometry
+    built = FastRowsPath.geometry
 
     def counting(*a, **k):
         counts["geometry"] += 1
         return built(*a, **k)
 
     monkeypatch.setattr(flex_call_module, "flex_attention", no_flex)
-    monkeypatch.setattr(rows_path_module.RowsPath, "geometry", counting)
+    monkeypatch.setattr(FastRowsPath, "geometry", counting)
     cfg = _config()
     m = BoundedKVManager(cfg, "cpu")
     _stream(m, ReferenceCache(cfg), 8, tokens, monkeypatch, counts)

@@ -194,8 +194,8 @@ def test_modules_import_only_their_layer_or_below():
 #: CPU speed work builds on the plain rows path's pieces only and is entered from one module.
 CACHE_ROLES = ("host", "storage", "positions", "paths", "cpu")
 HOST_FOR_PATHS = {"flexkv.cache.host.layout", "flexkv.cache.host.planner"}
-PLAIN_ROWS_PIECES = {"flexkv.cache.paths.row_attention", "flexkv.cache.paths.row_cells"}
-CPU_DOOR = {"flexkv.cache.paths.rows_path"}
+PLAIN_ROWS_PIECES = {"flexkv.cache.paths.rows_path", "flexkv.cache.paths.row_attention", "flexkv.cache.paths.row_cells"}
+CPU_DOOR = {"flexkv.cache.paths.choice"}
 
 
 def cache_role(module: str) -> str:
@@ -245,7 +245,8 @@ def test_the_cache_role_check_finds_each_kind_of_break():
     graph = {
         "flexkv.cache.host.planner": {"flexkv.cache.paths.flex_call"},
         "flexkv.cache.paths.flex_path": {"flexkv.cache.host.slots", "flexkv.cache.host.planner"},
-        "flexkv.cache.cpu.gathered_rows": {"flexkv.cache.paths.flex_call", "flexkv.cache.paths.row_cells"},
+        "flexkv.cache.cpu.gathered_rows": {"flexkv.cache.paths.flex_call", "flexkv.cache.paths.row_cells",
+                                           "flexkv.cache.paths.rows_path"},
         "flexkv.cache.paths.merge": {"flexkv.cache.cpu.gathered_rows"},
         "flexkv.cache.storage.store": {"flexkv.cache.manager"},
     }
@@ -255,7 +256,7 @@ def test_the_cache_role_check_finds_each_kind_of_break():
         "flexkv.cache.cpu.gathered_rows imports flexkv.cache.paths.flex_call: "
         "the CPU work imports only the plain rows path's pieces",
         "flexkv.cache.paths.merge imports flexkv.cache.cpu.gathered_rows: "
-        "the CPU work is entered from ['flexkv.cache.paths.rows_path'] only",
+        "the CPU work is entered from ['flexkv.cache.paths.choice'] only",
         "flexkv.cache.storage.store imports flexkv.cache.manager: only the caches and the layers above read the caches",
     ]
 

@@ -1,4 +1,5 @@
-"""The rows path's CPU fast paths, behind one boundary (`cpu_fast_rows`, entered from
-`flexkv.cache.paths.rows_path` unless `AttentionOptions.cpu_fast_paths` is off): group buffers
-(`gathered_rows`) and quantized cells widened inside one op (`quantized_rows`). They build on the plain
-path's pieces (`row_attention`, `row_cells`) and nothing else of the paths."""
+"""The rows path's CPU fast paths: `FastRowsPath` (`fast_rows_path`), chosen once by
+`flexkv.cache.paths.choice` unless `AttentionOptions.cpu_fast_paths` is off, over the fast paths themselves
+(`cpu_fast_rows`), group buffers (`gathered_rows`) and quantized cells widened inside one op
+(`quantized_rows`). They build on the plain rows path's pieces (`rows_path`, `row_attention`, `row_cells`)
+and nothing else of the paths."""

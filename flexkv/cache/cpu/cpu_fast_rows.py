@@ -1,4 +1,4 @@
-"""The rows path's CPU fast paths: one boundary, entered unless `AttentionOptions.cpu_fast_paths` is off.
+"""The rows path's CPU fast paths, which `FastRowsPath` (`flexkv.cache.cpu.fast_rows_path`) runs.
 
 `flexkv.cache.paths.row_attention.attend_rows` is the rows path as a reader
 should see it: each row's cells read in place or gathered, dequantized if

@@ -6,6 +6,6 @@ The FlexAttention path (`flex_path` over `flex_call`, `kernel_options`,
 (`joint_path`: keys kept elsewhere in one softmax), query-only queries
 (`query_only`), learned sinks (`sinks`), merging softmaxes (`merge`), and how
 a cache computes attention (`attention_options`). A path reads the host's
-layout and plan, never its tables; the CPU speed work lives in `cpu`, entered
-from `rows_path` only.
+layout and plan, never its tables; the CPU speed work lives in `cpu`, and
+`choice` is the one module that enters it.
 """

@@ -24,10 +24,12 @@ in_kernel`          cells as stored, their scales applied in `score_mod`
 `quantized_values_  float8 slots compiled on CUDA: the kernel reads value  off
 in_kernel`          cells as stored (two calls, exact: see
                     `flexkv.cache.storage.quantized.value_scaled_attention`)
-`cpu_fast_paths`    the rows path runs through its measured speed work     on
-                    (`flexkv.cache.cpu.cpu_fast_rows`); off, the plain
-                    reference (`row_attention.attend_rows`): the same
-                    result, slower
+`cpu_fast_paths`    a cache on the CPU runs the rows path through its      on
+                    speed work (`flexkv.cache.cpu.fast_rows_path`,
+                    measured on the CPU: docs/benchmarks.md); off, the
+                    plain reference (`row_attention.attend_rows`): the
+                    same result. Other devices always run the plain
+                    reference (the speed work is unmeasured there)
 ==================  =====================================================  =======================
 
 `"auto"` takes the rows path eagerly (uncompiled FlexAttention forms every

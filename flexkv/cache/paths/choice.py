@@ -15,8 +15,10 @@ alone (`AttentionOptions.path_for` and `route`), which steps reach which
 path: the same rule sizes the scratch, adds the plan parts and routes each
 call. The paths:
 
-- `rows_path.RowsPath`: each row's cells, then dense attention (`flexkv.cache.paths.row_attention`, or its CPU
-  fast paths `flexkv.cache.cpu.cpu_fast_rows` unless `AttentionOptions.cpu_fast_paths` is off);
+- `rows_path.RowsPath`: each row's cells, then dense attention (`flexkv.cache.paths.row_attention`); or,
+  for a cache on the CPU, unless `AttentionOptions.cpu_fast_paths` is off, the same path through the CPU
+  fast paths (`flexkv.cache.cpu.fast_rows_path.FastRowsPath`), the one class chosen here when the cache
+  is built;
 - `flex_path.FlexPath`: one FlexAttention call (inline, or the region every compiled layer shares);
 - `float8_path.Float8FlexPath`: FlexPath reading float8 cells as stored, for compiled CUDA kernels;
 - `joint_path.JointPath`: a call with keys joined from elsewhere (`attend(..., joined=...)`): the
@@ -32,6 +34,7 @@ from typing import Callable, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 
+from ..cpu.fast_rows_path import FastRowsPath
 from ..host.layout import cpu_kernel_block_exact
 from .attention_options import AttentionOptions, Route
 from .flex_path import FlexPath
@@ -103,7 +106,8 @@ class AttentionPaths:
         #: (`flexkv.cache.host.layout.cpu_kernel_block_exact`; where it is not, `"auto"` takes the
         #: rows path and `"flex"` is refused). A plain bool: every compiled layer reads it.
         self.flex_exact = self.device_type != "cpu" or cpu_kernel_block_exact(store.layout.block_size)
-        self.rows = RowsPath(store, options.cpu_fast_paths)
+        # The fast paths were built and measured on the CPU (docs/benchmarks.md); elsewhere the plain path runs.
+        self.rows = (FastRowsPath if options.cpu_fast_paths and self.device_type == "cpu" else RowsPath)(store)
         self.flex = (Float8FlexPath if reads_cells_in_kernel(store) else FlexPath)(store, options)
         self.joint = JointPath(store)
         self._routes: dict = {}  # eager decisions, by kind of call (`choose`)
