@@ -5,7 +5,8 @@ CPython's `pydoc_data.topics`, joined in sorted key order, tokenized by the
 model's tokenizer; token range `[--start, --start + --tokens)`) through the
 model, `--chunk` tokens per forward, once per cache:
 
-- dense: transformers' `DynamicCache` (grows with the stream);
+- dense: transformers' `DynamicCache` (grows with the stream; `--dense-tokens` stops it early, since its
+  time per token grows with the stream and it has broken down well before 2x the trained context);
 - window only: `FlexKVCache(model, SinkWindow(0, W))`;
 - sinks + window, cache positions: `SinkWindow(4, W)` with `FlexKVCache`'s default positions (StreamingLLM's
   in-cache ones for SmolLM2), fed in chunks like every other cache;
@@ -126,12 +127,13 @@ def run(args) -> dict:
     caches = {name: spec[1:] for name, spec in CACHES.items() if spec[0] in args.caches}
     result_caches = list(caches)
     short = min(n, args.cache_positions_tokens or n)
-    total = (0 if args.no_dense else n) + len(args.windows) * (n * (len(caches) - (DEFAULT_POSITIONS in caches))
+    dense_n = min(n, args.dense_tokens or n)
+    total = (0 if args.no_dense else dense_n) + len(args.windows) * (n * (len(caches) - (DEFAULT_POSITIONS in caches))
                                                                + short * (DEFAULT_POSITIONS in caches)) + \
         sum(len(s) * (w + 1) for w, s in samples.items())
     progress = Progress(total, enabled=not args.quiet)
     result = dict(model=args.model, python=sys.version.split()[0], start=args.start, tokens=n, chunk=args.chunk,
-                  cache_positions_tokens=short, caches=result_caches,
+                  cache_positions_tokens=short, dense_tokens=0 if args.no_dense else dense_n, caches=result_caches,
                   trained_context=trained, sink=SINK, windows={}, text_tokens=int(all_ids.shape[1]))
     nlls = {}
 
@@ -148,7 +150,7 @@ def run(args) -> dict:
         return nll, time.time() - t
 
     if not args.no_dense:
-        nlls["dense"], secs = feed("dense (DynamicCache)", None)
+        nlls["dense"], secs = feed("dense (DynamicCache)", None, dense_n)
         result["dense_seconds"] = secs
     for w in args.windows:
         entry = result["windows"][w] = {"seconds": {}}
@@ -168,8 +170,14 @@ def run(args) -> dict:
     split = trained if 0 < trained < n - 1 else n - 1
 
     def ranges(nll, w):
+        # Past the trained context, also each doubling of the stream: [split, 2 split), [2 split, 4 split), ...
+        spans, lo = {}, split
+        while lo < nll.numel():
+            hi = min(2 * lo, nll.numel())
+            spans[f"{lo}..{hi - 1}"] = _ppl(nll[lo:hi])
+            lo = 2 * lo
         return dict(after_eviction=_ppl(nll[w + 1:]), inside=_ppl(nll[w + 1:split]), past=_ppl(nll[split:]),
-                    measured=nll.numel() + 1)
+                    measured=nll.numel() + 1, doublings=spans)
 
     if "dense" in nlls:
         result["dense"] = {w: ranges(nlls["dense"], w) for w in args.windows}
@@ -187,7 +195,7 @@ def run(args) -> dict:
             entry["at_recompute_positions"][name] = _ppl(nll[at[keep]])
             entry["vs_recompute"][name] = dict(positions=int(keep.sum()), ratio=_ppl(nll[at[keep]]) / _ppl(oracle[keep]))
         if "dense" in nlls:
-            entry["at_recompute_positions"]["dense"] = _ppl(nlls["dense"][at])
+            entry["at_recompute_positions"]["dense"] = _ppl(nlls["dense"][at[at < nlls["dense"].numel()]])
     result["split"] = split
     if args.plot:
         plot(result, nlls, args)
@@ -214,6 +222,21 @@ def table(result: dict) -> str:
         lines.append(f"| {name} | " + " | ".join(cell(result["windows"][w][name]) for w in windows) + " |")
     out = ["Perplexity past the first eviction" + (f", before / from the trained context ({split} tokens)" if past
                                                   else "") + ":", "", *lines, ""]
+    if 0 < result.get("dense_tokens", n) < n:
+        out += [f"(dense: over the first {result['dense_tokens']} tokens only, --dense-tokens)", ""]
+    spans = {s for r in [*result.get("dense", {}).values(), *(e[c] for e in result["windows"].values()
+                                                           for c in result["caches"])] for s in r["doublings"]}
+    if len(spans) > 1:
+        spans = sorted(spans, key=lambda s: int(s.split("..")[0]))
+        out += ["Perplexity from the trained context on, by doubling of the stream (W, cache; - where not streamed):",
+                "", "| W | cache | " + " | ".join(spans) + " |", "|---|---|" + "---|" * len(spans)]
+        for w in windows:
+            named = ([("dense (DynamicCache)", result["dense"][w])] if "dense" in result else []) + \
+                [(c, result["windows"][w][c]) for c in result["caches"]]
+            for name, r in named:
+                out.append(f"| {w} | {name} | " + " | ".join(_fmt(r["doublings"].get(s, float("nan")))
+                                                             for s in spans) + " |")
+        out.append("")
     if result["cache_positions_tokens"] < n:
         out += [f"(cache positions: over the first {result['cache_positions_tokens']} tokens only, "
                 f"--cache-positions-tokens)", ""]
@@ -296,6 +319,8 @@ def main(argv=None) -> int:
     p.add_argument("--cache-positions-tokens", type=int, help="stream only this many tokens with cache positions "
                    "(one token per forward once the window is full, so ~30x slower; default: --tokens)")
     p.add_argument("--no-dense", action="store_true", help="leave out the growing DynamicCache")
+    p.add_argument("--dense-tokens", type=int, help="stream only this many tokens through the growing "
+                   "DynamicCache (its time per token grows with the stream; default: --tokens)")
     p.add_argument("--caches", nargs="+", default=[spec[0] for spec in CACHES.values()],
                    choices=[spec[0] for spec in CACHES.values()],
                    help="which bounded caches to stream (default: all): " + ", ".join(
