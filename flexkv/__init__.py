@@ -40,6 +40,7 @@ _PUBLIC = {
     "StreamSession": "session",
     "Chunk": "session",
     "PerRequest": "session",
+    "Stages": "session",
     "MultiCacheSession": "session",
     "swap_attention": "model.port",
     "StepContext": "model.wrap",

@@ -12,7 +12,8 @@ import torch._dynamo
 from random_workload import check_close
 from torch._dynamo.utils import counters
 
-from flexkv import BoundedKVConfig, BoundedKVManager, Chunk, SinkWindow, SlotsExhausted, StreamSession
+from flexkv import BoundedKVConfig, BoundedKVManager, Chunk, SinkWindow, SlotsExhausted, Stages, StreamSession
+from flexkv.model.attendance import AttendanceError
 from flexkv.model.reference import ReferenceCache
 from session_models import LAYERS, TOLERANCE, D, H, check_step, feed, model
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
@@ -233,3 +234,56 @@ def test_compiled_session_warms_every_bucket_once_and_never_recompiles():
         assert counters["stats"]["unique_graphs"] - before == 2
         for r in feeds:
             check_close(got[r], want[s][r], TOLERANCE, f"compiled step {s}, request {r!r} (against the eager session)")
+
+
+def _stage(layer):
+    """Layer `layer` of `session_models.model` as a step stage: `(x, outputs so far)` in, one more out."""
+    def stage(attn, carry):
+        x, outs = carry if layer else (carry, ())
+        q, k, v = ((x[:, :, i] * (layer + 1)).transpose(1, 2) for i in range(3))
+        outs = outs + (attn(layer, q, k, v).transpose(1, 2),)
+        return (x, outs) if layer < LAYERS - 1 else torch.stack(outs, dim=2)
+
+    return stage
+
+
+STAGED = Stages(*(_stage(layer) for layer in range(LAYERS)))
+
+
+def test_stages_compile_one_graph_each_and_equal_the_reference():
+    """A step in stages (one per layer) compiles one graph per stage at warm-up and none after; every
+    step equals the dense reference, and the stages' attendance counts as the whole model's."""
+    cfg = config()
+    torch._dynamo.reset()
+    session = StreamSession(BoundedKVManager(cfg, block_size=8), token_sizes=(1,))
+    ref = ReferenceCache(cfg)
+    before = counters["stats"]["unique_graphs"]
+    for s in range(12):
+        feeds = {"a": feed(1, s), "b": feed(1, 50 + s)} if s < 7 else {"a": feed(1, s)}
+        if s == 7:
+            session.finish("b")
+            ref.remove_request("b")
+        with torch._dynamo.config.patch(error_on_recompile=s > 0):
+            res = session.step(feeds, Stages(*STAGED.stages))  # a new Stages of the same stages: the same step
+        assert counters["stats"]["unique_graphs"] - before == LAYERS
+        check_step(ref, res, feeds, where=f"staged step {s}")
+
+
+def test_stages_missing_a_layer_are_refused_by_the_attendance_check_and_change_nothing():
+    c = Checked(config())
+    c.step({"a": feed(1, 0)})
+    with pytest.raises(AttendanceError, match=r"cache layers 0-1 \(of 2\) were never attended"):
+        c.session.step({"a": feed(1, 1)}, Stages(lambda attn, x: x))
+    assert c.session.written("a") == 1
+    res = c.session.step({"a": feed(1, 2)}, STAGED)  # eager stages run as written
+    check_step(c.ref, res, {"a": feed(1, 2)})
+
+
+def test_stages_need_callables_and_a_session_without_carried_state():
+    with pytest.raises(ValueError, match=r"Stages takes one or more callables f\(attn, x\), got \(3,\)"):
+        Stages(3)
+    session = StreamSession(BoundedKVManager(config(), block_size=8), compile=False,
+                            initial_state=lambda rid: torch.zeros(1))
+    with pytest.raises(ValueError, match="initial_state takes a whole step function"):
+        session.step({"a": feed(1, 0)}, STAGED)
+    assert session.requests == ()

@@ -23,15 +23,15 @@ import torch
 
 from ..cache.manager import BoundedKVManager
 from ..cache.storage.quantized import round_trip
-from ..compiling import fresh_function, graphs_compiled
+from ..compiling import graphs_compiled
 from ..model.reference import ReferenceCache
-from ..session import Chunk, StreamSession
+from ..session import Chunk, Stages, StreamSession
 from ..step import BoundedKVStep, Segment
 from .stream_model import StreamModel
 from .traffic import Traffic
 from .workload import Workload
 
-__all__ = ["run_workload", "CompiledStep", "graphs_compiled", "percentile"]
+__all__ = ["run_workload", "model_step", "graphs_compiled", "percentile"]
 
 
 def resident_bytes() -> Optional[int]:
@@ -52,76 +52,50 @@ def percentile(values: List[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-def _attend_with(manager: BoundedKVManager, model: StreamModel, plan, attendance=None) -> Callable:
-    # The plan is an argument (a graph input), so the layers call the manager directly; they count their
-    # calls on the session's attendance record, which refuses a step that missed a layer.
+def _attend(model: StreamModel, attn) -> Callable:
+    """Layer `l`'s attention for `model.layer`: the session's public attention (its `StepContext`, which
+    counts the call for the step's attendance check), with the layer's score_mod and positions."""
     def attend(l, q, k, v):
-        if attendance is not None:
-            attendance.attended(l)
-        return manager.attend(
-            l, q, k, v, plan, score_mod=model.score_mod(l), positions=model.positions
-        )
+        return attn(l, q, k, v, score_mod=model.score_mod(l), positions=model.positions)
 
     return attend
 
 
-def _layer_step(manager, model, l, attendance=None):
-    def layer_step(x, plan):
-        return model.layer(l, x, _attend_with(manager, model, plan, attendance))
+def _layer(model: StreamModel, l: int):
+    """Model layer `l` as a step stage: `(x, records) -> (x, records + ((q, k, v, o),))`; layer 0 takes the
+    session's inputs `[B, T, rows, d_model]` as the model's rows `[B * rows, T, d_model]`."""
+    def layer(attn, carry):
+        if l == 0:
+            B, T = carry.shape[:2]
+            x, records = carry.transpose(1, 2).reshape(B * model.workload.rows, T, -1), ()
+        else:
+            x, records = carry
+        x, q, k, v, o = model.layer(l, x, _attend(model, attn))
+        return x, records + ((q, k, v, o),)
 
-    return layer_step
+    return layer
 
 
-class CompiledStep:
-    """The model step (all layers) under `torch.compile(fullgraph=True)`.
-
-    `mode="graph"`: one graph for the whole step. `mode="layer"`: one
-    compiled function per layer (each with its own code object, see
-    `fresh_function`). On this torch, a graph compiles one FlexAttention
-    kernel per layer even though they are identical, so compile time grows
-    with depth; per-layer graphs reuse one kernel across layers.
-
-    `__call__(x, plan)` with `x [N, T, d_model]` returns `(x_out, records)`,
+def model_step(model: StreamModel, mode: str) -> Callable:
+    """The run's step function for `StreamSession.step`: `fn(attn, x) -> (x_out, records)` with
     `records[l] = (q, k, v, o)` of layer `l`.
 
-    Shapes are static (`dynamic=False`): a workload has one or two batch
-    shapes, each compiled once. Left to itself, dynamo would recompile the
-    second shape (a last chunk's T) with a symbolic T, and on torch 2.13 the
-    CPU FlexAttention template then emits C++ that does not compile
-    (`cur_kvSplitSize` undeclared).
+    `mode="layer"`: `Stages`, one per layer, so the session compiles one graph per layer (each with its
+    own code object); `mode="graph"`: one function, one graph for the whole step. Shapes are static
+    (the session compiles with `dynamic=False`): a workload has one or two batch shapes, each compiled
+    once at warm-up. docs/cli.md says when each mode compiles faster.
     """
+    stages = [_layer(model, l) for l in range(model.workload.layers)]
+    if mode == "layer":
+        return Stages(*stages)
+    if mode == "graph":
+        def whole_step(attn, x):
+            for stage in stages:
+                x = stage(attn, x)
+            return x
 
-    def __init__(self, manager: BoundedKVManager, model: StreamModel, mode: str = "layer", attendance=None):
-        self.mode = mode
-        layers = model.workload.layers
-        if mode == "graph":
-
-            def whole_step(x, plan):
-                attend = _attend_with(manager, model, plan, attendance)
-                records = []
-                for l in range(layers):
-                    x, q, k, v, o = model.layer(l, x, attend)
-                    records.append((q, k, v, o))
-                return x, records
-
-            self._step = torch.compile(whole_step, fullgraph=True, dynamic=False)
-        elif mode == "layer":
-            self._layers = [
-                torch.compile(fresh_function(_layer_step(manager, model, l, attendance), f"layer{l}"), fullgraph=True,
-                              dynamic=False)
-                for l in range(layers)
-            ]
-        else:
-            raise ValueError(f"compile mode must be 'layer' or 'graph', got {mode!r}")
-
-    def __call__(self, x, plan):
-        if self.mode == "graph":
-            return self._step(x, plan)
-        records = []
-        for fn in self._layers:
-            x, q, k, v, o = fn(x, plan)
-            records.append((q, k, v, o))
-        return x, records
+        return whole_step
+    raise ValueError(f"compile mode must be 'layer' or 'graph', got {mode!r}")
 
 
 def _sync(device: torch.device) -> None:
@@ -243,17 +217,16 @@ class _WorkloadRun:
         self.model = StreamModel(w, seed=w.seed, device=device)
         self.gen = torch.Generator().manual_seed(w.seed + 1)
         token_sizes = sorted({w.step_tokens} | ({w.final_tokens} if w.final_tokens is not None else set()))
-        # The session owns positions, lanes (one per request, `requests` of them), padding and the step;
-        # the model step compiles per layer (`CompiledStep`), so the session runs it as given.
-        self.session = StreamSession(self.manager, batch_sizes=(w.requests,), token_sizes=token_sizes,
-                                     compile=False)
+        # The session owns positions, lanes (one per request, `requests` of them), padding, the compile
+        # (per layer or whole, `model_step`), the attendance check and the step.
+        self.session = StreamSession(self.manager, batch_sizes=(w.requests,), token_sizes=token_sizes)
         self.sources = []
         for _ in range(w.sources if w.source_len else 0):
             shape = (w.layers, w.rows, w.kv_heads, w.source_len, w.head_dim)
             k = torch.randn(shape, generator=self.gen).to(w.torch_dtype)
             v = torch.randn(shape, generator=self.gen).to(w.torch_dtype)
             self.sources.append((self.session.add_source(k.to(device), v.to(device)), k, v))
-        self.stepper = CompiledStep(self.manager, self.model, w.compile, self.session.context.attendance)
+        self.step_fn = model_step(self.model, w.compile)
         self.traffic = Traffic(w)
         self.tracker = _Tracker(w, w.check_requests)
         self.checks: List[dict] = []
@@ -269,11 +242,6 @@ class _WorkloadRun:
 
     # ------------------------------------------------------------ model
 
-    def model_step(self, attn, x):
-        """`x [B, T, rows, d_model]` from the session -> the model's rows `[B * rows, T, d_model]`."""
-        B, T = x.shape[:2]
-        return self.stepper(x.transpose(1, 2).reshape(B * self.w.rows, T, -1), attn.plan)
-
     def inputs(self, T):
         """Embedded random tokens for every lane: `[requests, T, rows, d_model]`, one feed per lane."""
         w = self.w
@@ -286,7 +254,7 @@ class _WorkloadRun:
         """One all-padding step of each batch shape compiles everything the run needs."""
         self.graphs0 = graphs_compiled()
         t0 = time.perf_counter()
-        self.session.warmup(self.model_step, self.inputs(1)[0])
+        self.session.warmup(self.step_fn, self.inputs(1)[0])
         _sync(self.device)
         self.compile_s = time.perf_counter() - t0
         self.graphs_warm = graphs_compiled()
@@ -333,7 +301,7 @@ class _WorkloadRun:
         for kind, feeds in _feeds(w, self.traffic, self.inputs):
             _sync(self.device)
             t0 = time.perf_counter()
-            res = self.session.step(feeds, self.model_step)
+            res = self.session.step(feeds, self.step_fn)
             _sync(self.device)
             t2 = time.perf_counter()
             _, records = res.outputs

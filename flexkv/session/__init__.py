@@ -43,7 +43,9 @@ With `compile=True` (the default) `fn` runs under
 `torch.compile(fullgraph=True, dynamic=False)`, once per `(B, T)` bucket:
 the first step (or `warmup`) compiles every bucket on all-padding steps,
 and no later step compiles; one that does is reported with the guard that
-failed (`flexkv.RecompileWarning`, `flexkv.RecompileError`).
+failed (`flexkv.RecompileWarning`, `flexkv.RecompileError`). `fn` may be
+`Stages(f0, f1, ...)`, a step in stages (one per layer, say), each compiled
+as a graph of its own (`flexkv.session.step_functions`).
 `initial_state` gives every request a model state carried between steps (a
 convolution's last inputs, say); `fn` then takes and returns it (see
 `StreamSession`). Warm-up builds the state of its padding rows with request
@@ -92,6 +94,8 @@ live in one cache each: `add_source(cache_name, keys, values)`, and
 from .feeds import Chunk, PerRequest
 from .multi_cache import MultiCacheSession
 from .result import MultiStepResult, StepResult
+from .step_functions import Stages
 from .stream_session import WHEN_FULL, StreamSession
 
-__all__ = ["StreamSession", "MultiCacheSession", "Chunk", "PerRequest", "StepResult", "MultiStepResult", "WHEN_FULL"]
+__all__ = ["StreamSession", "MultiCacheSession", "Chunk", "PerRequest", "Stages", "StepResult", "MultiStepResult",
+           "WHEN_FULL"]

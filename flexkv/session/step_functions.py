@@ -21,6 +21,13 @@ context (inside the graph, so the plans are an input, not a guard), under
 `torch.compile(fullgraph=True, dynamic=False)` with `compile=True`, with a
 code object of its own, a warning when the same code compiles again with
 other closure values, and a watch for recompiles after warm-up.
+
+`Stages(f0, f1, ...)` is a step function in stages, each `f(attn, x)`
+taking what the one before returned (the first, the step's inputs): one
+graph per stage when compiled. A model whose layers are stages compiles
+one layer at a time; where layers are alike, inductor's cache makes their
+kernels once, where a whole-step graph lowers a FlexAttention kernel for
+every layer whose call has a `score_mod` (docs/cli.md has the timings).
 """
 
 from __future__ import annotations
@@ -37,7 +44,28 @@ import torch
 
 from ..compiling import RecompileWarning, fresh_function, watch_recompiles
 
-__all__ = ["step_key", "closure_difference", "CompiledSteps", "RECOMPILE_ADVICE"]
+__all__ = ["step_key", "closure_difference", "CompiledSteps", "Stages", "RECOMPILE_ADVICE"]
+
+
+class Stages:
+    """A step function in stages: `Stages(f0, f1, ...)` runs `x = f(attn, x)` for each stage in order,
+    `x` first the step's inputs, and returns the last stage's result. A session with `compile=True`
+    compiles each stage as a graph of its own (module docstring); without, it runs them as written.
+    The stages are the step: the same stage functions again (a new `Stages` of them included) are the
+    same compiled step. Sessions with a carried state (`initial_state`) take whole step functions only."""
+
+    def __init__(self, *stages: Callable):
+        if not stages or not all(callable(f) for f in stages):
+            raise ValueError(f"Stages takes one or more callables f(attn, x), got {stages!r}")
+        self.stages = stages
+
+    def __call__(self, attn, inputs):
+        for f in self.stages:
+            inputs = f(attn, inputs)
+        return inputs
+
+    def __repr__(self):
+        return f"Stages({len(self.stages)} stages)"
 
 #: What a recompile after warm-up means and what to do, after the guard that failed.
 RECOMPILE_ADVICE = (
@@ -86,6 +114,8 @@ def _cells(fn: types.FunctionType) -> tuple:
 
 def step_key(fn: Callable) -> Hashable:
     """The key two step functions that compute the same thing share (see the module docstring)."""
+    if isinstance(fn, Stages):
+        return ("stages", tuple(step_key(f) for f in fn.stages))
     if isinstance(fn, types.MethodType):
         return ("method", id(fn.__self__), step_key(fn.__func__))
     if isinstance(fn, types.FunctionType):
@@ -132,13 +162,36 @@ class CompiledSteps:
 
     def runner(self, fn: Callable) -> Callable:
         """The (compiled) step of `fn`: `step(plans, inputs[, state])` binds the plans to the context
-        inside the graph and calls `fn(context, inputs[, state])`."""
+        inside the graph and calls `fn(context, inputs[, state])`; for `Stages`, each stage so, in turn."""
         key = step_key(fn)
         run = self._runners.get(key)
         if run is not None:
             return run
+        if isinstance(fn, Stages):
+            if self.stateful:
+                raise ValueError(f"{self.kind}: a session with initial_state takes a whole step function "
+                                 f"fn(attn, inputs, state), not Stages")
+            runs = [self._bound(stage, False, f"{self._prefix}_{len(self._runners)}_{i}")
+                    for i, stage in enumerate(fn.stages)]
+            self._codes[key] = tuple(code for _, code in runs)
+
+            def run(plans, inputs):
+                for stage, _ in runs:
+                    inputs = stage(plans, inputs)
+                return inputs
+        else:
+            run, code = self._bound(fn, self.stateful, f"{self._prefix}_{len(self._runners)}")
+            self._codes[key] = (code,) if code is not None else ()
+            if self.compile:
+                self._warn_if_compiled_before(fn, key)
+        self._runners[key] = run
+        return run
+
+    def _bound(self, fn: Callable, stateful: bool, name: str) -> tuple:
+        """`(step, code object or None)`: `fn` behind a bind of the plans to the context, compiled (with a
+        code object of its own, `name`) when the session compiles."""
         context = self.context
-        if not self.stateful:
+        if not stateful:
             def session_step(plans, inputs):
                 context.bind(plans)
                 return fn(context, inputs)
@@ -146,15 +199,12 @@ class CompiledSteps:
             def session_step(plans, inputs, state):
                 context.bind(plans)
                 return fn(context, inputs, state)
-        if self.compile:
-            # A code object of its own: compiled graphs are cached per code object, and another
-            # session's (or another fn's) entries must not be walked or evicted by this one.
-            fresh = fresh_function(session_step, f"{self._prefix}_{len(self._runners)}")
-            self._codes[key] = fresh.__code__
-            session_step = torch.compile(fresh, fullgraph=True, dynamic=False)
-            self._warn_if_compiled_before(fn, key)
-        self._runners[key] = session_step
-        return session_step
+        if not self.compile:
+            return session_step, None
+        # A code object of its own: compiled graphs are cached per code object, and another
+        # session's (or another fn's) entries must not be walked or evicted by this one.
+        fresh = fresh_function(session_step, name)
+        return torch.compile(fresh, fullgraph=True, dynamic=False), fresh.__code__
 
     def _warn_if_compiled_before(self, fn: Callable, key) -> None:
         """Say so when a step function of the same code, with other closure values, compiles again (a
@@ -173,10 +223,13 @@ class CompiledSteps:
         )
 
     def watch(self, fn: Callable, what: str):
-        """Around a compiled step of `fn`: a recompile after warm-up warns with the guard that failed
-        (`what` names the step's bucket); nothing when not compiling."""
+        """Around a compiled step of `fn`: a recompile after warm-up (of any of its stages) warns with the
+        guard that failed (`what` names the step's bucket); nothing when not compiling."""
         if not self.compile:
             return contextlib.nullcontext()
-        # The warning is raised in the watch's generator, two frames below the caller (contextlib's exit).
-        return watch_recompiles(self._codes[step_key(fn)], f"{self.kind}.step: the compiled model step ({what})",
-                                RECOMPILE_ADVICE, stacklevel=caller_stacklevel() + 1)
+        stack = contextlib.ExitStack()
+        for code in self._codes[step_key(fn)]:
+            # The warning is raised in the watch's generator, two frames below the caller (contextlib's exit).
+            stack.enter_context(watch_recompiles(code, f"{self.kind}.step: the compiled model step ({what})",
+                                                 RECOMPILE_ADVICE, stacklevel=caller_stacklevel() + 2))
+        return stack
