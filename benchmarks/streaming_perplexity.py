@@ -41,7 +41,7 @@ import time
 import torch
 
 from flexkv import SinkWindow
-from flexkv.cli.runner import resident_bytes
+from flexkv.cli.runner import fixed_mmap_threshold, resident_bytes
 from flexkv.integrations.transformers import FlexKVCache
 from flexkv.integrations.transformers.pretrained import load_pretrained, reference_text, stream_nll
 
@@ -104,30 +104,6 @@ def recompute_nll(model, ids: torch.Tensor, window: int, positions: list, progre
 
 def _ppl(nll: torch.Tensor) -> float:
     return math.exp(nll.mean().item()) if nll.numel() else float("nan")
-
-
-def fixed_mmap_threshold(threshold: int = 1 << 20) -> bool:
-    """Have glibc serve every allocation of `threshold` bytes or more by mmap, returned to the system when
-    freed; True where it took the setting (glibc only).
-
-    Each forward allocates a fresh `[chunk, vocab]` logits tensor (12.6 MB on SmolLM2). glibc raises its
-    mmap threshold to the size of the largest block freed, so from the first forward on these come from
-    its heaps; with torch's two intra-op threads allocating and freeing in several arenas, and the process
-    writing progress to a file or pipe, this run's resident memory grew by ~375 KB per token (1.0 -> 2.5 GB
-    over 4,096 tokens of the window-only line; 24 GB by 62,000 tokens), while the cache's own memory stayed
-    fixed. `MALLOC_ARENA_MAX=1` stops it too. A fixed threshold keeps each allocation the same size class.
-    """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = getattr(libc, "mallopt", None)
-    except OSError:
-        return False
-    M_MMAP_THRESHOLD = -3
-    return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold))
 
 
 def run(args) -> dict:
@@ -206,10 +182,10 @@ def run(args) -> dict:
 
     def ranges(nll, w):
         # Past the trained context, also each doubling of the stream: [split, 2 split), [2 split, 4 split), ...
+        # (labelled by the whole stream's ranges, so a line that stopped early shares the columns)
         spans, lo = {}, split
         while lo < nll.numel():
-            hi = min(2 * lo, nll.numel())
-            spans[f"{lo}..{hi - 1}"] = _ppl(nll[lo:hi])
+            spans[f"{lo}..{min(2 * lo, n - 1) - 1}"] = _ppl(nll[lo:2 * lo])
             lo = 2 * lo
         return dict(after_eviction=_ppl(nll[w + 1:]), inside=_ppl(nll[w + 1:split]), past=_ppl(nll[split:]),
                     measured=nll.numel() + 1, doublings=spans)

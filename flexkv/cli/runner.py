@@ -31,7 +31,7 @@ from .stream_model import StreamModel
 from .traffic import Traffic
 from .workload import Workload
 
-__all__ = ["run_workload", "model_step", "graphs_compiled", "percentile"]
+__all__ = ["run_workload", "model_step", "graphs_compiled", "percentile", "resident_bytes", "fixed_mmap_threshold"]
 
 
 def resident_bytes() -> Optional[int]:
@@ -41,6 +41,32 @@ def resident_bytes() -> Optional[int]:
             return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def fixed_mmap_threshold(threshold: int = 1 << 20) -> bool:
+    """Have glibc serve every allocation of `threshold` bytes or more by mmap, returned to the system when
+    freed; True where it took the setting (glibc only).
+
+    A process flexkv owns (`flexkv run`, the benchmarks) sets it: glibc raises its mmap threshold to the
+    size of the largest block freed, so large tensors made afresh at every step (a language model's
+    `[chunk, vocab]` logits, 12.6 MB on SmolLM2) come from its heaps after the first; with torch's
+    intra-op threads allocating and freeing in several arenas, `benchmarks/streaming_perplexity.py`'s
+    resident memory grew by ~375 KB per token (1.0 -> 2.5 GB over 4,096 tokens of the window-only line,
+    24 GB by 62,000 tokens) while the cache's own memory stayed fixed; with a fixed threshold it stays at
+    ~1.0 GB, at the same speed. (`MALLOC_ARENA_MAX=1` also stops it.) A library cannot choose this for
+    its users' processes: docs/cli.md says what a long-running server can set.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = getattr(libc, "mallopt", None)
+    except OSError:
+        return False
+    M_MMAP_THRESHOLD = -3
+    return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold))
 
 
 def percentile(values: List[float], q: int) -> float:
