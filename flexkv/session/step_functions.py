@@ -229,7 +229,8 @@ class CompiledSteps:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         for code in self._codes[step_key(fn)]:
-            # The warning is raised in the watch's generator, two frames below the caller (contextlib's exit).
+            # The warning is raised in the watch's generator, three frames below the caller (the ExitStack's
+            # exit, then contextlib's).
             stack.enter_context(watch_recompiles(code, f"{self.kind}.step: the compiled model step ({what})",
                                                  RECOMPILE_ADVICE, stacklevel=caller_stacklevel() + 2))
         return stack
