@@ -35,7 +35,7 @@ def paged():
     return table, k, v, seq_lens, query_start, q
 
 
-def metadata(table, seq_lens, query_start):
+def metadata(table, seq_lens, query_start, sliding_window=None):
     n = int(query_start[-1])
     query_lens = query_start[1:] - query_start[:-1]
     return FlexAttentionMetadata(
@@ -47,12 +47,16 @@ def metadata(table, seq_lens, query_start):
         decode_offset=(seq_lens - query_lens).long(), num_blocks_per_seq=(seq_lens + BS - 1) // BS,
         persistent_kv_indices=torch.full((n, BLOCKS + 1), -1, dtype=torch.int32),
         persistent_kv_num_blocks=torch.zeros(n, dtype=torch.int32),
-        persistent_doc_ids=torch.zeros(n, dtype=torch.long), q_block_size=1, kv_block_size=BS)
+        persistent_doc_ids=torch.zeros(n, dtype=torch.long), q_block_size=1, kv_block_size=BS,
+        sliding_window=sliding_window)
 
 
-def test_flex_attention_over_the_block_table_attends_what_the_cpu_backend_attends(paged):
+@pytest.mark.parametrize("vllm_window", [None, WINDOW + 1])
+def test_flex_attention_over_the_block_table_attends_what_the_cpu_backend_attends(paged, vllm_window):
+    """`vllm_window`: the metadata as vLLM's builder makes it, without a window, and with the spec's
+    `sliding_window` (what it passes when it captures full CUDA graphs, its default on CUDA)."""
     table, k, v, seq_lens, query_start, q = paged
-    md = apply_retention(metadata(table, seq_lens, query_start), SINK, WINDOW)
+    md = apply_retention(metadata(table, seq_lens, query_start, vllm_window), SINK, WINDOW)
     flat_k = k.permute(0, 2, 1, 3).reshape(1, BLOCKS * BS, H, D).transpose(1, 2)
     flat_v = v.permute(0, 2, 1, 3).reshape(1, BLOCKS * BS, H, D).transpose(1, 2)
     got = flex_attention(q.transpose(0, 1)[None], flat_k, flat_v, block_mask=md.block_mask, scale=D ** -0.5,

@@ -41,6 +41,10 @@ def apply_retention(metadata, sink: int, window: int):
     logical mask, its block hint, and the mask and block mask made again from them. Returns it."""
     from vllm.v1.attention.backends.flex_attention import BlockSparsityHint  # only where vLLM is installed
 
+    # vLLM's builder passes a sliding-window spec's `sliding_window` into the metadata when it captures full CUDA
+    # graphs (its default on CUDA), and `SinkWindowSpec` is one: its mask would AND vLLM's window over the
+    # retention's and drop the sinks. The retention's mask says the window itself.
+    metadata.sliding_window = None
     metadata.logical_mask_mod = retention_mask_mod(sink, window)
     metadata.block_sparsity_hint = BlockSparsityHint(retention_block_hint(sink, window))
     metadata.mask_mod = metadata.get_mask_mod()
