@@ -35,6 +35,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from flexkv import BoundedKVConfig, SinkWindow  # noqa: E402
 from flexkv.cache.positions.masks import query_window_attends  # noqa: E402
 from flexkv.integrations.vllm.backend import decode_plan, sink_window_attention, turn_sinks  # noqa: E402
+from flexkv.integrations.vllm.metrics import request_counts  # noqa: E402
 from flexkv.integrations.vllm.spec import SinkWindowManager, SinkWindowSpec, block_bound, pool_line  # noqa: E402
 from flexkv.model.reference import attended_indices  # noqa: E402
 
@@ -68,6 +69,9 @@ def test_the_manager_frees_the_gap_on_vllms_block_pool(sink, window, chunk):
     n, peak, freed_any = 0, 0, False
     while n < 2000:
         mgr.remove_skipped_blocks("r", n)
+        # what the server's metrics count as returned for a stream of n tokens: the blocks the table now holds null
+        nulls = sum(b.is_null for b in mgr.req_to_blocks.get("r", ()))
+        assert request_counts(pol, BLOCK, False, n, 1) == (max(0, n - sink - window), nulls), n
         mgr.allocate_new_blocks("r", n + chunk, n + chunk)
         table = mgr.req_to_blocks["r"]
         peak = max(peak, mgr.held_blocks("r"))
@@ -531,3 +535,44 @@ def test_a_trained_model_equals_the_reference_past_the_window(smol):
     torch.testing.assert_close(ours, prompt_logprobs(stock, short)[0], rtol=0, atol=2e-3)
     dense, _ = prompt_logprobs(stock, prompt)
     assert (got - dense)[len(short):].abs().max() > 2e-2
+
+
+def test_the_stat_logger_counts_what_the_retention_evicted_and_returned():
+    """`FlexKVStatLogger` as vLLM's engine client drives it: finished requests, worked by hand (sink 4, window
+    60, blocks of 32, prefix caching on); an engine without the entry records nothing."""
+    from types import SimpleNamespace
+
+    from test_vllm_options import engine, model
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+
+    from flexkv.integrations.vllm.metrics import FlexKVStatLogger
+
+    def config(**over):
+        m = model()
+        m.served_model_name = "stat-logger-test"
+        over.setdefault("additional_config", {"flexkv": {"sink": SINK, "window": WINDOW}})
+        return engine(cache_config=SimpleNamespace(enable_prefix_caching=True, cache_dtype="auto", block_size=32,
+                                                   num_gpu_blocks=101), model_config=m, **over)
+
+    def step(usage, *requests):
+        it = IterationStats()
+        it.finished_requests = [FinishedRequestStats(FinishReason.LENGTH, num_prompt_tokens=p,
+                                                     num_generation_tokens=g) for p, g in requests]
+        return SchedulerStats(kv_cache_usage=usage), it
+
+    log = FlexKVStatLogger(config(), 0)
+    # 100 + 80 - 1 = 179 written: 179 - 64 = 115 evicted; the window starts at 119, so blocks [1, 3) went back.
+    # 40 + 30 - 1 = 69 written: 5 evicted, the window starts at 9: no whole block between it and the sink block.
+    # A request that generated nothing counts nothing.
+    log.record(*step(0.5, (100, 80), (40, 30), (500, 0)))
+    assert log.evicted._value.get() == 115 + 5
+    assert log.returned._value.get() == 2
+    assert log.held._value.get() == 50  # half of the pool's 100 blocks besides the null block
+    log.record(*step(0.0, (1000, 2)))  # 1001 written: 937 evicted; window from 941: blocks [1, 29)
+    assert log.evicted._value.get() == 120 + 937 and log.returned._value.get() == 2 + 28
+    assert log.held._value.get() == 0
+
+    off = FlexKVStatLogger(config(additional_config={}), 0)
+    off.record(*step(0.5, (100, 80)))
+    assert off.retention is None and not hasattr(off, "evicted")

@@ -4,7 +4,8 @@ in a process of its own, the model compiled, prefix caching on), spoken to over 
 Skipped where vLLM is not installed or the trained SmolLM2 folder is absent (tests/test_vllm.py's
 `smol_dir`). The server's greedy completions, plain and streamed (the second served from the prefix
 cache the first filled), must equal the offline engine's for the same prompt past the first eviction;
-a bad `flexkv` entry must stop the server at start-up with flexkv's message.
+a bad `flexkv` entry must stop the server at start-up with flexkv's message; flexkv's metrics on `/metrics`
+must count what the retention evicted and returned, worked out by hand from the answers' token counts.
 """
 
 import json
@@ -57,6 +58,31 @@ def post(port, path, body, stream=False):
         return chunks
 
 
+class Metrics(dict):
+    """A `/metrics` page: name -> value of the one sample of each flexkv metric, and the page's `text`."""
+
+    def __init__(self, text):
+        super().__init__()
+        self.text = text
+        for line in text.splitlines():
+            if line.startswith("flexkv:"):
+                name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+                assert name not in self, f"{name} has more than one sample on one engine:\n{text}"
+                self[name] = value
+
+
+def scrape(port, name, expected, limit=30.0):
+    """The server's `/metrics` once `name` reads `expected` (the engine client records a finished request's
+    statistics just after handing back its answer), or after `limit` seconds."""
+    start = time.time()
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+            page = Metrics(r.read().decode())
+        if page.get(name) == expected or time.time() - start > limit:
+            return page
+        time.sleep(0.5)
+
+
 def wait_ready(proc, port, log_path, limit=420):
     start = time.time()
     while time.time() - start < limit:
@@ -91,8 +117,9 @@ def test_the_openai_server_generates_what_the_offline_engine_does(folder, tmp_pa
     proc = serve(folder, ENTRY, log, port)
     try:
         wait_ready(proc, port, log)
-        text = post(port, "/v1/completions", dict(model=folder, prompt=prompt, max_tokens=new, temperature=0,
-                                                  ignore_eos=True))["choices"][0]["text"]
+        first = post(port, "/v1/completions", dict(model=folder, prompt=prompt, max_tokens=new, temperature=0,
+                                                   ignore_eos=True))
+        text = first["choices"][0]["text"]
         chunks = post(port, "/v1/completions", dict(model=folder, prompt=prompt, max_tokens=new, temperature=0,
                                                     ignore_eos=True, stream=True,
                                                     stream_options={"include_usage": True}), stream=True)
@@ -100,6 +127,14 @@ def test_the_openai_server_generates_what_the_offline_engine_does(folder, tmp_pa
         usage = [c["usage"] for c in chunks if c.get("usage")][-1]
         chat = post(port, "/v1/chat/completions", dict(model=folder, max_tokens=new, temperature=0,
                                                        messages=[{"role": "user", "content": prompt}]))
+        # flexkv's metrics beside vLLM's, worked by hand from each request's token counts: a stream that
+        # wrote w tokens (prompt + completion - 1) evicted w - 64 (sink 4 + window 60); with prefix caching
+        # the blocks below the window's start max(4, w - 60) and above the sink block (block 0) were returned
+        written = [u["prompt_tokens"] + u["completion_tokens"] - 1 for u in (first["usage"], usage, chat["usage"])]
+        evicted = sum(max(0, w - SINK - WINDOW) for w in written)
+        returned = sum(max(0, max(SINK, w - WINDOW) // 32 - 1) for w in written)
+        assert evicted > 0 and returned > 0
+        metrics = scrape(port, "flexkv:evicted_tokens_total", evicted)
     finally:
         proc.terminate()
         proc.wait(timeout=120)
@@ -112,6 +147,10 @@ def test_the_openai_server_generates_what_the_offline_engine_does(folder, tmp_pa
     # the same prompt again resumed from the whole blocks the first request cached
     assert usage["prompt_tokens_details"]["cached_tokens"] == (usage["prompt_tokens"] - 1) // 32 * 32 > 0, usage
     assert chat["choices"][0]["message"]["content"]
+    assert metrics["flexkv:evicted_tokens_total"] == evicted
+    assert metrics["flexkv:returned_blocks_total"] == returned
+    assert metrics["flexkv:blocks_held"] == 0  # nothing runs once every answer is in
+    assert metrics["flexkv:retention_info"] == 1 and 'sink="4"' in metrics.text and 'window="60"' in metrics.text
 
     from vllm import LLM, SamplingParams
 

@@ -21,7 +21,7 @@ from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
 from ...config import SinkWindow
 
-__all__ = ["SinkWindowSpec", "SinkWindowManager", "block_bound", "pool_line"]
+__all__ = ["SinkWindowSpec", "SinkWindowManager", "block_bound", "freed_blocks", "pool_line"]
 
 logger = init_logger("vllm.flexkv")  # under vLLM's logger, whose handler prints INFO
 _announced = set()
@@ -53,6 +53,16 @@ def block_bound(retention: SinkWindow, block_size: int, tokens_in_flight: int) -
     """
     sink = retention.sink
     return cdiv(sink, block_size) + cdiv(sink + retention.window - 1 + tokens_in_flight, block_size) + 1
+
+
+def freed_blocks(retention: SinkWindow, block_size: int, processed: int, caching: bool) -> tuple:
+    """The blocks `[first, stop)` of a request's table that `SinkWindowManager` has returned once the query at
+    stream index `processed` is next (empty when `stop <= first`): every block wholly after the sink blocks
+    and before what that query and every later one read. Without prefix caching the `sink` entries just
+    below the window are kept too (a decode step copies the sinks there, `backend.FlexKVCPUImpl`)."""
+    below = 0 if caching else retention.sink
+    lo = max(retention.sink, retention.window_start(processed, 0) - below)
+    return cdiv(retention.sink, block_size), lo // block_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,10 +120,8 @@ class SinkWindowManager(SlidingWindowManager):
         # below its window's start except the sinks; without prefix caching the `sink` slots just below
         # the window take the sinks' copies of a decode step (`backend.FlexKVCPUImpl`). Free the blocks
         # wholly between those and the sinks.
-        pol = self.retention
-        below = 0 if self.enable_caching else pol.sink
-        lo = max(pol.sink, pol.window_start(processed_computed_tokens, 0) - below)
-        self._remove_blocks_in_range(request_id, self.first_gap_block, lo // self.block_size)
+        first, stop = freed_blocks(self.retention, self.block_size, processed_computed_tokens, self.enable_caching)
+        self._remove_blocks_in_range(request_id, first, stop)
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
