@@ -219,7 +219,7 @@ def plot_report(rep: dict, path: str, title: str) -> None:
 def _cmd_run(args) -> int:
     import torch
 
-    from .runner import run_workload
+    from .runner import fixed_mmap_threshold, run_workload
 
     w, size = _workload(args)
     changes = {k: v for k, v in (("steps", args.steps), ("seed", args.seed), ("compile", args.compile))
@@ -232,6 +232,9 @@ def _cmd_run(args) -> int:
         raise UsageError(f"--device {args.device!r} is not a torch device (try cpu or cuda)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: CUDA is not available in this torch build/machine")
+    # This process is flexkv's own: keep glibc from growing its heaps with every step's fresh tensors
+    # (docs/cli.md, "process"), so a long run's resident memory stays where the warm-up left it.
+    fixed_mmap_threshold()
     if args.model is not None:
         return _cmd_run_model(args, w, size, device)
     if args.plot:
