@@ -335,6 +335,10 @@ def test_single_request_and_a_mixed_batch_equal_flexkvs_contract(model_dir, refe
     llm = engine(model_dir, positions)
     assert {layer.impl.positions for layer in static_layers(llm)} == {positions or "cache"}
     run_and_check(llm, reference[positions or "cache"], prompts_of([39]), monkeypatch)
+    # a request asking for a retention of its own is refused where it arrives, and the engine runs on unchanged
+    own = SamplingParams(max_tokens=4, temperature=0, detokenize=False, extra_args={"flexkv": {"window": 8}})
+    with pytest.raises(Exception, match=r"extra_args \['flexkv'\]: flexkv serves one retention per engine"):
+        llm.generate([{"prompt_token_ids": prompts_of([9])[0]}], own, use_tqdm=False)
     run_and_check(llm, reference[positions or "cache"], prompts_of([5, 70, 130, 33]), monkeypatch)
 
 

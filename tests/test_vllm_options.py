@@ -9,6 +9,7 @@ from flexkv.integrations.vllm.options import (
     check_engine,
     positions_from,
     refusals,
+    request_refusal,
     retention_from,
     rope_table_len,
     serving_positions,
@@ -117,3 +118,10 @@ def test_the_vllm_release_is_checked():
     for version in ("0.33.0", "0.3.2", "0.320.0"):
         with pytest.raises(RuntimeError, match=f"supports vLLM 0.32.x; this environment has vLLM {version}"):
             check_vllm_version(version)
+
+
+def test_a_request_asking_for_its_own_retention_is_refused_naming_the_key():
+    assert request_refusal(None) is None and request_refusal({"seed_note": 1, "top_k_note": "x"}) is None
+    why = request_refusal({"flexkv_window": 8, "other": 1, "FlexKV": {"sink": 2}})
+    assert why.startswith("extra_args ['FlexKV', 'flexkv_window']: flexkv serves one retention per engine")
+    assert "additional_config['flexkv']" in why and "drop ['FlexKV', 'flexkv_window'] from the request" in why

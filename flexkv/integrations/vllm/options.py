@@ -22,7 +22,7 @@ from typing import Optional
 from ...config import SinkWindow, is_int
 
 __all__ = ["KEY", "ALLOWED", "POSITIONS", "SERVED_ROPE", "retention_from", "positions_from", "rope_of",
-           "rope_table_len", "serving_positions", "refusals", "check_engine", "startup_line"]
+           "rope_table_len", "serving_positions", "refusals", "check_engine", "startup_line", "request_refusal"]
 
 #: the key of vLLM's `additional_config` the plugin reads
 KEY = "flexkv"
@@ -202,3 +202,19 @@ def check_engine(vllm_config) -> Optional[SinkWindow]:
     if why:
         raise ValueError(f"flexkv cannot serve {retention!r} exactly in this engine:\n- " + "\n- ".join(why))
     return retention
+
+
+def request_refusal(extra_args) -> Optional[str]:
+    """Why a request's `SamplingParams.extra_args` cannot be served, or None: a key naming flexkv (a
+    retention of the request's own, `{"flexkv": {...}}` offline or `vllm_xargs` such as `flexkv_window` over
+    HTTP) would otherwise be carried along and ignored. The retention is the engine's: vLLM sizes its block
+    pool and admits requests by the engine's block bound, and its attention metadata holds one window
+    per layer, so a request cannot widen it, and a narrower one is not served either."""
+    if not isinstance(extra_args, dict):
+        return None
+    ours = sorted(str(k) for k in extra_args if str(k).lower().startswith(KEY))
+    if not ours:
+        return None
+    return (f"extra_args {ours}: flexkv serves one retention per engine, the one its additional_config['{KEY}'] "
+            f"names, not a request's own (the engine's block pool and admission are sized by its retention); "
+            f"drop {ours} from the request, or serve the retention you need from an engine started with it")

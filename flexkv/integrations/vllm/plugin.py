@@ -20,7 +20,10 @@
   of a plain or llama3 table are computed in float64 (vLLM's float32 `position * frequency` is off
   by up to `position * 6e-8` radians: 1.5e-3 at 24,576, where in-cache positions would have been
   exact). Other rope types keep their table, and an engine whose streams would outrun it is
-  refused (`options.refusals`).
+  refused (`options.refusals`);
+- a wrapper of `SamplingParams.verify` (vLLM's check of each request where it arrives): a request whose
+  `extra_args` names flexkv (a retention of its own) is refused with the reason
+  (`options.request_refusal`), where vLLM would carry the key along and ignore it.
 
 Calling `install` again changes nothing (vLLM may load plugins more than once).
 """
@@ -41,7 +44,9 @@ def install() -> None:
     global _installed
     if _installed:
         return
+    from vllm import SamplingParams
     from vllm.config import VllmConfig, get_current_vllm_config_or_none
+    from vllm.exceptions import VLLMValidationError
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
     from vllm.platforms import current_platform
@@ -50,7 +55,7 @@ def install() -> None:
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     from .backend import FlexKVCPUImpl
-    from .options import check_engine
+    from .options import check_engine, request_refusal
     from .rope import served_rope_classes
     from .spec import SinkWindowManager, SinkWindowSpec
 
@@ -124,4 +129,15 @@ def install() -> None:
 
     post_init.__wrapped__ = own_post_init
     VllmConfig.__post_init__ = post_init
+
+    own_verify = SamplingParams.verify
+
+    def verify(self, *args, **kwargs):
+        why = request_refusal(self.extra_args)
+        if why is not None:
+            raise VLLMValidationError(why, parameter="extra_args")
+        return own_verify(self, *args, **kwargs)
+
+    verify.__wrapped__ = own_verify
+    SamplingParams.verify = verify
     _installed = True
