@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -135,6 +136,14 @@ def test_the_openai_server_generates_what_the_offline_engine_does(folder, tmp_pa
         returned = sum(max(0, max(SINK, w - WINDOW) // 32 - 1) for w in written)
         assert evicted > 0 and returned > 0
         metrics = scrape(port, "flexkv:evicted_tokens_total", evicted)
+        # a request asking for a retention of its own: a client error naming the key, and the server serves on
+        try:
+            post(port, "/v1/completions", dict(model=folder, prompt=prompt, max_tokens=4, vllm_xargs={"flexkv_window": 8}))
+            refused = None
+        except urllib.error.HTTPError as e:
+            refused = (e.code, e.read().decode())
+        again = post(port, "/v1/completions", dict(model=folder, prompt=prompt, max_tokens=new, temperature=0,
+                                                   ignore_eos=True))["choices"][0]["text"]
     finally:
         proc.terminate()
         proc.wait(timeout=120)
@@ -147,6 +156,9 @@ def test_the_openai_server_generates_what_the_offline_engine_does(folder, tmp_pa
     # the same prompt again resumed from the whole blocks the first request cached
     assert usage["prompt_tokens_details"]["cached_tokens"] == (usage["prompt_tokens"] - 1) // 32 * 32 > 0, usage
     assert chat["choices"][0]["message"]["content"]
+    assert refused is not None and refused[0] == 400, refused
+    assert "extra_args ['flexkv_window']: flexkv serves one retention per engine" in refused[1], refused
+    assert again == text
     assert metrics["flexkv:evicted_tokens_total"] == evicted
     assert metrics["flexkv:returned_blocks_total"] == returned
     assert metrics["flexkv:blocks_held"] == 0  # nothing runs once every answer is in
