@@ -246,7 +246,7 @@ def test_table_parts_lie_where_the_one_table_definition_puts_them():
 
 
 def test_a_plan_for_eager_calls_makes_each_part_when_read_as_the_plan_with_parts_does():
-    """`plan(step, eager_only=True)` makes no table part with the plan; each part read later is the
+    """`plan_eager(step)` makes no table part with the plan; each part read later is the
     same view of the table (offset, shape, strides, values) as the part a plan with its parts made
     holds, and `make_parts` makes the rest before a graph takes the plan in."""
     from flexkv.cache.host.planner import PLAN_TABLE
@@ -255,7 +255,7 @@ def test_a_plan_for_eager_calls_makes_each_part_when_read_as_the_plan_with_parts
     # One token: a chunk's plan reads its parts at once (the rows path's geometry, `_plan_from`).
     step = start(m, (Segment("a", 1), Segment(None, 0), Segment("b", 1)),
                  {"a": StreamPosition(2, 9), "b": StreamPosition(0, 3)}, tokens=1)
-    made, lazy = m.plan(step), m.plan(step, eager_only=True)
+    made, lazy = m.plan(step), m.plan_eager(step)
     assert made.parts_made and not lazy.parts_made
     assert made == lazy
     names = [name for name, _, _ in PLAN_TABLE]
@@ -266,7 +266,7 @@ def test_a_plan_for_eager_calls_makes_each_part_when_read_as_the_plan_with_parts
             a.data_ptr() - made.table.data_ptr(), a.shape, a.stride()), name
         assert torch.equal(a, b), name
     assert getattr(lazy, "write_index") is lazy.write_index  # made once, then kept
-    lazy = m.plan(step, eager_only=True)
+    lazy = m.plan_eager(step)
     first = lazy.kv_indices
     lazy.make_parts()
     assert lazy.parts_made and lazy.kv_indices is first and all(name in vars(lazy) for name in names)

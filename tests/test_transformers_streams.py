@@ -385,7 +385,7 @@ def test_an_eager_forward_after_a_compiled_one_returns_every_hidden_state():
 
 def test_eager_decode_plans_make_parts_when_read_and_a_compiled_forward_gets_them_made():
     """After an eager forward, the next forward's plans are for eager calls only (their table parts
-    made when read, `BoundedKVManager.plan(eager_only=True)`); the first forward of a cache, and any
+    made when read, `BoundedKVManager.plan_eager`); the first forward of a cache, and any
     forward run by a compiled `model.forward`, gets plans whose parts are made before the graph. The
     greedy tokens are those of the whole-history reference either way."""
     from flexkv.integrations.transformers.plan import compiled_forward

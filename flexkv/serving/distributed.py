@@ -51,7 +51,6 @@ from ..cache.host.slots import SlotTable
 from ..cache.manager import BoundedKVManager
 from ..cache.storage.store import LayerStore
 from ..config import BoundedKVConfig, check_config, is_int
-from ..step import BoundedKVStep
 
 __all__ = ["HeadShard", "ShardedKVManager", "ShardStore", "resolve_rank", "all_gather_heads", "plan_digest"]
 
@@ -313,9 +312,10 @@ class ShardedKVManager(BoundedKVManager):
 
     # -------------------------------------------------------------- attention
 
-    def plan(self, step: BoundedKVStep, *, eager_only: bool = False) -> BoundedPlan:
-        """Plan `step` as `BoundedKVManager.plan` does; with `check_plans`, also `check_in_sync(plan)`."""
-        plan = super().plan(step, eager_only=eager_only)
+    def _plan_step(self, step, slots, private, eager_only) -> BoundedPlan:
+        """Plan `step` as `BoundedKVManager` does (`plan`, `plan_eager`); with `check_plans`, also
+        `check_in_sync(plan)`."""
+        plan = super()._plan_step(step, slots, private, eager_only)
         if self.check_plans:
             self.check_in_sync(plan)
         return plan

@@ -104,15 +104,23 @@ class StreamLifecycle(TableViews):
         with self._lock:
             self.slots.check_declaration(request_id, StreamPosition(source_len, 0, source), restart)
 
-    def plan(self, step: BoundedKVStep, *, eager_only: bool = False):
+    def plan(self, step: BoundedKVStep):
         """Plan `step` (every request admitted) on host ints.
 
         Pure: it reads the slot table, never device data, and planning the
-        same step twice gives equal plans. `eager_only=True`: the plan is
-        read by eager calls only, and its table parts are made when first
-        read (cheaper for a one-token step); a plan that enters a compiled
-        graph must be made without it (`BoundedPlan.make_parts`).
+        same step twice gives equal plans.
         """
+        return self._planned(step, eager_only=False)
+
+    def plan_eager(self, step: BoundedKVStep):
+        """`plan(step)` for a step whose layers run eagerly: an equal plan whose table parts are made when
+        first read (cheaper for a one-token step). Not part of the cache protocol: flexkv's doors take it
+        where a cache has it (`StepContext.begin(eager_only=True)`, `FlexKVCache` after an eager forward)
+        and plan with `plan` otherwise; a plan that enters a compiled graph needs its parts made before
+        the graph (`BoundedPlan.make_parts`)."""
+        return self._planned(step, eager_only=True)
+
+    def _planned(self, step: BoundedKVStep, eager_only: bool):
         self._check_owner("plan")
         with self._lock:
             self.slots.check_plannable(step)

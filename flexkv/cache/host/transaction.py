@@ -103,12 +103,13 @@ class StepTransaction:
         return admission
 
     def plan(self, step: BoundedKVStep, cache: Optional[Any] = None, *, eager_only: bool = False) -> Any:
-        """`cache.plan(step)`; the step is committed with the others by `commit`. `eager_only=True`
-        (a cache whose `plan` takes it): `cache.plan(step, eager_only=True)`, a plan only eager
-        calls read."""
+        """`cache.plan(step)`; the step is committed with the others by `commit`. `eager_only=True`: the
+        step's layers run eagerly, so a cache that has `plan_eager` (flexkv's own, outside the protocol)
+        plans it with that, a plan only eager calls read."""
         self._check_open("plan")
         cache = self._join(cache)
-        plan = cache.plan(step, eager_only=True) if eager_only else cache.plan(step)
+        eager = getattr(cache, "plan_eager", None) if eager_only else None
+        plan = eager(step) if eager is not None else cache.plan(step)
         self.steps.append(step)
         self._planned.append((cache, step))
         return plan
