@@ -224,3 +224,28 @@ def test_a_context_begin_while_a_step_is_open_is_refused(cache):
         ctx.attend(layer, *qkv())
     ctx.commit()
     assert cache.written("a") == 2
+
+
+class ProtocolOnly:
+    """A cache with the protocol's methods only (none of flexkv's extras such as `plan_eager`)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        if name == "plan_eager":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def test_an_eager_step_takes_plan_eager_where_the_cache_has_it_and_plan_where_not():
+    eager = step(a=(1, 0, 0, 0))  # a new request's first token
+    own = BoundedKVManager(CONFIG, block_size=8)
+    txn = StepTransaction(own)
+    assert not txn.begin(eager, eager_only=True).parts_made  # flexkv's cache: the plan eager calls read
+    txn.abort()
+    other = ProtocolOnly(BoundedKVManager(CONFIG, block_size=8))
+    txn = StepTransaction(other)
+    plan = txn.begin(eager, eager_only=True)  # a cache without plan_eager is planned with plan
+    assert plan.parts_made
+    txn.abort()
