@@ -98,8 +98,6 @@ class SinkWindowManager(SlidingWindowManager):
     def __init__(self, kv_cache_spec: SinkWindowSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         self.retention = kv_cache_spec.retention
-        #: the first block that may be freed: every block before it holds a sink
-        self.first_gap_block = cdiv(self.retention.sink, self.block_size)
         # vLLM hands the manager the bound it admits with (the spec's, at its own tokens in flight)
         bound = getattr(self, "max_admission_blocks_per_request", None)
         if bound:
