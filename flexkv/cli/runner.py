@@ -53,10 +53,10 @@ def fixed_mmap_threshold(threshold: int = 1 << 20) -> bool:
     from its heaps after the first; with torch's intra-op threads allocating and freeing in several
     arenas, the perplexity benchmark's resident memory grew by ~375 KB per token (1.0 -> 2.5 GB over
     4,096 tokens of the window-only line, 24 GB by 62,000 tokens) while the cache's own memory stayed
-    fixed; with a fixed threshold it stays at
-    ~1.0 GB, at the same speed; `flexkv run`'s resident set climbed 533 -> 592 MB over a 10,000-step run
-    without it and held 527-533 MB with it. (`MALLOC_ARENA_MAX=1` also stops it.) A library cannot choose
-    this for its users' processes; docs/cli.md ("process") says when a long-running one should set it.
+    fixed; with a fixed threshold it stays at ~1.0 GB, at the same speed. `flexkv run`'s resident set
+    climbed 533 -> 592 MB over a 10,000-step run without it and held 527-533 MB with it.
+    (`MALLOC_ARENA_MAX=1` also stops it.) A library cannot choose this for its users' processes;
+    docs/cli.md ("process") says when a long-running one should set it.
     """
     import ctypes
     import ctypes.util

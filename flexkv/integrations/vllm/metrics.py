@@ -42,7 +42,7 @@ def request_counts(retention, block_size: int, caching: bool, prompt_tokens: int
     if generated_tokens < 1:
         return 0, 0
     written = prompt_tokens + generated_tokens - 1
-    evicted = max(0, written - retention.sink - retention.window)
+    evicted = retention.window_start(written, 0) - retention.sink  # what the next query no longer reads
     first, stop = freed_blocks(retention, block_size, written, caching)
     return evicted, max(0, stop - first)
 
