@@ -2,13 +2,18 @@ import os
 import sys
 import warnings
 
-import torch
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    # pytest-xdist: the cores are shared out among the workers, for torch's threads and inductor's compilers
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
+import torch  # noqa: E402
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(__file__))
 warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 settings.register_profile(
     "flexkv",

@@ -405,10 +405,16 @@ def check_command(command: str) -> List[str]:
         if importlib.util.find_spec(module) is None:
             return [f"module {module} is not installed"]
         if module == "pytest":
-            return [f"pytest is given {w}, which does not exist" for w in rest
-                    if not w.startswith("-") and not (ROOT / w.split("::")[0]).exists()]
+            paths = [w for before, w in zip([""] + rest, rest)
+                     if not w.startswith("-") and before not in _PYTEST_OPTIONS_WITH_A_VALUE]
+            return [f"pytest is given {w}, which does not exist" for w in paths
+                    if not (ROOT / w.split("::")[0]).exists()]
         return []
     return _check_script(args[0], args[1:])
+
+
+#: pytest's (and pytest-xdist's) options whose value is the next word, not a path to test.
+_PYTEST_OPTIONS_WITH_A_VALUE = {"-k", "-m", "-p", "-n", "--numprocesses", "--dist", "--durations", "-c", "-o"}
 
 
 def _check_script(script: str, rest: List[str]) -> List[str]:
@@ -452,6 +458,8 @@ def test_the_command_checker_sees_what_is_missing():
     assert check_command("flexkv walk") == ["flexkv has no subcommand 'walk' (it has ['run', 'show'])"]
     assert check_command("flexkv show configs/tts-dit.yaml --T 54 --no-such") == ["flexkv show has no option --no-such"]
     assert check_command("python -m pytest -q tests/no_such_test.py") == [
+        "pytest is given tests/no_such_test.py, which does not exist"]
+    assert check_command("python -m pytest -q -n auto --dist worksteal tests/no_such_test.py") == [
         "pytest is given tests/no_such_test.py, which does not exist"]
 
 
