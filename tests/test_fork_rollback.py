@@ -8,12 +8,14 @@ fork or rollback bookkeeping.
 """
 
 import random
+from functools import partial
 
 import pytest
 import torch
 from random_workload import check_close
 
-from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow
+from configs import small_config
+from flexkv import BoundedKVManager, SinkWindow
 from flexkv.cache.groups import GroupedKVManager, LayerGroup, layer_group_configs
 from flexkv.cache.host.slots import SlotsExhausted
 from flexkv.model.reference import ReferenceCache
@@ -23,11 +25,7 @@ from flexkv.step import BoundedKVStep, Segment, StreamPosition
 H, D = 2, 8
 
 
-def make_config(**kw):
-    base = dict(num_layers=2, num_heads=H, head_dim=D, rows_per_request=1, max_source_len=0, max_sources=0,
-                retention=SinkWindow(2, 6), max_slots=6, max_step_tokens=3, dtype=torch.float64)
-    base.update(kw)
-    return BoundedKVConfig(**base)
+make_config = partial(small_config, num_heads=H, head_dim=D, max_slots=6, dtype=torch.float64)
 
 
 class Driver:
@@ -351,11 +349,8 @@ def session_config(**kw):
     from tests.session_models import D as SD
     from tests.session_models import H as SH
 
-    base = dict(num_layers=LAYERS, num_heads=SH, head_dim=SD, rows_per_request=1, max_source_len=0, max_sources=0,
-                retention=SinkWindow(1, 4), query_window=4, max_slots=3, max_step_tokens=3, max_rollback=3,
-                dtype=torch.float32)
-    base.update(kw)
-    return BoundedKVConfig(**base)
+    return small_config(**{"num_layers": LAYERS, "num_heads": SH, "head_dim": SD, "retention": SinkWindow(1, 4),
+                           "query_window": 4, "max_rollback": 3, **kw})
 
 
 def test_compiled_session_forks_and_rolls_back_without_recompiling():

@@ -10,14 +10,16 @@ its cases check the plumbing (grouping, routing, lifecycle through the
 protocol), not the attention.
 """
 
+from functools import partial
+
 import pytest
 import torch
 import torch._dynamo
 from random_workload import check_close
 from torch._dynamo.utils import counters
 
+from configs import small_config
 from flexkv import (
-    BoundedKVConfig,
     BoundedKVManager,
     BoundedKVStep,
     GroupedKVManager,
@@ -44,11 +46,7 @@ GROUPS = (
 )
 
 
-def config(**kw):
-    base = dict(num_layers=LAYERS, num_heads=H, head_dim=D, rows_per_request=1, max_source_len=0, max_sources=0,
-                retention=SinkWindow(2, 6), max_slots=3, max_step_tokens=3, query_window=3)
-    base.update(kw)
-    return BoundedKVConfig(**base)
+config = partial(small_config, num_layers=LAYERS, num_heads=H, head_dim=D, query_window=3)
 
 
 class LayerReference:

@@ -7,11 +7,13 @@ over the attended scores plus one extra score with a zero value.
 """
 
 
+from functools import partial
+
 import pytest
 import torch
 
+from configs import small_config
 from flexkv import (
-    BoundedKVConfig,
     BoundedKVManager,
     BoundedKVStep,
     GroupedKVManager,
@@ -28,11 +30,7 @@ from single_thread import one_thread  # noqa: F401
 H, HQ, D = 2, 4, 8
 
 
-def base_config(**kw):
-    c = dict(num_layers=4, num_heads=H, head_dim=D, rows_per_request=1, max_source_len=0, max_sources=0,
-             retention=SinkWindow(2, 6), max_slots=3, dtype=torch.float64, max_step_tokens=4)
-    c.update(kw)
-    return BoundedKVConfig(**c)
+base_config = partial(small_config, num_layers=4, num_heads=H, head_dim=D, dtype=torch.float64, max_step_tokens=4)
 
 
 GROUPS = (

@@ -8,7 +8,8 @@ log-sum-exp, and the cache's own path where no joined key is read.
 import pytest
 import torch
 
-from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from configs import small_config
+from flexkv import BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache.paths.joint_path import KeyPart
 from flexkv.cache.paths.merge import merge_attention
 from flexkv.model.attendance import AttendanceError
@@ -17,10 +18,8 @@ from flexkv.model.reference import ReferenceCache
 
 
 def make_config(retention=SinkWindow(1, 3), heads=2, dim=4, tokens=3, **changes):
-    fields = dict(num_layers=2, num_heads=heads, head_dim=dim, rows_per_request=1, max_source_len=0,
-                  max_sources=0, max_slots=3, retention=retention, max_step_tokens=tokens)
-    fields.update(changes)
-    return BoundedKVConfig(**fields)
+    return small_config(**{"num_heads": heads, "head_dim": dim, "retention": retention, "max_step_tokens": tokens,
+                           **changes})
 
 
 def step_of(spans: dict, written: dict, tokens: int) -> BoundedKVStep:

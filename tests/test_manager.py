@@ -2,10 +2,12 @@
 
 import random
 import threading
+from functools import partial
 
 import pytest
 import torch
 
+from configs import small_config
 from flexkv import (
     BoundedKVConfig,
     BoundedKVManager,
@@ -17,12 +19,8 @@ from flexkv import (
     StreamPosition,
 )
 
-
-def config(**kw):
-    base = dict(num_layers=2, num_heads=2, head_dim=4, rows_per_request=2, max_source_len=5,
-                retention=SinkWindow(2, 4), max_slots=3, max_step_tokens=3, max_sources=2, min_source_len=1)
-    base.update(kw)
-    return BoundedKVConfig(**base)
+config = partial(small_config, head_dim=4, rows_per_request=2, max_source_len=5, retention=SinkWindow(2, 4),
+                 max_sources=2, min_source_len=1)
 
 
 def source(c, length, fill=0.0, dtype=torch.float32):

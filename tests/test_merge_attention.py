@@ -7,19 +7,14 @@ two caches merged into one softmax is a softmax over the union of their keys
 written out in plain torch over the whole history.
 """
 
+from functools import partial
+
 import pytest
 import torch
 from random_workload import check_close
 
-from flexkv import (
-    BoundedKVConfig,
-    BoundedKVManager,
-    BoundedKVStep,
-    Segment,
-    SinkWindow,
-    StreamPosition,
-    UncachedHistory,
-)
+from configs import small_config
+from flexkv import BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition, UncachedHistory
 from flexkv.cache.paths.attention_options import AttentionOptions
 from flexkv.cache.paths.merge import merge_attention
 from flexkv.cache.storage.quantized import round_trip
@@ -72,11 +67,7 @@ def test_merging_keeps_the_output_dtype_and_refuses_parts_of_other_queries():
 # ------------------------------------------------------------------ one cache: lse and query-only
 
 
-def _config(**kw):
-    base = dict(num_layers=1, num_heads=H, head_dim=D, rows_per_request=1, max_source_len=2,
-                retention=SinkWindow(2, 6), max_step_tokens=3, max_slots=3, max_sources=1)
-    base.update(kw)
-    return BoundedKVConfig(**base)
+_config = partial(small_config, num_layers=1, num_heads=H, head_dim=D, max_source_len=2, max_sources=1)
 
 
 CASES = {

@@ -8,21 +8,18 @@ most 4 entries, 2 slots, SinkWindow(3, 4), max_step_tokens 2):
     slot 1 at 13 (ring at 16); scratch 22-23; S = 24 = 3 blocks.
 """
 
+from functools import partial
+
 import pytest
 import torch
 
-from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from configs import small_config
+from flexkv import BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache.paths.attention_options import AttentionOptions
 from flexkv.cache.positions.masks import make_mask_mod
 
-
-def cfg(**kw):
-    base = dict(
-        num_layers=1, num_heads=1, head_dim=4, rows_per_request=1, max_source_len=4,
-        retention=SinkWindow(3, 4), max_slots=2, max_step_tokens=2,
-    )
-    base.update(kw)
-    return BoundedKVConfig(**base)
+cfg = partial(small_config, num_layers=1, num_heads=1, head_dim=4, max_source_len=4, max_sources=1,
+              retention=SinkWindow(3, 4), max_slots=2, max_step_tokens=2)
 
 
 def manager(config, source_len=4, full_blocks=False):

@@ -10,15 +10,8 @@ import pytest
 import torch
 from random_workload import check_close
 
-from flexkv import (
-    BoundedKVConfig,
-    BoundedKVManager,
-    BoundedKVStep,
-    Segment,
-    SinkWindow,
-    SourcesExhausted,
-    StreamPosition,
-)
+from configs import small_config
+from flexkv import BoundedKVManager, BoundedKVStep, Segment, SinkWindow, SourcesExhausted, StreamPosition
 from flexkv.cache.paths.attention_options import AttentionOptions
 from flexkv.model.reference import ReferenceCache
 
@@ -27,10 +20,7 @@ H, HQ, D, R = 2, 4, 8, 2
 
 @pytest.fixture
 def config():
-    return BoundedKVConfig(
-        num_layers=2, num_heads=H, head_dim=D, rows_per_request=R, max_source_len=6, max_sources=3,
-        retention=SinkWindow(3, 5), max_slots=3, max_step_tokens=3,
-    )
+    return small_config(rows_per_request=R, max_source_len=6, max_sources=3, retention=SinkWindow(3, 5))
 
 
 @pytest.fixture

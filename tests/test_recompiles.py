@@ -13,7 +13,8 @@ import torch
 import torch._dynamo
 from torch import nn
 
-from flexkv import BoundedKVConfig, SinkWindow, StreamSession
+from configs import small_config
+from flexkv import StreamSession
 from flexkv.compiling import RecompileError, RecompileWarning
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
@@ -34,8 +35,7 @@ class OwnStreamingMode(nn.Module):
 
 
 def test_a_recompile_after_warm_up_names_the_guard_and_the_limit_raises_with_it():
-    cfg = BoundedKVConfig(num_layers=1, num_heads=2, head_dim=8, rows_per_request=1, max_source_len=0,
-                          max_sources=0, retention=SinkWindow(2, 6), max_slots=2)
+    cfg = small_config(num_layers=1, max_slots=2, max_step_tokens=1)
     model = OwnStreamingMode().requires_grad_(False)
     session = StreamSession(cfg, block_size=8)
     x = torch.randn(1, 8)

@@ -6,24 +6,22 @@ layer's attention output, so each output can be compared with
 `ReferenceCache.attend` on the step the session ran.
 """
 
+from functools import partial
+
 import pytest
 import torch
 import torch._dynamo
 from random_workload import check_close
 from torch._dynamo.utils import counters
 
-from flexkv import BoundedKVConfig, BoundedKVManager, Chunk, SinkWindow, SlotsExhausted, Stages, StreamSession
+from configs import small_config
+from flexkv import BoundedKVManager, Chunk, SinkWindow, SlotsExhausted, Stages, StreamSession
 from flexkv.model.attendance import AttendanceError
 from flexkv.model.reference import ReferenceCache
 from session_models import LAYERS, TOLERANCE, D, H, check_step, feed, model
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
-
-def config(**kw):
-    base = dict(num_layers=LAYERS, num_heads=H, head_dim=D, rows_per_request=1, max_source_len=0, max_sources=0,
-                retention=SinkWindow(2, 6), max_slots=3, max_step_tokens=3, query_window=6)
-    base.update(kw)
-    return BoundedKVConfig(**base)
+config = partial(small_config, num_layers=LAYERS, num_heads=H, head_dim=D, query_window=6)
 
 
 class Checked:

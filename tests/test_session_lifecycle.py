@@ -7,21 +7,19 @@ that the session still computes what the dense reference computes.
 """
 
 import threading
+from functools import partial
 
 import pytest
 import torch
 
-from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition, StreamSession
+from configs import small_config
+from flexkv import BoundedKVManager, BoundedKVStep, Segment, StreamPosition, StreamSession
 from flexkv.model.reference import ReferenceCache
 from session_models import LAYERS, D, H, check_step, feed, model
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
-
-def config(**kw):
-    base = dict(num_layers=LAYERS, num_heads=H, head_dim=D, rows_per_request=1, max_source_len=6, max_sources=3,
-                retention=SinkWindow(2, 6), max_slots=2, max_step_tokens=3, query_window=6)
-    base.update(kw)
-    return BoundedKVConfig(**base)
+config = partial(small_config, num_layers=LAYERS, num_heads=H, head_dim=D, max_source_len=6, max_sources=3,
+                 max_slots=2, query_window=6)
 
 
 def source(n, seed):

@@ -12,15 +12,15 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from flexkv import BoundedKVConfig, BoundedKVManager, RecompileWarning, SinkWindow, StreamSession
+from configs import small_config
+from flexkv import BoundedKVManager, RecompileWarning, StreamSession
 from flexkv.session.step_functions import step_key
 from session_models import LAYERS, D, H, feed, model
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 
 def session():
-    cfg = BoundedKVConfig(num_layers=LAYERS, num_heads=H, head_dim=D, rows_per_request=1, max_source_len=0,
-                          max_sources=0, retention=SinkWindow(2, 6), max_slots=2, max_step_tokens=1)
+    cfg = small_config(num_layers=LAYERS, num_heads=H, head_dim=D, max_slots=2, max_step_tokens=1)
     return StreamSession(BoundedKVManager(cfg, block_size=8), token_sizes=(1,))
 
 

@@ -1,10 +1,13 @@
 """The drop-in attention cores: the bounded one computes what the uncached one does."""
 
+from functools import partial
+
 import pytest
 import torch
 from random_workload import check_close
 
-from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from configs import small_config
+from flexkv import BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache.positions.rotary import Rotary
 from flexkv.model.uncached import UncachedHistory
 from flexkv.model.wrap import CacheAttention, StepContext, attention
@@ -13,11 +16,7 @@ from single_thread import one_thread  # noqa: F401  (autouse: one torch thread p
 H, HQ, D, R = 2, 4, 8, 2
 
 
-def _config(**kw):
-    base = dict(num_layers=2, num_heads=H, head_dim=D, rows_per_request=R, max_source_len=0,
-                retention=SinkWindow(3, 5), max_slots=3, max_step_tokens=2)
-    base.update(kw)
-    return BoundedKVConfig(**base)
+_config = partial(small_config, rows_per_request=R, max_sources=1, retention=SinkWindow(3, 5), max_step_tokens=2)
 
 
 def test_bounded_matches_uncached_with_rotary_cache_positions_and_multi_token_steps():
