@@ -124,7 +124,7 @@ span: 2
 requests: 3
 stream_len: [20, 50]
 arrival: 0.3
-steps: 40
+steps: 24
 seed: 0
 """
 
