@@ -5,7 +5,7 @@ SmolLM2-135M-Instruct (or `--model`), a `--prompt`-token prompt taken from
 held off with `min_new_tokens` so every run makes the same number), one
 process, one cache after another:
 
-- `FlexKVCache(model, SinkWindow(4, 1020))` (`--sink`, `--window`);
+- `FlexKVCache(model, SinkWindow(4, 1020))` (`--sink`, `--window`, `--prefill-chunk`);
 - with `--caches flexkv-stream-positions`, the same with `rope_positions="stream"` (`flexkv` takes
   FlexKVCache's default, StreamingLLM's in-cache positions for SmolLM2);
 - transformers' `DynamicCache` (grows by one token per layer per step);
@@ -88,7 +88,8 @@ def run_one(model, prompt, tokens: int, kind: str, compiled: bool, args) -> dict
     label = f"{kind}, {'compiled' if compiled else 'eager'}"
     if kind.startswith("flexkv"):
         rope = "stream" if kind == "flexkv-stream-positions" else None
-        cache = FlexKVCache(model, SinkWindow(args.sink, args.window), max_streams=1, rope_positions=rope)
+        chunk = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
+        cache = FlexKVCache(model, SinkWindow(args.sink, args.window), max_streams=1, rope_positions=rope, **chunk)
     elif kind == "dynamic":
         cache = DynamicCache(config=model.config)
     else:
@@ -166,6 +167,9 @@ def main(argv=None) -> int:
                         choices=["flexkv", "flexkv-stream-positions", "dynamic", "static"],
                         help="flexkv: FlexKVCache as built by default (in-cache positions for a rotary model); "
                              "flexkv-stream-positions: with rope_positions='stream'")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="flexkv caches: FlexKVCache's prefill_chunk, the ring headroom every slot holds "
+                             "(default: FlexKVCache's own)")
     parser.add_argument("--fullgraph", action="store_true", help="compiled runs: CompileConfig(fullgraph=True)")
     parser.add_argument("--eager-caches", nargs="+", default=None,
                         choices=["flexkv", "flexkv-stream-positions", "dynamic", "static"],
@@ -178,6 +182,9 @@ def main(argv=None) -> int:
     for name in ("prompt", "every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        parser.error(f"--prefill-chunk must be at least 1 (or left out for FlexKVCache's default), "
+                     f"got {args.prefill_chunk}")
     if args.compiled_tokens < 0:
         parser.error(f"--compiled-tokens must be 0 (no compiled runs) or more, got {args.compiled_tokens}")
     if args.threads:
