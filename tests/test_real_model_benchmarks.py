@@ -23,9 +23,19 @@ def test_speed_benchmark_prints_the_table_and_equal_tokens(capsys):
     from benchmarks import real_model_speed
 
     assert real_model_speed.main(["--model", MODEL, "--prompt", "48", "--tokens", "24", "--compiled-tokens", "0",
-                                  "--every", "10", "--caches", "flexkv", "dynamic", "--window", "60"]) == 0
+                                  "--every", "10", "--caches", "flexkv", "dynamic", "--window", "60",
+                                  "--prefill-chunk", "16"]) == 0
     out = capsys.readouterr().out
     assert "| flexkv, eager | 24 |" in out and "| dynamic, eager | 24 |" in out
+    # the cache column is the memory of the cache built with the prefill chunk asked for, not the default's
+    from flexkv import SinkWindow
+    from flexkv.integrations.transformers import FlexKVCache
+    from flexkv.integrations.transformers.pretrained import load_pretrained
+
+    model, _ = load_pretrained(MODEL)
+    mib = [FlexKVCache(model, SinkWindow(4, 60), max_streams=1, prefill_chunk=c).memory_bytes / 2**20 for c in (16, 64)]
+    assert f"{mib[0]:.1f}" != f"{mib[1]:.1f}"
+    assert out.split("| flexkv, eager | 24 |")[1].split("\n")[0].split("|")[4].strip() == f"{mib[0]:.1f}"
     assert "| cache | 10 | 20 |" in out
     # 48 + 24 tokens fit sink 4 + window 60 until the 9th new token; the first 8 must match the model's own cache
     first = int(out.split("flexkv, eager: first ")[1].split()[0])
@@ -39,6 +49,9 @@ def test_speed_benchmark_refuses_bad_sizes(capsys):
     with pytest.raises(SystemExit):
         real_model_speed.main(["--tokens", "-1"])
     assert "--tokens must be at least 1 (or 0 with --compiled-tokens above 0: compiled runs only), got -1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        real_model_speed.main(["--prefill-chunk", "0"])
+    assert "--prefill-chunk must be at least 1 (or left out for FlexKVCache's default), got 0" in capsys.readouterr().err
 
 
 @needs_model
