@@ -209,12 +209,15 @@ def request_refusal(extra_args) -> Optional[str]:
     retention of the request's own, `{"flexkv": {...}}` offline or `vllm_xargs` such as `flexkv_window` over
     HTTP) would otherwise be carried along and ignored. The retention is the engine's: vLLM sizes its block
     pool and admits requests by the engine's block bound, and its attention metadata holds one window
-    per layer, so a request cannot widen it, and a narrower one is not served either."""
+    per layer, so a request cannot widen it, and a narrower one is not served either. The plugin checks
+    requests in every engine of a process where flexkv is installed, so an engine without a `flexkv` entry
+    refuses such a request too (it would serve no retention of flexkv's for it)."""
     if not isinstance(extra_args, dict):
         return None
     ours = sorted(str(k) for k in extra_args if str(k).lower().startswith(KEY))
     if not ours:
         return None
     return (f"extra_args {ours}: flexkv serves one retention per engine, the one its additional_config['{KEY}'] "
-            f"names, not a request's own (the engine's block pool and admission are sized by its retention); "
+            f"names (none in an engine without that entry), not a request's own (the engine's block pool and "
+            f"admission are sized by its retention); "
             f"drop {ours} from the request, or serve the retention you need from an engine started with it")
