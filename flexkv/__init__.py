@@ -56,9 +56,7 @@ _PUBLIC = {
     "RecompileWarning": "compiling",
     # the caches
     "BoundedKVManager": "cache.manager",
-    "GroupedKVManager": "cache.groups",
     "StreamCache": "cache.protocol",
-    "build_cache": "cache.groups",
     "SlotsExhausted": "cache.host.slots",
     "SourcesExhausted": "cache.host.slots",
     # one step, as a caller describes it to a cache
@@ -73,7 +71,17 @@ __all__ = list(_PUBLIC)
 _SUBPACKAGES = ("config", "step", "compiling", "cache", "model", "session", "cli", "serving", "integrations")
 
 
+#: Names of caches that are now `BoundedKVManager` itself, and how to build what they built.
+_BUILT_AS = {
+    "GroupedKVManager": "BoundedKVManager(config, device, groups=groups)",
+    "build_cache": "BoundedKVManager(config, device, groups=groups)",
+}
+
+
 def __getattr__(name: str):
+    if name in _BUILT_AS:
+        raise AttributeError(f"flexkv.{name} is gone: every bounded cache is one class, build it as "
+                             f"flexkv.{_BUILT_AS[name]}")
     if name in _PUBLIC:
         value = getattr(_importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
         globals()[name] = value

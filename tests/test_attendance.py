@@ -220,6 +220,70 @@ def test_a_hand_driven_step_context_refuses_a_layer_attended_twice_or_never():
     assert cache.written("a") == T
 
 
+def test_a_step_in_chunks_attends_every_layer_once_per_chunk_and_matches_one_step():
+    """`begin((chunk, chunk))`: one transaction, a plan per chunk; each layer attends each chunk once through
+    the context (`plan=`), the commit writes both chunks, and the outputs are one two-chunk-long step's.
+    A layer that misses a chunk commits nothing."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, HEADS, 2 * T, DIM // HEADS) for _ in range(3))
+
+    def chunk(i):
+        return BoundedKVStep((Segment("a", T),), {"a": StreamPosition(0, i * T)}, tokens=T)
+
+    causal = config(2, window=5).replace(causal_step=True)  # a chunk's queries read the chunk up to themselves
+    whole_cache = BoundedKVManager(causal.replace(max_step_tokens=2 * T), block_size=16)
+    whole = StepContext(whole_cache)
+    whole.begin(BoundedKVStep((Segment("a", 2 * T),), {"a": StreamPosition(0, 0)}, tokens=2 * T))
+    want = [whole.attend(layer, q, k, v) for layer in range(2)]
+    whole.commit()
+
+    cache = BoundedKVManager(causal, block_size=16)
+    ctx = StepContext(cache)
+    plans = ctx.begin((chunk(0), chunk(1)))
+    assert isinstance(plans, tuple) and len(plans) == 2
+    with pytest.raises(ValueError, match=r"the step was begun in 2 chunks; pass each chunk's plan"):
+        ctx.attend(0, q[:, :, :T], k[:, :, :T], v[:, :, :T])
+    ctx.attend(0, q[:, :, :T], k[:, :, :T], v[:, :, :T], plan=plans[0])
+    ctx.attend(1, q[:, :, :T], k[:, :, :T], v[:, :, :T], plan=plans[0])
+    ctx.attend(0, q[:, :, T:], k[:, :, T:], v[:, :, T:], plan=plans[1])
+    with pytest.raises(AttendanceError, match=r"cache layer 1 was attended 1 times for the step's 2 chunks"):
+        ctx.commit()
+    assert cache.requests == ()
+
+    plans = ctx.begin([chunk(0), chunk(1)])
+    got = [torch.cat([ctx.attend(layer, q[:, :, s], k[:, :, s], v[:, :, s], plan=p)
+                      for s, p in ((slice(0, T), plans[0]), (slice(T, 2 * T), plans[1]))], dim=2)
+           for layer in range(2)]
+    ctx.commit()
+    assert cache.written("a") == 2 * T == whole_cache.written("a")
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_model_layers_mapped_onto_cache_layers_are_counted_as_model_layers():
+    """`StepContext(cache, layers=...)`: model layers 0 and 2 read cache layers 0 and 1, model layer 1 attends
+    none (a recurrent layer); attend takes model layers, and the check names the one that was skipped."""
+    cache = BoundedKVManager(config(2), block_size=16)
+    ctx = StepContext(cache, layers=(0, None, 1))
+    q = torch.randn(1, HEADS, T, DIM // HEADS)
+    step = BoundedKVStep((Segment("a", T),), {"a": StreamPosition(0, 0)}, tokens=T)
+    ctx.begin(step)
+    with pytest.raises(ValueError, match=r"model layer 1 attends no cache layer .*only layers 0, 2 attend"):
+        ctx.attend(1, q, q, q)
+    ctx.attend(0, q, q, q)
+    with pytest.raises(AttendanceError, match=r"attention layers 2 \(of 2\) were never attended"):
+        ctx.commit()
+    ctx.begin(step)
+    ctx.attend(0, q, q, q)
+    ctx.attend(2, q, q, q)
+    ctx.commit()
+    assert cache.written("a") == T
+    with pytest.raises(ValueError, match=r"no model layer attends cache layers 1"):
+        StepContext(cache, layers=(0, 0))
+    with pytest.raises(ValueError, match=r"layers\[1\]=2 is no cache layer; the cache has layers 0..1"):
+        StepContext(cache, layers=(0, 2))
+
+
 def test_a_transformers_forward_that_skips_an_attention_layer_commits_nothing():
     """FlexKVCache: a layer whose attention never reached flexkv (here: replaced by hand) fails the forward
     and leaves every stream where it was; the same generate() afterwards is the cache's usual one."""

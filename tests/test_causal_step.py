@@ -17,7 +17,6 @@ from flexkv import (
     BoundedKVConfig,
     BoundedKVManager,
     BoundedKVStep,
-    GroupedKVManager,
     LayerGroup,
     Segment,
     SinkWindow,
@@ -52,8 +51,7 @@ GROUPS = (
 def test_a_causal_group_next_to_a_per_step_group_matches_the_reference(path):
     cfg = config()
     options = AttentionOptions.for_cache(cfg, "cpu", path=path)
-    cache = GroupedKVManager(cfg, GROUPS, block_size=8, manager=lambda c, slots: BoundedKVManager(
-        c, "cpu", block_size=8, slots=slots, options=options))
+    cache = BoundedKVManager(cfg, groups=GROUPS, block_size=8, options=options)
     refs = [ReferenceCache(cfg.replace(num_layers=1, retention=g.retention, causal_step=g.causal_step))
             for g in GROUPS]
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)
@@ -89,8 +87,8 @@ def test_causal_step_groups_per_layer():
     with pytest.raises(ValueError, match="LayerGroup.causal_step must be a bool"):
         LayerGroup((0,), SinkWindow(0, 2), causal_step="yes")
     with pytest.raises(ValueError, match=r"group 0 \(layers \[0\]\): causal_step=True is a per-step window"):
-        GroupedKVManager(config(), (LayerGroup((0,), SinkWindow(0, 4), 2, causal_step=True),
-                                    LayerGroup((1,), SinkWindow(0, 4))), "meta")
+        BoundedKVManager(config(), "meta", groups=(LayerGroup((0,), SinkWindow(0, 4), 2, causal_step=True),
+                                    LayerGroup((1,), SinkWindow(0, 4))))
 
 
 def _attention_model(attn, x):

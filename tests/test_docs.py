@@ -304,16 +304,16 @@ def test_the_docs_state_the_signature_of(name: str):
 def test_the_signature_checker_sees_drift():
     """The checker itself: a stated default, name or `*` that differs from the code is reported."""
     code = code_params(flexkv.BoundedKVManager)
-    assert not mismatches(doc_params('config, device="cpu", *, block_size=None, slots=None, options=None, store=None'), code)
-    assert mismatches(doc_params("config, device, block_size=128, slots=None, options=None, store=None"), code) == [
+    assert not mismatches(doc_params('config, device="cpu", *, groups=None, block_size=None, options=None, store=None'), code)
+    assert mismatches(doc_params("config, device, groups=None, block_size=128, options=None, store=None"), code) == [
         "device: the docs say 'device', the code \"device='cpu'\"",
+        "groups is positional in the docs, keyword-only in the code",
         "block_size is positional in the docs, keyword-only in the code",
         "block_size: the docs say 'block_size=128', the code 'block_size=None'",
-        "slots is positional in the docs, keyword-only in the code",
         "options is positional in the docs, keyword-only in the code",
         "store is positional in the docs, keyword-only in the code",
     ]
-    assert mismatches(doc_params("config, *, block_size=None, slots=None, options=None, store=None"), code)[0].startswith("parameters")
+    assert mismatches(doc_params("config, *, groups=None, block_size=None, options=None, store=None"), code)[0].startswith("parameters")
     step = code_params(flexkv.BoundedKVStep)  # positions has a default factory: {}
     assert not mismatches(doc_params("segments, positions={}, tokens=None"), step)
     assert mismatches(doc_params("segments, positions=None, tokens=None"), step)

@@ -16,7 +16,7 @@ from random_workload import check_close
 
 from configs import small_config
 from flexkv import BoundedKVManager, SinkWindow
-from flexkv.cache.groups import GroupedKVManager, LayerGroup, layer_group_configs
+from flexkv.cache.groups import LayerGroup, layer_group_configs
 from flexkv.cache.host.slots import SlotsExhausted
 from flexkv.model.reference import ReferenceCache
 from flexkv.model.uncached import UncachedHistory
@@ -174,7 +174,7 @@ def test_forked_reordered_and_rolled_back_streams_attend_as_if_fed_from_the_star
 def test_grouped_cache_forks_and_rolls_back_every_group():
     cfg = make_config(num_layers=3, max_step_tokens=2, max_rollback=5)
     groups = (LayerGroup((0, 2), SinkWindow(1, 3)), LayerGroup((1,), SinkWindow(0, 7), query_window=7))
-    d = Driver(GroupedKVManager(cfg, groups), cfg, groups, seed=3)
+    d = Driver(BoundedKVManager(cfg, groups=groups), cfg, groups, seed=3)
     random_run(d, steps=40)
     assert d.worst < 1e-9
 

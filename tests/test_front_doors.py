@@ -2,7 +2,7 @@
 
 `StreamSession`, `flexkv.model.wrap` and the engine seam use a cache only through
 the cache protocol (`flexkv.cache.protocol.StreamCache`), so a model whose layers
-keep different parts of the stream (a `GroupedKVManager`, or its uncached
+keep different parts of the stream (a `BoundedKVManager` with layer groups, or its uncached
 twin) runs through each of them. The oracle is one `ReferenceCache` per
 layer, built with that layer's own retention: it shares no code with the
 groups or the session. The twin attends through `ReferenceCache` itself, so
@@ -19,16 +19,7 @@ from random_workload import check_close
 from torch._dynamo.utils import counters
 
 from configs import small_config
-from flexkv import (
-    BoundedKVManager,
-    BoundedKVStep,
-    GroupedKVManager,
-    LayerGroup,
-    Segment,
-    SinkWindow,
-    StreamPosition,
-    StreamSession,
-)
+from flexkv import BoundedKVManager, BoundedKVStep, LayerGroup, Segment, SinkWindow, StreamPosition, StreamSession
 from flexkv.cache.positions.rotary import Rotary
 from flexkv.cache.protocol import StreamCache, check_cache
 from flexkv.cache.storage.quantized import round_trip
@@ -122,7 +113,7 @@ def run_schedule(session, ref, tolerance=1e-5):
 
 @pytest.mark.parametrize("cache", [
     lambda cfg: BoundedKVManager(cfg, block_size=8),
-    lambda cfg: GroupedKVManager(cfg, GROUPS, block_size=8),
+    lambda cfg: BoundedKVManager(cfg, groups=GROUPS, block_size=8),
     lambda cfg: UncachedHistory(cfg),
     lambda cfg: UncachedHistory(cfg, GROUPS),
 ], ids=["bounded", "grouped", "uncached", "uncached-grouped"])
@@ -138,7 +129,7 @@ def test_a_config_is_not_a_cache_and_the_error_says_what_is_missing():
 
 
 @pytest.mark.parametrize("make", [
-    lambda cfg: StreamSession(GroupedKVManager(cfg, GROUPS, block_size=8), compile=False),
+    lambda cfg: StreamSession(BoundedKVManager(cfg, groups=GROUPS, block_size=8), compile=False),
     lambda cfg: StreamSession(UncachedHistory(cfg, GROUPS), compile=False),
     lambda cfg: StreamSession(cfg, groups=GROUPS, compile=False, block_size=8),
 ], ids=["grouped", "uncached-grouped", "config-and-groups"])
@@ -164,7 +155,7 @@ def test_quantized_slots_through_the_session_and_its_twin(make, slot_dtype):
 def test_compiled_session_with_quantized_slots_compiles_once_and_matches_the_reference():
     cfg = config(slot_dtype=torch.int8)
     session = StreamSession(cfg, groups=GROUPS, token_sizes=(1, 3), block_size=8)
-    assert all(m.k_cache_0.dtype == torch.int8 for m in session.cache.managers)
+    assert all(m.k_cache_0.dtype == torch.int8 for m in session.cache.cache_groups)
     torch._dynamo.reset()
     counters.clear()
     session.warmup(model, feed(1, 0))
@@ -178,7 +169,7 @@ def test_compiled_session_with_quantized_slots_compiles_once_and_matches_the_ref
 def test_wrap_on_a_quantized_grouped_cache_computes_what_the_quantized_twin_computes():
     cfg = config(query_window=None, slot_dtype=torch.float8_e4m3fn)
     groups = (LayerGroup((0, 2), SinkWindow(0, 3), name="local"), LayerGroup((1,), SinkWindow(2, 4), name="global"))
-    contexts = [StepContext(GroupedKVManager(cfg, groups, block_size=8)), StepContext(UncachedHistory(cfg, groups))]
+    contexts = [StepContext(BoundedKVManager(cfg, groups=groups, block_size=8)), StepContext(UncachedHistory(cfg, groups))]
     cores = [[attention(ctx, i) for i in range(LAYERS)] for ctx in contexts]
     g = torch.Generator().manual_seed(4)
     for s in range(12):
@@ -245,7 +236,7 @@ def test_wrap_cores_on_a_grouped_cache_compute_what_the_grouped_twin_computes():
     cfg = config(query_window=None)
     groups = (LayerGroup((0, 2), SinkWindow(0, 3), name="local"), LayerGroup((1,), SinkWindow(2, 4), name="global"))
     rot = Rotary(D, base=50.0)
-    contexts = [StepContext(GroupedKVManager(cfg, groups, block_size=8)), StepContext(UncachedHistory(cfg, groups))]
+    contexts = [StepContext(BoundedKVManager(cfg, groups=groups, block_size=8)), StepContext(UncachedHistory(cfg, groups))]
     cores = [[attention(ctx, i, rotary=rot, rope_positions="cache") for i in range(LAYERS)] for ctx in contexts]
     g = torch.Generator().manual_seed(3)
     written = 0
@@ -271,7 +262,7 @@ def test_stream_positions_are_the_same_public_view_on_every_cache():
     step = BoundedKVStep((Segment("a", 3), Segment(None, 0)), {"a": StreamPosition(5, 0, 0)}, tokens=4)
     want = torch.tensor([[7, 6, 5, 8], [0, 1, 2, 3]])  # n = 5: written tokens last-first, then look-ahead
     source = torch.zeros(LAYERS, 1, H, 5, D)
-    for cache in (BoundedKVManager(cfg, block_size=8), GroupedKVManager(cfg, None, block_size=8),
+    for cache in (BoundedKVManager(cfg, block_size=8), BoundedKVManager(cfg, block_size=8),
                   UncachedHistory(cfg)):
         ctx = StepContext(cache)
         assert cache.add_source(source, source) == 0
@@ -283,8 +274,8 @@ def test_engine_spec_with_groups_builds_a_grouped_cache():
     cfg = config(dtype=None)
     spec = BoundedKVSpec("kv", (), cfg, groups=GROUPS)
     cache = BoundedKVResource().build(spec, EngineResourceInfo("cpu", torch.float64))
-    assert isinstance(cache, GroupedKVManager)
-    assert [m.config.retention for m in cache.managers] == [g.retention for g in GROUPS]
+    assert isinstance(cache, BoundedKVManager) and len(cache.cache_groups) == 2
+    assert [g.config.retention for g in cache.cache_groups] == [g.retention for g in GROUPS]
     assert cache.config.dtype == torch.float64
     retuned = spec.apply_yaml_overrides(max_slots=5)
     assert retuned.groups == GROUPS and BoundedKVResource().build(
@@ -296,7 +287,7 @@ def test_groups_with_their_own_head_sizes_attend_as_the_grouped_twin():
     cfg = config(query_window=None, num_heads=2, head_dim=8)
     groups = (LayerGroup((0, 2), SinkWindow(0, 3), name="local"),
               LayerGroup((1,), SinkWindow(2, 4), name="global", num_heads=1, head_dim=16, value_head_dim=4))
-    contexts = [StepContext(GroupedKVManager(cfg, groups, block_size=8)), StepContext(UncachedHistory(cfg, groups))]
+    contexts = [StepContext(BoundedKVManager(cfg, groups=groups, block_size=8)), StepContext(UncachedHistory(cfg, groups))]
     g = torch.Generator().manual_seed(5)
     shapes = {0: (2, 8, 8), 1: (1, 16, 4), 2: (2, 8, 8)}  # layer -> (KV heads, key width, value width)
     written = 0

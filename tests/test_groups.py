@@ -1,4 +1,4 @@
-"""Layer groups (`GroupedKVManager`) and learned sinks (`flexkv.cache.paths.sinks`), in the core.
+"""Layer groups (`BoundedKVManager(config, groups=...)`) and learned sinks (`flexkv.cache.paths.sinks`), in the core.
 
 A grouped cache must attend each layer exactly as a `ReferenceCache` of that
 layer's own retention does, hold per group only what that group keeps, and
@@ -13,16 +13,7 @@ import pytest
 import torch
 
 from configs import small_config
-from flexkv import (
-    BoundedKVManager,
-    BoundedKVStep,
-    GroupedKVManager,
-    LayerGroup,
-    Segment,
-    SinkWindow,
-    SlotsExhausted,
-    StreamPosition,
-)
+from flexkv import BoundedKVManager, BoundedKVStep, LayerGroup, Segment, SinkWindow, SlotsExhausted, StreamPosition
 from flexkv.cache.groups import GroupedPlan, layer_group_configs
 from flexkv.model.reference import ReferenceCache
 from single_thread import one_thread  # noqa: F401
@@ -48,7 +39,7 @@ def attend_against_references(groups):
     """Drive a grouped cache and one `ReferenceCache` per group (built from that group's own config)
     through prefill chunks and decode steps; every layer's output must match its group's reference."""
     cfg = base_config()
-    m = GroupedKVManager(cfg, groups, block_size=8)
+    m = BoundedKVManager(cfg, groups=groups, block_size=8)
     _, configs, _ = layer_group_configs(cfg, groups)
     refs = [ReferenceCache(c.replace(num_layers=1)) for c in configs]
     g = torch.Generator().manual_seed(0)
@@ -101,12 +92,12 @@ def test_groups_with_their_own_head_sizes():
     cell = 8  # float64
     assert report[0]["slot_bytes"] == 2 * 7 * H * (D + D) * cell
     assert report[1]["slot_bytes"] == 2 * 12 * 1 * (16 + 12) * cell
-    assert m.managers[1].k_cache_0.shape[-1] == 16 and m.managers[1].v_cache_0.shape[-1] == 12
+    assert m.cache_groups[1].k_cache_0.shape[-1] == 16 and m.cache_groups[1].v_cache_0.shape[-1] == 12
     # A group that widens its keys and says nothing of values has values as wide as its keys.
     _, configs, _ = layer_group_configs(base_config(), (GROUPS[0], LayerGroup((1, 3), SinkWindow(2, 6), head_dim=16)))
     assert configs[1].value_head_dim == 16 and configs[0].value_head_dim == D
     # One all-layer source tensor cannot hold heads of different sizes.
-    mixed = GroupedKVManager(base_config(max_source_len=3, max_sources=1), (GROUPS[0], wide), block_size=8)
+    mixed = BoundedKVManager(base_config(max_source_len=3, max_sources=1), groups=(GROUPS[0], wide), block_size=8)
     keys = torch.zeros(4, 1, H, 3, D, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"add_source: the groups hold heads of different sizes"):
         mixed.add_source(keys, keys)
@@ -116,7 +107,7 @@ def test_groups_with_their_own_head_sizes():
 
 def test_memory_follows_each_groups_window():
     cfg = base_config()
-    m = GroupedKVManager(cfg, GROUPS, block_size=8)
+    m = BoundedKVManager(cfg, groups=GROUPS, block_size=8)
     report = m.memory_report()
     assert [r["name"] for r in report] == ["sliding", "full"]
     assert [r["slot_cells"] for r in report] == [0 + 3 + 4, 2 + 6 + 4]  # sink + window + step headroom
@@ -131,29 +122,25 @@ def test_memory_follows_each_groups_window():
 
 
 def test_repr_says_what_each_group_keeps():
-    m = GroupedKVManager(base_config(), GROUPS, block_size=8)
+    m = BoundedKVManager(base_config(), groups=GROUPS, block_size=8)
     assert "sliding: layers [0, 2] keep SinkWindow(sink=0, window=3" in repr(m)
     assert "full: layers [1, 3] keep SinkWindow(sink=2, window=6" in repr(m)
 
 
 def test_attend_needs_a_grouped_plan():
-    m = GroupedKVManager(base_config(), GROUPS, block_size=8)
+    m = BoundedKVManager(base_config(), groups=GROUPS, block_size=8)
     x = torch.zeros(1, H, 1, D, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"attend needs this cache's GroupedPlan"):
         m.attend(0, x, x, x, plan=None)
 
 
 def test_the_groups_share_one_slot_table():
-    """Every group's store keeps its requests in the grouped cache's one table, and only the grouped cache
-    changes it: a group's store refuses to admit or commit, and a refused admit changes nothing anywhere."""
-    m = GroupedKVManager(base_config(max_slots=2), GROUPS, block_size=8)
-    assert all(store.slots is m.slots for store in m.managers)
+    """The cache keeps every group's requests in its one table, and a group holds no lifecycle of its own:
+    a refused admit changes nothing anywhere."""
+    m = BoundedKVManager(base_config(max_slots=2), groups=GROUPS, block_size=8)
+    assert all(not hasattr(g, name) for g in m.cache_groups for name in ("slots", "admit", "commit", "add_source"))
     m.admit(step([("a", 1)], {"a": 0}))
     m.commit(step([("a", 1)], {"a": 0}))
-    for what, call in (("admit", lambda g: g.admit(step([("x", 1)], {"x": 0}))),
-                       ("commit", lambda g: g.commit(step([("a", 1)], {"a": 1})))):
-        with pytest.raises(ValueError, match=rf"{what}: this manager stores one layer group of a GroupedKVManager"):
-            call(m.managers[1])
     assert m.requests == ("a",) and m.written("a") == 1
     m.admit(step([("x", 1)], {"x": 0}))
     assert m.requests == ("a", "x") and m.free_slots == 0
@@ -163,10 +150,6 @@ def test_the_groups_share_one_slot_table():
     assert m.slots.snapshot() == before
     with pytest.raises(ValueError, match=r"request 'a': written=0 but 1 tokens are committed"):
         m.admit(step([("a", 1)], {"a": 0}))
-    # Sources reach every group's tensors, so a group's store refuses one of its own.
-    with pytest.raises(ValueError, match=r"add_source: this manager stores one layer group of a GroupedKVManager"):
-        m.managers[0].add_source(torch.zeros(2, 1, H, 1, D, dtype=torch.float64),
-                                 torch.zeros(2, 1, H, 1, D, dtype=torch.float64))
     assert m.slots.snapshot() == before
 
 
@@ -180,7 +163,7 @@ def test_the_groups_share_one_slot_table():
 ], ids=["twice", "missing", "out-of-range", "bad-group-config"])
 def test_groups_that_do_not_cover_the_layers_once_are_named(groups, match):
     with pytest.raises(ValueError, match=match):
-        GroupedKVManager(base_config(), groups())
+        BoundedKVManager(base_config(), groups=groups())
 
 
 @pytest.mark.parametrize("args, match", [
@@ -195,20 +178,47 @@ def test_a_bad_layer_group_is_refused(args, match):
 
 def test_sources_are_split_by_layer():
     cfg = base_config(max_source_len=3, max_sources=1)
-    m = GroupedKVManager(cfg, GROUPS, block_size=8)
+    m = BoundedKVManager(cfg, groups=GROUPS, block_size=8)
     keys = torch.arange(4, dtype=torch.float64).view(4, 1, 1, 1, 1).expand(4, 1, H, 3, D).contiguous()
     assert m.add_source(keys, keys + 10) == 0
     for gi, g in enumerate(GROUPS):
-        kc = m.managers[gi].k_cache_1
+        kc = m.cache_groups[gi].k_cache_1
         assert kc[0, 0, 0, 0].item() == g.layers[1]  # the group's second layer holds that model layer's source
     m.remove_source(0)
-    assert m.sources == {} and all(mm.sources == {} for mm in m.managers)
+    assert m.sources == {}
 
 
 def test_a_layer_is_found_by_group_of_and_its_config_by_layer_config():
     """`group_of` says where a model layer lives, `layer_config` its config (`layer_manager` is gone)."""
-    m = GroupedKVManager(base_config(), GROUPS, block_size=8)
+    m = BoundedKVManager(base_config(), groups=GROUPS, block_size=8)
     g, i = m.group_of(3)
-    assert i == 1 and m.layer_config(3).retention == m.managers[g].config.retention == SinkWindow(2, 6)
+    assert i == 1 and m.layer_config(3).retention == m.cache_groups[g].config.retention == SinkWindow(2, 6)
     assert not hasattr(m, "layer_manager") and not hasattr(BoundedKVManager(base_config(), block_size=8),
                                                            "layer_manager")
+
+
+def test_what_one_group_owns_is_asked_of_a_group_when_there_are_several():
+    """A one-group cache's store, layout, paths and path choice are its group's; with several groups the cache
+    names where each lives instead of answering for one of them."""
+    one = BoundedKVManager(base_config(), block_size=8)
+    assert one.store is one.cache_groups[0].store and one.layout is one.cache_groups[0].layout
+    assert one.k_cache_0 is one.cache_groups[0].k_cache_0 and one.path_for(1) == one.cache_groups[0].path_for(1)
+    m = BoundedKVManager(base_config(), groups=GROUPS, block_size=8)
+    for what in ("store", "layout", "paths"):
+        with pytest.raises(ValueError, match=rf"BoundedKVManager.{what}: this cache has 2 layer groups.*"
+                                             rf"cache.cache_groups\[g\].{what}"):
+            getattr(m, what)
+    with pytest.raises(ValueError, match=r"path_for: this cache has 2 layer groups"):
+        m.path_for(1)
+    with pytest.raises(AttributeError):
+        m.k_cache_0
+
+
+@pytest.mark.parametrize("name", ["GroupedKVManager", "build_cache"])
+def test_the_former_ways_to_build_a_grouped_cache_say_how_to_build_it_now(name):
+    import flexkv
+
+    with pytest.raises(AttributeError, match=rf"flexkv.{name} is gone.*flexkv.BoundedKVManager\(config, device, "
+                                             r"groups=groups\)"):
+        getattr(flexkv, name)
+

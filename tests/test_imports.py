@@ -109,7 +109,7 @@ def test_step_is_the_bottom_layer():
 def test_public_names_are_exported_and_internals_are_not():
     assert set(flexkv.__all__) >= {"StreamSession", "Chunk", "BoundedKVManager", "BoundedKVConfig", "SinkWindow",
                                    "BoundedKVStep", "Segment", "StreamPosition", "SlotsExhausted", "UncachedHistory",
-                                   "StepContext", "CacheAttention", "Rotary", "swap_attention", "GroupedKVManager"}
+                                   "StepContext", "CacheAttention", "Rotary", "swap_attention"}
     # internals, plans callers never look inside, return types and the serving engine's seams
     assert not set(flexkv.__all__) & {"Layout", "ResourceStep", "Resource", "NodeResourceSpec", "apply_deployment",
                                       "warn_if_untested", "BoundedPlan", "GroupedPlan", "StepResult",
@@ -231,7 +231,7 @@ def cache_rule_breaks(graph: dict) -> list:
 def test_every_cache_module_sits_in_a_role():
     """`flexkv/cache/` holds the caches themselves at its top, everything else in a role's sub-package."""
     top = sorted(n for n in MODULES if n.startswith("flexkv.cache.") and n.count(".") == 2)
-    assert top == sorted(["flexkv.cache.groups", "flexkv.cache.manager", "flexkv.cache.protocol",
+    assert top == sorted(["flexkv.cache.cache_group", "flexkv.cache.groups", "flexkv.cache.manager", "flexkv.cache.protocol",
                           *(f"flexkv.cache.{role}" for role in CACHE_ROLES)])
 
 

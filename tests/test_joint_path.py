@@ -392,12 +392,12 @@ def test_a_segment_interrupted_after_a_bank_write_changes_nothing_and_runs_again
 def test_a_grouped_cache_routes_joined_keys_and_parts_to_the_layers_group():
     """Layers in two retention groups: a joined call and a `write_part` on model layer 1 equal the same on a
     bounded cache of that layer's group alone."""
-    from flexkv import GroupedKVManager, LayerGroup
+    from flexkv import LayerGroup
 
     base = make_config(SinkWindow(1, 3))
     groups = (LayerGroup((0,), SinkWindow(1, 3)), LayerGroup((1,), SinkWindow(0, 2)))
     alone = BoundedKVManager(make_config(SinkWindow(0, 2), num_layers=1), "cpu")
-    wide = GroupedKVManager(base, groups)
+    wide = BoundedKVManager(base, groups=groups)
     g = torch.Generator().manual_seed(10)
     written = {"a": 0, "b": 0}
     for s in range(4):

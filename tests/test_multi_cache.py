@@ -627,7 +627,8 @@ def test_one_context_class_steps_one_cache_or_several_named_ones():
                  for name in CONFIGS}
         with named.stepping(steps) as plans:
             got = model(named, x)
-        assert set(plans) == set(CONFIGS) and named.plans == plans
+            assert set(plans) == set(CONFIGS) and named.plans == plans
+        assert named.plans is None  # the step is over: no layer attends with its plans
         want = {}
         for name, ctx in one.items():
             with ctx.stepping(steps[name]):

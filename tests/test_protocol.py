@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flexkv import BoundedKVConfig, SinkWindow
-from flexkv.cache.groups import GroupedKVManager, LayerGroup
+from flexkv.cache.groups import LayerGroup
 from flexkv.cache.manager import BoundedKVManager
 from flexkv.cache.protocol import PROTOCOL_MEMBERS, StreamCache, check_cache
 from flexkv.model.uncached import UncachedHistory
@@ -22,9 +22,10 @@ GROUPS = (LayerGroup((0,), SinkWindow(0, 2)), LayerGroup((1,), SinkWindow(1, 3))
 
 CACHES = {
     "BoundedKVManager": lambda: BoundedKVManager(CONFIG, block_size=8),
-    "GroupedKVManager": lambda: GroupedKVManager(CONFIG, GROUPS, block_size=8),
+    "BoundedKVManager(groups)": lambda: BoundedKVManager(CONFIG, groups=GROUPS, block_size=8),
     "UncachedHistory": lambda: UncachedHistory(CONFIG, GROUPS),
     "ShardedKVManager": lambda: ShardedKVManager(CONFIG, rank=1, world_size=2, block_size=8),
+    "ShardedKVManager(groups)": lambda: ShardedKVManager(CONFIG, groups=GROUPS, rank=1, world_size=2, block_size=8),
 }
 
 METHODS = [n for n in PROTOCOL_MEMBERS if inspect.isfunction(StreamCache.__dict__.get(n))]

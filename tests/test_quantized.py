@@ -5,7 +5,7 @@ tests/test_properties.py, tests/test_front_doors.py and tests/test_compiled.py."
 import pytest
 import torch
 
-from flexkv import BoundedKVConfig, BoundedKVManager, GroupedKVManager, LayerGroup, SinkWindow
+from flexkv import BoundedKVConfig, BoundedKVManager, LayerGroup, SinkWindow
 from flexkv.cache.positions.rotary import Rotary
 from flexkv.cache.storage import quantized
 from flexkv.cli.workload import WorkloadError, parse_workload
@@ -63,11 +63,11 @@ def test_a_small_quantized_cache_gets_a_scratch_no_larger_than_its_rows(slot_dty
 
 def test_memory_report_counts_scales_per_group():
     groups = (LayerGroup((0,), SinkWindow(0, 64), name="local"), LayerGroup((1,), SinkWindow(4, 1020), name="global"))
-    g = GroupedKVManager(config(slot_dtype=torch.int8), groups, "meta")
-    for report, m in zip(g.memory_report(), g.managers):
+    g = BoundedKVManager(config(slot_dtype=torch.int8), "meta", groups=groups)
+    for report, m in zip(g.memory_report(), g.cache_groups):
         assert report["slot_bytes"] == m.slot_bytes == m.layout.slot_cells() * 2 * 8 * (128 + 4)
         assert report["slot_dtype"] == torch.int8
-    assert g.slot_bytes == sum(m.slot_bytes for m in g.managers)
+    assert g.slot_bytes == sum(m.slot_bytes for m in g.cache_groups)
 
 
 def test_quantize_keeps_each_vectors_largest_entry_and_bounds_the_error():
@@ -203,7 +203,7 @@ def test_flexkv_cache_generates_with_quantized_slots_close_to_unquantized():
                              output_logits=True, return_dict_in_generate=True)
         outs.append(out)
         caches.append(cache)
-    assert all(m.k_cache_0.dtype == torch.int8 for m in caches[1].manager.managers)
+    assert all(m.k_cache_0.dtype == torch.int8 for m in caches[1].manager.cache_groups)
     assert caches[1].manager.slot_bytes < caches[0].manager.slot_bytes
     first = torch.stack(outs[0].logits, 1)[:, :4], torch.stack(outs[1].logits, 1)[:, :4]
     assert 0 < float((first[0] - first[1]).abs().max()) < 0.05 * float(first[0].abs().max())

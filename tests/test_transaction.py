@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVStep, Segment, SinkWindow, StreamPosition
-from flexkv.cache.groups import GroupedKVManager, LayerGroup
+from flexkv.cache.groups import LayerGroup
 from flexkv.cache.host.transaction import StepTransaction
 from flexkv.cache.manager import BoundedKVManager
 from flexkv.model.uncached import UncachedHistory
@@ -26,7 +26,7 @@ CONFIG = BoundedKVConfig(num_layers=LAYERS, num_heads=H, head_dim=D, rows_per_re
 GROUPS = (LayerGroup((0,), SinkWindow(0, 2)), LayerGroup((1,), SinkWindow(1, 3)))
 CACHES = {
     "bounded": lambda: BoundedKVManager(CONFIG, block_size=8),
-    "grouped": lambda: GroupedKVManager(CONFIG, GROUPS, block_size=8),
+    "grouped": lambda: BoundedKVManager(CONFIG, groups=GROUPS, block_size=8),
     "uncached": lambda: UncachedHistory(CONFIG, GROUPS),
 }
 

@@ -92,7 +92,7 @@ def test_generate_matches_the_model_reading_the_quantized_cells_back(family, slo
     ids, mask = left_pad(ps)
     cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=4, prefill_chunk=CHUNK, block_size=16,
                         slot_dtype=slot_dtype)
-    assert all(m.k_cache_0.dtype == slot_dtype for m in cache.manager.managers)
+    assert all(m.k_cache_0.dtype == slot_dtype for m in cache.manager.cache_groups)
     out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=NEW, do_sample=False,
                          output_logits=True, return_dict_in_generate=True)
     logits = torch.stack(out.logits, dim=1)

@@ -1,49 +1,33 @@
-"""Per-layer retention: layers grouped by what they keep, one slot table and a store per group.
+"""Layer groups: which layers keep which part of every stream, and a step's plan per group.
 
 Models mix layer types: Gemma 3 alternates five sliding-window layers with
 one global layer, gpt-oss alternates sliding and global layers, and each
-kind keeps a different part of the stream. `GroupedKVManager` is one
-`flexkv.cache.host.slots.SlotTable` (the requests, their slots, written counts
-and sources: the same for every group) and one device store per
-`LayerGroup` (a `BoundedKVManager` over that shared table), each with its
-own retention and so its own slot size: a group whose window is 128 holds
-128 cells per slot, not what the widest group needs.
-
-A step still goes `admit -> plan -> attend (per layer) -> commit`:
-
-* `admit(step)` checks and admits the step once, in the shared table;
-* `plan(step)` reads the table once and plans the step for each group's
-  store (host ints, as `BoundedKVManager.plan`), returning a `GroupedPlan`;
-* `attend(layer, ...)` runs the layer's one FlexAttention call in its group's
-  store, with the group's plan and the layer's index inside the group;
-* `commit(step)` records the written tokens once, in the table.
-
-A source is checked for every group before any is written, then copied
-into the same place of every group's tensors. Only what each group keeps
-differs. The lifecycle members are `flexkv.cache.host.lifecycle.StreamLifecycle`'s
-over the table and every group's store, as for every other cache.
+kind keeps a different part of the stream. A `LayerGroup` names layers that
+keep the same part (a retention, a query window, head sizes);
+`per_layer_groups` groups one retention per layer; `layer_group_configs`
+checks the groups against a config and gives each its own config and each
+model layer its `(group, index inside the group)`. A
+`flexkv.cache.manager.BoundedKVManager` keeps one slot table and one
+`flexkv.cache.cache_group.CacheGroup` per group, each with its own slot
+size: a group whose window is 128 holds 128 cells per slot, not what the
+widest group needs. With several groups its plan is a `GroupedPlan` (one
+plan per group, from one read of the table) and a layer's rotary positions a
+`GroupRotation` (the layer's group's rotation, given that plan).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from ..config import BoundedKVConfig, Retention, SinkWindow, check_config, check_layer_index, is_int, resolve_device
+from ..config import BoundedKVConfig, Retention, SinkWindow, check_config, is_int
 from ..step import BoundedKVStep
-from .host.lifecycle import StreamLifecycle
 from .host.planner import BoundedPlan
-from .host.slots import SlotTable
-from .host.sources import split_source
-from .manager import BoundedKVManager
-from .paths.joint_path import KeyPart
 
-__all__ = ["LayerGroup", "GroupedKVManager", "GroupedPlan", "layer_group_configs", "per_layer_groups", "as_layer_groups",
-           "build_cache"]
-
+__all__ = ["LayerGroup", "GroupedPlan", "GroupRotation", "layer_group_configs", "per_layer_groups", "as_layer_groups"]
 
 
 @dataclass(frozen=True)
@@ -171,14 +155,6 @@ def as_layer_groups(config: BoundedKVConfig, groups) -> Tuple[LayerGroup, ...]:
         f"groups must be LayerGroups, or one SinkWindow per layer (not a mix), got {list(items)!r}")
 
 
-def build_cache(config: BoundedKVConfig, groups=None, device="cpu", *, block_size: Optional[int] = None):
-    """The cache for `config`: a `BoundedKVManager`, or with `groups` (LayerGroups, or one
-    retention per layer) a `GroupedKVManager` whose layer groups keep their own retention."""
-    if groups is None:
-        return BoundedKVManager(config, device, block_size=block_size)
-    return GroupedKVManager(config, as_layer_groups(config, groups), device, block_size=block_size)
-
-
 def layer_group_configs(config: BoundedKVConfig, groups: Optional[Sequence[LayerGroup]] = None):
     """Check `groups` against `config`; returns `(groups, configs, route)`.
 
@@ -186,7 +162,7 @@ def layer_group_configs(config: BoundedKVConfig, groups: Optional[Sequence[Layer
     query window and any head sizes it sets; everything else shared), `route[layer]` the
     `(group, index inside the group)` of each model layer. `groups=None` is
     one group of every layer with `config`'s own retention. This is the one
-    place a grouped cache's per-group configs come from: `GroupedKVManager`
+    place a cache's per-group configs come from: `flexkv.cache.manager.BoundedKVManager`
     and the uncached twin (`flexkv.model.uncached.UncachedHistory`) both use it.
     """
     check_config(config)
@@ -271,189 +247,3 @@ class GroupRotation(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, plan: "GroupedPlan"):
         return self.rotation(q, k, plan.plans[self.group])
-
-
-class GroupedKVManager(StreamLifecycle, nn.Module):
-    """A bounded KV cache whose layer groups each keep their own sink + window.
-
-    Args:
-        config: what the groups share: `num_layers` (all layers, every one
-            in exactly one group), heads, head dim, rows per request, slots,
-            sources, dtype, `max_step_tokens`. Its own `retention` and
-            `query_window` describe a single group of every layer when
-            `groups` is None; with groups they are replaced by each group's.
-        groups: the `LayerGroup`s; together they must cover
-            `range(config.num_layers)` once.
-        device, block_size: as for `BoundedKVManager`.
-        manager: builds each group's store from its config and the shared
-            slot table, `manager(config, slots)` (default:
-            `BoundedKVManager(config, device, block_size=block_size,
-            slots=slots)`); a tensor-parallel engine passes one that builds
-            `flexkv.serving.distributed.ShardedKVManager`s.
-
-    `slots` is the one `SlotTable` of every group; `managers[g]` is group
-    `g`'s store, a `BoundedKVManager` over that table (its layer `i` is model
-    layer `groups[g].layers[i]`).
-    """
-
-    def __init__(
-        self,
-        config: BoundedKVConfig,
-        groups: Optional[Sequence[LayerGroup]] = None,
-        device="cpu",
-        *,
-        block_size: Optional[int] = None,
-        manager: Optional[Callable[[BoundedKVConfig, SlotTable], BoundedKVManager]] = None,
-    ):
-        super().__init__()
-        check_config(config)
-        groups, configs, route = layer_group_configs(config, groups)
-        if manager is None:
-            def manager(cfg, slots):
-                return BoundedKVManager(cfg, device, block_size=block_size, slots=slots)
-        elif not callable(manager):
-            raise ValueError(f"manager must be a callable (config, slots) -> BoundedKVManager, got {manager!r}")
-        self.config = config
-        self.groups = groups
-        self.device = resolve_device(device)
-        #: The requests, slots and sources of every group (`flexkv.cache.host.slots.SlotTable`).
-        self.slots = SlotTable(config)
-        built = [manager(c, self.slots) for c in configs]
-        for gi, m in enumerate(built):
-            if not isinstance(m, BoundedKVManager):
-                raise ValueError(f"manager(config, slots) must return a BoundedKVManager, got {type(m).__name__} "
-                                 f"for group {gi}")
-            if m.slots is not self.slots:
-                raise ValueError(f"manager(config, slots) must build group {gi}'s store over the slot table it is "
-                                 f"given (BoundedKVManager(..., slots=slots))")
-        self.managers = nn.ModuleList(built)
-        # Host-side access without nn.ModuleList's indexing cost (it runs on every step).
-        self._mgrs = tuple(self.managers)
-        self._route = route
-        self._lock = self.slots.lock
-        self._stores = tuple(m.store for m in built)
-
-    # ------------------------------------------------------------------ views
-
-    def group_of(self, layer_idx: int) -> Tuple[int, int]:
-        """`(group, index inside the group)` of model layer `layer_idx`."""
-        return self._route[check_layer_index(layer_idx, len(self._route))]
-
-    # ------------------------------------------------------ the cache protocol
-    # What every flexkv cache offers the front doors above it (`flexkv.cache.protocol.StreamCache`).
-
-    #: `attend` traces under `torch.compile(fullgraph=True)`.
-    compilable = True
-
-    def layer_config(self, layer_idx: int) -> BoundedKVConfig:
-        """The config that governs model layer `layer_idx`: its group's (retention, windows)."""
-        g, _ = self.group_of(layer_idx)
-        return self._mgrs[g].config
-
-    def rotation(self, layer_idx: int, rotary, mode: str = "stream", *, rotated_inputs: bool = False) -> "GroupRotation":
-        """Rotary positions for model layer `layer_idx` (see `BoundedKVManager.rotation`), in its group;
-        called with this cache's `GroupedPlan`."""
-        g, i = self.group_of(layer_idx)
-        return GroupRotation(g, self._mgrs[g].rotation(i, rotary, mode, rotated_inputs=rotated_inputs))
-
-    def stream_positions(self, plan: GroupedPlan, tokens: Optional[int] = None) -> torch.Tensor:
-        """Stream index of each of the step's own tokens, `[N, T]` (the same in every group)."""
-        if not isinstance(plan, GroupedPlan):
-            raise ValueError(f"stream_positions needs this cache's GroupedPlan (cache.plan(step)), got {type(plan).__name__}")
-        return self._mgrs[0].stream_positions(plan.plans[0], tokens)
-
-    @property
-    def memory_bytes(self) -> int:
-        """Bytes every group's key and value tensors hold."""
-        return sum(m.memory_bytes for m in self._mgrs)
-
-    @property
-    def slot_bytes(self) -> int:
-        """Bytes one request's slot holds over every group: the memory of one stream."""
-        return sum(m.slot_bytes for m in self._mgrs)
-
-    def memory_report(self) -> tuple:
-        """One dict per group: its name, layers, retention, query window, KV heads, key and value
-        widths, slot dtype (None: unquantized), cells per slot row, bytes per slot (over its layers,
-        keys and values, scales included) and bytes held."""
-        out = []
-        for g, m in zip(self.groups, self._mgrs):
-            out.append(
-                dict(
-                    name=g.name,
-                    layers=g.layers,
-                    retention=g.retention,
-                    query_window=g.query_window,
-                    num_heads=m.config.num_heads,
-                    head_dim=m.config.head_dim,
-                    value_head_dim=m.config.value_head_dim,
-                    causal_step=g.causal_step,
-                    slot_dtype=m.config.slot_dtype,
-                    slot_cells=m.layout.slot_row_len,
-                    slot_bytes=m.slot_bytes,
-                    memory_bytes=m.memory_bytes,
-                )
-            )
-        return tuple(out)
-
-    # -------------------------------------------------------------- lifecycle
-    # `StreamLifecycle` (flexkv.cache.host.lifecycle) writes the members once, over the one table and every
-    # group's store: the table changes once, each store copies its own slots, each group's ring and
-    # retention decide what can be taken back.
-
-    def _plan_step(self, step, slots, private, eager_only) -> GroupedPlan:
-        """One plan per group, from one read of the table."""
-        return GroupedPlan([m.plan_from(step, slots, private, eager_only) for m in self._mgrs])
-
-    def _source_shares(self, what: str, keys: torch.Tensor, values: torch.Tensor):
-        """Each group's store with its share of all-layer source tensors, checked by that store."""
-        shares = split_source(what, self.config, self.groups, [m.config for m in self._mgrs], keys, values)
-        checked = [(m.store, *m.store.source_tensors(what, k, v)) for m, (k, v) in zip(self._mgrs, shares)]
-        return [(store, k, v) for store, k, v, _ in checked], checked[0][3]
-
-    # -------------------------------------------------------------- attention
-
-    def attend(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        plan: GroupedPlan,
-        *,
-        scale: Optional[float] = None,
-        score_mod: Optional[Callable] = None,
-        positions: str = "stream",
-        sinks: Optional[torch.Tensor] = None,
-        return_lse: bool = False,
-        query_only: Optional[torch.Tensor] = None,
-        joined: Optional[Sequence[KeyPart]] = None,
-    ) -> torch.Tensor:
-        """`BoundedKVManager.attend` for model layer `layer_idx`, in its group with the group's plan."""
-        m, i, group_plan = self._in_group_of("attend", layer_idx, plan)
-        return m.attend(i, q, k, v, group_plan, scale=scale, score_mod=score_mod, positions=positions, sinks=sinks,
-                        return_lse=return_lse, query_only=query_only, joined=joined)
-
-    def write_part(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan: GroupedPlan) -> KeyPart:
-        """`BoundedKVManager.write_part` for model layer `layer_idx`, in its group with the group's plan."""
-        m, i, group_plan = self._in_group_of("write_part", layer_idx, plan)
-        return m.write_part(i, k, v, group_plan)
-
-    def _in_group_of(self, what: str, layer_idx: int, plan) -> tuple:
-        """`(group's store, layer in the group, group's plan)` of model layer `layer_idx` under `plan`."""
-        if not isinstance(plan, GroupedPlan) or len(plan) != len(self._mgrs):
-            raise ValueError(
-                f"{what} needs this cache's GroupedPlan (one plan per group, {len(self._mgrs)} groups): "
-                f"pass plan=cache.plan(step), got {plan!r}"
-            )
-        g, i = self.group_of(layer_idx)
-        return self._mgrs[g], i, plan.plans[g]
-
-    def extra_repr(self) -> str:
-        parts = []
-        for g, m in zip(self.groups, self._mgrs):
-            label = f"{g.name}: " if g.name else ""
-            parts.append(
-                f"{label}layers {list(g.layers)} keep {g.retention} ({m.layout.slot_row_len} cells per slot row)"
-            )
-        return "; ".join(parts)

@@ -1,23 +1,30 @@
-"""`BoundedKVManager`: a slot table, the device store of its layers, and the attention paths over it.
+"""`BoundedKVManager`: the bounded cache: one slot table, the lifecycle, and a `CacheGroup` per layer group.
 
 Host state (which request holds which slot, what each has committed) lives
-in a `flexkv.cache.host.slots.SlotTable`, plain Python objects behind its lock.
-Device state is the store (`flexkv.cache.storage.store.LayerStore`): one key and one
-value tensor per layer, registered buffers allocated once (see
-`flexkv.cache.host.layout`), and the scratch its paths asked for. Attention is one
-of the paths of `flexkv.cache.paths.choice`, chosen per call in one place. A step
-goes `admit -> plan -> attend (per layer) -> commit`; `attend` checks the
-call, writes the step's tokens into the store, runs the chosen path and
-applies the epilogue (learned sinks, the log-sum-exp, query-only queries).
+in one `flexkv.cache.host.slots.SlotTable`, plain Python objects behind its
+lock. Device state lives in one `flexkv.cache.cache_group.CacheGroup` per
+layer group (`flexkv.cache.groups.LayerGroup`: layers that keep the same
+part of every stream): the group's layout, its store (one key and one value
+tensor per layer, registered buffers allocated once) and its attention
+paths. A model whose every layer keeps the same sink + window has one group;
+Gemma 3's five sliding layers to one global layer, or gpt-oss's alternation,
+have two, each with its own retention and so its own slot size.
+
+A step goes `admit -> plan -> attend (per layer) -> commit`:
+
+* `admit(step)` checks and admits the step once, in the table;
+* `plan(step)` reads the table once and plans the step for each group (host
+  ints): one group's `BoundedPlan`, or a `flexkv.cache.groups.GroupedPlan`
+  of one plan per group;
+* `attend(layer, ...)` runs the layer's attention in its group, with the
+  group's plan and the layer's index inside the group;
+* `commit(step)` records the written tokens once, in the table.
 
 The lifecycle members (admit checks, plan, commit, reset, remove, sources,
 fork, reorder, rollback) are `flexkv.cache.host.lifecycle.StreamLifecycle`'s,
-written once for every cache: this one is its one-store case. A manager
-keeps a table of its own, or (`slots=`) stores one layer group of a
-`flexkv.cache.groups.GroupedKVManager` over the table every group shares;
-every change to that table (admit, plan, commit, sources, forks, rollbacks:
-they must reach every group's tensors and rings) then goes through the
-grouped cache.
+written once for every cache, over the one table and every group's store. A
+tensor-parallel rank (`flexkv.serving.distributed.ShardedKVManager`) is this
+class with its groups holding the rank's heads.
 """
 
 from __future__ import annotations
@@ -28,19 +35,13 @@ import torch
 from torch import nn
 
 from ..config import BoundedKVConfig, check_config, check_layer_index, resolve_device
-from ..step import BoundedKVStep
-from .host.layout import Layout
+from .cache_group import CacheGroup
+from .groups import GroupedPlan, GroupRotation, as_layer_groups, layer_group_configs
 from .host.lifecycle import StreamLifecycle
-from .host.planner import BoundedPlan, build_plan
 from .host.slots import SlotsExhausted, SlotTable, SourcesExhausted
+from .host.sources import split_source
 from .paths.attention_options import AttentionOptions
-from .paths.choice import AttentionPaths, PathCall
-from .paths.joint_path import KeyPart, check_joined
-from .paths.query_only import attend_query_only, check_query_only
-from .paths.sinks import apply_learned_sinks, check_sinks
-from .positions.masks import POSITION_MODES, make_score_mod
-from .positions.relative_position import RelativePositionScores
-from .positions.rotary import SinkRotation, stream_positions
+from .paths.joint_path import KeyPart
 from .storage.store import LayerStore
 
 __all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted"]
@@ -72,30 +73,35 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
     """A bounded sink + window KV cache for `config.max_slots` requests (docs/contract.md section 5).
 
     Args:
-        config: the cache's `BoundedKVConfig`; its `dtype` must be settled
-            (build through `BoundedKVResource` to take the engine's).
+        config: the cache's `BoundedKVConfig`: what every layer shares (heads, head dim, rows per
+            request, slots, sources, dtype, `max_step_tokens`) and, without `groups`, the one
+            retention and query window of every layer. Its `dtype` must be settled (build through
+            `BoundedKVResource` to take the engine's).
         device: where the KV tensors live. `"meta"` allocates nothing and
             still plans, exactly as CUDA would (block size and full blocks), which
             shows that planning never touches device data.
+        groups: layers grouped by what they keep: `flexkv.cache.groups.LayerGroup`s covering
+            `range(config.num_layers)` once, or one retention per layer (`SinkWindow`s or callables;
+            `flexkv.cache.groups.per_layer_groups` groups equal ones); each group replaces the
+            config's retention and query window (and head sizes it sets) for its layers. None (the
+            default): one group of every layer with the config's own.
         block_size: FlexAttention's KV block size (cells per block); None (the default) lets
-            flexkv choose for the config and device (`flexkv.cache.host.layout.default_block_size`).
-        slots: the `SlotTable` to keep the requests in; None (the default) makes one. A
-            `GroupedKVManager` passes the table all its groups share; such a manager stores one
-            group and refuses sources of its own (the grouped cache writes them in every group).
+            flexkv choose for each group's config and the device (`flexkv.cache.host.layout.default_block_size`).
         options: how attention is computed (`flexkv.cache.paths.attention_options.AttentionOptions`:
             path, GQA packing, full blocks, epilogue barrier, kernel sharing), fixed for the cache's
-            life; None (the default) takes `AttentionOptions.for_cache(config, device)`.
-        store: builds the cache's device store, `store(config, device, layout)` returning a
-            `flexkv.cache.storage.store.LayerStore`; None (the default) builds a `LayerStore`. A
-            tensor-parallel rank passes one that keeps its heads of each source.
+            life and the same for every group; None (the default) takes
+            `AttentionOptions.for_cache(config, device)`.
+        store: builds each group's device store, `store(config, device, layout)` returning a
+            `flexkv.cache.storage.store.LayerStore` of the group's config; None (the default) builds
+            a `LayerStore`.
 
-    `store` is the `LayerStore` (its `k_cache_{i}`, `v_cache_{i}` buffers also read as the cache's
-    own attributes), `paths` the `flexkv.cache.paths.choice.AttentionPaths` that choose each call's path.
+    `cache_groups[g]` is group `g`'s `flexkv.cache.cache_group.CacheGroup` (its layer `i` is model
+    layer `groups[g].layers[i]`). A one-group cache's `store`, `layout`, `paths` and `options` are its
+    group's, and its buffers (`k_cache_{i}`, `v_cache_{i}`) read as the cache's own attributes.
     """
 
-    def __init__(self, config: BoundedKVConfig, device="cpu", *, block_size: Optional[int] = None,
-                 slots: Optional[SlotTable] = None, options: Optional[AttentionOptions] = None,
-                 store: Optional[Callable[..., LayerStore]] = None):
+    def __init__(self, config: BoundedKVConfig, device="cpu", *, groups=None, block_size: Optional[int] = None,
+                 options: Optional[AttentionOptions] = None, store: Optional[Callable[..., LayerStore]] = None):
         super().__init__()
         check_config(config)
         if config.dtype is None:
@@ -105,36 +111,35 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
             )
         self.config = config
         self.device = resolve_device(device)
-        self.layout = Layout.for_config(config, block_size, self.device.type)
-        if slots is not None and not isinstance(slots, SlotTable):
-            raise ValueError(f"slots must be a flexkv.cache.host.slots.SlotTable or None, got {type(slots).__name__}")
-        if slots is not None:
-            slots.check_shares(config, "this manager")
         if options is None:
             options = AttentionOptions.for_cache(config, self.device)
         elif not isinstance(options, AttentionOptions):
             raise ValueError(
                 f"options must be a flexkv.cache.paths.attention_options.AttentionOptions or None, got "
                 f"{type(options).__name__}; build one with AttentionOptions.for_cache(config, device, ...)")
-        built = LayerStore(config, self.device, self.layout) if store is None else store(config, self.device,
-                                                                                             self.layout)
-        if not isinstance(built, LayerStore) or built.config != config or built.layout != self.layout:
-            raise ValueError(f"store(config, device, layout) must return a flexkv.cache.storage.store.LayerStore of that "
-                             f"config and layout, got {type(built).__name__}")
-        #: Whether this manager stores one layer group of a grouped cache (its table is that cache's): every
-        #: change to the table then goes through the grouped cache, which changes every group.
-        self._in_group = slots is not None
+        if store is not None and not callable(store):
+            raise ValueError(f"store must be a callable (config, device, layout) -> LayerStore, or None, got {store!r}")
+        layer_groups, configs, route = layer_group_configs(
+            config, None if groups is None else as_layer_groups(config, groups))
+        #: The `LayerGroup`s: which layers keep which part of every stream.
+        self.groups = layer_groups
         #: Host bookkeeping: slots, requests, source places (`flexkv.cache.host.slots`), under its lock.
-        self.slots = SlotTable(config) if slots is None else slots
+        self.slots = SlotTable(config)
         self._lock = self.slots.lock
-        #: How attention is computed (`AttentionOptions`), fixed for the cache's life.
-        self._options = options
-        #: The device state: every layer's tensors (`flexkv.cache.storage.store.LayerStore`), a submodule.
-        self.store = built
-        object.__setattr__(self, "_store", built)  # the same, read without nn.Module's lookup
-        #: The attention paths over the store and the one choice among them (their scratch is allocated now).
-        self.paths = AttentionPaths(built, options)
-        self._stores = (built,)
+        built = [self._build_group(c, options, block_size, store) for c in configs]
+        #: One `CacheGroup` per layer group: its config, layout, store and attention paths.
+        self.cache_groups = nn.ModuleList(built)
+        # Host-side access without nn.ModuleList's indexing cost (it runs on every step and layer).
+        self._groups = tuple(built)
+        self._route = route
+        self._stores = tuple(g.store for g in built)
+        #: One group: plans are its `BoundedPlan`s; several: `GroupedPlan`s.
+        self._one = len(built) == 1
+        object.__setattr__(self, "_store", built[0].store if self._one else None)
+
+    def _build_group(self, config: BoundedKVConfig, options: AttentionOptions, block_size, store) -> CacheGroup:
+        """Group `config`'s `CacheGroup` (`ShardedKVManager` builds its rank's share)."""
+        return CacheGroup(config, self.device, options, block_size=block_size, store=store)
 
     # Former knobs, now `options` fields: setting one raises and says how to pass it.
     pack_gqa = _MovedToOptions()
@@ -144,7 +149,7 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
     share_flex_kernel = _MovedToOptions()
 
     def __getattr__(self, name: str):
-        # The store's buffers (`k_cache_{i}`, `v_cache_{i}`, `k_scale_{i}`, ...) read as the cache's own.
+        # A one-group cache's buffers (`k_cache_{i}`, `v_cache_{i}`, `k_scale_{i}`, ...) read as the cache's own.
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -155,28 +160,64 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
 
     # ------------------------------------------------------------------ views
 
+    def _only_group(self, what: str) -> CacheGroup:
+        """The one group of a one-group cache; with several, a `ValueError` saying where `what` lives."""
+        if self._one:
+            return self._groups[0]
+        raise ValueError(
+            f"BoundedKVManager.{what}: this cache has {len(self._groups)} layer groups, each with its own {what}; "
+            f"read cache.cache_groups[g].{what} (cache.group_of(layer) gives a layer's group)")
+
+    @property
+    def store(self) -> LayerStore:
+        """A one-group cache's device store (`flexkv.cache.storage.store.LayerStore`)."""
+        return self._only_group("store").store
+
+    @property
+    def layout(self):
+        """A one-group cache's layout (`flexkv.cache.host.layout.Layout`)."""
+        return self._only_group("layout").layout
+
+    @property
+    def paths(self):
+        """A one-group cache's attention paths (`flexkv.cache.paths.choice.AttentionPaths`)."""
+        return self._only_group("paths").paths
+
     @property
     def options(self) -> AttentionOptions:
-        """How this cache computes attention (`AttentionOptions`), fixed when it was built."""
-        return self._options
+        """How this cache computes attention (`AttentionOptions`), fixed when it was built (every group's)."""
+        return self._groups[0].options
+
+    def group_of(self, layer_idx: int) -> tuple:
+        """`(group, index inside the group)` of model layer `layer_idx`."""
+        return self._route[check_layer_index(layer_idx, len(self._route))]
+
+    def group_plan(self, layer_idx: int, plan):
+        """The plan model layer `layer_idx`'s group reads, from this cache's `plan` (its `BoundedPlan`)."""
+        return plan if self._one else plan.plans[self.group_of(layer_idx)[0]]
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes held by every layer's key and value tensors (sources, slots, scratch, padding), and
-        the scratch its attention paths allocated (`LayerStore.memory_bytes`): the rows path's group
-        buffer (`gathered_rows.gather_scratch`: 4 MiB, on the CPU unless path="flex", for a cache
-        with sources whose gathered step would be larger); with quantized slots their scales too,
-        the one layer of dequantized scratch the FlexAttention path reads (allocated with the cache
-        off the CPU, or on it with options path="flex"; under path="auto" without the keys' or the
-        values' half where the kernel reads those cells as stored, `flexkv.cache.paths.float8_path`) and
-        the group buffer cells widen into (`cpu_fast_rows.dequantize_scratch`, unless path="flex" or cpu_fast_paths=False)."""
-        return self._store.memory_bytes
+        """Bytes every group's key and value tensors hold, and the scratch their attention paths
+        allocated (`CacheGroup.memory_bytes`)."""
+        return sum(g.memory_bytes for g in self._groups)
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes one slot holds over all layers, rows, keys and values (and their scales when quantized):
-        the memory of one request."""
-        return self._store.slot_bytes
+        """Bytes one slot holds over every group, layer, row, keys and values (and their scales when
+        quantized): the memory of one request."""
+        return sum(g.slot_bytes for g in self._groups)
+
+    def memory_report(self) -> tuple:
+        """One dict per group: its name, layers, retention, query window, KV heads, key and value
+        widths, slot dtype (None: unquantized), cells per slot row, bytes per slot (over its layers,
+        keys and values, scales included) and bytes held."""
+        return tuple(
+            dict(name=lg.name, layers=lg.layers, retention=lg.retention, query_window=lg.query_window,
+                 num_heads=g.config.num_heads, head_dim=g.config.head_dim, value_head_dim=g.config.value_head_dim,
+                 causal_step=lg.causal_step, slot_dtype=g.config.slot_dtype, slot_cells=g.layout.slot_row_len,
+                 slot_bytes=g.slot_bytes, memory_bytes=g.memory_bytes)
+            for lg, g in zip(self.groups, self._groups))
 
     # ------------------------------------------------------ the cache protocol
     # What every flexkv cache offers the front doors above it (`flexkv.cache.protocol.StreamCache`).
@@ -185,65 +226,57 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
     compilable = True
 
     def layer_config(self, layer_idx: int) -> BoundedKVConfig:
-        """The config that governs layer `layer_idx` (its retention and windows): this cache's own."""
-        check_layer_index(layer_idx, self.config.num_layers)
-        return self.config
+        """The config that governs model layer `layer_idx`: its group's (retention, windows, head sizes)."""
+        return self._groups[self.group_of(layer_idx)[0]].config
 
-    def rotation(self, layer_idx: int, rotary, mode: str = "stream", *, rotated_inputs: bool = False) -> SinkRotation:
-        """Rotary positions for layer `layer_idx` (`flexkv.cache.positions.rotary.SinkRotation`): call it as
-        `q, k = rotation(q, k, plan)` before `attend`; in ``"cache"`` mode run its `check_step`
-        on the host before planning (`flexkv.model.wrap.StepContext` does)."""
-        rotation = SinkRotation(self, check_layer_index(layer_idx, self.config.num_layers), rotary, mode,
-                                rotated_inputs=rotated_inputs)
-        self._store.keep_slot_state(rotation)
-        return rotation
+    def rotation(self, layer_idx: int, rotary, mode: str = "stream", *, rotated_inputs: bool = False):
+        """Rotary positions for model layer `layer_idx` (`flexkv.cache.positions.rotary.SinkRotation`, in its
+        group): call it as `q, k = rotation(q, k, plan)` before `attend`; in ``"cache"`` mode run its
+        `check_step` on the host before planning (`flexkv.model.wrap.StepContext` does)."""
+        g, i = self.group_of(layer_idx)
+        rotation = self._groups[g].rotation(i, rotary, mode, rotated_inputs=rotated_inputs)
+        return rotation if self._one else GroupRotation(g, rotation)
 
-    def stream_positions(self, plan: BoundedPlan, tokens: Optional[int] = None) -> torch.Tensor:
+    def stream_positions(self, plan, tokens: Optional[int] = None) -> torch.Tensor:
         """Stream index of each of the step's own tokens, `[N, T]` int64 on the device (contract
-        section 2; padding rows count from 0). Traceable: no host sync."""
-        if not isinstance(plan, BoundedPlan):
-            raise ValueError(f"stream_positions needs this cache's plan (cache.plan(step)), got {type(plan).__name__}")
-        return stream_positions(plan, plan.tokens if tokens is None else tokens, self.config.reverse_step_order)
+        section 2; the same in every group; padding rows count from 0). Traceable: no host sync."""
+        if not self._one:
+            if not isinstance(plan, GroupedPlan):
+                raise ValueError(
+                    f"stream_positions needs this cache's GroupedPlan (cache.plan(step)), got {type(plan).__name__}")
+            plan = plan.plans[0]
+        return self._groups[0].stream_positions(plan, tokens)
 
     # -------------------------------------------------------------- lifecycle
-    # `StreamLifecycle` (flexkv.cache.host.lifecycle) writes the members once; this cache is its one-group case.
-
-    def _check_owner(self, what: str) -> None:
-        if self._in_group:
-            raise ValueError(
-                f"{what}: this manager stores one layer group of a GroupedKVManager (it shares that cache's slot "
-                f"table); call {what} on the GroupedKVManager, which changes every group"
-            )
-
-    def _source_shares(self, what: str, keys, values):
-        keys, values, length = self.store.source_tensors(what, keys, values)
-        return [(self.store, keys, values)], length
+    # `StreamLifecycle` (flexkv.cache.host.lifecycle) writes the members once, over the one table and
+    # every group's store: the table changes once, each store copies its own slots, each group's ring
+    # and retention decide what can be taken back.
 
     def _plan_step(self, step, slots, private, eager_only):
-        return self.plan_from(step, slots, private, eager_only)
+        """One plan per group, from one read of the table."""
+        plans = [g.plan_from(step, slots, private, eager_only) for g in self._groups]
+        return plans[0] if self._one else GroupedPlan(plans)
 
-    def plan_from(self, step: BoundedKVStep, slots: dict, private: dict, eager_only: bool = False) -> BoundedPlan:
-        """This cache's plan of a checked step, from a read of the table (`slots`: `SlotTable.slots()`,
-        `private`: its private places): a grouped cache reads its table once for every group. The
-        attention paths the step takes add their parts (`AttentionPaths.plan_parts`)."""
-        plan = build_plan(self.config, self.layout, step, slots.__getitem__, self.device,
-                          self.paths.full_blocks_at(len(step.segments) * self.config.rows_per_request,
-                                                    step.step_tokens),
-                          private_source=private.get, parts=not eager_only)
-        self.paths.plan_parts(plan, eager_only)
-        return plan
+    def _source_shares(self, what: str, keys, values):
+        """Each group's store with its share of all-layer source tensors, checked by that store."""
+        if self._one:
+            shares = [(keys, values)]
+        else:
+            shares = split_source(what, self.config, self.groups, [g.config for g in self._groups], keys, values)
+        checked = [(s, *s.source_tensors(what, k, v)) for s, (k, v) in zip(self._stores, shares)]
+        return [(s, k, v) for s, k, v, _ in checked], checked[0][3]
 
     def slot_buffers(self):
         """Every buffer of this cache that holds per-slot state (`LayerStore.slot_buffers`): each layer's
-        keys and values, and the un-rotated sink keys of its ``"cache"``-mode rotations."""
-        return self.store.slot_buffers()
+        keys and values, and the un-rotated sink keys of its ``"cache"``-mode rotations, in every group."""
+        return tuple(self._slot_buffers())
 
     # -------------------------------------------------------------- attention
 
     def path_for(self, tokens: int, compiled: bool = True) -> str:
-        """The attention path (`"rows"` or `"flex"`) a step of `tokens` tokens takes, compiled or
-        eagerly (`AttentionOptions.path_for`)."""
-        return self.paths.path_for(tokens, compiled)
+        """The attention path (`"rows"` or `"flex"`) a step of `tokens` tokens takes in a one-group
+        cache, compiled or eagerly (`AttentionOptions.path_for`)."""
+        return self._only_group("path_for").path_for(tokens, compiled)
 
     def attend(
         self,
@@ -251,7 +284,7 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        plan: BoundedPlan,
+        plan,
         *,
         scale: Optional[float] = None,
         score_mod: Optional[Callable] = None,
@@ -261,143 +294,42 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
         query_only: Optional[torch.Tensor] = None,
         joined: Optional[Sequence[KeyPart]] = None,
     ) -> torch.Tensor:
-        """Write the step's tokens into layer `layer_idx` and attend over what each row may read.
+        """Write the step's tokens into model layer `layer_idx` and attend over what each row may read,
+        in the layer's group with the group's plan (`flexkv.cache.cache_group.CacheGroup.attend`, where
+        the arguments are described). `plan` is this cache's `plan(step)`."""
+        group, i, group_plan = self._in_group("attend", layer_idx, plan)
+        self._check_heads(group, q, k, v)
+        return group.attend(i, q, k, v, group_plan, scale=scale, score_mod=score_mod, positions=positions,
+                            sinks=sinks, return_lse=return_lse, query_only=query_only, joined=joined)
 
-        `q`: `[N, Hq, T, D]` (`Hq` a multiple of `num_heads`), `k`: `[N, num_heads, T, D]`, `v`:
-        `[N, num_heads, T, Dv]` (`D = head_dim`, `Dv = value_head_dim`) with `N =
-        len(step.segments) * rows_per_request`. Returns `[N, Hq, T, Dv]`. `score_mod(score, b, h,
-        q_pos, kv_pos)` gets stream positions (`positions="stream"`) or in-cache positions
-        (`positions="cache"`). One attention path per call (`flexkv.cache.paths.choice`: the rows path or
-        one FlexAttention call), chosen by `options.route`; traceable by
-        `torch.compile(fullgraph=True)`. `sinks`: learned sink logits `[Hq]` (`flexkv.cache.paths.sinks`),
-        served from the same call's log-sum-exp. `return_lse`: `(out, lse)`, each query's natural-log
-        sum of exp of its scores `[N, Hq, T]` (at least float32; the sink logit included; -inf where
-        a query reads nothing), so that attention over this cache and over another set of keys can
-        be merged into one softmax exactly (`flexkv.cache.paths.merge.merge_attention`); on the CPU it
-        takes the rows path under `path="auto"`, as sinks do (`CPU_NO_LSE`). `query_only`: queries
-        `[N, Hq, Q, D]` that write nothing and attend what each row's newest own token attends
-        (`flexkv.cache.paths.query_only`); the call then returns `(out, query_only_out)`, each an
-        `(out, lse)` pair with `return_lse`. `joined`: `KeyPart`s (keys and values kept elsewhere:
-        another cache's `write_part`, keys recomputed every step) that join every query's softmax
-        (`flexkv.cache.paths.joint_path`; no `score_mod` then).
-        """
-        self._check_attend(layer_idx, q, k, v, plan)
-        relative = self._check_extras(q, score_mod, positions, sinks, query_only)
-        if joined is not None:
-            joined = check_joined(joined, q, query_only, self.config, self.device, score_mod)
-        N, Hq, T, D = q.shape
-        H, c, compiling = k.shape[1], self.config, torch.compiler.is_compiling()
-        want_lse = sinks is not None or return_lse  # the call needs a log-sum-exp
-        route, path = self.paths.choose(T, Hq // H, compiling, score_mod is not None, want_lse, joined is not None)
-        kc, vc = self._store.write(layer_idx, k, v, plan)  # after the choice, which may refuse the call
-        ks, vs = self._store.layer_scales(layer_idx)
-        scales = None if ks is None else (ks, vs)
-        scale = D ** -0.5 if scale is None else scale
-        if joined is not None:  # own and query-only queries in one softmax with the joined keys
-            out, lse = path(PathCall(layer_idx, q, kc, vc, scales, plan, route, None, want_lse, False, compiling,
-                                     query_only, joined, scale))
-            res = _epilogue(out, lse, sinks, return_lse)
-            return res if query_only is None else _split(res, T)
-        if query_only is not None:
-            extra = attend_query_only(self.paths.rows, query_only, kc, vc, plan, scale=scale, score_mod=score_mod,
-                                      positions=positions, sinks=sinks, want_lse=return_lse, scales=scales)
-            extra = extra if return_lse else extra[0]
-        g = Hq // H if route.pack_gqa else 1
-        # A relative-position table is read at the query's own token (`RelativePositionScores.at`).
-        sm = None if score_mod is None else make_score_mod(
-            plan, self.layout.ring_len, T, score_mod.at if relative else score_mod, positions, c.reverse_step_order,
-            c.query_window, group=g, query_index=relative)
-        # The scale is applied to q here rather than inside the call (TORCH_WORKAROUNDS["Q_VIEW"]): the
-        # product is a fresh buffer. Packed, query head h * g + i sits at rows i * T .. i * T + T - 1 of KV
-        # head h: the same [N, Hq, T] view serves the output and its log-sum-exp.
-        qs = (q.reshape(N, H, g * T, D) if route.pack_gqa else q) * scale
-        out, lse = path(PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, want_lse, relative, compiling))
-        own = _epilogue(out.view(N, Hq, T, v.shape[3]), lse, sinks, return_lse)
-        return own if query_only is None else (own, extra)
+    def write_part(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan) -> KeyPart:
+        """Write the step's tokens into model layer `layer_idx` as `attend` does, and return the cells each
+        row's newest own token reads as a `KeyPart` another cache's `attend(..., joined=...)` reads in its
+        softmax (`CacheGroup.write_part`)."""
+        group, i, group_plan = self._in_group("write_part", layer_idx, plan)
+        self._check_heads(group, k, k, v)
+        return group.write_part(i, k, v, group_plan)
 
-    def _check_extras(self, q, score_mod, positions, sinks, query_only) -> bool:
-        """Check `attend`'s optional arguments; returns whether `score_mod` is a relative-position table."""
-        if sinks is not None:
-            check_sinks(sinks, q.shape[1], self.device)
-        if query_only is not None:
-            check_query_only(query_only, q)
-        if positions not in POSITION_MODES:
-            raise ValueError(f"attend: positions must be one of {POSITION_MODES}, got {positions!r}")
-        relative = isinstance(score_mod, RelativePositionScores)
-        if relative and positions != "stream":
-            raise ValueError(f"attend: a RelativePositionScores score_mod reads stream positions; got "
-                             f"positions={positions!r}: pass positions='stream'")
-        if relative and query_only is not None:
-            raise ValueError("attend: query_only queries take no RelativePositionScores score_mod (its table is "
-                             "formed for the step's own queries); attend them with a score_mod of their own")
-        return relative
+    def _check_heads(self, group: CacheGroup, q, k, v) -> None:
+        """A check of `attend`'s heads before `group`'s own (`ShardedKVManager`: a rank takes its share)."""
 
-    def write_part(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan: BoundedPlan) -> KeyPart:
-        """Write the step's tokens into layer `layer_idx` as `attend` does, and return the cells each row's
-        newest own token reads as a `KeyPart` that another cache's `attend(..., joined=...)` reads in
-        its softmax (`flexkv.cache.paths.joint_path`): the layer's attention for this step, computed there.
-        `k`, `v` as in `attend`."""
-        self._check_attend(layer_idx, k, k, v, plan)
-        kc, vc = self._store.write(layer_idx, k, v, plan)
-        ks, vs = self._store.layer_scales(layer_idx)
-        return self.paths.joint.part(kc, vc, None if ks is None else (ks, vs), plan)
-
-    def _check_attend(self, layer_idx, q, k, v, plan) -> None:
-        c = self.config
-        check_layer_index(layer_idx, c.num_layers)
-        if (isinstance(plan, BoundedPlan) and type(q) is type(k) is type(v) is torch.Tensor
-                and q.dtype == k.dtype == v.dtype == c.dtype and q.device == k.device == v.device == self.device
-                and tuple(k.shape) == (plan.rows, c.num_heads, plan.tokens, c.head_dim)
-                and tuple(v.shape) == (plan.rows, c.num_heads, plan.tokens, c.value_head_dim) and q.dim() == 4
-                and q.shape[0] == plan.rows and q.shape[1] % c.num_heads == 0 and q.shape[2] == plan.tokens
-                and q.shape[3] == c.head_dim and plan.tokens <= c.max_step_tokens):
-            return  # every check below passes: one comparison chain (a compiled step traces this per layer)
-        if not isinstance(plan, BoundedPlan):
-            raise ValueError(f"attend needs this cache's plan: pass plan=manager.plan(step), got {type(plan).__name__}")
-        N, T = plan.rows, plan.tokens
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"attend: {name} must be a 4-D tensor [N, heads, T, head_dim], got {got}")
-            if t.dtype != c.dtype:
-                raise ValueError(f"attend: {name} dtype expected {c.dtype}, got {t.dtype}")
-            if t.device != self.device:
-                raise ValueError(f"attend: {name} device expected {self.device}, got {t.device}")
-        if q.shape[2] > c.max_step_tokens:
-            raise ValueError(f"attend: T={q.shape[2]} exceeds max_step_tokens={c.max_step_tokens}")
-        for name, t, width in (("k", k, c.head_dim), ("v", v, c.value_head_dim)):
-            want_kv = (N, c.num_heads, T, width)
-            if tuple(t.shape) != want_kv:
-                dim = "head_dim" if name == "k" else "value_head_dim"
-                raise ValueError(
-                    f"attend: {name} shape expected {want_kv} (rows, num_heads, plan T, {dim}), got {tuple(t.shape)}"
-                    + (f"; the plan was made for T={T}: set BoundedKVStep(tokens=...)" if t.shape[2] != T else "")
-                )
-        Hq = q.shape[1]
-        if tuple(q.shape) != (N, Hq, T, c.head_dim) or Hq % c.num_heads:
+    def _in_group(self, what: str, layer_idx: int, plan) -> tuple:
+        """`(group, layer in the group, group's plan)` of model layer `layer_idx` under `plan`."""
+        if self._one:
+            return self._groups[0], check_layer_index(layer_idx, self.config.num_layers), plan
+        if not isinstance(plan, GroupedPlan) or len(plan) != len(self._groups):
             raise ValueError(
-                f"attend: q shape expected ({N}, a multiple of num_heads={c.num_heads}, {T}, {c.head_dim}), "
-                f"got {tuple(q.shape)}"
+                f"{what} needs this cache's GroupedPlan (one plan per group, {len(self._groups)} groups): "
+                f"pass plan=cache.plan(step), got {plan!r}"
             )
+        g, i = self.group_of(layer_idx)
+        return self._groups[g], i, plan.plans[g]
 
-
-def _split(res, T: int) -> tuple:
-    """A joint call's result over its own and query-only queries, `out` or `(out, lse)`, split at query `T`
-    into `(own, query_only)`."""
-    if isinstance(res, tuple):
-        out, lse = res
-        return (out[:, :, :T], lse[:, :, :T]), (out[:, :, T:], lse[:, :, T:])
-    return res[:, :, :T], res[:, :, T:]
-
-
-def _epilogue(out: torch.Tensor, lse, sinks, return_lse: bool):
-    """A call's output `[N, Hq, T, Dv]` with learned `sinks` joined (from its log-sum-exp `lse`), and the
-    log-sum-exp `[N, Hq, T]` beside it with `return_lse` (the sink logit included)."""
-    if lse is not None:
-        N, Hq, T = out.shape[:3]
-        lse = lse.reshape(N, Hq, T)
-        if sinks is not None:
-            out = apply_learned_sinks(out, lse, sinks)
-            if return_lse:
-                lse = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, Hq, 1))
-    return (out, lse) if return_lse else out
+    def extra_repr(self) -> str:
+        if self._one:
+            return ""
+        parts = []
+        for lg, g in zip(self.groups, self._groups):
+            label = f"{lg.name}: " if lg.name else ""
+            parts.append(f"{label}layers {list(lg.layers)} keep {lg.retention} ({g.layout.slot_row_len} cells per slot row)")
+        return "; ".join(parts)

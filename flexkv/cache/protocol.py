@@ -1,8 +1,7 @@
 """`StreamCache`: what every flexkv cache offers the front doors above it.
 
-Three caches meet it: `BoundedKVManager` (one retention for every layer),
-`GroupedKVManager` (layer groups with retention of their own) and the
-uncached twin `flexkv.model.uncached.UncachedHistory` (every key kept, for
+Two caches meet it: `BoundedKVManager` (one retention for every layer, or
+layer groups with retention of their own) and the uncached twin `flexkv.model.uncached.UncachedHistory` (every key kept, for
 checking a port; either retention form); `ShardedKVManager` is a
 `BoundedKVManager` holding one rank's heads. `StreamSession`,
 `flexkv.model.wrap`, the transformers integration and the engine seam use a
@@ -140,7 +139,7 @@ def check_cache(cache, where: str):
     missing = [name for name in PROTOCOL_MEMBERS if not hasattr(cache, name)]
     if missing:
         raise ValueError(
-            f"{where}: the cache must be a flexkv cache (BoundedKVManager, GroupedKVManager or "
+            f"{where}: the cache must be a flexkv cache (BoundedKVManager or "
             f"flexkv.model.uncached.UncachedHistory, or anything meeting flexkv.cache.protocol.StreamCache); "
             f"{type(cache).__name__} lacks {', '.join(missing)}"
         )

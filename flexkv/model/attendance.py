@@ -68,11 +68,15 @@ class AttendanceRecord:
         self.what = what
         #: attend calls per layer in the current step (zeroed in place: a compiled graph reads it)
         self.counts: List[int] = [0] * self.num_layers
+        #: the calls each layer owes the current step: one per chunk the step was planned in
+        self.calls = 1
         self._explainers: "weakref.WeakSet" = weakref.WeakSet()
 
-    def start(self) -> None:
-        """A step begins: every count (and every explainer's own counters) back to zero, in place."""
+    def start(self, calls: int = 1) -> None:
+        """A step begins: every count (and every explainer's own counters) back to zero, in place; each
+        layer owes the step `calls` attend calls (a step planned as `calls` chunks attends each once)."""
         self.counts[:] = [0] * self.num_layers
+        self.calls = int(calls)
         for e in list(self._explainers):
             e.start()
 
@@ -88,10 +92,10 @@ class AttendanceRecord:
         self._explainers.discard(explainer)
 
     def problems(self, layers: Optional[Sequence[int]] = None) -> Optional[str]:
-        """What is wrong with the step's attendance (None: every layer attended once)."""
+        """What is wrong with the step's attendance (None: every layer attended once per chunk)."""
         expected = range(self.num_layers) if layers is None else layers
         missing = [i for i in expected if self.counts[i] == 0]
-        twice = [i for i in expected if self.counts[i] > 1]
+        twice = [i for i in expected if self.counts[i] not in (0, self.calls)]
         extra = []
         for e in list(self._explainers):
             extra.extend(e.explain(missing, twice))
@@ -101,11 +105,12 @@ class AttendanceRecord:
         if missing:
             parts.append(f"{self.what}s {layer_ranges(missing)} (of {len(expected)}) were never attended")
         if twice:
-            parts.append(", ".join(f"{self.what} {i} was attended {self.counts[i]} times" for i in twice))
+            owed = "" if self.calls == 1 else f" for the step's {self.calls} chunks"
+            parts.append(", ".join(f"{self.what} {i} was attended {self.counts[i]} times{owed}" for i in twice))
         return "; ".join(parts + extra)
 
     def check(self, where: str, layers: Optional[Sequence[int]] = None) -> None:
-        """Raise `AttendanceError` unless every layer of `layers` was attended exactly once this step."""
+        """Raise `AttendanceError` unless every layer of `layers` was attended exactly once (per chunk) this step."""
         problem = self.problems(layers)
         if problem is None:
             return

@@ -4,8 +4,8 @@ A model streamed through a bounded cache should compute exactly what the
 same model computes when it keeps every key and value it ever produced and
 recomputes attention over the whole history, masked by the retention
 policy. `UncachedHistory` is that second model's storage. It meets the same
-cache protocol (`flexkv.cache.protocol.StreamCache`) as `BoundedKVManager` and
-`GroupedKVManager`, in either retention form (one policy, or layer groups
+cache protocol (`flexkv.cache.protocol.StreamCache`) as `BoundedKVManager`,
+in either retention form (one policy, or layer groups
 with their own), so a model, a `StreamSession` or a `flexkv.model.wrap` port
 swaps one for the other without a change.
 
@@ -145,7 +145,7 @@ class UncachedHistory(StreamLifecycle):
 
     Args:
         config: the model shape and retention, as for `BoundedKVManager`.
-        groups: as for `GroupedKVManager` (LayerGroups, or one retention per
+        groups: as for `BoundedKVManager` (LayerGroups, or one retention per
             layer): each layer group attends by its own retention.
 
     One slot table (`slots`) and one dense reference per layer group.

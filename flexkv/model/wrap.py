@@ -6,8 +6,8 @@ A model's attention computes `q, k, v` and hands them to a core
 `Dv = value_head_dim`, the same unless the config sets it).
 `CacheAttention(context, layer)` is that core for
 one layer of any flexkv cache (`flexkv.cache.protocol.StreamCache`): a
-`BoundedKVManager`, a `GroupedKVManager` whose layer groups keep retention
-of their own, or the uncached twin `flexkv.model.uncached.UncachedHistory` that
+`BoundedKVManager` (one retention, or layer groups keeping retention of
+their own), or the uncached twin `flexkv.model.uncached.UncachedHistory` that
 keeps every key, for checking a port. The same model runs on each.
 
 Every core reads the step from a `StepContext`, the one object a model's
@@ -49,7 +49,7 @@ guarantees; `MultiStepContext` is that spelling's name).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optional
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -59,9 +59,9 @@ from ..cache.host.transaction import StepTransaction
 from ..cache.positions.masks import POSITION_MODES
 from ..cache.positions.rotary import ROPE_POSITIONS, Rotary
 from ..cache.protocol import check_cache
-from ..config import check_layer_index
+from ..config import check_layer_index, is_int
 from ..step import BoundedKVStep
-from .attendance import AttendanceRecord
+from .attendance import AttendanceRecord, layer_ranges
 
 __all__ = ["StepContext", "CacheAttention", "attention", "ROW_ORDERS",
            "rows_by_request", "rows_stacked", "named_error", "naming_errors"]
@@ -108,10 +108,42 @@ def naming_errors(name: Hashable, where: str):
         raise named_error(exc, name, where) from None
 
 
+def layer_map(layers, num_layers: int, where: str) -> tuple:
+    """`layers` checked as a map of model layer -> the cache layer it attends (an int in `range(num_layers)`)
+    or None (the layer attends none): several model layers may attend one cache layer (layers that share
+    another layer's keys and values), and every cache layer is attended by some model layer."""
+    try:
+        out = tuple(layers)
+    except TypeError:
+        raise ValueError(f"{where}: layers must be a sequence of cache layer indices (or None), one per model "
+                         f"layer, got {layers!r}") from None
+    for i, kv in enumerate(out):
+        if kv is not None and not (is_int(kv) and 0 <= kv < num_layers):
+            raise ValueError(f"{where}: layers[{i}]={kv!r} is no cache layer; the cache has layers 0..{num_layers - 1} "
+                             f"(None: model layer {i} attends none)")
+    unread = sorted(set(range(num_layers)) - {kv for kv in out if kv is not None})
+    if unread:
+        raise ValueError(f"{where}: no model layer attends cache layers {layer_ranges(unread)}; a cache layer no "
+                         f"layer attends would never be written (build the cache with the layers the model attends)")
+    return out
+
+
+def chunks_of(steps, where: str) -> tuple:
+    """A step given in chunks, checked: a non-empty sequence of `BoundedKVStep`s."""
+    out = tuple(steps)
+    if not out or not all(isinstance(s, BoundedKVStep) for s in out):
+        raise ValueError(f"{where}: a step in chunks is a non-empty sequence of BoundedKVSteps, got {steps!r}")
+    return out
+
+
 class StepContext:
     """The caches a model's attention layers share, and the step they are running.
 
     `StepContext(cache)`: one cache (any `flexkv.cache.protocol.StreamCache`).
+    `StepContext(cache, layers=...)`: a model whose layers do not map one to one onto the cache's:
+    `layers[i]` is the cache layer model layer `i` attends (None: it attends none, a recurrent layer),
+    several model layers may read one cache layer (layers sharing another's keys and values); `attend`
+    takes model layers and the attendance check counts them.
     `begin(step) -> plan`, the model's forward, then `commit()` (or `abort()`
     when it raised); `stepping(step)` is both as a `with` block. In a compiled
     step, call `bind(plan)` inside the compiled function. `plan` is the plan
@@ -133,25 +165,37 @@ class StepContext:
     attended exactly once (`flexkv.model.attendance`).
     """
 
-    def __init__(self, caches):
+    def __init__(self, caches, *, layers: Optional[Sequence[Optional[int]]] = None):
         self._one = not isinstance(caches, Mapping)
         kind = type(self).__name__
         #: The step begun last (`flexkv.cache.host.transaction.StepTransaction`), None before the first.
         self.transaction: Optional[StepTransaction] = None
-        #: The plan the layers read (a one-cache context; None on a named one, whose plans live in `context[name]`).
+        #: The plan the layers read (a one-cache context; None on a named one, whose plans live in `context[name]`,
+        #: and outside a step).
         self.plan: Any = None
         #: The step begun last (a one-cache context).
         self.step: Optional[BoundedKVStep] = None
         self._where = f"{kind}.commit"  # who commits, named in an attendance error
         self._checks: List[Callable[[BoundedKVStep], None]] = []
+        #: model layer -> the cache layer it attends (None: the identity), and the model layers that attend one
+        self._layers: Optional[tuple] = None
+        self._attending: Optional[tuple] = None
         if self._one:
             self.cache = check_cache(caches, kind)
-            #: attend calls per cache layer in the current step; the commit check refuses a step that did not
-            #: attend every layer exactly once (`flexkv.model.attendance`)
-            self.attendance: Optional[AttendanceRecord] = AttendanceRecord(self.cache.config.num_layers)
+            if layers is None:
+                #: attend calls per cache layer in the current step; the commit check refuses a step that did
+                #: not attend every layer exactly once (`flexkv.model.attendance`)
+                self.attendance: Optional[AttendanceRecord] = AttendanceRecord(self.cache.config.num_layers)
+            else:
+                self._layers = layer_map(layers, self.cache.config.num_layers, kind)
+                self._attending = tuple(i for i, c in enumerate(self._layers) if c is not None)
+                self.attendance = AttendanceRecord(len(self._layers), "attention layer")
             #: name -> one-cache context; a one-cache context is its own one entry
             self.contexts: Dict[Hashable, StepContext] = {None: self}
             return
+        if layers is not None:
+            raise ValueError(f"{kind}: layers= maps a model's layers onto one cache's; over named caches give each "
+                             f"cache's own StepContext(cache, layers=...) as its value")
         if not caches:
             raise ValueError(f"{kind} needs a cache or a non-empty mapping of name -> cache (or one-cache "
                              f"StepContext), got {caches!r}")
@@ -206,8 +250,9 @@ class StepContext:
 
     @property
     def plans(self) -> Optional[Dict[Hashable, Any]]:
-        """name -> the plan each cache's layers read (None before the first step)."""
-        if self.transaction is None:
+        """name -> the plan each cache's layers read (None outside a step: before `begin`, after `commit`
+        or `abort`)."""
+        if self.transaction is None or not self.transaction.is_open:
             return None
         return {name: ctx.plan for name, ctx in self.contexts.items()}
 
@@ -253,7 +298,11 @@ class StepContext:
         """Check, admit and plan the step; returns its plan (name -> plan over named caches).
 
         `step` is a `BoundedKVStep` (one cache) or name -> `BoundedKVStep`, one per cache (a cache no
-        request feeds takes a step of padding segments). Each cache's layer checks run first, then
+        request feeds takes a step of padding segments). A one-cache context also takes a step in
+        chunks, a sequence of `BoundedKVStep`s over the same streams, each planned at the positions
+        the chunks before leave (one forward of a long prompt): the first admits, the step's plan is
+        then the tuple of the chunks' plans, every layer attends once per chunk (`attend(...,
+        plan=plans[i])`), and `commit` commits the chunks in order. Each cache's layer checks run first, then
         its admission and plan, cache by cache; if any cache refuses, no cache keeps anything of
         the step (and over named caches the error names the cache). The step runs in `transaction`
         (a door that admitted more in it first, such as a session starting requests) or a new one.
@@ -267,7 +316,7 @@ class StepContext:
             raise ValueError(f"{where}: the step begun last is still open; commit() it after its forward, or "
                              f"abort() it if the forward failed")
         if self._one:
-            steps = {None: step}
+            steps = {None: chunks_of(step, where) if isinstance(step, (tuple, list)) else step}
         else:
             self.check_steps(step, where)
             steps = step
@@ -276,9 +325,15 @@ class StepContext:
         name = None
         try:
             for name, ctx in self.contexts.items():
+                chunks = steps[name] if isinstance(steps[name], tuple) else (steps[name],)
                 for check in ctx._checks:  # before the admission, so a refused step admits nothing here
-                    check(steps[name])
-                plans[name] = txn.begin(steps[name], ctx.cache, eager_only=eager_only)
+                    for chunk in chunks:
+                        check(chunk)
+                first = txn.begin(chunks[0], ctx.cache, eager_only=eager_only)
+                if chunks is steps[name]:  # the later chunks continue the streams the first admitted
+                    plans[name] = (first, *(txn.plan(c, ctx.cache, eager_only=eager_only) for c in chunks[1:]))
+                else:
+                    plans[name] = first
         except SlotsExhausted as exc:
             txn.abort()
             if self._one:
@@ -292,7 +347,7 @@ class StepContext:
             raise named_error(exc, name, where) from None
         for name, ctx in self.contexts.items():
             ctx.transaction, ctx.step, ctx.plan = txn, steps[name], plans[name]
-            ctx.attendance.start()
+            ctx.attendance.start(len(plans[name]) if isinstance(plans[name], tuple) else 1)
         self.transaction, self._where = txn, f"{type(self).__name__}.commit"
         # The step's one attendance check, before anything commits: every declared layer of every cache once.
         txn.add_commit_check(lambda _txn: self.check_attendance(self._where))
@@ -307,17 +362,18 @@ class StepContext:
             for name, ctx in self.contexts.items():
                 ctx.plan = plan[name]
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: Any = None,
+               **kwargs) -> torch.Tensor:
         """Attention of layer `layer_idx` for the bound step, counted for the step's attendance check:
-        the cache's `attend(layer_idx, q, k, v, plan, **kwargs)`. Calling the context does the
-        same: `context(layer_idx, q, k, v)` (over named caches, `context[name](layer_idx, q, k, v)`)."""
+        the cache's `attend(layer_idx, q, k, v, plan, **kwargs)` (with `layers=`, of the cache layer model
+        layer `layer_idx` attends). Calling the context does the same: `context(layer_idx, q, k, v)` (over
+        named caches, `context[name](layer_idx, q, k, v)`). `plan`: the bound plan by default; a step
+        begun in chunks passes each chunk's (`plans[i]`), once per chunk."""
         if not self._one:
             self._the_cache("attend")
-        if self.plan is None:
-            raise ValueError(f"{type(self).__name__}.attend: no step; call begin(step) (and bind(plan) when "
-                             f"compiled) first")
+        plan = self._plan_for("attend", plan)
         self.attendance.attended(layer_idx)
-        return self.cache.attend(layer_idx, q, k, v, self.plan, **kwargs)
+        return self.cache.attend(self._cache_layer(layer_idx), q, k, v, plan, **kwargs)
 
     __call__ = attend
 
@@ -328,14 +384,34 @@ class StepContext:
         attendance check as the layer's attention."""
         if not self._one:
             self._the_cache("write_part")
-        if self.plan is None:
-            raise ValueError(f"{type(self).__name__}.write_part: no step; call begin(step) (and bind(plan) when "
-                             f"compiled) first")
+        plan = self._plan_for("write_part", None)
         if not hasattr(self.cache, "write_part"):
             raise ValueError(f"{type(self).__name__}.write_part: a {type(self.cache).__name__} has no write_part "
                              f"(a BoundedKVManager does); attend the layer through attend() instead")
         self.attendance.attended(layer_idx)
-        return self.cache.write_part(layer_idx, k, v, self.plan)
+        return self.cache.write_part(self._cache_layer(layer_idx), k, v, plan)
+
+    def _plan_for(self, what: str, plan: Any) -> Any:
+        """The plan a call of `what` reads: `plan` when given, else the bound one (a single step's)."""
+        if plan is not None:
+            return plan
+        if self.plan is None:
+            raise ValueError(f"{type(self).__name__}.{what}: no step; call begin(step) (and bind(plan) when "
+                             f"compiled) first")
+        if isinstance(self.plan, tuple):
+            raise ValueError(f"{type(self).__name__}.{what}: the step was begun in {len(self.plan)} chunks; pass "
+                             f"each chunk's plan, {what}(..., plan=plans[i])")
+        return self.plan
+
+    def _cache_layer(self, layer_idx: int) -> int:
+        """The cache layer model layer `layer_idx` attends (itself without `layers=`)."""
+        if self._layers is None:
+            return layer_idx
+        kv = self._layers[check_layer_index(layer_idx, len(self._layers))]
+        if kv is None:
+            raise ValueError(f"{type(self).__name__}: model layer {layer_idx} attends no cache layer (layers= maps it "
+                             f"to None); only layers {layer_ranges(self._attending)} attend")
+        return kv
 
     def stream_positions(self, tokens: Optional[int] = None) -> torch.Tensor:
         """Stream index of each own token of the bound step, `[N, T]` int64 (contract section 2).
@@ -346,9 +422,7 @@ class StepContext:
         Padding rows count from 0.
         """
         self._the_cache("stream_positions")
-        if self.plan is None:
-            raise ValueError(f"{type(self).__name__}.stream_positions: no step; call begin(step) first")
-        return self.cache.stream_positions(self.plan, tokens)
+        return self.cache.stream_positions(self._plan_for("stream_positions", None), tokens)
 
     def stream_offsets(self) -> torch.Tensor:
         """Stream index of each row's first own token of the bound step, `[N]` int64: the row offset a
@@ -356,14 +430,13 @@ class StepContext:
         `stream_offsets()[:, None] + arange(T)`). Refused with `reverse_step_order`, whose positions
         count down inside a step."""
         self._the_cache("stream_offsets")
-        if self.plan is None:
-            raise ValueError(f"{type(self).__name__}.stream_offsets: no step; call begin(step) first")
+        plan = self._plan_for("stream_offsets", None)
         if self.config.reverse_step_order:
             raise ValueError(
                 "stream_offsets(): with reverse_step_order=True a step's tokens sit at n + span - 1 - t (they "
                 "count down), which no row offset + arange(T) gives; use stream_positions() [N, T]"
             )
-        return self.cache.stream_positions(self.plan, 1)[:, 0]
+        return self.cache.stream_positions(plan, 1)[:, 0]
 
     def check_attendance(self, where: Optional[str] = None) -> None:
         """Raise `flexkv.model.attendance.AttendanceError` unless the bound step attended every declared
@@ -371,10 +444,10 @@ class StepContext:
         The step's commit check; `where` says who commits (default `<class>.commit`)."""
         where = where or f"{type(self).__name__}.commit"
         if self._one:
-            self.attendance.check(where)
+            self.attendance.check(where, self._attending)
             return
         for name, ctx in self.contexts.items():
-            ctx.attendance.check(f"{where} (cache {name!r})")
+            ctx.attendance.check(f"{where} (cache {name!r})", ctx._attending)
 
     def commit(self, where: Optional[str] = None) -> None:
         """Commit the step begun last in every cache: its transaction's commit checks first (the
@@ -385,12 +458,27 @@ class StepContext:
             raise ValueError(f"{type(self).__name__}.commit: no step was begun; call begin(step) first")
         if where is not None:
             self._where = where
-        self.transaction.commit()
+        try:
+            self.transaction.commit()
+        finally:
+            if not self.transaction.is_open:
+                self._end()
 
     def abort(self) -> bool:
         """Take back the step begun last in every cache: each is as it was before `begin`. Returns
         False when no step is open (nothing to undo)."""
-        return self.transaction is not None and self.transaction.abort()
+        if self.transaction is None:
+            return False
+        try:
+            return self.transaction.abort()
+        finally:
+            self._end()
+
+    def _end(self) -> None:
+        """The step is over (committed or taken back): no layer may attend with its plans, and a context that
+        lives on between steps keeps none of their tables."""
+        for ctx in (self, *self.contexts.values()):
+            ctx.plan = ctx.step = None
 
     @contextlib.contextmanager
     def stepping(self, step, where: Optional[str] = None, *, eager_only: bool = False):

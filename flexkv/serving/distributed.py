@@ -46,8 +46,9 @@ from typing import Any, Hashable, Optional
 
 import torch
 
+from ..cache.cache_group import CacheGroup
+from ..cache.groups import GroupedPlan
 from ..cache.host.planner import BoundedPlan
-from ..cache.host.slots import SlotTable
 from ..cache.manager import BoundedKVManager
 from ..cache.storage.store import LayerStore
 from ..config import BoundedKVConfig, check_config, is_int
@@ -186,14 +187,17 @@ class HeadShard:
         return t.narrow(dim, s.start, s.stop - s.start)
 
 
-def plan_digest(plan: BoundedPlan) -> str:
-    """A short digest of a plan's host table: equal plans give equal digests in every process.
+def plan_digest(plan) -> str:
+    """A short digest of a plan's host tables (a `BoundedPlan`, or a `GroupedPlan`'s every group plan):
+    equal plans give equal digests in every process.
 
-    BLAKE2b over the packed table (Python's own `hash` of bytes is salted per
+    BLAKE2b over the packed tables (Python's own `hash` of bytes is salted per
     process); a few microseconds for a 32-request plan.
     """
-    h = hashlib.blake2b(plan.host, digest_size=8)
-    h.update(struct.pack("<3q", plan.rows, plan.tokens, plan.width))
+    h = hashlib.blake2b(digest_size=8)
+    for p in (plan.plans if isinstance(plan, GroupedPlan) else (plan,)):
+        h.update(p.host)
+        h.update(struct.pack("<3q", p.rows, p.tokens, p.width))
     return h.hexdigest()
 
 
@@ -241,7 +245,8 @@ class ShardStore(LayerStore):
 
 
 class ShardedKVManager(BoundedKVManager):
-    """This rank's share of a tensor-parallel bounded KV cache.
+    """This rank's share of a tensor-parallel bounded KV cache: a `BoundedKVManager` whose every layer
+    group holds this rank's heads.
 
     Args:
         config: the model's config, with every KV head (`config.num_heads`).
@@ -249,6 +254,8 @@ class ShardedKVManager(BoundedKVManager):
             is that per-rank config (what `attend` checks) and
             `self.full_config` the one given here.
         device: where this rank's KV tensors live (its accelerator).
+        groups: as for `BoundedKVManager` (a group's own `num_heads` is the model's count for
+            those layers; the rank keeps its share of each).
         process_group: the tensor-parallel group; rank and size are read from
             it. Or give `rank` and `world_size` directly (then `check_in_sync`
             uses the default group).
@@ -258,8 +265,6 @@ class ShardedKVManager(BoundedKVManager):
         block_size: FlexAttention's KV block size (None: flexkv picks one for the config and device).
         check_plans: run `check_in_sync` in every `plan` (debugging: one
             small collective per step).
-        slots: as for `BoundedKVManager`: the slot table of a `GroupedKVManager` whose group this
-            rank's manager stores (the engine's tensor-parallel factory passes it).
 
     `attend` takes this rank's heads: `q [N, Hq / world_size, T, D]`, `k
     [N, num_heads / world_size, T, D]`, `v [N, num_heads / world_size, T, Dv]`
@@ -272,25 +277,37 @@ class ShardedKVManager(BoundedKVManager):
         config: BoundedKVConfig,
         device="cpu",
         *,
+        groups=None,
         process_group: Any = None,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         num_query_heads: Optional[int] = None,
         block_size: Optional[int] = None,
         check_plans: bool = False,
-        slots: Optional[SlotTable] = None,
     ):
         check_config(config)
         if not isinstance(check_plans, bool):
             raise ValueError(f"check_plans must be a bool, got {check_plans!r}")
         rank, world_size = resolve_rank(process_group, rank, world_size)
         shard = HeadShard(config.num_heads, rank, world_size, num_query_heads)
-        super().__init__(config.replace(num_heads=shard.local_heads), device, block_size=block_size, slots=slots,
-                         store=lambda cfg, dev, layout: ShardStore(cfg, dev, layout, shard))
+        # Read by `_build_group` while the base class builds the groups.
+        object.__setattr__(self, "shard", shard)
+        super().__init__(config, device, groups=groups, block_size=block_size)
         self.full_config = config
-        self.shard = shard
+        self.config = config.replace(num_heads=shard.local_heads)
         self.process_group = process_group
         self.check_plans = check_plans
+
+    def _build_group(self, config: BoundedKVConfig, options, block_size, store) -> CacheGroup:
+        """The group's share of this rank: its config with the rank's heads, a store that keeps the rank's
+        heads of each source (`ShardStore`), and its `HeadShard` as the group's `shard`."""
+        full = self.shard
+        shard = HeadShard(config.num_heads, full.rank, full.world_size,
+                          full.num_query_heads if config.num_heads == full.num_heads else None)
+        group = CacheGroup(config.replace(num_heads=shard.local_heads), self.device, options, block_size=block_size,
+                           store=lambda cfg, dev, layout: ShardStore(cfg, dev, layout, shard))
+        object.__setattr__(group, "shard", shard)
+        return group
 
     @property
     def rank(self) -> int:
@@ -312,7 +329,7 @@ class ShardedKVManager(BoundedKVManager):
 
     # -------------------------------------------------------------- attention
 
-    def _plan_step(self, step, slots, private, eager_only) -> BoundedPlan:
+    def _plan_step(self, step, slots, private, eager_only):
         """Plan `step` as `BoundedKVManager` does (`plan`, `plan_eager`); with `check_plans`, also
         `check_in_sync(plan)`."""
         plan = super()._plan_step(step, slots, private, eager_only)
@@ -320,15 +337,16 @@ class ShardedKVManager(BoundedKVManager):
             self.check_in_sync(plan)
         return plan
 
-    def _check_attend(self, layer_idx, q, k, v, plan) -> None:
-        full, local = self.shard.num_heads, self.shard.local_heads
+    def _check_heads(self, group, q, k, v) -> None:
+        shard = group.shard
+        full, local = shard.num_heads, shard.local_heads
         for name, t in (("k", k), ("v", v)):
             if full != local and isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[1] == full:
                 raise ValueError(
                     f"attend: {name} has all {full} KV heads; rank {self.rank} of {self.world_size} takes only its "
                     f"{local} (slice them with manager.shard.kv({name}), or project only this rank's heads)"
                 )
-        Hq = self.shard.num_query_heads
+        Hq = shard.num_query_heads
         if Hq is not None and isinstance(q, torch.Tensor) and q.dim() == 4:
             want = Hq // self.world_size
             if q.shape[1] != want:
@@ -336,7 +354,6 @@ class ShardedKVManager(BoundedKVManager):
                     f"attend: q has {q.shape[1]} heads; rank {self.rank} of {self.world_size} takes its "
                     f"{want} of the model's {Hq} query heads (slice them with manager.shard.query(q))"
                 )
-        super()._check_attend(layer_idx, q, k, v, plan)
 
     # ------------------------------------------------------------ consistency
 

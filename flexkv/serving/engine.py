@@ -81,8 +81,7 @@ class BoundedKVSpec(NodeResourceSpec):
     """Declares one bounded KV cache to an engine.
 
     `groups`: layer groups that keep retention of their own (`LayerGroup`s,
-    or one `SinkWindow` per layer); the resource is then a
-    `GroupedKVManager`.
+    or one `SinkWindow` per layer), as `BoundedKVManager(groups=...)` takes them.
     """
 
     config: Optional[BoundedKVConfig] = None
@@ -116,14 +115,12 @@ class BoundedKVSpec(NodeResourceSpec):
 class BoundedKVResource(Resource):
     """Builds the cache a `BoundedKVSpec` declares, settling `dtype=None` from the engine.
 
-    The result is a `BoundedKVManager`, or a `GroupedKVManager` when the spec
-    has `groups`. When `info` names a tensor-parallel share (see
-    `EngineResourceInfo`), each manager is a
-    `flexkv.serving.distributed.ShardedKVManager` holding this rank's KV heads.
+    The result is a `BoundedKVManager` with the spec's `groups` (None: one group of every layer).
+    When `info` names a tensor-parallel share (see `EngineResourceInfo`), it is a
+    `flexkv.serving.distributed.ShardedKVManager` holding this rank's KV heads of every group.
     """
 
     def build(self, spec: BoundedKVSpec, info: EngineResourceInfo):
-        from ..cache.groups import GroupedKVManager
         from ..cache.manager import BoundedKVManager
 
         if not isinstance(spec, BoundedKVSpec):
@@ -134,17 +131,9 @@ class BoundedKVResource(Resource):
         if info.tensor_parallel:
             from .distributed import ShardedKVManager
 
-            def manager(cfg, slots=None):
-                return ShardedKVManager(
-                    cfg, info.device, process_group=info.process_group, rank=info.rank, world_size=info.world_size,
-                    slots=slots,
-                )
-        else:
-            def manager(cfg, slots=None):
-                return BoundedKVManager(cfg, info.device, slots=slots)
-        if spec.groups is None:
-            return manager(config)
-        return GroupedKVManager(config, spec.groups, info.device, manager=manager)
+            return ShardedKVManager(config, info.device, groups=spec.groups, process_group=info.process_group,
+                                    rank=info.rank, world_size=info.world_size)
+        return BoundedKVManager(config, info.device, groups=spec.groups)
 
 
 def apply_deployment(specs: Sequence[NodeResourceSpec], blocks: Mapping[str, Any]) -> list:

@@ -63,7 +63,7 @@ source; a request given a private source is refused there and must be
 Every retention the core has runs here: give `groups=` (LayerGroups, or
 one `SinkWindow` per layer) for a model whose layers keep different parts
 of the stream, or pass any flexkv cache (`flexkv.cache.protocol.StreamCache`: a
-`BoundedKVManager`, a `GroupedKVManager`, or the uncached twin
+`BoundedKVManager`, or the uncached twin
 `flexkv.model.uncached.UncachedHistory` for checking). The session uses the cache
 only through that protocol, and adds no semantics of its own.
 

@@ -33,9 +33,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
-from ..cache.groups import build_cache
 from ..cache.host.slots import SlotsExhausted
 from ..cache.host.transaction import StepTransaction
+from ..cache.manager import BoundedKVManager
 from ..cache.protocol import check_cache
 from ..config import BoundedKVConfig, is_int
 
@@ -81,7 +81,7 @@ def session_caches(kind: str, cache, device, groups, block_size, token_sizes, co
     one = not isinstance(cache, Mapping)
     if one:
         if isinstance(cache, BoundedKVConfig):
-            cache = build_cache(cache, groups, device, block_size=block_size)
+            cache = BoundedKVManager(cache, device, groups=groups, block_size=block_size)
         elif block_size is not None or groups is not None:
             raise ValueError("block_size and groups are for a cache the session builds from a BoundedKVConfig; "
                              f"this {type(cache).__name__} already has its layout")
@@ -91,8 +91,8 @@ def session_caches(kind: str, cache, device, groups, block_size, token_sizes, co
             raise ValueError(f"{kind} needs a non-empty mapping of name -> BoundedKVConfig or cache, got {cache!r}")
         if groups is not None:
             raise ValueError("groups is for one cache built from a BoundedKVConfig; give a named cache its layer "
-                             "groups as a GroupedKVManager")
-        caches = {name: check_cache(build_cache(c, None, device, block_size=block_size)
+                             "groups as a BoundedKVManager(config, groups=...)")
+        caches = {name: check_cache(BoundedKVManager(c, device, block_size=block_size)
                                     if isinstance(c, BoundedKVConfig) else c, f"{kind} (cache {name!r})")
                   for name, c in cache.items()}
         if token_sizes is not None and not isinstance(token_sizes, Mapping):

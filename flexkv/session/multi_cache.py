@@ -95,7 +95,7 @@ class MultiCacheSession(StreamSession):
         caches: a non-empty mapping of name -> `BoundedKVConfig` (the session
             builds a `BoundedKVManager` on `device`) or a flexkv cache of the
             session's own (`flexkv.cache.protocol.StreamCache`, holding no
-            request: a `GroupedKVManager` for layer groups, an
+            request: a `BoundedKVManager` with layer groups, an
             `UncachedHistory` for checking with `compile=False`). Every cache
             needs the same `max_slots`.
         batch_sizes: the batch sizes `B` a step is padded to (default

@@ -60,7 +60,7 @@ class StreamSession:
 
     Args:
         cache: a `BoundedKVConfig` (the session builds the cache on `device`:
-            a `BoundedKVManager`, or with `groups` a `GroupedKVManager`), or
+            a `BoundedKVManager`, with `groups` if given), or
             any flexkv cache (`flexkv.cache.protocol.StreamCache`), such as an
             `UncachedHistory` for checking (with `compile=False`); or a
             non-empty mapping of name -> such a config or cache, all with the

@@ -1,9 +1,8 @@
 """The lifecycle of a cache's streams, written once over one slot table and the stores of its layer groups.
 
 Every flexkv cache keeps its requests in one `flexkv.cache.host.slots.SlotTable`
-and their tokens in one store per layer group: a `BoundedKVManager` in its
-`LayerStore`, a `GroupedKVManager` in one `LayerStore` per group, the
-uncached twin (`flexkv.model.uncached.UncachedHistory`) in a whole-history
+and their tokens in one store per layer group: a `BoundedKVManager` in one
+`LayerStore` per group (`flexkv.cache.cache_group.CacheGroup`), the uncached twin (`flexkv.model.uncached.UncachedHistory`) in a whole-history
 reference per group. `StreamLifecycle` is the one implementation of the
 protocol's lifecycle members over them: each member takes the table's lock,
 checks and changes the table, and tells every store what it must do about it
@@ -71,8 +70,7 @@ class StoreHooks:
 
 class StreamLifecycle(TableViews):
     """The protocol's lifecycle members over `self.slots` and `self._stores` (module docstring), beside the
-    table's views and `admit` (`TableViews`, whose `_check_owner` a cache that may not change its table
-    overrides)."""
+    table's views and `admit` (`TableViews`)."""
 
     _stores: tuple = ()
 
@@ -121,7 +119,6 @@ class StreamLifecycle(TableViews):
         return self._planned(step, eager_only=True)
 
     def _planned(self, step: BoundedKVStep, eager_only: bool):
-        self._check_owner("plan")
         with self._lock:
             self.slots.check_plannable(step)
             slots = self.slots.slots()
@@ -136,7 +133,6 @@ class StreamLifecycle(TableViews):
         eager geometry, whose mask bias is as large as the step's queries times the cells a row
         reads): the step is over.
         """
-        self._check_owner("commit")
         for s in self._stores:
             s.end_step()
         with self._lock:
@@ -150,7 +146,6 @@ class StreamLifecycle(TableViews):
         Its private source, if any, stays with it: the restarted stream may read it again
         (`source=-1`), or `remove_private_source` frees it for a new one.
         """
-        self._check_owner("reset_request")
         with self._lock:
             self.slots.reset(request_id)
             for s in self._stores:
@@ -158,7 +153,6 @@ class StreamLifecycle(TableViews):
 
     def remove_request(self, request_id: Hashable) -> None:
         """Free the request's slot (and its private source, if any)."""
-        self._check_owner("remove_request")
         with self._lock:
             self.slots.remove(request_id)
             for s in self._stores:
@@ -177,7 +171,6 @@ class StreamLifecycle(TableViews):
         """Start request `child_id` as a copy of `parent_id`'s stream (contract section 5, "Fork and
         roll back"): the lowest free slot, a copy of the parent's slot in every layer of every
         group, and its position (`written`, source). Atomic: on any error nothing changes."""
-        self._check_owner("fork_request")
         with self._lock:
             fork_slot(self.slots, self._slot_buffers(), parent_id, child_id)
             for s in self._stores:
@@ -193,7 +186,6 @@ class StreamLifecycle(TableViews):
         `{destination: source}` over admitted requests (a beam search's reorder), sources read as
         they were before the call, in one batched copy. Atomic: every source is gathered before
         any destination is written."""
-        self._check_owner("reorder_requests")
         with self._lock:
             mapping = self.slots.check_reorder(mapping)
             reorder_slots(self.slots, self._slot_buffers(), mapping)
@@ -215,7 +207,6 @@ class StreamLifecycle(TableViews):
         """Take back the request's last `tokens` written tokens: `written -= tokens`, exact while every
         group's slot still holds what the shorter stream reads (contract section 5, "Fork and roll
         back"); beyond that it raises `ValueError` and nothing changes. No device work."""
-        self._check_owner("rollback_request")
         with self._lock:
             self.slots.rollback(request_id, tokens, self._store_configs())
             written = self.slots.written(request_id)
@@ -231,7 +222,6 @@ class StreamLifecycle(TableViews):
         the same with `value_head_dim`, `L <= max_source_len`, in the cache's
         dtype and on its device (every layer of every group: each group keeps its share).
         """
-        self._check_owner("add_source")
         shares, length = self._source_shares("add_source", keys, values)
         with self._lock:
             index = self.slots.next_place()
@@ -252,7 +242,6 @@ class StreamLifecycle(TableViews):
         Set it before the request's stream starts: before its first `admit`,
         or after `reset_request`.
         """
-        self._check_owner("add_private_source")
         shares, length = self._source_shares("add_private_source", keys, values)
         with self._lock:
             self.slots.check_private(request_id)
@@ -264,7 +253,6 @@ class StreamLifecycle(TableViews):
 
     def remove_private_source(self, request_id: Hashable) -> None:
         """Free `request_id`'s private source (its stream must not be reading it)."""
-        self._check_owner("remove_private_source")
         with self._lock:
             self.slots.remove_private_source(request_id)
             for s in self._stores:
@@ -272,7 +260,6 @@ class StreamLifecycle(TableViews):
 
     def remove_source(self, index: int) -> None:
         """Unregister a source no admitted request reads."""
-        self._check_owner("remove_source")
         with self._lock:
             self.slots.remove_source(index)
             for s in self._stores:

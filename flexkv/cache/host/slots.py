@@ -4,9 +4,8 @@ Which request holds which slot, what each has committed, which source it
 started on, which source places are taken (shared, or reserved as a
 request's private source): everything a step is checked and planned
 against, and nothing on a device. A cache is one table and the device
-stores of its layers: `BoundedKVManager` holds one table, a
-`GroupedKVManager` one table that every group's store shares, the uncached
-twin one table beside its dense history. Every check reads only fields all
+stores of its layers: `BoundedKVManager` holds one table that every layer
+group's store shares, the uncached twin one table beside its dense history. Every check reads only fields all
 layer groups share (`SHARED_FIELDS`), so one table serves every group and
 there is nothing to keep in step between groups.
 
@@ -255,13 +254,6 @@ class SlotTable:
                     f"every non-padding segment needs one"
                 )
         return T
-
-    def check_shares(self, config: BoundedKVConfig, what: str) -> None:
-        """Raise unless `config` agrees with the table's on every field the table reads."""
-        differ = [f"{f}={getattr(config, f)} (the table's {getattr(self.config, f)})"
-                  for f in SHARED_FIELDS if getattr(config, f) != getattr(self.config, f)]
-        if differ:
-            raise ValueError(f"{what} cannot share this slot table: its config has {', '.join(differ)}")
 
     def check_plannable(self, step: BoundedKVStep) -> int:
         """The checks of `plan(step)`: the step's shape, and every request admitted; returns T."""

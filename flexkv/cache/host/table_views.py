@@ -1,10 +1,10 @@
 """`TableViews`: what every cache answers from its one slot table alone.
 
-A bounded cache (`BoundedKVManager`), a grouped one (`GroupedKVManager`) and
-the uncached twin (`UncachedHistory`) each keep their host bookkeeping in one
+The bounded cache (`BoundedKVManager`) and the uncached twin
+(`UncachedHistory`) each keep their host bookkeeping in one
 `flexkv.cache.host.slots.SlotTable` under one lock. The protocol members that only
 read that table (requests, slots, positions, sources) or admit a step into it
-are the same for all three, and live here once.
+are the same for both, and live here once.
 """
 
 from __future__ import annotations
@@ -59,11 +59,6 @@ class TableViews:
         with self._lock:
             return self.slots.sources
 
-    def _check_owner(self, what: str) -> None:
-        """Raise if this cache may not make change `what` to its table itself: a layer group of a grouped
-        cache answers attention and views, and every change to the table it shares goes through the
-        grouped cache (`BoundedKVManager` overrides it). Called by `admit` and every lifecycle change."""
-
     @property
     def private_sources(self) -> dict:
         """Private sources: request id -> source place index."""
@@ -74,13 +69,11 @@ class TableViews:
         """Give each new request of `step` a free slot and check every declaration; returns what
         changed (`flexkv.cache.host.slots.Admission`, for `undo_admit`). Atomic: on any error nothing changes. A full pool
         raises `SlotsExhausted`; a bad declaration raises `ValueError`."""
-        self._check_owner("admit")
         with self._lock:
             return self.slots.admit(step)
 
     def undo_admit(self, admission: tuple) -> None:
         """Take back one `admit` whose step failed: its new requests leave, the streams it started
         are unbound (private sources stay). A step transaction's abort calls it."""
-        self._check_owner("undo_admit")
         with self._lock:
             self.slots.undo(admission)

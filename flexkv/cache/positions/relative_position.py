@@ -25,8 +25,8 @@ score's query token and distance. Pass it to `attend(..., score_mod=...)` with
 `positions="stream"` (the default) and `q + u` as the query.
 
 It is an ordinary score_mod, so every cache runs it (the bounded cache on
-either attention path, eager or compiled, a `GroupedKVManager`, the
-uncached twin). `BoundedKVManager` recognises it as additive: on the rows
+either attention path, eager or compiled, with one layer group or
+several, the uncached twin). `BoundedKVManager` recognises it as additive: on the rows
 path it is gathered once per call into the dense attention's additive mask,
 so the fused SDPA kernel still runs; on the FlexAttention path it is the
 kernel's score_mod, reading `bd` at the query's token (`at`): a tensor

@@ -1,7 +1,8 @@
 """flexkv for Hugging Face transformers: a bounded sink + window cache for `generate()`.
 
 `FlexKVCache(model, retention)` is a transformers `Cache` backed by a
-`flexkv.GroupedKVManager` sized from the model's config; every batch row is
+`flexkv.BoundedKVManager` sized from the model's config (a layer group per
+kind of layer); every batch row is
 one stream. A forward given it as `cache=` is planned by forward hooks and
 runs its attention through the `"flexkv"` function registered with
 transformers' `AttentionInterface`; every other forward runs the model's

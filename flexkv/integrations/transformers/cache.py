@@ -9,11 +9,11 @@ import torch
 from transformers.cache_utils import Cache
 from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
 
-from ...cache.groups import GroupedKVManager
 from ...cache.host.slots import SlotsExhausted
-from ...cache.host.transaction import StepTransaction
+from ...cache.manager import BoundedKVManager
 from ...cache.positions.rotary import ROPE_POSITIONS
 from ...config import BoundedKVConfig, SinkWindow
+from ...model.wrap import StepContext
 from .branching import BranchingCache
 from .cache_positions import CachePositions, warn_past_trained_context
 from .hooks import enable, switch
@@ -127,12 +127,11 @@ class FlexKVCache(BranchingCache, CacheShim):
         #: model layer -> the KV layer it attends (None: a recurrent-only layer)
         self.kv_layer = tuple(m.kv_layer)
         self._kv_owner = tuple(s.index for s in specs if s.attends and s.kv_source == s.index)
-        self._attending = tuple(s.index for s in specs if s.attends)  # every forward must attend each once
         self._softcap = m.softcap
         self._absolute = m.absolute
         self._restarts = m.restarts
         first = groups[0]
-        self.manager = GroupedKVManager(
+        self.manager = BoundedKVManager(
             BoundedKVConfig(
                 num_layers=len(self._kv_owner),
                 num_heads=first.num_heads,
@@ -149,10 +148,14 @@ class FlexKVCache(BranchingCache, CacheShim):
                 slot_dtype=slot_dtype,  # quantized slots (flexkv.cache.storage.quantized); None: the model's dtype
                 max_rollback=max_rollback,
             ),
-            groups,
-            device=device,
+            device,
+            groups=groups,
             block_size=block_size,
         )
+        #: The forward's step: one `flexkv.model.wrap.StepContext` over the cache, whose model layers attend their
+        #: KV layers (None: recurrent only); its transaction and attendance check are every forward's.
+        self.context = StepContext(self.manager, layers=tuple(kv if s.attends else None
+                                                              for s, kv in zip(specs, self.kv_layer)))
         self._recurrent = m.states
         self._rotary = None
         #: why the default positions are "stream" for this model (None: they are not, or were asked for)
@@ -444,12 +447,14 @@ class FlexKVCache(BranchingCache, CacheShim):
 
         m = self.manager
         known = set(m.requests)
-        # One step transaction for the whole forward: it admits the new streams; the later chunks continue
-        # the same streams, planned at the positions they will have. Nothing is committed before the
-        # forward returns, and a forward that fails is taken back whole (`rollback`).
-        transaction = StepTransaction(m)
+        # The last forward ran eagerly and nothing says this one is compiled: plans for eager calls only.
+        eager = self._ran_eagerly and not compiled_forward(self._model())
+        # The whole forward is one step of the context, in chunks: the first admits the new streams, the later
+        # ones continue the same streams, planned at the positions they will have. Nothing is committed
+        # before the forward returns, and a forward that fails is taken back whole (`rollback`).
+        ctx = self.context
         try:
-            transaction.admit(steps[0])
+            plans = ctx.begin(steps, eager_only=eager)
         except SlotsExhausted as exc:
             fresh = [sid for sid in rows if sid not in known]
             raise SlotsExhausted(
@@ -457,12 +462,9 @@ class FlexKVCache(BranchingCache, CacheShim):
                 f"{m.config.max_slots} and {len(known)} are taken; cache.finish() streams that ended, or build "
                 f"the cache with a larger max_streams"
             ) from exc
-        new = [sid for sid in rows if sid not in known]
-        # The last forward ran eagerly and nothing says this one is compiled: plans for eager calls only.
-        eager = self._ran_eagerly and not compiled_forward(self._model())
         self._ran_eagerly = False
+        new = [sid for sid in rows if sid not in known]
         try:
-            plans = [transaction.plan(step, eager_only=eager) for step in steps]
             gather = scatter = None
             if real is not None:
                 g, s = [], []
@@ -490,14 +492,11 @@ class FlexKVCache(BranchingCache, CacheShim):
             fwd = FlexKVForward(self, steps, plans, gather, scatter, position_ids, state_slots,
                                 continues=any(written))
             saved = self.selected.save()
-            transaction.add_undo(lambda: self._restore(fwd, saved))
-            # A forward that skipped (or repeated) an attention layer commits nothing.
-            attending = self._attending
-            transaction.add_commit_check(lambda _txn: fwd.attendance.check("FlexKVCache.commit", attending))
+            ctx.transaction.add_undo(lambda: self._restore(fwd, saved))
         except BaseException:
-            transaction.abort()
+            ctx.abort()
             raise
-        self._pending = Pending(fwd, transaction, state)
+        self._pending = Pending(fwd, state)
         self.selected.advance(rows, T)
         switch(state, on=True)
         return {"position_ids": position_ids, "flexkv_step": fwd}
@@ -527,8 +526,8 @@ class FlexKVCache(BranchingCache, CacheShim):
         p = self._pending
         if p is None:
             raise ValueError("commit(): no planned forward is pending (cache.prepare() plans one)")
-        try:  # the commit checks (every attention layer attended once) abort it when they fail
-            p.transaction.commit()
+        try:  # the commit checks (every attention layer attended once per chunk) abort it when they fail
+            self.context.commit("FlexKVCache.commit")
         except BaseException:
             self.rollback()
             raise
@@ -548,7 +547,7 @@ class FlexKVCache(BranchingCache, CacheShim):
         p = self._pending
         if p is None:
             raise ValueError("rollback(): no planned forward is pending (cache.prepare() plans one)")
-        p.transaction.abort()
+        self.context.abort()
         self._pending = None
         switch(p.state, on=False)
         release_compile_globals()

@@ -22,7 +22,8 @@ import warnings
 
 import torch
 
-from ...cache.groups import GroupedKVManager, GroupedPlan
+from ...cache.groups import GroupRotation
+from ...cache.manager import BoundedKVManager
 from ...cache.paths.merge import merge_attention
 from ...cache.positions.rotary import Rotary, check_cache_config, eviction_shared
 from ...step import BoundedKVStep
@@ -54,7 +55,7 @@ class CachePositions:
     cannot be undone this way and is refused.
     """
 
-    def __init__(self, manager: GroupedKVManager, model, kv_owner):
+    def __init__(self, manager: BoundedKVManager, model, kv_owner):
         """`kv_owner[k]`: the model layer whose keys KV layer `k` of `manager` holds."""
         base = getattr(model, "base_model", model)
         cfg = text_config(model.config)
@@ -111,7 +112,9 @@ class CachePositions:
                 with torch.no_grad():
                     rotary.inv_freq.copy_(inv_freq.to(torch.float64))
                 rotaries[key] = rotary
-            self.layers[kv] = manager.rotation(kv, rotaries[key], "cache", rotated_inputs=True)
+            rotation = manager.rotation(kv, rotaries[key], "cache", rotated_inputs=True)
+            # The layer's `SinkRotation` (a several-group cache hands it out inside a `GroupRotation`).
+            self.layers[kv] = rotation.rotation if isinstance(rotation, GroupRotation) else rotation
         # The retentions (one config per layer group) whose queries must share one eviction count within a step.
         self.configs = []
         for kv, r in enumerate(self.layers):
@@ -136,42 +139,42 @@ class CachePositions:
         rotation of the sink cells serves the step); if not, `attend_per_query` serves it."""
         return all(eviction_shared(config, step) for config in self.configs)
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, plan: GroupedPlan):
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, plan):
         """KV layer `layer_idx`'s chunk `q`, `k` (rotated at stream positions) for `attend`, after rewriting the
         layer's sink cells at in-cache positions."""
         rot = self.layers[layer_idx]
         if rot is not None:
             # `rot(q, k, plan)` without two module calls per layer: with rotated inputs it only rewrites.
-            rot.rotation.rewrite_sinks(k, plan.plans[rot.group])
+            rot.rewrite_sinks(k, self.manager.group_plan(layer_idx, plan))
         return q, k
 
-    def attend_per_query(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: GroupedPlan,
-                         *, scale=None, score_mod=None, sinks=None):
-        """Attend KV layer `layer_idx` for a chunk whose queries evicted different numbers of entries, or None
-        for a layer whose sinks need no rotation (attend it as usual).
+    def attend_per_query(self, context, model_layer: int, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, plan, *, scale=None, score_mod=None, sinks=None):
+        """Attend KV layer `layer_idx` (model layer `model_layer`, through the forward's `context`) for a chunk
+        whose queries evicted different numbers of entries, or None for a layer whose sinks need no rotation
+        (attend it as usual).
 
         Part one is the cache's own call with the sink entries scored out (`-inf`), part two the sink
         entries scored against each query turned back by its own eviction count `e` (its in-cache distance
         to a sink is `e` less than the stream distance), both with the model's `score_mod`; the two are one
         softmax, merged by log-sum-exp. `q`, `k` are rotated at stream positions, as the model gives them.
         """
-        group_rotation = self.layers[layer_idx]
-        if group_rotation is None:
+        rotation = self.layers[layer_idx]
+        if rotation is None:
             return None
-        rotation = group_rotation.rotation
-        gplan = plan.plans[group_rotation.group]
+        gplan = self.manager.group_plan(layer_idx, plan)
         config = self.manager.layer_config(layer_idx)
         pol = config.retention_for(0)
         S = pol.sink
-        q, k = group_rotation(q, k, plan)  # keeps this chunk's sink keys; the cells' rotation is not read here
+        q, k = rotation(q, k, gplan)  # keeps this chunk's sink keys; the cells' rotation is not read here
 
         def without_sinks(score, b, h, q_pos, kv_pos):
             if score_mod is not None:
                 score = score_mod(score, b, h, q_pos, kv_pos)
             return torch.where(kv_pos < S, float("-inf"), score)
 
-        out, lse = self.manager.attend(layer_idx, q, k, v, plan, scale=scale, score_mod=without_sinks, sinks=sinks,
-                                       return_lse=True)
+        out, lse = context.attend(model_layer, q, k, v, plan=plan, scale=scale, score_mod=without_sinks, sinks=sinks,
+                                  return_lse=True)
         # A query that reads only sinks (a stream's first tokens, batched beside a stream past its window) has
         # every score of this part at -inf: whatever the path made of it (-inf or NaN), it contributes nothing.
         dead = ~torch.isfinite(lse)

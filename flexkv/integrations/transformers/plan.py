@@ -14,7 +14,6 @@ from typing import Optional
 
 import torch
 
-from ...model.attendance import AttendanceRecord
 from ...step import BoundedKVStep, Segment, StreamPosition
 
 __all__ = ["FlexKVForward", "Pending", "chunk_steps", "compiled_forward"]
@@ -73,10 +72,12 @@ class FlexKVForward:
 
     def __init__(self, cache, steps, plans, gather, scatter, position_ids, state_slots=None, continues=False):
         self.cache = cache
-        self.manager = cache.manager
+        #: the cache's `flexkv.model.wrap.StepContext`: the forward's step (its transaction and attendance
+        #: check), and every attention call of it
+        self.context = cache.context
         #: the flexkv steps of the forward's chunks, committed when the forward returns
         self.steps = tuple(steps)
-        #: one `GroupedPlan` per chunk
+        #: one plan per chunk (the context's bound group of plans)
         self.plans = tuple(plans)
         #: `[B, T']` column of each stream token (None: every column is a token)
         self.gather = gather
@@ -89,7 +90,7 @@ class FlexKVForward:
         #: per chunk, whether its queries share one eviction count ("cache" positions; else each query reads
         #: the sinks at its own offset, `CachePositions.attend_per_query`)
         self.rotary_shared = tuple(True if self.rotary is None else self.rotary.shares_eviction(s) for s in steps)
-        #: model layer -> the KV layer it attends in the manager
+        #: model layer -> the KV layer it attends in the cache
         self.kv_layer = cache.kv_layer
         #: `[B]` the state slot of each row (models with recurrent layers; else None)
         self.state_slots = state_slots
@@ -99,9 +100,6 @@ class FlexKVForward:
         self.staged: dict = {}
         #: the model module whose hooks planned the forward (None: planned by hand)
         self.owner = None
-        #: attend calls per model layer in this forward; the cache refuses to commit a forward that did not
-        #: attend every attention layer exactly once
-        self.attendance = AttendanceRecord(len(cache.layer_specs), "attention layer")
 
     def attend(
         self,
@@ -116,9 +114,9 @@ class FlexKVForward:
         sliding_window: Optional[int] = None,
     ) -> torch.Tensor:
         """Attend model layer `layer_idx` for the whole forward: `q [B, Hq, T, D]`, `k [B, Hkv, T, D]`,
-        `v [B, Hkv, T, Dv]` in, `[B, Hq, T, Dv]` out."""
+        `v [B, Hkv, T, Dv]` in, `[B, Hq, T, Dv]` out. Each chunk is one call of the context's `attend`
+        (which counts it for the forward's attendance check)."""
         self.cache._check_layer(layer_idx, sliding_window, softcap)
-        self.attendance.attended(layer_idx)
         if not torch.compiler.is_compiling():
             self.cache._ran_eagerly = True  # the next forward's plans may be for eager calls only
         kv = self.kv_layer[layer_idx]
@@ -137,13 +135,14 @@ class FlexKVForward:
                 start = stop
             if self.rotary is not None:
                 if not self.rotary_shared[index]:
-                    out = self.rotary.attend_per_query(kv, qc, kc, vc, plan, scale=scale, score_mod=score_mod,
-                                                       sinks=sinks)
+                    out = self.rotary.attend_per_query(self.context, layer_idx, kv, qc, kc, vc, plan, scale=scale,
+                                                       score_mod=score_mod, sinks=sinks)
                     if out is not None:
                         outs.append(out)
                         continue
                 qc, kc = self.rotary(kv, qc, kc, plan)
-            outs.append(self.manager.attend(kv, qc, kc, vc, plan, scale=scale, score_mod=score_mod, sinks=sinks))
+            outs.append(self.context.attend(layer_idx, qc, kc, vc, plan=plan, scale=scale, score_mod=score_mod,
+                                            sinks=sinks))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         if self.scatter is not None:
             out = take(torch.cat([out, out.new_zeros(out.shape[0], out.shape[1], 1, out.shape[3])], dim=2), self.scatter)
@@ -151,12 +150,10 @@ class FlexKVForward:
 
 
 class Pending:
-    """A planned forward not yet committed: its step transaction undoes it if it fails."""
+    """A planned forward not yet committed: the cache's context holds its step, which undoes it if it fails."""
 
-    def __init__(self, forward: FlexKVForward, transaction, state):
+    def __init__(self, forward: FlexKVForward, state):
         self.forward = forward
-        #: the forward's `flexkv.cache.host.transaction.StepTransaction` (its new streams, selection and columns)
-        self.transaction = transaction
         #: the model's hook state whose attention switch this forward turned on (`hooks.ModelState`)
         self.state = state
 

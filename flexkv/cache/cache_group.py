@@ -1,0 +1,305 @@
+"""`CacheGroup`: one layer group of a cache: its config, layout, device store and attention paths.
+
+A `flexkv.cache.manager.BoundedKVManager` keeps its requests in one slot
+table and their tokens in one `CacheGroup` per layer group (layers that keep
+the same part of every stream, `flexkv.cache.groups.LayerGroup`). A group
+holds no host state of its own: its `config` (the group's retention, windows
+and head sizes), its `layout` (`flexkv.cache.host.layout`), its device store
+(`flexkv.cache.storage.store.LayerStore`: one key and one value tensor per
+layer, registered buffers allocated once, and the scratch its paths asked
+for) and its attention paths (`flexkv.cache.paths.choice.AttentionPaths`,
+one chosen per call in one place). The cache routes each model layer to its
+group and the group's layer index; the group plans a step from the cache's
+one read of the table (`plan_from`) and answers `attend` for its layers:
+check the call, write the step's tokens into the store, run the chosen path
+and apply the epilogue (learned sinks, the log-sum-exp, query-only queries).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..config import BoundedKVConfig, check_layer_index
+from ..step import BoundedKVStep
+from .host.layout import Layout
+from .host.planner import BoundedPlan, build_plan
+from .paths.attention_options import AttentionOptions
+from .paths.choice import AttentionPaths, PathCall
+from .paths.joint_path import KeyPart, check_joined
+from .paths.query_only import attend_query_only, check_query_only
+from .paths.sinks import apply_learned_sinks, check_sinks
+from .positions.masks import POSITION_MODES, make_score_mod
+from .positions.relative_position import RelativePositionScores
+from .positions.rotary import SinkRotation, stream_positions
+from .storage.store import LayerStore
+
+__all__ = ["CacheGroup"]
+
+
+class CacheGroup(nn.Module):
+    """One layer group's device state and attention (module docstring).
+
+    Args:
+        config: the group's `BoundedKVConfig` (its layers, retention and head sizes; dtype settled).
+        device: where its tensors live (a `torch.device`).
+        options: how attention is computed (`AttentionOptions`), fixed for the cache's life.
+        block_size: FlexAttention's KV block size; None lets flexkv choose for the config and device.
+        store: builds the group's device store, `store(config, device, layout)`; None builds a
+            `LayerStore`.
+    """
+
+    def __init__(self, config: BoundedKVConfig, device: torch.device, options: AttentionOptions, *,
+                 block_size: Optional[int] = None, store: Optional[Callable[..., LayerStore]] = None):
+        super().__init__()
+        self.config = config
+        self.device = device
+        self.layout = Layout.for_config(config, block_size, device.type)
+        built = LayerStore(config, device, self.layout) if store is None else store(config, device, self.layout)
+        if not isinstance(built, LayerStore) or built.config != config or built.layout != self.layout:
+            raise ValueError(f"store(config, device, layout) must return a flexkv.cache.storage.store.LayerStore "
+                             f"of that config and layout, got {type(built).__name__}")
+        #: How attention is computed (`AttentionOptions`), fixed for the cache's life.
+        self._options = options
+        #: The device state: every layer's tensors (`flexkv.cache.storage.store.LayerStore`), a submodule.
+        self.store = built
+        object.__setattr__(self, "_store", built)  # the same, read without nn.Module's lookup
+        #: The attention paths over the store and the one choice among them (their scratch is allocated now).
+        self.paths = AttentionPaths(built, options)
+
+    def __getattr__(self, name: str):
+        # The store's buffers (`k_cache_{i}`, `v_cache_{i}`, `k_scale_{i}`, ...) read as the cache's own.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            store = self.__dict__.get("_store")
+            if store is not None and name in store._buffers:
+                return store._buffers[name]
+            raise
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def options(self) -> AttentionOptions:
+        """How this group computes attention (`AttentionOptions`), fixed when it was built."""
+        return self._options
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes held by every layer's key and value tensors (sources, slots, scratch, padding), and
+        the scratch its attention paths allocated (`LayerStore.memory_bytes`): the rows path's group
+        buffer (`gathered_rows.gather_scratch`: 4 MiB, on the CPU unless path="flex", for a cache
+        with sources whose gathered step would be larger); with quantized slots their scales too,
+        the one layer of dequantized scratch the FlexAttention path reads (allocated with the cache
+        off the CPU, or on it with options path="flex"; under path="auto" without the keys' or the
+        values' half where the kernel reads those cells as stored, `flexkv.cache.paths.float8_path`) and
+        the group buffer cells widen into (`cpu_fast_rows.dequantize_scratch`, unless path="flex" or cpu_fast_paths=False)."""
+        return self._store.memory_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one slot holds over all layers, rows, keys and values (and their scales when quantized):
+        the memory of one request."""
+        return self._store.slot_bytes
+
+    # ------------------------------------------------------------ model side
+
+    def rotation(self, layer_idx: int, rotary, mode: str = "stream", *, rotated_inputs: bool = False) -> SinkRotation:
+        """Rotary positions for layer `layer_idx` (`flexkv.cache.positions.rotary.SinkRotation`): call it as
+        `q, k = rotation(q, k, plan)` before `attend`; in ``"cache"`` mode run its `check_step`
+        on the host before planning (`flexkv.model.wrap.StepContext` does)."""
+        rotation = SinkRotation(self, check_layer_index(layer_idx, self.config.num_layers), rotary, mode,
+                                rotated_inputs=rotated_inputs)
+        self._store.keep_slot_state(rotation)
+        return rotation
+
+    def stream_positions(self, plan: BoundedPlan, tokens: Optional[int] = None) -> torch.Tensor:
+        """Stream index of each of the step's own tokens, `[N, T]` int64 on the device (contract
+        section 2; padding rows count from 0). Traceable: no host sync."""
+        if not isinstance(plan, BoundedPlan):
+            raise ValueError(f"stream_positions needs this cache's plan (cache.plan(step)), got {type(plan).__name__}")
+        return stream_positions(plan, plan.tokens if tokens is None else tokens, self.config.reverse_step_order)
+
+    # ---------------------------------------------------------------- planning
+
+    def plan_from(self, step: BoundedKVStep, slots: dict, private: dict, eager_only: bool = False) -> BoundedPlan:
+        """This group's plan of a checked step, from the cache's one read of its table (`slots`:
+        `SlotTable.slots()`, `private`: its private places). The
+        attention paths the step takes add their parts (`AttentionPaths.plan_parts`)."""
+        plan = build_plan(self.config, self.layout, step, slots.__getitem__, self.device,
+                          self.paths.full_blocks_at(len(step.segments) * self.config.rows_per_request,
+                                                    step.step_tokens),
+                          private_source=private.get, parts=not eager_only)
+        self.paths.plan_parts(plan, eager_only)
+        return plan
+
+    def slot_buffers(self):
+        """Every buffer of this group that holds per-slot state (`LayerStore.slot_buffers`): each layer's
+        keys and values, and the un-rotated sink keys of its ``"cache"``-mode rotations."""
+        return self.store.slot_buffers()
+
+    # -------------------------------------------------------------- attention
+
+    def path_for(self, tokens: int, compiled: bool = True) -> str:
+        """The attention path (`"rows"` or `"flex"`) a step of `tokens` tokens takes, compiled or
+        eagerly (`AttentionOptions.path_for`)."""
+        return self.paths.path_for(tokens, compiled)
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: BoundedPlan,
+        *,
+        scale: Optional[float] = None,
+        score_mod: Optional[Callable] = None,
+        positions: str = "stream",
+        sinks: Optional[torch.Tensor] = None,
+        return_lse: bool = False,
+        query_only: Optional[torch.Tensor] = None,
+        joined: Optional[Sequence[KeyPart]] = None,
+    ) -> torch.Tensor:
+        """Write the step's tokens into layer `layer_idx` and attend over what each row may read.
+
+        `q`: `[N, Hq, T, D]` (`Hq` a multiple of `num_heads`), `k`: `[N, num_heads, T, D]`, `v`:
+        `[N, num_heads, T, Dv]` (`D = head_dim`, `Dv = value_head_dim`) with `N =
+        len(step.segments) * rows_per_request`. Returns `[N, Hq, T, Dv]`. `score_mod(score, b, h,
+        q_pos, kv_pos)` gets stream positions (`positions="stream"`) or in-cache positions
+        (`positions="cache"`). One attention path per call (`flexkv.cache.paths.choice`: the rows path or
+        one FlexAttention call), chosen by `options.route`; traceable by
+        `torch.compile(fullgraph=True)`. `sinks`: learned sink logits `[Hq]` (`flexkv.cache.paths.sinks`),
+        served from the same call's log-sum-exp. `return_lse`: `(out, lse)`, each query's natural-log
+        sum of exp of its scores `[N, Hq, T]` (at least float32; the sink logit included; -inf where
+        a query reads nothing), so that attention over this cache and over another set of keys can
+        be merged into one softmax exactly (`flexkv.cache.paths.merge.merge_attention`); on the CPU it
+        takes the rows path under `path="auto"`, as sinks do (`CPU_NO_LSE`). `query_only`: queries
+        `[N, Hq, Q, D]` that write nothing and attend what each row's newest own token attends
+        (`flexkv.cache.paths.query_only`); the call then returns `(out, query_only_out)`, each an
+        `(out, lse)` pair with `return_lse`. `joined`: `KeyPart`s (keys and values kept elsewhere:
+        another cache's `write_part`, keys recomputed every step) that join every query's softmax
+        (`flexkv.cache.paths.joint_path`; no `score_mod` then).
+        """
+        self._check_attend(layer_idx, q, k, v, plan)
+        relative = self._check_extras(q, score_mod, positions, sinks, query_only)
+        if joined is not None:
+            joined = check_joined(joined, q, query_only, self.config, self.device, score_mod)
+        N, Hq, T, D = q.shape
+        H, c, compiling = k.shape[1], self.config, torch.compiler.is_compiling()
+        want_lse = sinks is not None or return_lse  # the call needs a log-sum-exp
+        route, path = self.paths.choose(T, Hq // H, compiling, score_mod is not None, want_lse, joined is not None)
+        kc, vc = self._store.write(layer_idx, k, v, plan)  # after the choice, which may refuse the call
+        ks, vs = self._store.layer_scales(layer_idx)
+        scales = None if ks is None else (ks, vs)
+        scale = D ** -0.5 if scale is None else scale
+        if joined is not None:  # own and query-only queries in one softmax with the joined keys
+            out, lse = path(PathCall(layer_idx, q, kc, vc, scales, plan, route, None, want_lse, False, compiling,
+                                     query_only, joined, scale))
+            res = _epilogue(out, lse, sinks, return_lse)
+            return res if query_only is None else _split(res, T)
+        if query_only is not None:
+            extra = attend_query_only(self.paths.rows, query_only, kc, vc, plan, scale=scale, score_mod=score_mod,
+                                      positions=positions, sinks=sinks, want_lse=return_lse, scales=scales)
+            extra = extra if return_lse else extra[0]
+        g = Hq // H if route.pack_gqa else 1
+        # A relative-position table is read at the query's own token (`RelativePositionScores.at`).
+        sm = None if score_mod is None else make_score_mod(
+            plan, self.layout.ring_len, T, score_mod.at if relative else score_mod, positions, c.reverse_step_order,
+            c.query_window, group=g, query_index=relative)
+        # The scale is applied to q here rather than inside the call (TORCH_WORKAROUNDS["Q_VIEW"]): the
+        # product is a fresh buffer. Packed, query head h * g + i sits at rows i * T .. i * T + T - 1 of KV
+        # head h: the same [N, Hq, T] view serves the output and its log-sum-exp.
+        qs = (q.reshape(N, H, g * T, D) if route.pack_gqa else q) * scale
+        out, lse = path(PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, want_lse, relative, compiling))
+        own = _epilogue(out.view(N, Hq, T, v.shape[3]), lse, sinks, return_lse)
+        return own if query_only is None else (own, extra)
+
+    def _check_extras(self, q, score_mod, positions, sinks, query_only) -> bool:
+        """Check `attend`'s optional arguments; returns whether `score_mod` is a relative-position table."""
+        if sinks is not None:
+            check_sinks(sinks, q.shape[1], self.device)
+        if query_only is not None:
+            check_query_only(query_only, q)
+        if positions not in POSITION_MODES:
+            raise ValueError(f"attend: positions must be one of {POSITION_MODES}, got {positions!r}")
+        relative = isinstance(score_mod, RelativePositionScores)
+        if relative and positions != "stream":
+            raise ValueError(f"attend: a RelativePositionScores score_mod reads stream positions; got "
+                             f"positions={positions!r}: pass positions='stream'")
+        if relative and query_only is not None:
+            raise ValueError("attend: query_only queries take no RelativePositionScores score_mod (its table is "
+                             "formed for the step's own queries); attend them with a score_mod of their own")
+        return relative
+
+    def write_part(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan: BoundedPlan) -> KeyPart:
+        """Write the step's tokens into layer `layer_idx` as `attend` does, and return the cells each row's
+        newest own token reads as a `KeyPart` that another cache's `attend(..., joined=...)` reads in
+        its softmax (`flexkv.cache.paths.joint_path`): the layer's attention for this step, computed there.
+        `k`, `v` as in `attend`."""
+        self._check_attend(layer_idx, k, k, v, plan)
+        kc, vc = self._store.write(layer_idx, k, v, plan)
+        ks, vs = self._store.layer_scales(layer_idx)
+        return self.paths.joint.part(kc, vc, None if ks is None else (ks, vs), plan)
+
+    def _check_attend(self, layer_idx, q, k, v, plan) -> None:
+        c = self.config
+        check_layer_index(layer_idx, c.num_layers)
+        if (isinstance(plan, BoundedPlan) and type(q) is type(k) is type(v) is torch.Tensor
+                and q.dtype == k.dtype == v.dtype == c.dtype and q.device == k.device == v.device == self.device
+                and tuple(k.shape) == (plan.rows, c.num_heads, plan.tokens, c.head_dim)
+                and tuple(v.shape) == (plan.rows, c.num_heads, plan.tokens, c.value_head_dim) and q.dim() == 4
+                and q.shape[0] == plan.rows and q.shape[1] % c.num_heads == 0 and q.shape[2] == plan.tokens
+                and q.shape[3] == c.head_dim and plan.tokens <= c.max_step_tokens):
+            return  # every check below passes: one comparison chain (a compiled step traces this per layer)
+        if not isinstance(plan, BoundedPlan):
+            raise ValueError(f"attend needs this cache's plan: pass plan=manager.plan(step), got {type(plan).__name__}")
+        N, T = plan.rows, plan.tokens
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"attend: {name} must be a 4-D tensor [N, heads, T, head_dim], got {got}")
+            if t.dtype != c.dtype:
+                raise ValueError(f"attend: {name} dtype expected {c.dtype}, got {t.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"attend: {name} device expected {self.device}, got {t.device}")
+        if q.shape[2] > c.max_step_tokens:
+            raise ValueError(f"attend: T={q.shape[2]} exceeds max_step_tokens={c.max_step_tokens}")
+        for name, t, width in (("k", k, c.head_dim), ("v", v, c.value_head_dim)):
+            want_kv = (N, c.num_heads, T, width)
+            if tuple(t.shape) != want_kv:
+                dim = "head_dim" if name == "k" else "value_head_dim"
+                raise ValueError(
+                    f"attend: {name} shape expected {want_kv} (rows, num_heads, plan T, {dim}), got {tuple(t.shape)}"
+                    + (f"; the plan was made for T={T}: set BoundedKVStep(tokens=...)" if t.shape[2] != T else "")
+                )
+        Hq = q.shape[1]
+        if tuple(q.shape) != (N, Hq, T, c.head_dim) or Hq % c.num_heads:
+            raise ValueError(
+                f"attend: q shape expected ({N}, a multiple of num_heads={c.num_heads}, {T}, {c.head_dim}), "
+                f"got {tuple(q.shape)}"
+            )
+
+
+def _split(res, T: int) -> tuple:
+    """A joint call's result over its own and query-only queries, `out` or `(out, lse)`, split at query `T`
+    into `(own, query_only)`."""
+    if isinstance(res, tuple):
+        out, lse = res
+        return (out[:, :, :T], lse[:, :, :T]), (out[:, :, T:], lse[:, :, T:])
+    return res[:, :, :T], res[:, :, T:]
+
+
+def _epilogue(out: torch.Tensor, lse, sinks, return_lse: bool):
+    """A call's output `[N, Hq, T, Dv]` with learned `sinks` joined (from its log-sum-exp `lse`), and the
+    log-sum-exp `[N, Hq, T]` beside it with `return_lse` (the sink logit included)."""
+    if lse is not None:
+        N, Hq, T = out.shape[:3]
+        lse = lse.reshape(N, Hq, T)
+        if sinks is not None:
+            out = apply_learned_sinks(out, lse, sinks)
+            if return_lse:
+                lse = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, Hq, 1))
+    return (out, lse) if return_lse else out
