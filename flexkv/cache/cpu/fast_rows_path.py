@@ -44,20 +44,20 @@ class FastRowsPath(RowsPath):
 
     def plan_parts(self, plan, eager: bool, compiled: bool) -> None:
         """A CPU chunk this path serves eagerly and compiled gets its geometry with its plan
-        (`plan.rows_geometry`, unpacked queries). A one-token step builds it at its first layer
+        (`plan.extras["rows_geometry"]`, unpacked queries). A one-token step builds it at its first layer
         instead, from the host table (eagerly; `row_geometry`), since that geometry carries host
         facts of one plan a compiled step must not specialise on."""
         s = self.store
         if eager and compiled and s.device.type == "cpu" and plan.tokens > 1:
             T = plan.tokens
-            plan.rows_geometry = self.geometry(plan, s.mask_mod(plan, T, False), T, s.config.dtype)
+            plan.extras["rows_geometry"] = self.geometry(plan, s.mask_mod(plan, T, False), T, s.config.dtype)
 
     def step_geometry(self, call):
         """As `RowsPath.step_geometry`, except that every layer of a step whose plan carries its
         geometry (`plan_parts`) reads that one, compiled too (a compiled step takes it as inputs
         instead of forming it again in every layer)."""
         plan, qs = call.plan, call.q
-        ahead = getattr(plan, "rows_geometry", None)  # built with the plan (`plan_parts`), unpacked
+        ahead = plan.extras.get("rows_geometry")  # built with the plan (`plan_parts`), unpacked
         if ahead is None or ahead.bias.dtype != qs.dtype:
             return super().step_geometry(call)
         T, gT = plan.tokens, qs.shape[2]

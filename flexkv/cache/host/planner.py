@@ -151,9 +151,6 @@ class BoundedPlan:
     plan, or with `parts=False` when first read (`make_parts`).
     """
 
-    #: The rows path's geometry of a chunk, when the manager builds it with the plan (else None).
-    rows_geometry = None
-
     def __init__(self, rows: int, tokens: int, width: int, table: array, device, full_blocks: bool = False,
                  parts: bool = True):
         full_width = width if full_blocks else 1
@@ -176,6 +173,10 @@ class BoundedPlan:
         end = self._spans[None][0]
         if end != buf.shape[0]:
             raise AssertionError(f"plan table holds {buf.shape[0]} ints, its parts {end}")
+        #: What the step's attention paths made for it beside the table, name -> value (the rows path's
+        #: geometry of a CPU chunk): filled while the cache plans the step (`AttentionPaths.plan_parts`),
+        #: read by those paths only; the planner's own fields are never changed after it.
+        self.extras: dict = {}
         #: Whether the table parts were all made with the plan (False: each is made when first read).
         self.parts_made = False
         if parts:
