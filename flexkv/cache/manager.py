@@ -297,8 +297,12 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
         """Write the step's tokens into model layer `layer_idx` and attend over what each row may read,
         in the layer's group with the group's plan (`flexkv.cache.cache_group.CacheGroup.attend`, where
         the arguments are described). `plan` is this cache's `plan(step)`."""
-        group, i, group_plan = self._in_group("attend", layer_idx, plan)
-        self._check_heads(group, q, k, v)
+        if self._one:  # the group checks the layer index and the plan itself
+            group, i, group_plan = self._groups[0], layer_idx, plan
+        else:
+            group, i, group_plan = self._in_group("attend", layer_idx, plan)
+        if self._check_heads is not None:
+            self._check_heads(group, q, k, v)
         return group.attend(i, q, k, v, group_plan, scale=scale, score_mod=score_mod, positions=positions,
                             sinks=sinks, return_lse=return_lse, query_only=query_only, joined=joined)
 
@@ -307,11 +311,13 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
         row's newest own token reads as a `KeyPart` another cache's `attend(..., joined=...)` reads in its
         softmax (`CacheGroup.write_part`)."""
         group, i, group_plan = self._in_group("write_part", layer_idx, plan)
-        self._check_heads(group, k, k, v)
+        if self._check_heads is not None:
+            self._check_heads(group, k, k, v)
         return group.write_part(i, k, v, group_plan)
 
-    def _check_heads(self, group: CacheGroup, q, k, v) -> None:
-        """A check of `attend`'s heads before `group`'s own (`ShardedKVManager`: a rank takes its share)."""
+    #: A check of `attend`'s heads before the group's own, `check(group, q, k, v)` (None: none;
+    #: `ShardedKVManager`'s: a rank takes its share).
+    _check_heads: Optional[Callable] = None
 
     def _in_group(self, what: str, layer_idx: int, plan) -> tuple:
         """`(group, layer in the group, group's plan)` of model layer `layer_idx` under `plan`."""
