@@ -171,6 +171,17 @@ def test_cpu_block_is_one_slot_row_when_its_padding_is_small():
     assert default_block_size(src, "cpu") == 128
 
 
+def test_cpu_block_shrinks_where_rounding_to_whole_blocks_would_waste_memory():
+    """One stream decoding a token per step (sink 4 + window 252: 257 slot cells and 1 scratch cell) would hold
+    288 cells in blocks of 32, 12% more than it uses; blocks of 16 hold 272 (5%). Four such streams keep 32."""
+    one = _decode_config(1, window=252, max_step_tokens=1)
+    assert default_block_size(one, "cpu") == 16
+    assert Layout.for_config(one, None, "cpu").total_len == 272
+    assert default_block_size(_decode_config(4, window=252, max_step_tokens=1), "cpu") == 32
+    # A 64-token chunk: 320 slot cells and 64 of scratch, whole blocks of 32 already.
+    assert default_block_size(_decode_config(1, window=252, max_step_tokens=64), "cpu") == 32
+
+
 def test_cuda_block_stays_128():
     assert default_block_size(_decode_config(32), "cuda") == default_block_size(_decode_config(32), "meta") == 128
 

@@ -63,7 +63,8 @@ def cpu_kernel_block_exact(kv_block_size: int) -> bool:
     return kv_block_size % CPU_GEMM_BLOCK_N != _CPU_BAD_TAIL
 
 
-#: Most of the slot pool (1/16) that one whole-slot-row block of padding may add on the CPU.
+#: Most of what a layer tensor holds (1/16) that rounding it up to whole KV blocks may add on the CPU: one
+#: whole-slot-row block of padding, or the last partly used block of a smaller block size.
 ALIGNED_BLOCK_PADDING = 1 / 16
 
 
@@ -84,7 +85,10 @@ def default_block_size(config: BoundedKVConfig, device_type: str) -> int:
     between 16 and 128 (also when a slot row's length is a KV block size
     the compiled CPU kernel gets wrong, `cpu_kernel_block_exact`): a row's reads start and end inside a few partly used
     blocks (sinks, window, ring wrap), so the blocks should be small next to
-    what a row keeps, but each visited block has a fixed cost, so not tiny.
+    what a row keeps, but each visited block has a fixed cost, so not tiny; halved (down to 16) while
+    rounding the layer tensor up to whole blocks would add more than `ALIGNED_BLOCK_PADDING` of the
+    cells it holds (one stream of sink 4 + window 252 decoding a token per step holds 258 cells: 288
+    in blocks of 32, 272 in blocks of 16).
     """
     if device_type in ("cuda", "meta"):
         return DEFAULT_BLOCK_SIZE
@@ -99,6 +103,9 @@ def default_block_size(config: BoundedKVConfig, device_type: str) -> int:
     block = 16
     while block * 2 <= min(cells, DEFAULT_BLOCK_SIZE):
         block *= 2
+    held = config.max_sources * config.rows_per_request * config.max_source_len + pool + config.max_step_tokens
+    while block > 16 and _ceil_div(held, block) * block - held > ALIGNED_BLOCK_PADDING * held:
+        block //= 2
     return block
 
 
