@@ -43,7 +43,7 @@ _PUBLIC = {
     "Stages": "session",
     "MultiCacheSession": "session",
     "swap_attention": "model.port",
-    "StepContext": "model.wrap",
+    "StepContext": "model.step_context",
     "MultiStepContext": "model.multi_context",
     "CacheAttention": "model.wrap",
     "Rotary": "cache.positions.rotary",

@@ -27,8 +27,9 @@ from flexkv.cache.groups import per_layer_groups
 from flexkv.cache.paths.attention_options import AttentionOptions
 from flexkv.cache.positions.rotary import Rotary
 from flexkv.model.reference import ReferenceCache
+from flexkv.model.step_context import StepContext
 from flexkv.model.uncached import UncachedHistory
-from flexkv.model.wrap import StepContext, attention
+from flexkv.model.wrap import attention
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 H, HQ, D, T = 2, 4, 8, 3

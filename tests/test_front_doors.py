@@ -24,8 +24,9 @@ from flexkv.cache.positions.rotary import Rotary
 from flexkv.cache.protocol import StreamCache, check_cache
 from flexkv.cache.storage.quantized import round_trip
 from flexkv.model.reference import ReferenceCache
+from flexkv.model.step_context import StepContext
 from flexkv.model.uncached import UncachedHistory
-from flexkv.model.wrap import StepContext, attention
+from flexkv.model.wrap import attention
 from flexkv.serving import BoundedKVResource, BoundedKVSpec, EngineResourceInfo
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 

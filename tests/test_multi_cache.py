@@ -31,7 +31,8 @@ from flexkv import (
 )
 from flexkv.model.attendance import AttendanceError
 from flexkv.model.reference import ReferenceCache
-from flexkv.model.wrap import StepContext, attention
+from flexkv.model.step_context import StepContext
+from flexkv.model.wrap import attention
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 SLOW = BoundedKVConfig(num_layers=2, num_heads=2, head_dim=4, rows_per_request=1, max_source_len=0,

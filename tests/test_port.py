@@ -83,7 +83,7 @@ def test_swap_refuses_what_does_not_fit_and_swaps_nothing():
         swap_attention(m, _context(), nn.Conv1d, attention_with_model_rope)
     with pytest.raises(ValueError, match="match must be an nn.Module class, a tuple of classes or a predicate"):
         swap_attention(m, _context(), "self_attn", attention_with_model_rope)
-    with pytest.raises(ValueError, match="context must be a flexkv.model.wrap.StepContext"):
+    with pytest.raises(ValueError, match="context must be a flexkv.model.step_context.StepContext"):
         swap_attention(m, object(), StreamingAttention, attention_with_model_rope)
     with pytest.raises(ValueError, match="give core or attention options"):
         swap_attention(m, _context(), StreamingAttention, attention_with_model_rope,

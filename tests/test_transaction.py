@@ -15,8 +15,9 @@ from flexkv import BoundedKVConfig, BoundedKVStep, Segment, SinkWindow, StreamPo
 from flexkv.cache.groups import LayerGroup
 from flexkv.cache.host.transaction import StepTransaction
 from flexkv.cache.manager import BoundedKVManager
+from flexkv.model.step_context import StepContext
 from flexkv.model.uncached import UncachedHistory
-from flexkv.model.wrap import StepContext, attention
+from flexkv.model.wrap import attention
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 H, D, LAYERS = 2, 4, 2

@@ -9,8 +9,9 @@ from random_workload import check_close
 from configs import small_config
 from flexkv import BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache.positions.rotary import Rotary
+from flexkv.model.step_context import StepContext
 from flexkv.model.uncached import UncachedHistory
-from flexkv.model.wrap import CacheAttention, StepContext, attention
+from flexkv.model.wrap import CacheAttention, attention
 from single_thread import one_thread  # noqa: F401  (autouse: one torch thread per module)
 
 H, HQ, D, R = 2, 4, 8, 2

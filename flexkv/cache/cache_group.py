@@ -109,7 +109,7 @@ class CacheGroup(nn.Module):
     def rotation(self, layer_idx: int, rotary, mode: str = "stream", *, rotated_inputs: bool = False) -> SinkRotation:
         """Rotary positions for layer `layer_idx` (`flexkv.cache.positions.rotary.SinkRotation`): call it as
         `q, k = rotation(q, k, plan)` before `attend`; in ``"cache"`` mode run its `check_step`
-        on the host before planning (`flexkv.model.wrap.StepContext` does)."""
+        on the host before planning (`flexkv.model.step_context.StepContext` does)."""
         rotation = SinkRotation(self, check_layer_index(layer_idx, self.config.num_layers), rotary, mode,
                                 rotated_inputs=rotated_inputs)
         self._store.keep_slot_state(rotation)

@@ -232,7 +232,7 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
     def rotation(self, layer_idx: int, rotary, mode: str = "stream", *, rotated_inputs: bool = False):
         """Rotary positions for model layer `layer_idx` (`flexkv.cache.positions.rotary.SinkRotation`, in its
         group): call it as `q, k = rotation(q, k, plan)` before `attend`; in ``"cache"`` mode run its
-        `check_step` on the host before planning (`flexkv.model.wrap.StepContext` does)."""
+        `check_step` on the host before planning (`flexkv.model.step_context.StepContext` does)."""
         g, i = self.group_of(layer_idx)
         rotation = self._groups[g].rotation(i, rotary, mode, rotated_inputs=rotated_inputs)
         return rotation if self._one else GroupRotation(g, rotation)

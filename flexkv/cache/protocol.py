@@ -20,7 +20,7 @@ and `undo_admit` takes that back when the step fails.
 A plan is whatever the cache's `plan` returns; callers hand it back to the
 same cache's `attend` and `stream_positions` and never look inside. The
 cache keeps no current plan: `attend` is given the plan every time (a
-model's layers read it from `flexkv.model.wrap.StepContext.plan`).
+model's layers read it from `flexkv.model.step_context.StepContext.plan`).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ step it alone between multi-cache steps.
 
 from __future__ import annotations
 
-from .wrap import StepContext, named_error
+from .step_context import StepContext, named_error
 
 __all__ = ["MultiStepContext", "named_error"]
 

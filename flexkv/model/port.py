@@ -40,7 +40,8 @@ from torch import nn
 
 from ..config import is_int
 from .attendance import explain_calls
-from .wrap import CacheAttention, StepContext
+from .step_context import StepContext
+from .wrap import CacheAttention
 
 __all__ = ["swap_attention", "SwappedAttention"]
 
@@ -230,7 +231,7 @@ def swap_attention(
         raise ValueError(f"swap_attention: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(context, StepContext):
         raise ValueError(
-            f"swap_attention: context must be a flexkv.model.wrap.StepContext (StreamSession.context), "
+            f"swap_attention: context must be a flexkv.model.step_context.StepContext (StreamSession.context), "
             f"got {type(context).__name__}"
         )
     if not callable(forward) and not isinstance(forward, Mapping):

@@ -142,7 +142,7 @@ def closure_difference(fn: Callable, key: Hashable, other_key: Hashable) -> Opti
 class CompiledSteps:
     """The step functions of one session (module docstring): `runner(fn)` and `watch(fn, what)`.
 
-    `context`: the session's `flexkv.model.wrap.StepContext`; `compile`: compile the steps;
+    `context`: the session's `flexkv.model.step_context.StepContext`; `compile`: compile the steps;
     `stateful`: the steps take and return the requests' carried state; `kind` names the session in
     warnings. `warm` holds the `(key, B, T)` buckets the session has warmed up.
     """

@@ -32,7 +32,7 @@ from ..cache.host.slots import SlotsExhausted
 from ..cache.host.transaction import StepTransaction
 from ..config import is_int
 from ..model.multi_context import MultiStepContext
-from ..model.wrap import StepContext, named_error, naming_errors
+from ..model.step_context import StepContext, named_error, naming_errors
 from ..step import BoundedKVStep, Segment, StreamPosition
 from .feeds import Chunk, feed_leaves, map_tensors, pad_by_lane, parse_feeds, unflatten
 from .lanes import WHEN_FULL, Lanes, OneAtATime, Waiting, declarations, session_caches, source_call

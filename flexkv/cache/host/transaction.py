@@ -1,7 +1,7 @@
 """`StepTransaction`: one model step over a cache, whole or not at all.
 
 Every front door runs a step the same way, through one of these:
-`StreamSession.step`, `flexkv.model.wrap.StepContext` (`begin`/`commit`,
+`StreamSession.step`, `flexkv.model.step_context.StepContext` (`begin`/`commit`,
 `abort`, or `with context.stepping(step)`) and the transformers
 integration's `FlexKVCache` (`prepare`/`commit`/`rollback`). A step is
 

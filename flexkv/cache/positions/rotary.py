@@ -210,7 +210,7 @@ class SinkRotation(nn.Module):
             Nothing is un-rotated: a step costs the `sink` cells only.
 
     Host side, call `check_step(step)` before planning a step in ``"cache"``
-    mode (`flexkv.model.wrap.StepContext` does it); it raises `ValueError` for a
+    mode (`flexkv.model.step_context.StepContext` does it); it raises `ValueError` for a
     step whose queries do not share one eviction count.
     """
 

@@ -13,7 +13,7 @@ from ...cache.host.slots import SlotsExhausted
 from ...cache.manager import BoundedKVManager
 from ...cache.positions.rotary import ROPE_POSITIONS
 from ...config import BoundedKVConfig, SinkWindow
-from ...model.wrap import StepContext
+from ...model.step_context import StepContext
 from .branching import BranchingCache
 from .cache_positions import CachePositions, warn_past_trained_context
 from .hooks import enable, switch
@@ -152,7 +152,7 @@ class FlexKVCache(BranchingCache, CacheShim):
             groups=groups,
             block_size=block_size,
         )
-        #: The forward's step: one `flexkv.model.wrap.StepContext` over the cache, whose model layers attend their
+        #: The forward's step: one `flexkv.model.step_context.StepContext` over the cache, whose model layers attend their
         #: KV layers (None: recurrent only); its transaction and attendance check are every forward's.
         self.context = StepContext(self.manager, layers=tuple(kv if s.attends else None
                                                               for s, kv in zip(specs, self.kv_layer)))

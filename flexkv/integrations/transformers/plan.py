@@ -72,7 +72,7 @@ class FlexKVForward:
 
     def __init__(self, cache, steps, plans, gather, scatter, position_ids, state_slots=None, continues=False):
         self.cache = cache
-        #: the cache's `flexkv.model.wrap.StepContext`: the forward's step (its transaction and attendance
+        #: the cache's `flexkv.model.step_context.StepContext`: the forward's step (its transaction and attendance
         #: check), and every attention call of it
         self.context = cache.context
         #: the flexkv steps of the forward's chunks, committed when the forward returns
