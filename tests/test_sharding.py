@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, LayerGroup, Segment, SinkWindow, StreamPosition
-from flexkv.model.reference import ReferenceCache
+from flexkv.model.uncached import UncachedHistory
 from flexkv.serving import BoundedKVResource, BoundedKVSpec, EngineResourceInfo
 from flexkv.serving.distributed import HeadShard, ShardedKVManager, plan_digest, resolve_rank
 
@@ -110,15 +110,22 @@ def test_one_rank_group_in_process(tmp_path):
 # ------------------------------------------------------------------ the cache
 
 
-def test_shards_in_one_process_reproduce_the_full_cache_and_reference():
+@pytest.mark.parametrize("groups", [None, (LayerGroup((0,), SinkWindow(2, 4)), LayerGroup((1,), SinkWindow(1, 2)))],
+                         ids=["one-group", "two-groups"])
+def test_shards_in_one_process_reproduce_the_full_cache_and_the_twin(groups):
+    """Ranks' shares side by side are the whole cache's output, and the uncached twin's: every layer group keeps
+    the rank's heads (a source given whole or already sliced), and every rank plans the same step."""
     torch.manual_seed(7)
     cfg = small_config()
     W, Hq, N = 2, 8, 4
-    full = BoundedKVManager(cfg, block_size=16)
-    ref = ReferenceCache(cfg)
-    shards = [ShardedKVManager(cfg, rank=r, world_size=W, num_query_heads=Hq, block_size=16) for r in range(W)]
+    full = BoundedKVManager(cfg, groups=groups, block_size=16)
+    twin = UncachedHistory(cfg, groups)
+    shards = [ShardedKVManager(cfg, groups=groups, rank=r, world_size=W, num_query_heads=Hq, block_size=16)
+              for r in range(W)]
+    assert [g.config.num_heads for s in shards for g in s.cache_groups] == [2] * W * len(full.cache_groups)
     keys, values = torch.randn(2, 2, 4, 5, 8), torch.randn(2, 2, 4, 5, 8)
-    ref.add_source(full.add_source(keys, values), keys, values)
+    twin.add_source(keys, values)
+    full.add_source(keys, values)
     for s in shards:  # rank 0 gets the full source, rank 1 its own slice
         s.add_source(keys, values) if s.rank == 0 else s.add_source(s.shard.kv(keys, 2), s.shard.kv(values, 2))
     written = {"a": 0, "b": 0}
@@ -127,59 +134,21 @@ def test_shards_in_one_process_reproduce_the_full_cache_and_reference():
         pos = {"a": StreamPosition(5, written["a"]), "b": StreamPosition(3, written["b"])}
         step = BoundedKVStep(segs, pos, tokens=2)
         caches = [full] + shards
-        for m in caches:
+        for m in caches + [twin]:
             m.admit(step)
         plans = [m.plan(step) for m in caches]
         assert all(p == plans[0] for p in plans)
+        twin_plan = twin.plan(step)
         for layer in range(2):
             q, k, v = torch.randn(N, Hq, 2, 8), torch.randn(N, 4, 2, 8), torch.randn(N, 4, 2, 8)
             want = full.attend(layer, q, k, v, plans[0])
             got = torch.cat([s.attend(layer, s.shard.query(q), s.shard.kv(k), s.shard.kv(v), p)
                              for s, p in zip(shards, plans[1:])], dim=1)
             torch.testing.assert_close(got, want)
-            torch.testing.assert_close(got.double(), ref.attend(layer, q, k, v, step), atol=1e-5, rtol=1e-4)
-        for m in caches:
-            m.commit(step)
-        ref.commit(step)
-        for seg in segs:
-            written[seg.request_id] += seg.span
-
-
-def test_grouped_shards_reproduce_the_full_grouped_cache():
-    """A rank's share of a cache with layer groups: every group keeps the rank's heads (sources sliced too),
-    plans are the same on every rank, and the ranks' outputs side by side are the whole cache's."""
-    torch.manual_seed(8)
-    cfg = small_config()
-    groups = (LayerGroup((0,), SinkWindow(2, 4)), LayerGroup((1,), SinkWindow(1, 2)))
-    W, Hq, N = 2, 8, 4
-    full = BoundedKVManager(cfg, groups=groups, block_size=16)
-    shards = [ShardedKVManager(cfg, groups=groups, rank=r, world_size=W, num_query_heads=Hq, block_size=16)
-              for r in range(W)]
-    assert [g.config.num_heads for s in shards for g in s.cache_groups] == [2, 2, 2, 2]
-    assert [g.layout.slot_row_len for g in shards[0].cache_groups] == [g.layout.slot_row_len for g in full.cache_groups]
-    keys, values = torch.randn(2, 2, 4, 5, 8), torch.randn(2, 2, 4, 5, 8)
-    full.add_source(keys, values)
-    for s in shards:
-        s.add_source(keys, values)
-    written = {"a": 0, "b": 0}
-    for i in range(6):
-        segs = (Segment("a", 2), Segment("b", 1 + i % 2))
-        pos = {"a": StreamPosition(5, written["a"]), "b": StreamPosition(3, written["b"])}
-        step = BoundedKVStep(segs, pos, tokens=2)
-        caches = [full] + shards
-        for m in caches:
-            m.admit(step)
-        plans = [m.plan(step) for m in caches]
-        assert all(p == plans[0] for p in plans) and len(plans[0]) == 2
-        for layer in range(2):
-            q, k, v = torch.randn(N, Hq, 2, 8), torch.randn(N, 4, 2, 8), torch.randn(N, 4, 2, 8)
-            want = full.attend(layer, q, k, v, plans[0])
-            got = torch.cat([s.attend(layer, s.shard.query(q), s.shard.kv(k), s.shard.kv(v), p)
-                             for s, p in zip(shards, plans[1:])], dim=1)
-            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(got, twin.attend(layer, q, k, v, twin_plan), atol=1e-5, rtol=1e-4)
         with pytest.raises(ValueError, match=r"q has 8 heads; rank 0 of 2 takes its 4 of the model's 8 query heads"):
             shards[0].attend(1, q, shards[0].shard.kv(k), shards[0].shard.kv(v), plans[1])
-        for m in caches:
+        for m in caches + [twin]:
             m.commit(step)
         for seg in segs:
             written[seg.request_id] += seg.span

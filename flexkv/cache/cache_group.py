@@ -36,10 +36,24 @@ from .positions.relative_position import RelativePositionScores
 from .positions.rotary import SinkRotation, stream_positions
 from .storage.store import LayerStore
 
-__all__ = ["CacheGroup"]
+__all__ = ["CacheGroup", "StoreBuffers"]
 
 
-class CacheGroup(nn.Module):
+class StoreBuffers:
+    """Mixin for an `nn.Module` whose `_store` (a `LayerStore`, or None) lends its buffers (`k_cache_{i}`,
+    `v_cache_{i}`, `k_scale_{i}`, ...) as the module's own attributes: a group's, and a one-group cache's."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            store = self.__dict__.get("_store")
+            if store is not None and name in store._buffers:
+                return store._buffers[name]
+            raise
+
+
+class CacheGroup(StoreBuffers, nn.Module):
     """One layer group's device state and attention (module docstring).
 
     Args:
@@ -68,16 +82,6 @@ class CacheGroup(nn.Module):
         object.__setattr__(self, "_store", built)  # the same, read without nn.Module's lookup
         #: The attention paths over the store and the one choice among them (their scratch is allocated now).
         self.paths = AttentionPaths(built, options)
-
-    def __getattr__(self, name: str):
-        # The store's buffers (`k_cache_{i}`, `v_cache_{i}`, `k_scale_{i}`, ...) read as the cache's own.
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            store = self.__dict__.get("_store")
-            if store is not None and name in store._buffers:
-                return store._buffers[name]
-            raise
 
     # ------------------------------------------------------------------ views
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..config import BoundedKVConfig, check_config, check_layer_index, resolve_device
-from .cache_group import CacheGroup
+from .cache_group import CacheGroup, StoreBuffers
 from .groups import GroupedPlan, GroupRotation, as_layer_groups, layer_group_configs
 from .host.lifecycle import StreamLifecycle
 from .host.slots import SlotsExhausted, SlotTable, SourcesExhausted
@@ -69,7 +69,7 @@ class _MovedToOptions:
         raise self._moved()
 
 
-class BoundedKVManager(StreamLifecycle, nn.Module):
+class BoundedKVManager(StreamLifecycle, StoreBuffers, nn.Module):
     """A bounded sink + window KV cache for `config.max_slots` requests (docs/contract.md section 5).
 
     Args:
@@ -147,16 +147,6 @@ class BoundedKVManager(StreamLifecycle, nn.Module):
     full_blocks = _MovedToOptions()
     attention_path = _MovedToOptions()
     share_flex_kernel = _MovedToOptions()
-
-    def __getattr__(self, name: str):
-        # A one-group cache's buffers (`k_cache_{i}`, `v_cache_{i}`, `k_scale_{i}`, ...) read as the cache's own.
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            store = self.__dict__.get("_store")
-            if store is not None and name in store._buffers:
-                return store._buffers[name]
-            raise
 
     # ------------------------------------------------------------------ views
 
