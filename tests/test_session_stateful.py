@@ -20,7 +20,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from random_workload import check_close
 
-from flexkv import BoundedKVConfig, BoundedKVManager, SinkWindow, SlotsExhausted, SourcesExhausted, StreamSession
+from flexkv import (
+    BoundedKVConfig,
+    BoundedKVManager,
+    LayerGroup,
+    SinkWindow,
+    SlotsExhausted,
+    SourcesExhausted,
+    StreamSession,
+)
 from flexkv.model.reference import ReferenceCache
 
 H, D, LAYERS, SLOTS, PLACES, MAX_SOURCE = 1, 4, 2, 3, 2, 4
@@ -37,9 +45,11 @@ def model_fn(attn, x):
 
 
 class SessionModel:
-    """What the contract says the session holds, and whether an operation is allowed."""
+    """What the contract says the session holds, and whether an operation is allowed. `configs`: the retention
+    of each layer group (a rollback must be exact in every group)."""
 
-    def __init__(self):
+    def __init__(self, configs=(CONFIG,)):
+        self.configs = configs
         self.lanes: Dict[str, int] = {}
         self.decl: Dict[str, tuple] = {}  # running request -> (source, source_len)
         self.written: Dict[str, int] = {}
@@ -82,11 +92,15 @@ class SessionModel:
             return False
         if tokens == 0:
             return True
-        pol = CONFIG.retention_for(self.decl[rid][1])
-        L, ring = self.decl[rid][1], pol.window + CONFIG.max_step_tokens
+        L = self.decl[rid][1]
         n = L + w - tokens
-        ring_start = max(pol.sink, L)
-        return n <= ring_start or max(ring_start, n - pol.window) >= self.reach[rid] - ring
+        for config in self.configs:
+            pol = config.retention_for(L)
+            ring = pol.window + config.max_step_tokens
+            ring_start = max(pol.sink, L)
+            if not (n <= ring_start or max(ring_start, n - pol.window) >= self.reach[rid] - ring):
+                return False
+        return True
 
     def remove(self, rid):
         del self.lanes[rid], self.decl[rid], self.written[rid], self.reach[rid]
@@ -98,11 +112,14 @@ class SessionModel:
 
 
 class SessionMachine(RuleBasedStateMachine):
+    #: the cache's layer groups (None: one group with CONFIG's retention)
+    groups = None
+
     def __init__(self):
         super().__init__()
-        self.session = StreamSession(BoundedKVManager(CONFIG, block_size=8), compile=False)
-        self.ref = ReferenceCache(CONFIG)
-        self.m = SessionModel()
+        self.session = StreamSession(BoundedKVManager(CONFIG, groups=self.groups, block_size=8), compile=False)
+        self.ref = ReferenceCache(CONFIG) if self.groups is None else GroupedReference(CONFIG, self.groups)
+        self.m = SessionModel(tuple(self.session.cache.layer_config(i) for i in range(LAYERS)))
         self.seed = 0
         self.steps = 0
 
@@ -317,10 +334,62 @@ class SessionMachine(RuleBasedStateMachine):
             raise error("the model failed")
 
         self.refused(error, lambda: self.session.step(feeds, failing))
+        # What layer 0 wrote stays in the slots, unread (contract section 5): a running request's ring has
+        # been written as far as the step reached, which bounds a later rollback as a committed step would.
+        T = max(fed.values())  # the session's token buckets here are (1, max_step_tokens=2)
+        for rid in fed:
+            if rid in m.lanes:
+                m.reach[rid] = max(m.reach[rid], m.decl[rid][1] + m.written[rid] + T)
 
 
 SessionMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 test_session_against_its_model = SessionMachine.TestCase
+
+
+class GroupedReference:
+    """The dense reference of a cache with layer groups: one `ReferenceCache` per group (its layers, retention
+    and query window), each told every lifecycle change, a layer attended in its group's."""
+
+    def __init__(self, config, groups):
+        self.groups = groups
+        self.refs = [ReferenceCache(config.replace(num_layers=len(g.layers), retention=g.retention,
+                                                   query_window=g.query_window)) for g in groups]
+
+    def _route(self, layer):
+        return next((g, group.layers.index(layer)) for g, group in enumerate(self.groups) if layer in group.layers)
+
+    def __getattr__(self, name):  # a lifecycle change: every group's reference makes it
+        def each(*args):
+            for ref in self.refs:
+                getattr(ref, name)(*args)
+        return each
+
+    def _share(self, t, g):
+        return t[list(self.groups[g].layers)]
+
+    def add_source(self, place, k, v):
+        for g, ref in enumerate(self.refs):
+            ref.add_source(place, self._share(k, g), self._share(v, g))
+
+    def add_private_source(self, rid, k, v):
+        for g, ref in enumerate(self.refs):
+            ref.add_private_source(rid, self._share(k, g), self._share(v, g))
+
+    def attend(self, layer, q, k, v, step):
+        g, i = self._route(layer)
+        return self.refs[g].attend(i, q, k, v, step)
+
+
+class GroupedSessionMachine(SessionMachine):
+    """The same program over a cache whose two layers keep different parts of every stream (one slot table, a
+    store per group): sources split by layer, forks, rollbacks (exact only where every group's ring allows)
+    and failed steps reach every group."""
+
+    groups = (LayerGroup((0,), SinkWindow(1, 4), 4), LayerGroup((1,), SinkWindow(0, 3), 3))
+
+
+GroupedSessionMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
+test_grouped_session_against_its_model = GroupedSessionMachine.TestCase
 
 
 # ---------------------------------------------------------------------------------------------------------------
