@@ -287,3 +287,40 @@ def test_every_test_module_collects_without_the_transformers_extra():
     assert out.returncode == 0 and not errors, errors or out.stdout[-2000:] + out.stderr[-2000:]
     collected = [line for line in out.stdout.splitlines() if line.startswith("tests/test_transformers")]
     assert not collected, f"collected with transformers hidden: {collected[:3]}"
+
+
+# ------------------------------------------------------------------ who attends
+
+#: The one module whose code calls a cache's `attend` (docs/architecture.md, `step_context.py`): every door
+#: steps its model through a `StepContext`.
+ATTEND_OWNER = "flexkv.model.step_context"
+
+
+def cache_attend_calls(source: str) -> list:
+    """Line numbers of `<x>.attend(...)` / `<x>.write_part(...)` calls whose receiver is named like a cache
+    (`cache`, `manager`, or ending in either: `self.cache`, `self.manager`, `kv_manager`)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in ("attend", "write_part"):
+            recv = node.func.value
+            name = recv.attr if isinstance(recv, ast.Attribute) else recv.id if isinstance(recv, ast.Name) else ""
+            if name.endswith(("cache", "manager")):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_step_context_calls_a_cache_attend():
+    found = {name: cache_attend_calls(path.read_text(encoding="utf-8")) for name, path in MODULES.items()
+             if name != ATTEND_OWNER}
+    assert {name: lines for name, lines in found.items() if lines} == {}
+    assert cache_attend_calls(MODULES[ATTEND_OWNER].read_text(encoding="utf-8"))  # it does call one
+
+
+def test_the_attend_caller_check_sees_a_door_calling_the_cache_itself():
+    source = ("def forward(self, q, k, v, plan):\n"
+              "    a = self.manager.attend(0, q, k, v, plan)\n"
+              "    b = cache.write_part(1, k, v, plan)\n"
+              "    c = self.context.attend(0, q, k, v)\n"
+              "    return group.attend(0, q, k, v, plan), a, b, c\n")
+    assert cache_attend_calls(source) == [2, 3]
