@@ -5,8 +5,9 @@ started on, which source places are taken (shared, or reserved as a
 request's private source): everything a step is checked and planned
 against, and nothing on a device. A cache is one table and the device
 stores of its layers: `BoundedKVManager` holds one table that every layer
-group's store shares, the uncached twin one table beside its dense history. Every check reads only fields all
-layer groups share (`SHARED_FIELDS`), so one table serves every group and
+group's store shares, the uncached twin one table beside its dense history. Every check reads only fields no
+layer group changes (slots, sources, step length: a group changes only its
+retention, windows and head sizes), so one table serves every group and
 there is nothing to keep in step between groups.
 
 The table does not lock itself: every cache that uses it holds `lock`
@@ -25,10 +26,7 @@ from typing import Hashable, NamedTuple, Optional, Tuple
 from ...config import BoundedKVConfig, is_int
 from ...step import BoundedKVStep, Segment, StreamPosition
 
-__all__ = ["SlotTable", "TableViews", "Admission", "SlotsExhausted", "SourcesExhausted", "SHARED_FIELDS", "rollback_floor"]
-
-#: The config fields the table reads: every layer group of one cache has the same values.
-SHARED_FIELDS = ("max_slots", "max_sources", "max_step_tokens", "min_source_len", "max_source_len")
+__all__ = ["SlotTable", "TableViews", "Admission", "SlotsExhausted", "SourcesExhausted", "rollback_floor"]
 
 
 class SlotsExhausted(RuntimeError):
