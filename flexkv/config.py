@@ -178,6 +178,14 @@ class BoundedKVConfig:
     after a step finds every entry the retention needs intact; 0 (the default)
     keeps the ring as it is, which already allows rollbacks up to
     `max_step_tokens` (contract section 5, "Fork and roll back").
+
+    `padding_segments` says whether a step may carry padding segments
+    (`Segment(None, 0)`: rows of no request, which an engine or a session
+    uses to keep a step's shape fixed). They write into `max_step_tokens`
+    scratch cells per layer that nothing reads. A cache whose steps never
+    pad (transformers' `FlexKVCache`: every row of its batch is a stream)
+    gives False and holds no scratch cells; a step with a padding segment is
+    then refused.
     """
 
     num_layers: int
@@ -197,6 +205,7 @@ class BoundedKVConfig:
     causal_step: bool = False
     slot_dtype: Optional[torch.dtype] = None
     max_rollback: int = 0
+    padding_segments: bool = True
     _policies: tuple = field(default=(), init=False, repr=False, compare=False)
     #: True when no value width was given: values are as wide as keys, through `replace` too
     _values_as_keys: bool = field(default=False, init=False, repr=False, compare=False)
@@ -236,7 +245,7 @@ class BoundedKVConfig:
                 f"(cells in the cache's dtype), got {self.slot_dtype!r}; use dtype= for an unquantized cache in "
                 f"another floating type"
             )
-        for name in ("reverse_step_order", "causal_step"):
+        for name in ("reverse_step_order", "causal_step", "padding_segments"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.causal_step and self.reverse_step_order:

@@ -15,6 +15,7 @@ from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, Si
 from flexkv.cache.paths.attention_options import AttentionOptions
 from flexkv.cache.paths.kernel_sharing import SHARED_KERNEL_TORCH
 from flexkv.cache.paths.row_attention import gather_width
+from flexkv.model.reference import ReferenceCache
 
 TOL = 1e-4
 
@@ -521,3 +522,31 @@ def test_a_query_that_wants_a_gradient_still_gets_one_beside_a_source(monkeypatc
     assert q.grad is not None and q.grad.abs().sum() > 0
     with torch.no_grad():
         assert torch.allclose(out, m.attend(0, q, k, v, plan), atol=1e-6)  # the same cells, in groups
+
+
+def test_one_block_per_stream_without_scratch_decodes_exactly_compiled():
+    """A cache whose steps never pad (what `FlexKVCache` builds) holds one stream of sink 4 + window 252 as one KV
+    block of 257 cells on the CPU, a block no multiple of 16 (a last register tile of one key): the compiled
+    FlexAttention decode step matches the reference over more than two ring wraps, compiled once. A step of one
+    row compiles at all (the epilogue barrier's gather is not over a dimension of one, which inductor reads as
+    a plain index and fused into the CPU template, failing)."""
+    cfg = BoundedKVConfig(num_layers=1, num_heads=2, head_dim=16, rows_per_request=1, max_source_len=0,
+                          max_sources=0, retention=SinkWindow(4, 252), max_slots=1, max_step_tokens=1,
+                          query_window=252, padding_segments=False)
+    manager = BoundedKVManager(cfg, "cpu", options=AttentionOptions.for_cache(cfg, "cpu", path="flex"))
+    assert (manager.layout.block_size, manager.layout.total_len) == (257, 257)
+    ref = ReferenceCache(cfg)
+    compiled = torch.compile(lambda q, k, v, plan: manager.attend(0, q, k, v, plan), fullgraph=True)
+    g = torch.Generator().manual_seed(5)
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    for n in range(560):
+        q, k, v = (torch.randn(1, 2, 1, 16, generator=g) for _ in range(3))
+        step = BoundedKVStep((Segment("a", 1),), {"a": StreamPosition(0, n)}, tokens=1)
+        manager.admit(step)
+        got = compiled(q, k, v, manager.plan(step))
+        want = ref.attend(0, q, k, v, step)
+        assert (got.double() - want).abs().max() < TOL, n
+        manager.commit(step)
+        ref.commit(step)
+    assert counters["stats"]["unique_graphs"] - graphs == 1

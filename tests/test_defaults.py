@@ -182,6 +182,22 @@ def test_cpu_block_shrinks_where_rounding_to_whole_blocks_would_waste_memory():
     assert default_block_size(_decode_config(1, window=252, max_step_tokens=64), "cpu") == 32
 
 
+def test_a_cache_whose_steps_never_pad_holds_no_scratch_and_one_block_per_stream():
+    """Without padding segments there are no scratch cells: one stream of sink 4 + window 252 holds its slot row
+    alone, one block of it on the CPU (257 cells decoding a token per step: the 257 entries a query reads; 320 with a
+    64-token chunk's ring headroom; where the padded cache holds 272 and 384); CUDA's blocks of 128 round up."""
+    for step, padded, alone in ((1, 272, 257), (64, 384, 320)):
+        pads = _decode_config(1, window=252, max_step_tokens=step)
+        bare = pads.replace(padding_segments=False)
+        assert Layout.for_config(pads, None, "cpu").total_len == padded
+        lay = Layout.for_config(bare, None, "cpu")
+        assert (lay.total_len, lay.block_size, lay.scratch_len, lay.row_blocks) == (alone, alone, 0, 1)
+        assert Layout.for_config(bare, None, "cuda").total_len == -(-alone // 128) * 128
+    # Four streams: four rows, one block each.
+    four = _decode_config(4, window=252, max_step_tokens=64, padding_segments=False)
+    assert Layout.for_config(four, None, "cpu").total_len == 4 * 320
+
+
 def test_cuda_block_stays_128():
     assert default_block_size(_decode_config(32), "cuda") == default_block_size(_decode_config(32), "meta") == 128
 

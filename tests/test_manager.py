@@ -347,3 +347,23 @@ def test_no_request_reads_another_requests_entries():
         for seg in s.segments:
             live[seg.request_id][2] += seg.span
         assert next_channel < 126
+
+
+def test_a_padding_segment_is_refused_by_a_cache_built_without_scratch_and_changes_nothing():
+    """`padding_segments=False` keeps no cells for padding rows to write into: a step with one is refused by name
+    before anything is admitted, and the same step without the padding row then runs."""
+    cfg = BoundedKVConfig(num_layers=1, num_heads=1, head_dim=4, rows_per_request=1, max_source_len=0, max_sources=0,
+                          retention=SinkWindow(1, 4), max_slots=2, max_step_tokens=2, padding_segments=False)
+    m = BoundedKVManager(cfg, "cpu")
+    padded = BoundedKVStep((Segment("a", 1), Segment(None, 0)), {"a": StreamPosition(0, 0)}, tokens=1)
+    with pytest.raises(ValueError, match=r"padding segment .* padding_segments=False .* padding_segments=True"):
+        m.admit(padded)
+    assert m.free_slots == 2 and m.requests == ()
+    step = BoundedKVStep((Segment("a", 1),), {"a": StreamPosition(0, 0)}, tokens=1)
+    m.admit(step)
+    plan = m.plan(step)
+    q, k, v = (torch.randn(1, 1, 1, 4) for _ in range(3))
+    assert torch.allclose(m.attend(0, q, k, v, plan), v)  # the one key it has is its own
+    m.commit(step)
+    with pytest.raises(ValueError, match="padding_segments must be a bool, got 0"):
+        cfg.replace(padding_segments=0)

@@ -14,7 +14,8 @@ it holds, in order:
    before it attends without evicting anything that step still reads (and,
    with `max_rollback`, so a request can take back that many tokens);
 3. a scratch area of `max_step_tokens` cells that padding rows write into
-   and nobody reads;
+   and nobody reads (none when the config allows no padding segments,
+   `BoundedKVConfig.padding_segments=False`);
 4. padding up to a whole number of KV blocks.
 
 Within a slot row, a written stream entry `j` (`j >= source_len`) lives at
@@ -30,7 +31,7 @@ from typing import Optional, Tuple
 
 from ...config import BoundedKVConfig, is_int
 
-__all__ = ["Layout", "DEFAULT_BLOCK_SIZE", "ALIGNED_BLOCK_PADDING", "default_block_size", "entry_cell",
+__all__ = ["Layout", "DEFAULT_BLOCK_SIZE", "ALIGNED_BLOCK_PADDING", "default_block_size", "scratch_cells", "entry_cell",
            "cpu_kernel_block_exact", "CPU_GEMM_BLOCK_N"]
 
 DEFAULT_BLOCK_SIZE = 128
@@ -68,6 +69,12 @@ def cpu_kernel_block_exact(kv_block_size: int) -> bool:
 ALIGNED_BLOCK_PADDING = 1 / 16
 
 
+def scratch_cells(config: BoundedKVConfig) -> int:
+    """Cells per layer tensor that padding rows write into: a step's `max_step_tokens`, or none for a
+    cache whose steps never pad (`BoundedKVConfig.padding_segments=False`)."""
+    return config.max_step_tokens if config.padding_segments else 0
+
+
 def default_block_size(config: BoundedKVConfig, device_type: str) -> int:
     """The KV block size flexkv picks when none is given.
 
@@ -79,8 +86,9 @@ def default_block_size(config: BoundedKVConfig, device_type: str) -> int:
     pays per visited block, and a 1025-cell row in blocks of 128 visits
     1152 cells in 9 blocks; one block per row decodes 20-30% faster, see
     docs/benchmarks.md) - as long as the padding this adds to the layer
-    tensor (a block for the `max_step_tokens` scratch cells) stays within
-    `ALIGNED_BLOCK_PADDING` of the slot pool. Otherwise, a power of two near
+    tensor (a block for the `max_step_tokens` scratch cells, none for a cache
+    whose steps never pad) stays within `ALIGNED_BLOCK_PADDING` of the slot
+    pool. Otherwise, a power of two near
     an eighth of the cells a row keeps (`max_retained + max_step_tokens`),
     between 16 and 128 (also when a slot row's length is a KV block size
     the compiled CPU kernel gets wrong, `cpu_kernel_block_exact`): a row's reads start and end inside a few partly used
@@ -94,16 +102,17 @@ def default_block_size(config: BoundedKVConfig, device_type: str) -> int:
         return DEFAULT_BLOCK_SIZE
     row = config.sink_capacity + config.ring_cells
     pool = config.max_slots * config.rows_per_request * row
+    scratch = scratch_cells(config)
     has_sources = bool(config.max_source_len and config.max_sources)
     # A row of 8 more than a multiple of 16 cells would be a block the compiled CPU kernel gets wrong.
-    if not has_sources and row >= DEFAULT_BLOCK_SIZE and row - config.max_step_tokens <= ALIGNED_BLOCK_PADDING * pool \
-            and cpu_kernel_block_exact(row):
+    if not has_sources and row >= DEFAULT_BLOCK_SIZE and _ceil_div(scratch, row) * row - scratch <= \
+            ALIGNED_BLOCK_PADDING * pool and cpu_kernel_block_exact(row):
         return row
     cells = (config.max_retained + config.max_step_tokens) // 8
     block = 16
     while block * 2 <= min(cells, DEFAULT_BLOCK_SIZE):
         block *= 2
-    held = config.max_sources * config.rows_per_request * config.max_source_len + pool + config.max_step_tokens
+    held = config.max_sources * config.rows_per_request * config.max_source_len + pool + scratch
     while block > 16 and _ceil_div(held, block) * block - held > ALIGNED_BLOCK_PADDING * held:
         block //= 2
     return block
@@ -122,6 +131,8 @@ class Layout:
     step_tokens: int
     block_size: int
     q_block_size: int
+    #: Scratch cells padding rows write into: `step_tokens`, or 0 when steps never pad.
+    scratch_len: int
 
     @classmethod
     def for_config(cls, config: BoundedKVConfig, block_size: Optional[int] = None,
@@ -142,6 +153,7 @@ class Layout:
             step_tokens=config.max_step_tokens,
             block_size=block_size,
             q_block_size=DEFAULT_BLOCK_SIZE,
+            scratch_len=scratch_cells(config),
         )
 
     @property
@@ -155,7 +167,7 @@ class Layout:
 
     @property
     def scratch_base(self) -> int:
-        """First of the `step_tokens` cells padding rows write into."""
+        """First of the `scratch_len` cells padding rows write into (where they would be, when there are none)."""
         return self.slots_base + self.max_slots * self.rows_per_request * self.slot_row_len
 
     @property
@@ -165,7 +177,7 @@ class Layout:
 
     @property
     def num_blocks(self) -> int:
-        return _ceil_div(self.scratch_base + self.step_tokens, self.block_size)
+        return _ceil_div(self.scratch_base + self.scratch_len, self.block_size)
 
     @property
     def row_blocks(self) -> int:

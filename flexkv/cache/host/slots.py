@@ -241,6 +241,12 @@ class SlotTable:
                 )
             rid = seg.request_id
             if rid is None:
+                if not c.padding_segments:
+                    raise ValueError(
+                        "a padding segment (request id None) in a step of a cache built with padding_segments=False "
+                        "(it holds no scratch cells for padding rows to write into); give every row a request, or "
+                        "build the cache with padding_segments=True"
+                    )
                 continue
             if rid in seen:
                 raise ValueError(f"request {rid!r} appears twice in one step; give each request one segment")

@@ -30,7 +30,8 @@ __all__ = ["FlexPath", "apart_from_kernel"]
 
 
 def apart_from_kernel(out: torch.Tensor) -> torch.Tensor:
-    """`out` itself, read through a gather along its first dimension.
+    """`out` itself, read through a gather along its first dimension (its last when the first has one
+    entry: a gather of index 0 alone is a direct read to inductor, which then fuses as before).
 
     Inductor fuses an elementwise consumer of a template's output into the
     template's kernel only when the consumer reads the output at the index it
@@ -40,7 +41,8 @@ def apart_from_kernel(out: torch.Tensor) -> torch.Tensor:
     as a kernel of its own, fused with this gather: one extra read of the
     output, no extra kernel when something elementwise follows.
     """
-    return out.index_select(0, torch.arange(out.shape[0], device=out.device))
+    dim = 0 if out.shape[0] > 1 else out.dim() - 1
+    return out.index_select(dim, torch.arange(out.shape[dim], device=out.device))
 
 
 class FlexPath:

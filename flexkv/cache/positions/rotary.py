@@ -256,7 +256,8 @@ class SinkRotation(nn.Module):
         self._slots_base = lay.slots_base
         self._slot_row_len = lay.slot_row_len
         self._scratch_base = lay.scratch_base
-        self._scratch_len = lay.step_tokens
+        # Padding rows' sink cells (a cache without padding has no scratch and no such rows: never chosen).
+        self._scratch_len = max(lay.scratch_len, 1)
         self._reverse = c.reverse_step_order
         self._query_window = c.query_window
         if mode == "cache" and self._sink:

@@ -147,6 +147,7 @@ class FlexKVCache(BranchingCache, CacheShim):
                 max_step_tokens=prefill_chunk,
                 slot_dtype=slot_dtype,  # quantized slots (flexkv.cache.storage.quantized); None: the model's dtype
                 max_rollback=max_rollback,
+                padding_segments=False,  # every row of a batch is a stream: no scratch cells for padding rows
             ),
             device,
             groups=groups,
