@@ -34,7 +34,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from flexkv import BoundedKVConfig, SinkWindow  # noqa: E402
 from flexkv.cache.positions.masks import query_window_attends  # noqa: E402
-from flexkv.integrations.vllm.backend import decode_plan, sink_window_attention, turn_sinks  # noqa: E402
+from flexkv.integrations.vllm.backend import decode_plan, sink_window_attention, step_gather, turn_sinks  # noqa: E402
 from flexkv.integrations.vllm.metrics import request_counts  # noqa: E402
 from flexkv.integrations.vllm.spec import SinkWindowManager, SinkWindowSpec, block_bound, pool_line  # noqa: E402
 from flexkv.model.reference import attended_indices  # noqa: E402
@@ -124,6 +124,45 @@ def test_the_batched_attention_attends_the_contracts_set(sink, window, lens, ste
         sink_window_attention(q, kc, vc, table, starts, torch.tensor(lens, dtype=torch.int32), sink, window,
                               d ** -0.5, got, max_len=max_len)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_each_request_of_a_batch_attends_by_its_own_retention():
+    """Requests narrowing the engine's sink 4 + window 60 (`rows`) each attend flexkv's reference set for their
+    own retention (sinks past a request's own never read twice, nor window keys below them), and a query's
+    eviction count is its own: `p - sink - window`."""
+    torch.manual_seed(2)
+    h, g, d, bs, nblk = 2, 2, 32, BLOCK, 40
+    own = [(4, 60), (2, 20), (0, 35), (4, 5), (3, 60)]
+    lens, steps = [70, 30, 100, 90, 66], [1, 30, 7, 2, 66]
+    kc, vc = torch.randn(nblk, h, bs, d), torch.randn(nblk, h, bs, d)
+    table = torch.zeros(len(lens), 4, dtype=torch.int32)
+    free = iter((torch.randperm(nblk - 1) + 1).tolist())
+    for r, n in enumerate(lens):
+        for b in range(-(-n // bs)):
+            table[r, b] = next(free)
+    q = torch.randn(sum(steps), h * g, d)
+    starts = torch.tensor([0] + torch.tensor(steps).cumsum(0).tolist(), dtype=torch.int32)
+    want = torch.zeros_like(q)
+    evicted = []
+    t = 0
+    for r, (n, span) in enumerate(zip(lens, steps)):
+        sink, window = own[r]
+        keys = torch.stack([kc[table[r, j // bs], :, j % bs] for j in range(n)])
+        values = torch.stack([vc[table[r, j // bs], :, j % bs] for j in range(n)])
+        for p in range(n - span, n):
+            js = [j for j in range(p + 1) if j < sink or j >= p - window]  # docs/vllm.md's sentence
+            evicted.append(max(0, p - sink - window))
+            for head in range(h * g):
+                w = torch.softmax(keys[js, head // g] @ q[t, head] * d ** -0.5, 0)
+                want[t, head] = w @ values[js, head // g]
+            t += 1
+    rows = torch.tensor(own)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    got = torch.zeros_like(q)
+    sink_window_attention(q, kc, vc, table, starts, seq, 4, 60, d ** -0.5, got, max_len=max(lens), rows=rows)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    gather = step_gather(table, starts, seq, len(q), 4, 60, bs, h * d * 4, None, rows)
+    assert torch.cat([e for *_, e in gather]).tolist() == evicted
 
 
 def test_the_pool_line_says_how_many_whole_streams_the_pool_holds():
@@ -273,10 +312,13 @@ def reference_logits(model, sink: int, window: int, positions: str):
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir):
-    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager",
-                                                          dtype=torch.float32)
-    return {positions: reference_logits(model, SINK, WINDOW, positions) for positions in ("cache", "stream")}
+def hf_model(model_dir):
+    return transformers.LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model):
+    return {positions: reference_logits(hf_model, SINK, WINDOW, positions) for positions in ("cache", "stream")}
 
 
 def engine(model_dir, positions=None, enable_prefix_caching=False, **kw):
@@ -335,9 +377,9 @@ def test_single_request_and_a_mixed_batch_equal_flexkvs_contract(model_dir, refe
     llm = engine(model_dir, positions)
     assert {layer.impl.positions for layer in static_layers(llm)} == {positions or "cache"}
     run_and_check(llm, reference[positions or "cache"], prompts_of([39]), monkeypatch)
-    # a request asking for a retention of its own is refused where it arrives, and the engine runs on unchanged
-    own = SamplingParams(max_tokens=4, temperature=0, detokenize=False, extra_args={"flexkv": {"window": 8}})
-    with pytest.raises(Exception, match=r"extra_args \['flexkv'\]: flexkv serves one retention per engine"):
+    # a request asking for a retention the engine cannot serve is refused where it arrives; the engine runs on
+    own = SamplingParams(max_tokens=4, temperature=0, detokenize=False, extra_args={"flexkv": {"windw": 8}})
+    with pytest.raises(Exception, match=r'extra_args\["flexkv"\] must be a dict with keys among'):
         llm.generate([{"prompt_token_ids": prompts_of([9])[0]}], own, use_tqdm=False)
     run_and_check(llm, reference[positions or "cache"], prompts_of([5, 70, 130, 33]), monkeypatch)
 
@@ -461,6 +503,42 @@ def test_prefix_caching_resumes_from_the_sinks_and_the_windows_tail(model_dir, r
     # a 200-token prompt resumes at 192 tokens (six whole blocks); the unrelated prompt hits nothing
     assert [out.num_cached_tokens for out in outs] == [192, 192, 192, 192, 0]
     assert sum(evicted) > 10  # cached blocks were evicted from the 40-block pool and their blocks reused
+
+
+def test_requests_keeping_less_than_the_engine_each_equal_the_contract_for_their_own(hf_model, model_dir):
+    """An engine of sink 4 + window 60 (prefix caching on, vLLM's default) serves requests that keep less
+    (`extra_args`: a smaller sink or window, flat `vllm_xargs` keys, the whole prompt as sinks) beside ones
+    that keep the engine's, in one batch: each request's ids and logits are the definition's for its own
+    retention. A request of another retention with the same 130-token prompt as a finished one does not
+    resume from its cached blocks (computed under another retention past the first eviction); one of the
+    same retention does. A request wider than the engine is refused where it arrives; the engine runs on."""
+    llm = engine(model_dir, enable_prefix_caching=True)
+    shared, short, other = prompts_of([130, 3, 90])
+
+    def run(batch):
+        outs = llm.generate([{"prompt_token_ids": p} for p, _, _ in batch], [
+            SamplingParams(max_tokens=GENERATE, temperature=0, ignore_eos=True, detokenize=False, logprobs=3,
+                           extra_args=extra) for _, extra, _ in batch], use_tqdm=False)
+        for (prompt, _, (sink, window)), out in zip(batch, outs):
+            got = list(out.outputs[0].token_ids)
+            ref = reference_logits(hf_model, sink, window, "cache")(prompt + got)[len(prompt) - 1:-1]
+            assert ref.argmax(-1).tolist() == got, (sink, window)
+            ours = torch.tensor([[lp[t].logprob for t in sorted(lp)] for lp in out.outputs[0].logprobs])
+            theirs = torch.stack([ref[i, sorted(lp)] for i, lp in enumerate(out.outputs[0].logprobs)])
+            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+        return outs
+
+    run([(shared, None, (SINK, WINDOW))])
+    outs = run([(shared, {"flexkv": {"sink": 2, "window": 20}}, (2, 20)),
+                (shared, None, (SINK, WINDOW)),
+                (other, {"flexkv_window": 5}, (SINK, 5)),
+                (short, {"flexkv": {"sink": "prompt", "window": 33}}, (3, 33)),
+                (other, {"flexkv": {"sink": 0}}, (0, WINDOW))])
+    assert [out.num_cached_tokens for out in outs[:2]] == [0, 128]  # four whole blocks of the engine's retention
+    wide = SamplingParams(max_tokens=4, temperature=0, detokenize=False, extra_args={"flexkv": {"window": 61}})
+    with pytest.raises(Exception, match=r"window must be an int in \[1, 60\] .* got 61; the engine serves at most"):
+        llm.generate([{"prompt_token_ids": short}], wide, use_tqdm=False)
+    run([(other, {"flexkv": {"sink": 1, "window": 7}}, (1, 7))])
 
 
 # ---- a trained model: SmolLM2-135M-Instruct ------------------------------------------------------------------

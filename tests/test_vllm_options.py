@@ -9,7 +9,7 @@ from flexkv.integrations.vllm.options import (
     check_engine,
     positions_from,
     refusals,
-    request_refusal,
+    request_retention,
     retention_from,
     rope_table_len,
     serving_positions,
@@ -120,8 +120,39 @@ def test_the_vllm_release_is_checked():
             check_vllm_version(version)
 
 
-def test_a_request_asking_for_its_own_retention_is_refused_naming_the_key():
-    assert request_refusal(None) is None and request_refusal({"seed_note": 1, "top_k_note": "x"}) is None
-    why = request_refusal({"flexkv_window": 8, "other": 1, "FlexKV": {"sink": 2}})
-    assert why.startswith("extra_args ['FlexKV', 'flexkv_window']: flexkv serves one retention per engine")
-    assert "additional_config['flexkv']" in why and "drop ['FlexKV', 'flexkv_window'] from the request" in why
+def test_a_request_narrows_the_engines_retention_and_leaves_out_what_it_keeps():
+    engine = SinkWindow(4, 1020)
+    assert request_retention(None, engine) is None and request_retention({"seed_note": 1}, engine) is None
+    assert request_retention({"flexkv": {"sink": 2, "window": 252}}, engine) == SinkWindow(2, 252)
+    assert request_retention({"flexkv": {"window": 252}}, engine) == SinkWindow(4, 252)
+    assert request_retention({"flexkv_sink": 0, "other": 1}, engine) == SinkWindow(0, 1020)  # vllm_xargs, flat
+    assert request_retention({"flexkv": {}}, engine) == engine
+    # The whole prompt as sinks: known once the prompt is (None until then), within the engine's sinks.
+    big = SinkWindow(512, 1020)
+    assert request_retention({"flexkv": {"sink": "prompt", "window": 64}}, big) is None
+    assert request_retention({"flexkv": {"sink": "prompt", "window": 64}}, big, prompt_len=300) == SinkWindow(300, 64)
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"flexkv": {"window": 2000}}, r"window must be an int in \[1, 1020\] .* got 2000; the engine serves at most "
+                                   r"sink 4 \+ window 1020 .* start it with a wider one"),
+    ({"flexkv": {"sink": 5}}, r'sink must be an int in \[0, 4\] or "prompt", got 5'),
+    ({"flexkv": {"window": 0}}, r"window must be an int in \[1, 1020\]"),
+    ({"flexkv": {"window": 8.0}}, r"window must be an int .* got 8.0"),
+    ({"flexkv": {"sink": True}}, r"sink must be an int .* got True"),
+    ({"flexkv": {"sink": "prompt"}}, r'sink "prompt" keeps the whole prompt, 9 tokens, as sinks, more than the '
+                                     r"engine's sink 4"),
+    ({"flexkv": {"windw": 8}}, r'extra_args\["flexkv"\] must be a dict with keys among \[\'sink\', \'window\'\]'),
+    ({"flexkv": 8}, r'extra_args\["flexkv"\] must be a dict'),
+    ({"flexkv_windw": 8, "FlexKV": 1}, r"extra_args \['FlexKV', 'flexkv_windw'\]: not a key flexkv reads"),
+    ({"flexkv": {"sink": 1}, "flexkv_window": 8}, r'gives both "flexkv" and \[\'flexkv_window\'\]; give one'),
+])
+def test_a_request_retention_flexkv_cannot_serve_is_refused_naming_the_value(extra, match):
+    with pytest.raises(ValueError, match=match):
+        request_retention(extra, SinkWindow(4, 1020), prompt_len=9)
+
+
+def test_an_engine_without_the_entry_refuses_a_request_retention():
+    assert request_retention({"seed_note": 1}, None) is None
+    with pytest.raises(ValueError, match=r"this engine serves no flexkv retention .* drop the key"):
+        request_retention({"flexkv_window": 8}, None)

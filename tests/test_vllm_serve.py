@@ -136,14 +136,20 @@ def test_the_openai_server_generates_what_the_offline_engine_does(folder, tmp_pa
         returned = sum(max(0, max(SINK, w - WINDOW) // 32 - 1) for w in written)
         assert evicted > 0 and returned > 0
         metrics = scrape(port, "flexkv:evicted_tokens_total", evicted)
-        # a request asking for a retention of its own: a client error naming the key, and the server serves on
+        # a request wider than the engine: a client error naming the value, and the server serves on
         try:
-            post(port, "/v1/completions", dict(model=folder, prompt=prompt, max_tokens=4, vllm_xargs={"flexkv_window": 8}))
+            post(port, "/v1/completions", dict(model=folder, prompt=prompt, max_tokens=4,
+                                               vllm_xargs={"flexkv_window": 61}))
             refused = None
         except urllib.error.HTTPError as e:
             refused = (e.code, e.read().decode())
         again = post(port, "/v1/completions", dict(model=folder, prompt=prompt, max_tokens=new, temperature=0,
                                                    ignore_eos=True))["choices"][0]["text"]
+        # requests keeping less than the engine (flat vllm_xargs keys over HTTP): served, each under its own
+        narrow = [post(port, "/v1/completions", dict(model=folder, prompt=prompt, max_tokens=new, temperature=0,
+                                                     ignore_eos=True, vllm_xargs=xargs))
+                  for xargs in ({"flexkv_window": 60}, {"flexkv_window": 5, "flexkv_sink": 1},
+                                {"flexkv_window": 5, "flexkv_sink": 1})]
     finally:
         proc.terminate()
         proc.wait(timeout=120)
@@ -157,8 +163,14 @@ def test_the_openai_server_generates_what_the_offline_engine_does(folder, tmp_pa
     assert usage["prompt_tokens_details"]["cached_tokens"] == (usage["prompt_tokens"] - 1) // 32 * 32 > 0, usage
     assert chat["choices"][0]["message"]["content"]
     assert refused is not None and refused[0] == 400, refused
-    assert "extra_args ['flexkv_window']: flexkv serves one retention per engine" in refused[1], refused
+    assert "window must be an int in [1, 60]" in refused[1] and "got 61" in refused[1], refused
     assert again == text
+    # the engine's own window asked for explicitly is the engine's request; a narrower one attends less (its
+    # text differs), the same again is the same, resuming from the blocks the first cached under its retention
+    assert narrow[0]["choices"][0]["text"] == text
+    assert narrow[1]["choices"][0]["text"] != text and narrow[2]["choices"][0]["text"] == narrow[1]["choices"][0]["text"]
+    assert narrow[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert narrow[2]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert metrics["flexkv:evicted_tokens_total"] == evicted
     assert metrics["flexkv:returned_blocks_total"] == returned
     assert metrics["flexkv:blocks_held"] == 0  # nothing runs once every answer is in

@@ -60,12 +60,13 @@ TILE_BYTES = 64 << 20
 
 
 def step_gather(block_table, query_start_loc, seq_lens, n: int, sink: int, window: int, bs: int, per_token: int,
-                max_len=None) -> list:
+                max_len=None, rows=None) -> list:
     """Where every query token of a step reads, in tiles of tokens: `[(t0, t1, blocks, offsets, keep, evicted)]`,
     `blocks`/`offsets` `[T, S]` the block and in-block offset of each candidate key (the sink slots
     first), `keep` `[T, S]` whether the query attends it (`query_window_attends`), `evicted` `[T]` how
     many entries the query's stream has evicted (`p - sink - window`, at least 0). The same for every
-    layer of the step."""
+    layer of the step. `rows` `[R, 2]`: each request's own (sink, window), none wider than `sink` and
+    `window` (`requests.row_retention`); None: every request keeps `sink` and `window`."""
     dev = query_start_loc.device
     starts = query_start_loc.to(torch.long)
     tokens = torch.arange(n, device=dev)
@@ -86,10 +87,12 @@ def step_gather(block_table, query_start_loc, seq_lens, n: int, sink: int, windo
         t1 = min(n, t0 + tile)
         p = pos[t0:t1, None]
         j = torch.where(is_sink, offsets, p + offsets)  # [T, slots] candidate stream indices
-        # A window slot below the sinks duplicates a sink slot (or is before the stream): drop it.
-        keep = query_window_attends(j, p, sink, window) & (is_sink | (j >= sink)) & (j >= 0)
+        s, w = (sink, window) if rows is None else (rows[row[t0:t1], 0:1], rows[row[t0:t1], 1:2])
+        # A sink slot past the request's own sinks, and a window slot below them (or before the stream), would
+        # duplicate the other kind's slot of the same entry: drop them.
+        keep = query_window_attends(j, p, s, w) & torch.where(is_sink, j < s, j >= s) & (j >= 0)
         jc = j.clamp(min=0)
-        evicted = (p[:, 0] - sink - window).clamp(min=0)
+        evicted = (p - s - w).clamp(min=0)[:, 0]
         out.append((t0, t1, block_table[row[t0:t1, None], jc // bs].to(torch.long), jc % bs, keep[:, None, None, :],
                     evicted))
     return out
@@ -138,7 +141,7 @@ def _token_major(cache, blocks, offsets):
 
 def sink_window_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
                           sink: int, window: int, scale: float, out, max_len=None, gather=None, rotary=None,
-                          read_keys=_token_major, read_values=_token_major) -> None:
+                          read_keys=_token_major, read_values=_token_major, rows=None) -> None:
     """Attention of every query token under a per-query sink + window, written into `out`.
 
     `query` `[N, Hq, D]` are the step's tokens of every request in order; `query_start_loc` `[R + 1]`
@@ -149,12 +152,13 @@ def sink_window_attention(query, key_cache, value_cache, block_table, query_star
     `(cos_sin, neox)` of the model's rotary table for in-cache positions (`turn_sinks`), None for stream
     positions. `read_keys` / `read_values`: `(cache, blocks [T, S], offsets [T, S]) -> [T, S, H, D]`
     (`cpu_layout.RegionReader` for vLLM's layout; token-major `[blocks, H, B, D]` caches by default).
+    `rows` `[R, 2]`: each request's own sink and window, within `sink` and `window` (`step_gather`).
     """
     n, hq, d = query.shape
     h, bs = key_cache.shape[1], key_cache.shape[2]
     g = hq // h
     if gather is None:
-        gather = step_gather(block_table, query_start_loc, seq_lens, n, sink, window, bs, h * d * 4, max_len)
+        gather = step_gather(block_table, query_start_loc, seq_lens, n, sink, window, bs, h * d * 4, max_len, rows)
     sinks = min(sink, max_len) if max_len is not None else sink
     for t0, t1, blocks, offs, keep, evicted in gather:
         # [T, S, H, D] gathered, read as [T, H, S, D]; the GQA group rides on the query axis.
@@ -221,7 +225,13 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
             raise NotImplementedError("vLLM passed an output scale to flexkv's attention, which does not fuse output "
                                       "quantization: turn off vLLM's attention + quantization fusion pass "
                                       "(compilation_config={'pass_config': {'fuse_attn_quant': False}})")
-        if attn_metadata.max_seq_len <= pol.sink + pol.window + 1:
+        rows = attn_metadata.__dict__.get("flexkv_rows")  # requests of their own retention (requests.py)
+        if rows is None:
+            evicting = attn_metadata.max_seq_len > pol.sink + pol.window + 1
+        else:
+            seq = attn_metadata.seq_lens[:rows.shape[0]].to(torch.long)
+            evicting = bool((seq > rows.sum(1) + 1).any())
+        if not evicting:
             # no stream of the step has evicted anything: the retention is causal attention, vLLM's own kernel
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
         n = attn_metadata.num_actual_tokens
@@ -237,7 +247,7 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
                 self._rotary = (rope.cos_sin_cache, rope.is_neox_style)
             rotary = self._rotary
         memo = attn_metadata.__dict__.setdefault("_flexkv", {})
-        if attn_metadata.max_query_len == 1 and self.copies_sinks:
+        if attn_metadata.max_query_len == 1 and self.copies_sinks and rows is None:
             entry = ("decode", pol.sink, pol.window, bs)
             if entry not in memo:
                 memo[entry] = decode_plan(attn_metadata.block_table, attn_metadata.seq_lens, pol.sink, pol.window, bs)
@@ -247,12 +257,12 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
                 return output
         out = output[:n].view(n, self.num_heads, self.head_size)
         # Every full-attention layer of the step reads the same places: found once, kept on the step's metadata.
-        entry = (pol.sink, pol.window, bs, heads * self.head_size * 4)
+        entry = (pol.sink, pol.window, bs, heads * self.head_size * 4, rows is None)
         gather = memo.get(entry)
         if gather is None:
             gather = memo[entry] = step_gather(attn_metadata.block_table, attn_metadata.query_start_loc,
                                                attn_metadata.seq_lens, n, pol.sink, pol.window, bs, entry[3],
-                                               attn_metadata.max_seq_len)
+                                               attn_metadata.max_seq_len, rows)
         sink_window_attention(query[:n].view(n, self.num_heads, self.head_size), key_cache, value_cache,
                               attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens,
                               pol.sink, pol.window, self.scale, out, gather=gather, rotary=rotary,

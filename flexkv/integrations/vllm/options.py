@@ -22,7 +22,8 @@ from typing import Optional
 from ...config import SinkWindow, is_int
 
 __all__ = ["KEY", "ALLOWED", "POSITIONS", "SERVED_ROPE", "retention_from", "positions_from", "rope_of",
-           "rope_table_len", "serving_positions", "refusals", "check_engine", "startup_line", "request_refusal"]
+           "rope_table_len", "serving_positions", "refusals", "check_engine", "startup_line", "REQUEST_ALLOWED",
+           "PROMPT_SINK", "request_retention"]
 
 #: the key of vLLM's `additional_config` the plugin reads
 KEY = "flexkv"
@@ -204,20 +205,71 @@ def check_engine(vllm_config) -> Optional[SinkWindow]:
     return retention
 
 
-def request_refusal(extra_args) -> Optional[str]:
-    """Why a request's `SamplingParams.extra_args` cannot be served, or None: a key naming flexkv (a
-    retention of the request's own, `{"flexkv": {...}}` offline or `vllm_xargs` such as `flexkv_window` over
-    HTTP) would otherwise be carried along and ignored. The retention is the engine's: vLLM sizes its block
-    pool and admits requests by the engine's block bound, and its attention metadata holds one window
-    per layer, so a request cannot widen it, and a narrower one is not served either. The plugin checks
-    requests in every engine of a process where flexkv is installed, so an engine without a `flexkv` entry
-    refuses such a request too (it would serve no retention of flexkv's for it)."""
+#: what a request's own retention may say: `extra_args={"flexkv": {...}}`, or over HTTP the flat `vllm_xargs`
+#: keys `flexkv_sink` / `flexkv_window`
+REQUEST_ALLOWED = ("sink", "window")
+#: a request's `sink` that keeps its whole prompt (prefix + window)
+PROMPT_SINK = "prompt"
+
+
+def _request_entry(extra_args) -> Optional[dict]:
+    """The retention a request's `extra_args` names, as a dict (None: it names none). Raises `ValueError` for a
+    flexkv key that is not one of `REQUEST_ALLOWED`, or one given both nested and flat."""
     if not isinstance(extra_args, dict):
         return None
     ours = sorted(str(k) for k in extra_args if str(k).lower().startswith(KEY))
     if not ours:
         return None
-    return (f"extra_args {ours}: flexkv serves one retention per engine, the one its additional_config['{KEY}'] "
-            f"names (none in an engine without that entry), not a request's own (the engine's block pool and "
-            f"admission are sized by its retention); "
-            f"drop {ours} from the request, or serve the retention you need from an engine started with it")
+    flat = {k[len(KEY) + 1:]: extra_args[k] for k in ours if k.startswith(KEY + "_")}
+    nested = extra_args.get(KEY)
+    allowed = [KEY] + [f"{KEY}_{k}" for k in REQUEST_ALLOWED]
+    unknown = [k for k in ours if k not in allowed]
+    if unknown:
+        raise ValueError(f"extra_args {unknown}: not a key flexkv reads; a request's own retention is extra_args="
+                         f'{{"{KEY}": {{"sink": S, "window": W}}}}, or over HTTP vllm_xargs {allowed[1:]}')
+    if nested is not None and flat:
+        raise ValueError(f'extra_args gives both "{KEY}" and {sorted(KEY + "_" + k for k in flat)}; give one')
+    if nested is None:
+        return flat
+    if not isinstance(nested, dict) or set(nested) - set(REQUEST_ALLOWED):
+        raise ValueError(f'extra_args["{KEY}"] must be a dict with keys among {list(REQUEST_ALLOWED)}, such as '
+                         f'{{"sink": 4, "window": 252}}, got {nested!r}')
+    return dict(nested)
+
+
+def request_retention(extra_args, engine: Optional[SinkWindow], prompt_len: Optional[int] = None
+                      ) -> Optional[SinkWindow]:
+    """The retention a request asks for in its `SamplingParams.extra_args`, or None when it names none (the
+    engine's applies).
+
+    A request may narrow the engine's retention, not widen it: `sink` in `[0, engine sink]` (or `"prompt"`:
+    its whole prompt, `prompt_len` tokens, kept as sinks), `window` in `[1, engine window]`; a key it leaves
+    out is the engine's. The engine's retention is the maximum because it sizes everything vLLM plans by:
+    the block bound per request, the pool, admission. Raises `ValueError` naming the value, what is allowed
+    and the fix; an engine without a `flexkv` entry (`engine` None) refuses any flexkv key (it serves no
+    retention of flexkv's for the request).
+    """
+    entry = _request_entry(extra_args)
+    if entry is None:
+        return None
+    if engine is None:
+        raise ValueError(f"extra_args {entry}: this engine serves no flexkv retention (its additional_config has no "
+                         f'"{KEY}" entry), so it cannot narrow one; start it with additional_config={{"{KEY}": '
+                         f'{{"sink": S, "window": W}}}}, the most any request may keep, or drop the key')
+    sink, window = entry.get("sink", engine.sink), entry.get("window", engine.window)
+    fix = (f"the engine serves at most sink {engine.sink} + window {engine.window} (its additional_config"
+           f'["{KEY}"], which sizes its block pool and admission); start it with a wider one to serve this request')
+    if sink == PROMPT_SINK:
+        if prompt_len is None:
+            return None  # checked again where the prompt's length is known
+        if prompt_len > engine.sink:
+            raise ValueError(f'extra_args sink "{PROMPT_SINK}" keeps the whole prompt, {prompt_len} tokens, as sinks, '
+                             f"more than the engine's sink {engine.sink}; {fix}")
+        sink = prompt_len
+    if not is_int(sink) or not 0 <= sink <= engine.sink:
+        raise ValueError(f'extra_args sink must be an int in [0, {engine.sink}] or "{PROMPT_SINK}", got {sink!r}; '
+                         f"{fix}")
+    if not is_int(window) or not 1 <= window <= engine.window:
+        raise ValueError(f"extra_args window must be an int in [1, {engine.window}] (tokens kept before each query), "
+                         f"got {window!r}; {fix}")
+    return SinkWindow(sink, window)

@@ -21,9 +21,14 @@
   by up to `position * 6e-8` radians: 1.5e-3 at 24,576, where in-cache positions would have been
   exact). Other rope types keep their table, and an engine whose streams would outrun it is
   refused (`options.refusals`);
-- a wrapper of `SamplingParams.verify` (vLLM's check of each request where it arrives): a request whose
-  `extra_args` names flexkv (a retention of its own) is refused with the reason
-  (`options.request_refusal`), where vLLM would carry the key along and ignore it.
+- a wrapper of `InputProcessor.process_inputs` (where each request arrives, in the front-end process): a
+  request whose `extra_args` names a retention of its own (`options.request_retention`) is checked against
+  the engine's, which is the most it may keep, and refused with the reason where it cannot be served; a
+  served one gets a prefix-cache salt of its retention, so it never resumes from blocks that requests of
+  another retention computed (past the first eviction their keys and values differ);
+- a wrapper of `GPUModelRunner._build_attention_metadata` (vLLM's CPU model runner is one): where some
+  request of the step has a retention of its own, each step's attention metadata carries every row's
+  sink and window (`flexkv_rows`), which `FlexKVCPUImpl` attends by.
 
 Calling `install` again changes nothing (vLLM may load plugins more than once).
 """
@@ -44,9 +49,7 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from vllm import SamplingParams
     from vllm.config import VllmConfig, get_current_vllm_config_or_none
-    from vllm.exceptions import VLLMValidationError
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
     from vllm.platforms import current_platform
@@ -55,7 +58,8 @@ def install() -> None:
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     from .backend import FlexKVCPUImpl
-    from .options import check_engine, request_refusal
+    from .options import check_engine
+    from .requests import install_request_retention
     from .rope import served_rope_classes
     from .spec import SinkWindowManager, SinkWindowSpec
 
@@ -130,14 +134,5 @@ def install() -> None:
     post_init.__wrapped__ = own_post_init
     VllmConfig.__post_init__ = post_init
 
-    own_verify = SamplingParams.verify
-
-    def verify(self, *args, **kwargs):
-        why = request_refusal(self.extra_args)
-        if why is not None:
-            raise VLLMValidationError(why, parameter="extra_args")
-        return own_verify(self, *args, **kwargs)
-
-    verify.__wrapped__ = own_verify
-    SamplingParams.verify = verify
+    install_request_retention()
     _installed = True
