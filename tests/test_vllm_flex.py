@@ -1,5 +1,6 @@
 """flexkv's retention in vLLM's FlexAttention metadata (the CUDA path), run on CPU tensors: a paged cache with
-freed (null) blocks, a decoding request and a chunked prefill, against the CPU backend's attention."""
+freed (null) blocks, a decoding request and a chunked prefill, against the CPU backend's attention, in both
+position modes."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 from vllm.v1.attention.backends.flex_attention import FlexAttentionMetadata, physical_to_logical_mapping  # noqa: E402
 
 from flexkv.integrations.vllm.backend import sink_window_attention  # noqa: E402
+from flexkv.integrations.vllm.flex_backend import cache_position_score_mod, sink_scores  # noqa: E402
 from flexkv.integrations.vllm.retention_mask import apply_retention  # noqa: E402
 
 BS, H, G, D, SINK, WINDOW, BLOCKS = 16, 2, 2, 8, 4, 20, 12
@@ -72,3 +74,38 @@ def test_the_block_mask_never_lists_a_freed_block(paged):
     n = int(md.block_mask.kv_num_blocks[0, 0, 0])
     listed = set(md.block_mask.kv_indices[0, 0, 0, :n].tolist())  # request 0's decoding query
     assert listed == {5, 2, 9, 7}  # its sink block and the blocks its window reaches, not the null block 0
+
+
+def rotary_table(positions: int, dim: int) -> torch.Tensor:
+    """A rotary table as vLLM keeps one: `[positions, dim]`, the cosines then the sines of position x frequency."""
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)
+    return torch.cat((angles.cos(), angles.sin()), -1).float()
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_in_cache_positions_score_the_sinks_as_the_cpu_backend_turns_them(paged, neox, compiled):
+    """`positions="cache"` on the FlexAttention path: every query reads its sink keys `e` positions closer than
+    their stream index (request 0's decoding query has evicted 75 entries, request 1's prefill chunk 16 to 23,
+    one count per query), through the score_mod over the paged block mask; the CPU backend turns the sink keys
+    themselves. Equal, eager and traced by torch.compile as vLLM calls FlexAttention (backend "aot_eager":
+    inductor's CPU FlexAttention template refuses the block mask of vLLM's direct build, whose KV size is the
+    pool's, and on CUDA the kernel is Triton's)."""
+    table, k, v, seq_lens, query_start, q = paged
+    md = apply_retention(metadata(table, seq_lens, query_start), SINK, WINDOW)
+    cos_sin = rotary_table(128, D)
+    flat_k = k.permute(0, 2, 1, 3).reshape(1, BLOCKS * BS, H, D).transpose(1, 2)
+    flat_v = v.permute(0, 2, 1, 3).reshape(1, BLOCKS * BS, H, D).transpose(1, 2)
+    scores = sink_scores(q, flat_k[0].transpose(0, 1), md, SINK, WINDOW, D ** -0.5, cos_sin, neox)
+    assert scores.shape == (9, H * G, SINK)
+    attend = torch.compile(flex_attention, fullgraph=True, backend="aot_eager") if compiled else flex_attention
+    got = attend(q.transpose(0, 1)[None], flat_k, flat_v, cache_position_score_mod(md, scores, SINK),
+                 block_mask=md.block_mask, scale=D ** -0.5, enable_gqa=True)[0].transpose(0, 1)
+    want = torch.empty_like(q)
+    sink_window_attention(q, k, v, table, query_start, seq_lens, SINK, WINDOW, D ** -0.5, want,
+                          rotary=(cos_sin, neox))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    stream = torch.empty_like(q)
+    sink_window_attention(q, k, v, table, query_start, seq_lens, SINK, WINDOW, D ** -0.5, stream)
+    assert (stream - want).abs().max() > 1e-2  # the two modes differ here: the check can fail

@@ -80,10 +80,6 @@ def test_positions_default_to_in_cache_ones_where_the_rope_type_is_served():
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
     assert serving_positions(engine(model_config=model(rope_parameters=yarn))) == "stream"
     assert serving_positions(engine(model_config=model(rope_parameters=None))) == "stream"
-    # a backend that does not serve them (the FlexAttention one): stream by default, refused when asked
-    assert serving_positions(engine(), backend_serves_cache=False) == "stream"
-    with pytest.raises(ValueError, match="CPU backend only"):
-        serving_positions(engine(additional_config=entry(positions="cache")), backend_serves_cache=False)
     with pytest.raises(ValueError, match=r"rope_type 'yarn'.*use \"positions\": \"stream\""):
         check_engine(engine(model_config=model(rope_parameters=yarn), additional_config=entry(positions="cache")))
 

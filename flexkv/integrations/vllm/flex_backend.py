@@ -16,15 +16,27 @@ things for a layer whose spec is a `SinkWindowSpec`:
   window (the ones `SinkWindowManager` gave back to the pool, null in the
   block table) are never visited.
 
-Positions are stream indices, as vLLM's rotary embedding applies them
-(`positions="cache"` is refused here: the CPU backend serves it). The
-mask and block hint are unit-tested on CPU tensors against
-`create_block_mask(...).to_dense()` and against `sink_window_attention`
-(tests/test_vllm_flex.py); the backend has not run on a GPU.
+Positions: vLLM's rotary embedding turns every query and key by its stream
+index. That is `"stream"`. For `"cache"` (StreamingLLM's in-cache positions,
+the default for a served rope type) only a sink key's score changes: the
+query at stream index `p` reads it `e = max(0, p - sink - window)` positions
+closer than its stream index says. The step's sink scores are computed apart
+(`sink_scores`: each request's few sink keys turned by each query's `e`,
+`backend.turned`, O(sink) per query and layer, with no host synchronisation, so
+a CUDA graph can hold it) and FlexAttention's
+`score_mod` puts them in place of the sinks' scores (`cache_position_score_mod`);
+every other score is the kernel's own. One FlexAttention call per layer either
+way.
+
+The mask, the block hint and both positions are unit-tested on CPU tensors
+against `create_block_mask(...).to_dense()` and against the CPU backend's
+`sink_window_attention` (tests/test_vllm_flex.py); the backend has not run on
+a GPU.
 """
 
 from __future__ import annotations
 
+import torch
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.flex_attention import (
@@ -33,11 +45,46 @@ from vllm.v1.attention.backends.flex_attention import (
     FlexAttentionMetadataBuilder,
 )
 
+from .backend import turned
 from .options import check_engine, serving_positions
 from .retention_mask import apply_retention
+from .rope import model_rotary
 from .spec import SinkWindowSpec
 
-__all__ = ["FlexKVFlexAttentionBackend", "FlexKVFlexAttentionBuilder", "FlexKVFlexAttentionImpl"]
+__all__ = ["FlexKVFlexAttentionBackend", "FlexKVFlexAttentionBuilder", "FlexKVFlexAttentionImpl", "sink_scores",
+           "cache_position_score_mod"]
+
+
+def sink_scores(query, key_cache, metadata, sink: int, window: int, scale: float, cos_sin, neox: bool):
+    """`[T, Hq, sink]`: each of the step's `T` query tokens' scaled scores against its request's sink keys at
+    in-cache positions. `query` `[T, Hq, D]` and `key_cache` `[slots, H, D]` (vLLM's flattened paged cache) are
+    rotated at stream indices, as vLLM leaves them; `metadata` a `FlexAttentionMetadata` (its requests' block
+    table, where each token's request starts and its stream offset); `cos_sin`, `neox`: the model's rotary
+    table (`backend.turned`). A sink slot past the stream (a request shorter than `sink`) scores whatever
+    the cache holds there; the mask never admits it."""
+    t = query.shape[0]
+    heads, d = key_cache.shape[1], key_cache.shape[2]
+    req = metadata.doc_ids[:t].long()
+    p = torch.arange(t, device=query.device) - metadata.query_start_loc[req] + metadata.decode_offset[req]
+    evicted = (p - sink - window).clamp(min=0)
+    j = torch.arange(sink, device=query.device)
+    bs = metadata.block_size
+    slots = metadata.block_table[:, j // bs].long() * bs + j % bs  # [R, sink]
+    k = key_cache[slots[req]].float().transpose(1, 2)  # [T, H, sink, D], rotated at stream indices j
+    k = turned(k, evicted, cos_sin, neox)  # at j + e: the query's distance to it in the cache (no host sync)
+    q = query.float().view(t, heads, -1, d)  # [T, H, G, D]: the GQA group of each key head
+    return (torch.einsum("thgd,thsd->thgs", q, k) * scale).reshape(t, -1, sink)
+
+
+def cache_position_score_mod(metadata, scores, sink: int):
+    """FlexAttention's `score_mod` over vLLM's paged cache for in-cache positions: a sink key's score is the
+    query's from `scores` (`sink_scores`), every other key's the kernel's own. Physical indices, as vLLM's
+    metadata hands FlexAttention its mask."""
+    def in_cache(score, b, h, q_idx, physical_kv_idx):
+        _, _, kv = metadata._convert_physical_to_logical(metadata.doc_ids, q_idx, physical_kv_idx)
+        return torch.where(kv < sink, scores[q_idx, h, kv.clamp(0, sink - 1)].to(score.dtype), score)
+
+    return in_cache
 
 
 class FlexKVFlexAttentionImpl(FlexAttentionImpl):
@@ -60,9 +107,31 @@ class FlexKVFlexAttentionImpl(FlexAttentionImpl):
                                  f"attention-sink logits, which vLLM's FlexAttention does not apply")
         #: the layer's retention, or None: vLLM's own attention (no flexkv entry, or a sliding-window layer)
         self.retention = retention if sliding_window is None else None
-        #: always "stream" here: in-cache positions are served by the CPU backend only, and asking for them is refused
-        self.positions = serving_positions(get_current_vllm_config(), backend_serves_cache=False) \
-            if self.retention is not None else None
+        #: "cache" or "stream" (options.serving_positions)
+        self.positions = serving_positions(get_current_vllm_config()) if self.retention is not None else None
+        self._rotary = None
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        pol = self.retention
+        if pol is None or self.positions != "cache" or not pol.sink or attn_metadata is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        if self._rotary is None:
+            rope = model_rotary(self.head_size, get_current_vllm_config().model_config.max_model_len)
+            self._rotary = (rope.cos_sin_cache, rope.is_neox_style)
+        t = attn_metadata.num_actual_tokens
+        # vLLM's own view of its cache ([blocks, heads, block, 2 * head] as [slots, heads, head] keys)
+        key_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)[0].view(-1, self.num_kv_heads,
+                                                                                    self.head_size)
+        scores = sink_scores(query[:t], key_cache, attn_metadata, pol.sink, pol.window, self.scale, *self._rotary)
+        own = attn_metadata.transformed_score_mod
+        attn_metadata.transformed_score_mod = cache_position_score_mod(attn_metadata, scores, pol.sink)
+        try:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        finally:
+            attn_metadata.transformed_score_mod = own
 
 
 class FlexKVFlexAttentionBuilder(FlexAttentionMetadataBuilder):

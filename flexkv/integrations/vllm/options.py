@@ -108,19 +108,13 @@ def rope_table_len(hf_config) -> Optional[int]:
     return n
 
 
-def serving_positions(vllm_config, backend_serves_cache: bool = True) -> str:
+def serving_positions(vllm_config) -> str:
     """The position mode an engine with the entry serves: the entry's, else the default (`"cache"` where
-    `SERVED_ROPE` has the model's rope type and the attention backend serves it, `"stream"` otherwise).
-    Raises `ValueError` when `"cache"` is asked of a model or backend it cannot be served for."""
+    `SERVED_ROPE` has the model's rope type, `"stream"` otherwise). Raises `ValueError` when `"cache"` is
+    asked of a model it cannot be served for."""
     asked = positions_from(getattr(vllm_config, "additional_config", None))
     rope = rope_of(vllm_config.model_config.hf_text_config)
     served = rope is not None and rope["rope_type"] in SERVED_ROPE
-    if asked == "cache" and served and not backend_serves_cache:
-        raise ValueError(
-            f'additional_config["{KEY}"]["positions"] is "cache", which flexkv serves in vLLM\'s CPU backend only '
-            f'so far (not in its FlexAttention backend); use "positions": "stream"'
-        )
-    served = served and backend_serves_cache
     if asked == "cache" and not served:
         what = "no rotary embedding" if rope is None else f"rope_type {rope['rope_type']!r}"
         raise ValueError(
