@@ -45,13 +45,11 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from ...cache.positions.masks import query_window_attends
-from ...cache.positions.rotary import apply_rotary
 from .cpu_layout import RegionReader, region_order, split_cache
 from .options import check_engine, serving_positions, startup_line
-from .rope import model_rotary
+from .rope import model_rotary, turned
 
-__all__ = ["FlexKVCPUBackend", "FlexKVCPUImpl", "sink_window_attention", "step_gather", "turned", "turn_sinks",
-           "decode_plan"]
+__all__ = ["FlexKVCPUBackend", "FlexKVCPUImpl", "sink_window_attention", "step_gather", "turn_sinks", "decode_plan"]
 
 logger = init_logger("vllm.flexkv")  # under vLLM's logger, whose handler prints INFO
 _announced = set()
@@ -99,22 +97,8 @@ def step_gather(block_table, query_start_loc, seq_lens, n: int, sink: int, windo
     return out
 
 
-def turned(x, evicted, cos_sin, neox: bool):
-    """`x` `[R, H, S, D]` (float32) turned by `evicted[r]` positions, a new tensor: `cos_sin` is the model's rotary
-    table (`[positions, rotary_dim]`, cosines then sines); `neox`: dimension `i` pairs with `i + rotary_dim / 2`
-    (flexkv's `"half"` layout), else `2i` with `2i + 1` (`"interleaved"`); dimensions past `rotary_dim` are not
-    rotated. A row turned by 0 comes back as it was. No host synchronisation (a CUDA graph may hold it)."""
-    cos, sin = cos_sin[evicted].float().chunk(2, dim=-1)  # [R, rotary_dim / 2]
-    widen = (lambda t: torch.cat((t, t), -1)) if neox else (lambda t: torch.repeat_interleave(t, 2, dim=-1))
-    cos, sin = widen(cos)[:, None, None, :], widen(sin)[:, None, None, :]
-    rd = cos.shape[-1]
-    out = x.clone()
-    out[..., :rd] = apply_rotary(x[..., :rd], cos, sin, "half" if neox else "interleaved")
-    return out
-
-
 def turn_sinks(k, sinks: int, evicted, cos_sin, neox: bool):
-    """`k` `[T, H, S, D]` (float32) with its first `sinks` slots turned by `evicted[t]` positions (`turned`), in
+    """`k` `[T, H, S, D]` (float32) with its first `sinks` slots turned by `evicted[t]` positions (`rope.turned`), in
     place: each query reads its sink keys at their in-cache positions. Rows with nothing evicted are left as
     they are."""
     rows = (evicted > 0).nonzero().flatten()

@@ -22,7 +22,7 @@ the default for a served rope type) only a sink key's score changes: the
 query at stream index `p` reads it `e = max(0, p - sink - window)` positions
 closer than its stream index says. The step's sink scores are computed apart
 (`sink_scores`: each request's few sink keys turned by each query's `e`,
-`backend.turned`, O(sink) per query and layer, with no host synchronisation, so
+`rope.turned`, O(sink) per query and layer, with no host synchronisation, so
 a CUDA graph can hold it) and FlexAttention's
 `score_mod` puts them in place of the sinks' scores (`cache_position_score_mod`);
 every other score is the kernel's own. One FlexAttention call per layer either
@@ -45,10 +45,9 @@ from vllm.v1.attention.backends.flex_attention import (
     FlexAttentionMetadataBuilder,
 )
 
-from .backend import turned
 from .options import check_engine, serving_positions
 from .retention_mask import apply_retention
-from .rope import model_rotary
+from .rope import model_rotary, turned
 from .spec import SinkWindowSpec
 
 __all__ = ["FlexKVFlexAttentionBackend", "FlexKVFlexAttentionBuilder", "FlexKVFlexAttentionImpl", "sink_scores",
@@ -60,7 +59,7 @@ def sink_scores(query, key_cache, metadata, sink: int, window: int, scale: float
     in-cache positions. `query` `[T, Hq, D]` and `key_cache` `[slots, H, D]` (vLLM's flattened paged cache) are
     rotated at stream indices, as vLLM leaves them; `metadata` a `FlexAttentionMetadata` (its requests' block
     table, where each token's request starts and its stream offset); `cos_sin`, `neox`: the model's rotary
-    table (`backend.turned`). A sink slot past the stream (a request shorter than `sink`) scores whatever
+    table (`rope.turned`). A sink slot past the stream (a request shorter than `sink`) scores whatever
     the cache holds there; the mask never admits it."""
     t = query.shape[0]
     heads, d = key_cache.shape[1], key_cache.shape[2]

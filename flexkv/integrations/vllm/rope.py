@@ -3,13 +3,17 @@
 `served_rope_classes` are vLLM's rotary classes for the rope types `options.SERVED_ROPE` names: a row
 of their cos/sin table is a rotation by a fixed set of frequencies, so rotations compose and a
 longer table only adds rows (the plugin lengthens them to `max_model_len`). `model_rotary` finds the
-model's own module among those vLLM built, for in-cache positions (`backend.turn_sinks` reads its
-table).
+model's own module among those vLLM built, for in-cache positions, and `turned` turns keys by a number of
+positions with its table (both backends' sink keys).
 """
 
 from __future__ import annotations
 
-__all__ = ["served_rope_classes", "model_rotary"]
+import torch
+
+from ...cache.positions.rotary import apply_rotary
+
+__all__ = ["served_rope_classes", "model_rotary", "turned"]
 
 
 def served_rope_classes() -> tuple:
@@ -41,3 +45,17 @@ def model_rotary(head_size: int, max_model_len: int):
             f'additional_config={{"flexkv": {{..., "positions": "stream"}}}}'
         )
     return next(iter(found.values()))
+
+
+def turned(x, evicted, cos_sin, neox: bool):
+    """`x` `[R, H, S, D]` (float32) turned by `evicted[r]` positions, a new tensor: `cos_sin` is the model's rotary
+    table (`[positions, rotary_dim]`, cosines then sines); `neox`: dimension `i` pairs with `i + rotary_dim / 2`
+    (flexkv's `"half"` layout), else `2i` with `2i + 1` (`"interleaved"`); dimensions past `rotary_dim` are not
+    rotated. A row turned by 0 comes back as it was. No host synchronisation (a CUDA graph may hold it)."""
+    cos, sin = cos_sin[evicted].float().chunk(2, dim=-1)  # [R, rotary_dim / 2]
+    widen = (lambda t: torch.cat((t, t), -1)) if neox else (lambda t: torch.repeat_interleave(t, 2, dim=-1))
+    cos, sin = widen(cos)[:, None, None, :], widen(sin)[:, None, None, :]
+    rd = cos.shape[-1]
+    out = x.clone()
+    out[..., :rd] = apply_rotary(x[..., :rd], cos, sin, "half" if neox else "interleaved")
+    return out
