@@ -10,11 +10,13 @@ import torch
 pytest.importorskip("vllm")
 
 from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
+from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 from vllm.v1.attention.backends.flex_attention import FlexAttentionMetadata, physical_to_logical_mapping  # noqa: E402
 
 from flexkv.integrations.vllm.backend import sink_window_attention  # noqa: E402
-from flexkv.integrations.vllm.flex_backend import cache_position_score_mod, sink_scores  # noqa: E402
+from flexkv.integrations.vllm.flex_backend import FlexKVFlexAttentionBuilder, cache_position_score_mod, sink_scores  # noqa: E402
 from flexkv.integrations.vllm.retention_mask import apply_retention  # noqa: E402
+from flexkv.integrations.vllm.spec import SinkWindowSpec  # noqa: E402
 
 BS, H, G, D, SINK, WINDOW, BLOCKS = 16, 2, 2, 8, 4, 20, 12
 
@@ -109,3 +111,53 @@ def test_in_cache_positions_score_the_sinks_as_the_cpu_backend_turns_them(paged,
     stream = torch.empty_like(q)
     sink_window_attention(q, k, v, table, query_start, seq_lens, SINK, WINDOW, D ** -0.5, stream)
     assert (stream - want).abs().max() > 1e-2  # the two modes differ here: the check can fail
+
+
+def builder():
+    """flexkv's FlexAttention metadata builder for a sink + window layer, over a configuration that says only what
+    vLLM's builder reads (the paged fixture's shapes; no CUDA graphs)."""
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(max_model_len=8 * BS, rswa_window=None, get_num_attention_heads=lambda _: H * G,
+                            get_num_kv_heads=lambda _: H, get_head_size=lambda: D)
+    config = SimpleNamespace(
+        model_config=model, parallel_config=None, cache_config=SimpleNamespace(num_gpu_blocks=BLOCKS),
+        scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64),
+        attention_config=SimpleNamespace(flex_attn_q_block_size=None, flex_attn_kv_block_size=None,
+                                         flex_attn_block_m=None, flex_attn_block_n=None),
+        compilation_config=SimpleNamespace(cudagraph_mode=None))
+    spec = SinkWindowSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32,
+                          sliding_window=WINDOW + 1, sink=SINK)
+    return FlexKVFlexAttentionBuilder(spec, ["layer"], config, torch.device("cpu"))
+
+
+def test_the_builder_makes_the_retentions_block_mask_once(paged, monkeypatch):
+    """vLLM's build makes its block mask before anyone reads the metadata (for CUDA graph capture); flexkv's
+    builder has the retention on the metadata by then, so that one block mask is the retention's: one build
+    per step, not vLLM's causal one and then the retention's. Its attention is the CPU backend's."""
+    table, k, v, seq_lens, query_start, q = paged
+    built = []
+    own = FlexAttentionMetadata._build_block_mask_direct
+
+    def counted(self):
+        built.append(self.logical_mask_mod)
+        return own(self)
+
+    monkeypatch.setattr(FlexAttentionMetadata, "_build_block_mask_direct", counted)
+    n = int(query_start[-1])
+    common = CommonAttentionMetadata(
+        query_start_loc=query_start, query_start_loc_cpu=query_start, seq_lens=seq_lens, num_reqs=2,
+        num_actual_tokens=n, max_query_len=8, max_seq_len=int(seq_lens.max()), block_table_tensor=table,
+        slot_mapping=torch.zeros(n, dtype=torch.long))
+    md = builder().build(0, common)
+    assert len(built) == 1 and md.flexkv_retention == (SINK, WINDOW) and md.sliding_window is None
+    flat_k = k.permute(0, 2, 1, 3).reshape(1, BLOCKS * BS, H, D).transpose(1, 2)
+    flat_v = v.permute(0, 2, 1, 3).reshape(1, BLOCKS * BS, H, D).transpose(1, 2)
+    got = flex_attention(q.transpose(0, 1)[None], flat_k, flat_v, block_mask=md.block_mask, scale=D ** -0.5,
+                         enable_gqa=True)[0].transpose(0, 1)
+    want = torch.empty_like(q)
+    sink_window_attention(q, k, v, table, query_start, seq_lens, SINK, WINDOW, D ** -0.5, want)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Outside flexkv's builder, vLLM's metadata is made as vLLM makes it.
+    plain = metadata(table, seq_lens, query_start)
+    assert "flexkv_retention" not in plain.__dict__ and plain.logical_mask_mod is not md.logical_mask_mod

@@ -46,7 +46,7 @@ from vllm.v1.attention.backends.flex_attention import (
 )
 
 from .options import check_engine, serving_positions
-from .retention_mask import apply_retention
+from .retention_mask import apply_retention, building_with, install_metadata_hook
 from .rope import model_rotary, turned
 from .spec import SinkWindowSpec
 
@@ -134,13 +134,24 @@ class FlexKVFlexAttentionImpl(FlexAttentionImpl):
 
 
 class FlexKVFlexAttentionBuilder(FlexAttentionMetadataBuilder):
-    """vLLM's FlexAttention metadata, with flexkv's retention for a `SinkWindowSpec` group."""
+    """vLLM's FlexAttention metadata, with flexkv's retention for a `SinkWindowSpec` group: vLLM's own build runs
+    with the retention set on the metadata as it is made (`retention_mask.building_with`), so the block mask
+    vLLM builds before anything can read the metadata (for CUDA graph capture) is the retention's, built once.
+    A metadata vLLM made another way gets it afterwards (`apply_retention`, a second block mask)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        install_metadata_hook()
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-        out = super().build(common_prefix_len, common_attn_metadata, fast_build)
         spec = self.kv_cache_spec
-        if isinstance(spec, SinkWindowSpec):
-            apply_retention(out, spec.sink, spec.sliding_window - 1)
+        if not isinstance(spec, SinkWindowSpec):
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        retention = (spec.sink, spec.sliding_window - 1)
+        with building_with(*retention):
+            out = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if out.__dict__.get("flexkv_retention") != retention:
+            apply_retention(out, *retention)
         return out
 
 
