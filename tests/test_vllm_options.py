@@ -152,3 +152,12 @@ def test_an_engine_without_the_entry_refuses_a_request_retention():
     assert request_retention({"seed_note": 1}, None) is None
     with pytest.raises(ValueError, match=r"this engine serves no flexkv retention .* drop the key"):
         request_retention({"flexkv_window": 8}, None)
+
+
+def test_a_request_retention_is_served_on_the_cpu_platforms_v1_runner_only():
+    from flexkv.integrations.vllm.requests import own_retention_unserved
+
+    cpu, cuda = SimpleNamespace(is_cpu=lambda: True), SimpleNamespace(is_cpu=lambda: False)
+    assert own_retention_unserved(SimpleNamespace(use_v2_model_runner=False), cpu) == ""
+    assert "CPU backend only" in own_retention_unserved(SimpleNamespace(use_v2_model_runner=False), cuda)
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in own_retention_unserved(SimpleNamespace(use_v2_model_runner=True), cpu)

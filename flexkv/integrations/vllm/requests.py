@@ -15,8 +15,9 @@ per request, the pool and admission. A request may keep less, through `SamplingP
   batched path (vLLM's own kernel still takes a step in which no row has evicted anything under its
   own retention). Its blocks follow the engine's retention, which keeps a superset of what it reads.
 
-On CUDA (vLLM's FlexAttention backend, which attends every request by the engine's retention) a request's
-own retention is refused where it arrives.
+On CUDA (vLLM's FlexAttention backend, which attends every request by the engine's retention), and under vLLM's
+V2 model runner (whose batch this module does not read), a request's own retention is refused where it arrives
+(`own_retention_unserved`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from .options import check_engine, request_retention
 
-__all__ = ["install_request_retention", "row_retention", "salted"]
+__all__ = ["install_request_retention", "row_retention", "salted", "own_retention_unserved"]
 
 _UNSET = object()
 
@@ -73,6 +74,17 @@ def _padded(rows: torch.Tensor, metadata, engine) -> torch.Tensor:
     return torch.cat([rows, torch.tensor([[engine.sink, engine.window]], dtype=torch.long).expand(extra, 2)])
 
 
+def own_retention_unserved(vllm_config, platform) -> str:
+    """Why this engine cannot attend a request by a retention of its own ("" where it can): the rows reach
+    attention through vLLM's V1 model runner on the CPU platform (`row_retention`), nowhere else yet."""
+    if not platform.is_cpu():
+        return ("in vLLM's CPU backend only so far (its FlexAttention backend attends every request by the "
+                "engine's)")
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        return "under vLLM's V1 model runner only so far (this engine runs V2: set VLLM_USE_V2_MODEL_RUNNER=0)"
+    return ""
+
+
 def _prompt_len(request) -> int:
     ids = request.prompt_token_ids
     return len(ids) if ids is not None else int(request.prompt_embeds.shape[0])
@@ -99,12 +111,13 @@ def install_request_retention() -> None:
         if engine is not None and extra:
             try:
                 pol = request_retention(request.sampling_params.extra_args, engine, _prompt_len(request))
-                if pol is not None and pol != engine and not current_platform.is_cpu():
-                    raise ValueError(
-                        f"extra_args asks for {pol!r}, narrower than the engine's {engine!r}: flexkv serves a request's "
-                        f"own retention in vLLM's CPU backend only so far (its FlexAttention backend attends every "
-                        f"request by the engine's); drop the request's flexkv keys, or serve it from an engine "
-                        f"started with that retention")
+                if pol is not None and pol != engine:
+                    why = own_retention_unserved(self.vllm_config, current_platform)
+                    if why:
+                        raise ValueError(
+                            f"extra_args asks for {pol!r}, narrower than the engine's {engine!r}: flexkv serves a "
+                            f"request's own retention {why}; drop the request's flexkv keys, or serve it from an "
+                            f"engine started with that retention")
             except ValueError as e:
                 raise VLLMValidationError(str(e), parameter="extra_args") from None
             if pol is not None and pol != engine:
