@@ -55,12 +55,10 @@ def metadata(table, seq_lens, query_start, sliding_window=None):
         sliding_window=sliding_window)
 
 
-@pytest.mark.parametrize("vllm_window", [None, WINDOW + 1])
-def test_flex_attention_over_the_block_table_attends_what_the_cpu_backend_attends(paged, vllm_window):
-    """`vllm_window`: the metadata as vLLM's builder makes it, without a window, and with the spec's
-    `sliding_window` (what it passes when it captures full CUDA graphs, its default on CUDA)."""
+def attends_as_the_cpu_backend(paged, md) -> None:
+    """FlexAttention over `md`'s block mask (the paged cache flattened as vLLM's FlexAttention backend reads it)
+    gives what the CPU backend's attention gives."""
     table, k, v, seq_lens, query_start, q = paged
-    md = apply_retention(metadata(table, seq_lens, query_start, vllm_window), SINK, WINDOW)
     flat_k = k.permute(0, 2, 1, 3).reshape(1, BLOCKS * BS, H, D).transpose(1, 2)
     flat_v = v.permute(0, 2, 1, 3).reshape(1, BLOCKS * BS, H, D).transpose(1, 2)
     got = flex_attention(q.transpose(0, 1)[None], flat_k, flat_v, block_mask=md.block_mask, scale=D ** -0.5,
@@ -68,6 +66,15 @@ def test_flex_attention_over_the_block_table_attends_what_the_cpu_backend_attend
     want = torch.empty_like(q)
     sink_window_attention(q, k, v, table, query_start, seq_lens, SINK, WINDOW, D ** -0.5, want)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("vllm_window", [None, WINDOW + 1])
+def test_flex_attention_over_the_block_table_attends_what_the_cpu_backend_attends(paged, vllm_window):
+    """`vllm_window`: the metadata as vLLM's builder makes it, without a window, and with the spec's
+    `sliding_window` (what it passes when it captures full CUDA graphs, its default on CUDA)."""
+    table, k, v, seq_lens, query_start, q = paged
+    md = apply_retention(metadata(table, seq_lens, query_start, vllm_window), SINK, WINDOW)
+    attends_as_the_cpu_backend(paged, md)
 
 
 def test_the_block_mask_never_lists_a_freed_block(paged):
@@ -151,13 +158,7 @@ def test_the_builder_makes_the_retentions_block_mask_once(paged, monkeypatch):
         slot_mapping=torch.zeros(n, dtype=torch.long))
     md = builder().build(0, common)
     assert len(built) == 1 and md.flexkv_retention == (SINK, WINDOW) and md.sliding_window is None
-    flat_k = k.permute(0, 2, 1, 3).reshape(1, BLOCKS * BS, H, D).transpose(1, 2)
-    flat_v = v.permute(0, 2, 1, 3).reshape(1, BLOCKS * BS, H, D).transpose(1, 2)
-    got = flex_attention(q.transpose(0, 1)[None], flat_k, flat_v, block_mask=md.block_mask, scale=D ** -0.5,
-                         enable_gqa=True)[0].transpose(0, 1)
-    want = torch.empty_like(q)
-    sink_window_attention(q, k, v, table, query_start, seq_lens, SINK, WINDOW, D ** -0.5, want)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    attends_as_the_cpu_backend(paged, md)
     # Outside flexkv's builder, vLLM's metadata is made as vLLM makes it.
     plain = metadata(table, seq_lens, query_start)
     assert "flexkv_retention" not in plain.__dict__ and plain.logical_mask_mod is not md.logical_mask_mod
