@@ -125,6 +125,10 @@ class FlexKVFlexAttentionImpl(FlexAttentionImpl):
                                                                                     self.head_size)
         scores = sink_scores(query[:t], key_cache, attn_metadata, pol.sink, pol.window, self.scale, *self._rotary)
         own = attn_metadata.transformed_score_mod
+        if own is not None:  # vLLM 0.32 sets none for a decoder; one would be dropped here, so refuse it
+            raise NotImplementedError("vLLM's FlexAttention metadata carries a score_mod of its own, which flexkv's "
+                                      "in-cache positions would replace; serve this model with "
+                                      'additional_config={"flexkv": {..., "positions": "stream"}}')
         attn_metadata.transformed_score_mod = cache_position_score_mod(attn_metadata, scores, pol.sink)
         try:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
