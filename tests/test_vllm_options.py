@@ -104,6 +104,9 @@ def test_the_startup_line_says_how_many_keys_a_query_reads():
     assert "positions 'cache'" in line and "vLLM's sliding-window kernel" in line
     cached = startup_line(SinkWindow(4, 1020), "cache", 65536, prefix_caching=True)
     assert "prefix caching on" in cached and "--no-enable-prefix-caching" in cached
+    assert line.endswith("a request may keep less (SamplingParams extra_args {'flexkv': {'sink': ..., 'window': ...}})")
+    refused = startup_line(SinkWindow(4, 1020), "cache", 65536, own_requests="in vLLM's CPU backend only so far")
+    assert refused.endswith("a request's own retention is refused (served in vLLM's CPU backend only so far)")
 
 
 def test_the_vllm_release_is_checked():

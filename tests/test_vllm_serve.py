@@ -156,6 +156,7 @@ def test_the_openai_server_generates_what_the_offline_engine_does(folder, tmp_pa
     assert proc.returncode is not None
     logged = log.read_text()
     assert "each query reads at most 65 keys" in logged and "positions 'cache'" in logged
+    assert "a request may keep less (SamplingParams extra_args" in logged
     assert "prefix caching on" in logged and "Enforce eager" not in logged
     assert "flexkv: a request under SinkWindow(sink=4, window=60" in logged and "such streams at once" in logged
     assert text == streamed and len(text) > 50

@@ -41,12 +41,14 @@ import vllm.envs as envs
 from vllm import _custom_ops as ops
 from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
+from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from ...cache.positions.masks import query_window_attends
 from .cpu_layout import RegionReader, region_order, split_cache
 from .options import check_engine, serving_positions, startup_line
+from .requests import own_retention_unserved
 from .rope import model_rotary, turned
 
 __all__ = ["FlexKVCPUBackend", "FlexKVCPUImpl", "sink_window_attention", "step_gather", "turn_sinks", "decode_plan"]
@@ -199,7 +201,8 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
             #: whether a decode step past eviction copies the sinks below the window for vLLM's kernel: not with
             #: prefix caching, where the slots below a window may lie in a cached block other requests read
             self.copies_sinks = not cfg.cache_config.enable_prefix_caching
-            line = startup_line(self.retention, self.positions, self.max_model_len, not self.copies_sinks)
+            line = startup_line(self.retention, self.positions, self.max_model_len, not self.copies_sinks,
+                                own_retention_unserved(cfg, current_platform))
             if line not in _announced:
                 _announced.add(line)
                 logger.info(line)

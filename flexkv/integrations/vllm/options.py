@@ -124,9 +124,11 @@ def serving_positions(vllm_config) -> str:
     return asked or ("cache" if served else "stream")
 
 
-def startup_line(retention: SinkWindow, positions: str, max_model_len: int, prefix_caching: bool = False) -> str:
-    """What the plugin logs once per engine: how many keys a query reads, in flexkv's terms and vLLM's, and
-    which kernel a decode step past eviction runs on."""
+def startup_line(retention: SinkWindow, positions: str, max_model_len: int, prefix_caching: bool = False,
+                 own_requests: str = "") -> str:
+    """What the plugin logs once per engine: how many keys a query reads, in flexkv's terms and vLLM's, which
+    kernel a decode step past eviction runs on, and whether a request may keep less (`own_requests`: why
+    not, from `requests.own_retention_unserved`; "" where it may)."""
     s, w = retention.sink, retention.window
     kernel = ("prefix caching on: a prompt resumes from a cached prefix whose sink blocks and window tail are "
               "cached; decode steps past eviction run flexkv's batched attention (--no-enable-prefix-caching "
@@ -134,7 +136,9 @@ def startup_line(retention: SinkWindow, positions: str, max_model_len: int, pref
         "decode steps past eviction run vLLM's sliding-window kernel"
     return (f"flexkv: sink {s} + window {w}: each query reads at most {s + w + 1} keys: its stream's first {s} "
             f"tokens, the {w} tokens before it, and itself (in vLLM's terms, sliding_window={w + 1} plus {s} "
-            f"sinks); positions {positions!r}; streams up to max_model_len={max_model_len} tokens; {kernel}")
+            f"sinks); positions {positions!r}; streams up to max_model_len={max_model_len} tokens; {kernel}; "
+            + (f"a request may keep less (SamplingParams extra_args {{'{KEY}': {{'sink': ..., 'window': ...}}}})"
+               if not own_requests else f"a request's own retention is refused (served {own_requests})"))
 
 
 def refusals(vllm_config) -> list:
