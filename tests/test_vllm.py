@@ -506,13 +506,14 @@ def test_prefix_caching_resumes_from_the_sinks_and_the_windows_tail(model_dir, r
 
 
 def test_requests_keeping_less_than_the_engine_each_equal_the_contract_for_their_own(hf_model, model_dir):
-    """An engine of sink 4 + window 60 (prefix caching on, vLLM's default) serves requests that keep less
+    """An engine of sink 4 + window 60 (prefix caching on, vLLM's default; prompts fed in chunks of at most 64
+    tokens a step, so prompt chunks past a request's own eviction are attended too) serves requests that keep less
     (`extra_args`: a smaller sink or window, flat `vllm_xargs` keys, the whole prompt as sinks) beside ones
     that keep the engine's, in one batch: each request's ids and logits are the definition's for its own
     retention. A request of another retention with the same 130-token prompt as a finished one does not
     resume from its cached blocks (computed under another retention past the first eviction); one of the
     same retention does. A request wider than the engine is refused where it arrives; the engine runs on."""
-    llm = engine(model_dir, enable_prefix_caching=True)
+    llm = engine(model_dir, enable_prefix_caching=True, max_num_batched_tokens=64, enable_chunked_prefill=True)
     shared, short, other = prompts_of([130, 3, 90])
 
     def run(batch):
