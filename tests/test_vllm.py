@@ -505,14 +505,17 @@ def test_prefix_caching_resumes_from_the_sinks_and_the_windows_tail(model_dir, r
     assert sum(evicted) > 10  # cached blocks were evicted from the 40-block pool and their blocks reused
 
 
-def test_requests_keeping_less_than_the_engine_each_equal_the_contract_for_their_own(hf_model, model_dir):
+def test_requests_keeping_less_than_the_engine_each_equal_the_contract_for_their_own(hf_model, model_dir,
+                                                                                    monkeypatch):
     """An engine of sink 4 + window 60 (prefix caching on, vLLM's default; prompts fed in chunks of at most 64
     tokens a step, so prompt chunks past a request's own eviction are attended too) serves requests that keep less
     (`extra_args`: a smaller sink or window, flat `vllm_xargs` keys, the whole prompt as sinks) beside ones
     that keep the engine's, in one batch: each request's ids and logits are the definition's for its own
     retention. A request of another retention with the same 130-token prompt as a finished one does not
     resume from its cached blocks (computed under another retention past the first eviction); one of the
-    same retention does. A request wider than the engine is refused where it arrives; the engine runs on."""
+    same retention does. Twice in the mixed batch vLLM's scheduler preempts its last running request (one keeping
+    less: recomputed from its first token, its retention read again). A request wider than the engine is
+    refused where it arrives; the engine runs on."""
     llm = engine(model_dir, enable_prefix_caching=True, max_num_batched_tokens=64, enable_chunked_prefill=True)
     shared, short, other = prompts_of([130, 3, 90])
 
@@ -530,12 +533,25 @@ def test_requests_keeping_less_than_the_engine_each_equal_the_contract_for_their
         return outs
 
     run([(shared, None, (SINK, WINDOW))])
+    preempted = []
+    own = Scheduler.schedule
+
+    def schedule(self, *args, **kwargs):
+        self._flexkv_steps = getattr(self, "_flexkv_steps", 0) + 1
+        if self._flexkv_steps in (150, 400) and self.running:
+            request = self.running.pop()
+            self._preempt_request(request, time.monotonic())
+            preempted.append(request.sampling_params.extra_args)
+        return own(self, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
     outs = run([(shared, {"flexkv": {"sink": 2, "window": 20}}, (2, 20)),
                 (shared, None, (SINK, WINDOW)),
                 (other, {"flexkv_window": 5}, (SINK, 5)),
                 (short, {"flexkv": {"sink": "prompt", "window": 33}}, (3, 33)),
                 (other, {"flexkv": {"sink": 0}}, (0, WINDOW))])
     assert [out.num_cached_tokens for out in outs[:2]] == [0, 128]  # four whole blocks of the engine's retention
+    assert len(preempted) == 2 and all(preempted), preempted
     wide = SamplingParams(max_tokens=4, temperature=0, detokenize=False, extra_args={"flexkv": {"window": 61}})
     with pytest.raises(Exception, match=r"window must be an int in \[1, 60\] .* got 61; the engine serves at most"):
         llm.generate([{"prompt_token_ids": short}], wide, use_tqdm=False)
