@@ -162,3 +162,36 @@ def test_the_builder_makes_the_retentions_block_mask_once(paged, monkeypatch):
     # Outside flexkv's builder, vLLM's metadata is made as vLLM makes it.
     plain = metadata(table, seq_lens, query_start)
     assert "flexkv_retention" not in plain.__dict__ and plain.logical_mask_mod is not md.logical_mask_mod
+
+
+@pytest.mark.parametrize("positions", [None, "stream"])
+def test_the_flexattention_layer_finds_its_rotary_table_once_the_model_is_loaded(tmp_path, monkeypatch, positions):
+    """A full-attention layer of an engine with the `flexkv` entry serves in-cache positions by default on the
+    FlexAttention backend too, and finds the model's rotary table (covering `max_model_len`) when vLLM calls
+    `process_weights_after_loading`, before any CUDA graph capture could run its forward; with stream positions
+    it needs none."""
+    import transformers
+    import vllm.model_executor.layers.rotary_embedding as rotary
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+
+    from flexkv.integrations.vllm.flex_backend import FlexKVFlexAttentionImpl
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    entry = {"sink": SINK, "window": WINDOW} | ({"positions": positions} if positions else {})
+    config = EngineArgs(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
+                        enforce_eager=True, additional_config={"flexkv": entry}).create_engine_config()
+    monkeypatch.setattr(rotary, "_ROPE_DICT", {})  # this model's rope alone, not those of engines built before
+    with set_current_vllm_config(config):
+        impl = FlexKVFlexAttentionImpl(2, 32, 32 ** -0.5, 1, None, None, "auto")
+        rotary.get_rope(32, max_position=512, is_neox_style=True, rope_parameters={"rope_type": "default",
+                                                                           "rope_theta": 10000.0})
+        assert impl.positions == (positions or "cache") and impl._rotary is None
+        impl.process_weights_after_loading(torch.float32)
+    if positions == "stream":
+        assert impl._rotary is None
+    else:
+        table, neox = impl._rotary
+        assert table.shape == (512, 32) and neox

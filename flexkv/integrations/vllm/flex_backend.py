@@ -109,16 +109,30 @@ class FlexKVFlexAttentionImpl(FlexAttentionImpl):
         #: "cache" or "stream" (options.serving_positions)
         self.positions = serving_positions(get_current_vllm_config()) if self.retention is not None else None
         self._rotary = None
+        self._max_model_len = get_current_vllm_config().model_config.max_model_len
+
+    def _turns_sinks(self) -> bool:
+        return self.retention is not None and self.positions == "cache" and self.retention.sink > 0
+
+    def _find_rotary(self) -> None:
+        rope = model_rotary(self.head_size, self._max_model_len)  # reads the table on the host
+        self._rotary = (rope.cos_sin_cache, rope.is_neox_style)
+
+    def process_weights_after_loading(self, act_dtype):
+        super().process_weights_after_loading(act_dtype)
+        if self._turns_sinks():
+            # Once the model is built and before vLLM captures any CUDA graph: finding the table reads it on
+            # the host, which a capture must not do.
+            self._find_rotary()
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         pol = self.retention
-        if pol is None or self.positions != "cache" or not pol.sink or attn_metadata is None:
+        if not self._turns_sinks() or attn_metadata is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
-        if self._rotary is None:
-            rope = model_rotary(self.head_size, get_current_vllm_config().model_config.max_model_len)
-            self._rotary = (rope.cos_sin_cache, rope.is_neox_style)
+        if self._rotary is None:  # vLLM calls process_weights_after_loading first; this is for a caller that did not
+            self._find_rotary()
         t = attn_metadata.num_actual_tokens
         # vLLM's own view of its cache ([blocks, heads, block, 2 * head] as [slots, heads, head] keys)
         key_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)[0].view(-1, self.num_kv_heads,
