@@ -356,14 +356,39 @@ def run_and_check(llm, reference, prompts, monkeypatch):
     assert pool.get_num_free_blocks() == free0
     assert peaks and max(peaks.values()) <= bound, (peaks, bound)
     for prompt, out in zip(prompts, outs):
-        got = list(out.outputs[0].token_ids)
-        assert len(got) == GENERATE
-        ref = reference(prompt + got)[len(prompt) - 1:-1]
-        assert ref.argmax(-1).tolist() == got
-        ours = torch.tensor([[lp[t].logprob for t in sorted(lp)] for lp in out.outputs[0].logprobs])
-        theirs = torch.stack([ref[i, sorted(lp)] for i, lp in enumerate(out.outputs[0].logprobs)])
-        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+        equals_the_reference(reference, prompt, out)
     return outs
+
+
+def equals_the_reference(reference, prompt, out, what=None) -> None:
+    """`out` (vLLM's output for `prompt`, `GENERATE` greedy tokens with logprobs) has the reference's ids, and
+    its logprobs are the reference's logits to float tolerance."""
+    got = list(out.outputs[0].token_ids)
+    assert len(got) == GENERATE
+    ref = reference(prompt + got)[len(prompt) - 1:-1]
+    assert ref.argmax(-1).tolist() == got, what
+    ours = torch.tensor([[lp[t].logprob for t in sorted(lp)] for lp in out.outputs[0].logprobs])
+    theirs = torch.stack([ref[i, sorted(lp)] for i, lp in enumerate(out.outputs[0].logprobs)])
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def preempt_twice(monkeypatch, record) -> list:
+    """Make vLLM's scheduler preempt its last running request at its 150th and 400th step from now (its own
+    `_preempt_request`, as when the pool runs short: blocks freed, the request recomputed from its first
+    token). Returns the list `record(request)` fills, one entry per preemption."""
+    preempted = []
+    own = Scheduler.schedule
+
+    def schedule(self, *args, **kwargs):
+        self._flexkv_steps = getattr(self, "_flexkv_steps", 0) + 1
+        if self._flexkv_steps in (150, 400) and self.running:
+            request = self.running.pop()
+            self._preempt_request(request, time.monotonic())
+            preempted.append(record(request))
+        return own(self, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    return preempted
 
 
 def prompts_of(lengths):
@@ -395,18 +420,7 @@ def test_chunked_prefill_and_preemption_stay_exact(model_dir, reference, monkeyp
     scheduler preempts its last running request (its own `_preempt_request`, as when the pool runs
     short: blocks freed, the request recomputed from its first token)."""
     llm = engine(model_dir, max_num_batched_tokens=64, max_num_seqs=4, enable_chunked_prefill=True)
-    preempted = []
-    own = Scheduler.schedule
-
-    def schedule(self, *args, **kwargs):
-        self._flexkv_steps = getattr(self, "_flexkv_steps", 0) + 1
-        if self._flexkv_steps in (150, 400) and self.running:
-            request = self.running.pop()
-            self._preempt_request(request, time.monotonic())
-            preempted.append(request.request_id)
-        return own(self, *args, **kwargs)
-
-    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    preempted = preempt_twice(monkeypatch, lambda request: request.request_id)
     outs = run_and_check(llm, reference["cache"], prompts_of([200, 150, 90, 250]), monkeypatch)
     assert len(preempted) == 2
     assert sum(out.num_cached_tokens == 0 for out in outs) == 4  # nothing came back from a prefix cache
@@ -524,27 +538,11 @@ def test_requests_keeping_less_than_the_engine_each_equal_the_contract_for_their
             SamplingParams(max_tokens=GENERATE, temperature=0, ignore_eos=True, detokenize=False, logprobs=3,
                            extra_args=extra) for _, extra, _ in batch], use_tqdm=False)
         for (prompt, _, (sink, window)), out in zip(batch, outs):
-            got = list(out.outputs[0].token_ids)
-            ref = reference_logits(hf_model, sink, window, "cache")(prompt + got)[len(prompt) - 1:-1]
-            assert ref.argmax(-1).tolist() == got, (sink, window)
-            ours = torch.tensor([[lp[t].logprob for t in sorted(lp)] for lp in out.outputs[0].logprobs])
-            theirs = torch.stack([ref[i, sorted(lp)] for i, lp in enumerate(out.outputs[0].logprobs)])
-            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+            equals_the_reference(reference_logits(hf_model, sink, window, "cache"), prompt, out, (sink, window))
         return outs
 
     run([(shared, None, (SINK, WINDOW))])
-    preempted = []
-    own = Scheduler.schedule
-
-    def schedule(self, *args, **kwargs):
-        self._flexkv_steps = getattr(self, "_flexkv_steps", 0) + 1
-        if self._flexkv_steps in (150, 400) and self.running:
-            request = self.running.pop()
-            self._preempt_request(request, time.monotonic())
-            preempted.append(request.sampling_params.extra_args)
-        return own(self, *args, **kwargs)
-
-    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    preempted = preempt_twice(monkeypatch, lambda request: request.sampling_params.extra_args)
     outs = run([(shared, {"flexkv": {"sink": 2, "window": 20}}, (2, 20)),
                 (shared, None, (SINK, WINDOW)),
                 (other, {"flexkv_window": 5}, (SINK, 5)),
