@@ -2,8 +2,9 @@
 
 Every flexkv cache keeps its requests in one `flexkv.cache.host.slots.SlotTable`
 and their tokens in one store per layer group: a `BoundedKVManager` in one
-`LayerStore` per group (`flexkv.cache.cache_group.CacheGroup`), the uncached twin (`flexkv.model.uncached.UncachedHistory`) in a whole-history
-reference per group. `StreamLifecycle` is the one implementation of the
+`LayerStore` per group (`flexkv.cache.cache_group.CacheGroup`), the uncached
+twin (`flexkv.model.uncached.UncachedHistory`) in a whole-history reference
+per group. `StreamLifecycle` is the one implementation of the
 protocol's lifecycle members over them: each member takes the table's lock,
 checks and changes the table, and tells every store what it must do about it
 through the hooks of `StoreHooks` (each a no-op unless the store keeps

@@ -5,9 +5,10 @@ started on, which source places are taken (shared, or reserved as a
 request's private source): everything a step is checked and planned
 against, and nothing on a device. A cache is one table and the device
 stores of its layers: `BoundedKVManager` holds one table that every layer
-group's store shares, the uncached twin one table beside its dense history. Every check reads only fields no
-layer group changes (slots, sources, step length: a group changes only its
-retention, windows and head sizes), so one table serves every group and
+group's store shares, the uncached twin one table beside its dense history.
+Every check reads only fields no layer group changes (slots, sources, step
+length, padding: a group changes only its retention, windows and head sizes),
+so one table serves every group and
 there is nothing to keep in step between groups.
 
 The table does not lock itself: every cache that uses it holds `lock`
