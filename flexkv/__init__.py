@@ -34,6 +34,7 @@ _PUBLIC = {
     # what a cache keeps
     "BoundedKVConfig": "config",
     "SinkWindow": "config",
+    "Recall": "config",
     "LayerGroup": "cache.groups",
     "per_layer_groups": "cache.groups",
     # streaming a model: the step loop, and putting flexkv under its attention

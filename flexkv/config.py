@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-__all__ = ["SinkWindow", "BoundedKVConfig", "SUPPORTED_DTYPES", "SLOT_DTYPES", "is_int", "check_config", "check_layer_index"]
+__all__ = ["SinkWindow", "Recall", "BoundedKVConfig", "SUPPORTED_DTYPES", "SLOT_DTYPES", "is_int", "check_config", "check_layer_index"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 #: Cell dtypes of a quantized cache (`BoundedKVConfig.slot_dtype`; `flexkv.cache.storage.quantized` stores them).
@@ -136,6 +136,96 @@ class _RingKeys(SinkWindow):
         if not self.window_includes_step:
             return f"SinkWindow(sink={self.sink}, window={self.window})"
         return f"SinkWindow.keys({self.window}, sink={self.sink})"
+
+
+class Recall(SinkWindow):
+    """Sinks and a window as `SinkWindow(sink, window)`, plus a memory of what left the window.
+
+    The `memory` entries that left the window most recently (first in, first
+    out: an entry leaves the memory `memory` entries after it left the
+    window) stay in the slot, in blocks of `block` stream entries counted
+    from the first entry after the sinks (block `b` holds entries `sink + b *
+    block` to `sink + (b + 1) * block - 1`). Every step, per row and KV head,
+    the `top_k` blocks holding memory entries whose mean key scores highest
+    against the step's queries are attended beside the sinks and the window:
+
+    - a query `p` reads a memory entry `j` when `max(sink, w(p) - memory) <=
+      j < w(p)`, `w(p)` its first window entry (`p - query_window` under a
+      per-query window, the step's window start otherwise), and `j`'s block
+      is selected for the row and KV head;
+    - a block's score is `sum over the step's queries t and the head's query
+      heads h of q[h, t] . mean(k[j])`, the mean over the block's entries that
+      some query of the step reads in memory; the `top_k` highest are selected
+      (every block with such entries when there are fewer); ties go to the
+      lower block.
+
+    A decode step's selection is its one query's; the queries of a chunk
+    choose together (InfLLM's chunk-level lookup). What the memory holds is
+    fixed at admission: a slot keeps `memory` more cells of each layer's ring
+    (`BoundedKVConfig.ring_cells`, `slot_bytes`); nothing else is kept per
+    block. Under in-cache rotary positions (`positions="cache"`,
+    `SinkRotation`) a memory entry is read at the position just before the
+    step's first window entry, so no distance passes `window + step`.
+
+    A named tuple of five fields (`sink, window, memory, block, top_k`); it
+    is a `SinkWindow` for everything that plans sinks and windows
+    (`policy.sink`, `policy.window`, `window_includes_step` is False).
+    """
+
+    __slots__ = ()
+    _fields = ("sink", "window", "memory", "block", "top_k")
+
+    def __new__(cls, sink: int, window: int, memory: int, block: int = 64, top_k: int = 4):
+        _int("Recall.sink", sink, 0)
+        _int("Recall.window", window, 0)
+        _int("Recall.block", block, 1)
+        _int("Recall.memory", memory, block, f" (at least one block of block={block} entries)")
+        if memory % block:
+            raise ValueError(
+                f"Recall.memory must be a whole number of blocks of block={block} entries, got {memory}; "
+                f"use memory={memory // block * block or block} or {(memory // block + 1) * block}"
+            )
+        _int("Recall.top_k", top_k, 1)
+        if top_k > memory // block:
+            raise ValueError(
+                f"Recall.top_k must be at most memory // block = {memory // block} (the blocks the memory "
+                f"holds), got {top_k}; raise memory or lower top_k"
+            )
+        return tuple.__new__(cls, (sink, window, False, memory, block, top_k))
+
+    memory = property(lambda self: tuple.__getitem__(self, 3), doc="Entries kept after they leave the window.")
+    block = property(lambda self: tuple.__getitem__(self, 4), doc="Stream entries per memory block.")
+    top_k = property(lambda self: tuple.__getitem__(self, 5), doc="Memory blocks each row and KV head attends.")
+
+    def __getnewargs__(self):
+        return (self.sink, self.window, self.memory, self.block, self.top_k)
+
+    def _asdict(self) -> dict:
+        return dict(zip(self._fields, self.__getnewargs__()))
+
+    @classmethod
+    def _make(cls, iterable) -> "Recall":
+        return cls(*iterable)
+
+    def _replace(self, **changes) -> "Recall":
+        unknown = set(changes) - set(self._fields)
+        if unknown:
+            raise ValueError(f"Recall._replace: no field(s) {sorted(unknown)}; the fields are {self._fields}")
+        return Recall(**{**self._asdict(), **changes})
+
+    @property
+    def window_part(self) -> SinkWindow:
+        """`SinkWindow(sink, window)`: what every query reads besides its memory blocks."""
+        return SinkWindow(self.sink, self.window)
+
+    @property
+    def memory_blocks(self) -> int:
+        """Blocks the memory holds when full: `memory // block`."""
+        return self.memory // self.block
+
+    def __repr__(self):
+        return (f"Recall(sink={self.sink}, window={self.window}, memory={self.memory}, block={self.block}, "
+                f"top_k={self.top_k})")
 
 
 Retention = Union[SinkWindow, Callable[[int], SinkWindow]]
@@ -271,6 +361,19 @@ class BoundedKVConfig:
                 )
             policies.append(pol)
         object.__setattr__(self, "_policies", tuple(policies))
+        recalls = {p for p in policies if isinstance(p, Recall)}
+        if recalls and (len(recalls) > 1 or len(recalls) != len(set(policies))):
+            raise ValueError(
+                f"a Recall retention keeps one memory for every stream: give retention=Recall(...) itself, not a "
+                f"callable whose policies differ by source length (got {sorted(set(map(repr, policies)))})"
+            )
+        if recalls and self.max_source_len > 0:
+            raise ValueError(
+                f"retention {policies[0]!r} keeps its memory in the slot's ring, which a source's entries never "
+                f"enter: give max_source_len=0 (got {self.max_source_len}), or SinkWindow for a cache with sources"
+            )
+        if recalls and self.reverse_step_order:
+            raise ValueError(f"retention {policies[0]!r} needs stream order: got reverse_step_order=True")
 
         qw = self.query_window
         if qw is None and not self.causal_step and self.max_step_tokens > 1:
@@ -336,10 +439,23 @@ class BoundedKVConfig:
         return max(p.sink + p.window for p in self._policies)
 
     @property
+    def recall(self) -> Optional[Recall]:
+        """The `Recall` retention this cache keeps (its memory lies in each slot's ring), or None."""
+        pol = self._policies[0]
+        return pol if isinstance(pol, Recall) else None
+
+    @property
+    def memory_capacity(self) -> int:
+        """Ring cells a slot keeps for entries that left the window (`Recall.memory`; 0 without one)."""
+        recall = self.recall
+        return 0 if recall is None else recall.memory
+
+    @property
     def ring_cells(self) -> int:
-        """Cells of a slot row's ring: the largest window, plus `max(max_step_tokens, max_rollback)`
-        cells a step writes into before it attends and a rollback reads back."""
-        return self.window_capacity + max(self.max_step_tokens, self.max_rollback)
+        """Cells of a slot row's ring: the largest window, the memory of a `Recall` retention
+        (`memory_capacity`), plus `max(max_step_tokens, max_rollback)` cells a step writes into
+        before it attends and a rollback reads back."""
+        return self.window_capacity + self.memory_capacity + max(self.max_step_tokens, self.max_rollback)
 
     @property
     def slot_tokens(self) -> int:

@@ -29,7 +29,9 @@ from .host.planner import BoundedPlan, build_plan
 from .paths.attention_options import AttentionOptions
 from .paths.choice import AttentionPaths, PathCall
 from .paths.joint_path import KeyPart, check_joined
+from .paths.merge import merge_attention
 from .paths.query_only import attend_query_only, check_query_only
+from .paths.recall import attend_memory, check_recall_call
 from .paths.sinks import apply_learned_sinks, check_sinks
 from .positions.masks import POSITION_MODES, make_score_mod
 from .positions.relative_position import RelativePositionScores
@@ -82,6 +84,9 @@ class CacheGroup(StoreBuffers, nn.Module):
         object.__setattr__(self, "_store", built)  # the same, read without nn.Module's lookup
         #: The attention paths over the store and the one choice among them (their scratch is allocated now).
         self.paths = AttentionPaths(built, options)
+        #: Per layer, the `Rotary` of a ``"cache"``-mode rotation under a `Recall` retention: its memory is
+        #: read at in-cache positions (`flexkv.cache.paths.recall`); None reads it at stream positions.
+        self._memory_rotary = [None] * config.num_layers
 
     # ------------------------------------------------------------------ views
 
@@ -117,6 +122,8 @@ class CacheGroup(StoreBuffers, nn.Module):
         rotation = SinkRotation(self, check_layer_index(layer_idx, self.config.num_layers), rotary, mode,
                                 rotated_inputs=rotated_inputs)
         self._store.keep_slot_state(rotation)
+        if self.config.recall is not None:
+            self._memory_rotary[layer_idx] = rotary if mode == "cache" else None
         return rotation
 
     def stream_positions(self, plan: BoundedPlan, tokens: Optional[int] = None) -> torch.Tensor:
@@ -193,7 +200,9 @@ class CacheGroup(StoreBuffers, nn.Module):
             joined = check_joined(joined, q, query_only, self.config, self.device, score_mod)
         N, Hq, T, D = q.shape
         H, c, compiling = k.shape[1], self.config, torch.compiler.is_compiling()
-        want_lse = sinks is not None or return_lse  # the call needs a log-sum-exp
+        if c.recall is not None:
+            check_recall_call(c, query_only, joined, relative)
+        want_lse = sinks is not None or return_lse or c.recall is not None  # the call needs a log-sum-exp
         route, path = self.paths.choose(T, Hq // H, compiling, score_mod is not None, want_lse, joined is not None)
         kc, vc = self._store.write(layer_idx, k, v, plan)  # after the choice, which may refuse the call
         ks, vs = self._store.layer_scales(layer_idx)
@@ -218,7 +227,12 @@ class CacheGroup(StoreBuffers, nn.Module):
         # head h: the same [N, Hq, T] view serves the output and its log-sum-exp.
         qs = (q.reshape(N, H, g * T, D) if route.pack_gqa else q) * scale
         out, lse = path(PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, want_lse, relative, compiling))
-        own = _epilogue(out.view(N, Hq, T, v.shape[3]), lse, sinks, return_lse)
+        out = out.view(N, Hq, T, v.shape[3])
+        if c.recall is not None:  # the memory part of the same softmax (flexkv.cache.paths.recall)
+            memory = attend_memory(c, self.layout, q, kc, vc, scales, plan, scale=scale, score_mod=score_mod,
+                                   positions=positions, rotary=self._memory_rotary[layer_idx])
+            out, lse = merge_attention((out, _read_lse(lse, N, Hq, T)), memory)
+        own = _epilogue(out, lse, sinks, return_lse)
         return own if query_only is None else (own, extra)
 
     def _check_extras(self, q, score_mod, positions, sinks, query_only) -> bool:
@@ -285,6 +299,13 @@ class CacheGroup(StoreBuffers, nn.Module):
                 f"attend: q shape expected ({N}, a multiple of num_heads={c.num_heads}, {T}, {c.head_dim}), "
                 f"got {tuple(q.shape)}"
             )
+
+
+def _read_lse(lse: torch.Tensor, N: int, Hq: int, T: int) -> torch.Tensor:
+    """A path's log-sum-exp as `[N, Hq, T]`, `-inf` where a query read nothing (a path may leave NaN or
+    a large negative number there)."""
+    lse = lse.reshape(N, Hq, T)
+    return torch.where(torch.isnan(lse), float("-inf"), lse)
 
 
 def _split(res, T: int) -> tuple:

@@ -184,6 +184,10 @@ class ReferenceCache:
                         scores = torch.cat([scores, (torch.einsum("hgd,hkd->hgk", qq, ek) * scale).masked_fill(
                             ~reads, float("-inf"))], dim=-1)
                         vv = torch.cat([vv, ev], dim=1)
+                    if c.recall is not None:  # the memory part: each KV head's selected blocks
+                        ms, mv = self._memory(c, K_all, V_all, q[b], own, span, ts, group, scale, rotary,
+                                              rope_positions, score_mod, positions, b, cache_query_pos, query_pos)
+                        scores, vv = torch.cat([scores, ms], dim=-1), torch.cat([vv, mv], dim=1)
                     if sink_logits is not None:
                         scores = torch.cat([scores, sink_logits.expand(Hq, len(ts), 1)], dim=-1)
                     probs = torch.softmax(scores, dim=-1)[..., : vv.shape[1]]
@@ -193,6 +197,70 @@ class ReferenceCache:
         if q2 is None:
             return own_out
         return own_out, ((out2, lse2) if return_lse else out2)
+
+    @staticmethod
+    def _memory(c, K_all, V_all, q_row, own, span, ts, group, scale, rotary, rope_positions, score_mod, positions,
+                b, cache_query_pos, query_pos):
+        """A `Recall` row's memory part for queries `ts` (which share their memory range): `(scores [Hq,
+        len(ts), E], values [Hq, E, Dv])` over the union `E` of the entries some KV head selected, -inf
+        where a query head's KV head did not select the entry's block (the `Recall` docstring's rule)."""
+        recall = c.recall
+        s, bs, M = recall.sink, recall.block, recall.memory
+        n = own[0] if own else 0
+        T = len(own)
+
+        def memory_range(t: int) -> tuple:
+            p = n + t
+            hi = max(s, p - c.query_window) if c.query_window is not None else recall.window_start(n, span)
+            return max(s, hi - M), hi
+
+        writers = range(span)
+        u_lo = min((memory_range(t)[0] for t in writers), default=0)
+        u_hi = max((memory_range(t)[1] for t in writers), default=0)
+        in_memory = in_cache = rotary is not None and rope_positions == "cache"
+        t_mem = memory_range(0)[1] - 1
+        blocks = sorted({(j - s) // bs for j in range(u_lo, u_hi)})
+        H = K_all.shape[0]
+        Hq = H * group
+
+        def turned(x: torch.Tensor, at) -> torch.Tensor:  # rotated at stream positions `at`
+            if rotary is None:
+                return x
+            return rotary.rotate(x.unsqueeze(0), torch.as_tensor(at, dtype=torch.long))[0]
+
+        def key_at(js) -> torch.Tensor:  # [H, len(js), D]: memory keys at the positions they are read at
+            keys = K_all[:, js]
+            return turned(keys, [t_mem] * len(js) if in_memory else js)
+
+        qsum = sum(turned(q_row[:, t:t + 1], [n + t]) for t in writers)  # [Hq, 1, D]
+        chosen = []  # per KV head, the selected blocks
+        for h in range(H):
+            scored = []
+            for blk in blocks:
+                js = [j for j in range(s + blk * bs, s + (blk + 1) * bs) if u_lo <= j < u_hi]
+                mean = key_at(js)[h].mean(dim=0)
+                score = float(sum((qsum[h * group + i, 0] * mean).sum() for i in range(group)))
+                scored.append((-score, blk))
+            chosen.append({blk for _, blk in sorted(scored)[: recall.top_k]})
+        lo, hi = memory_range(ts[0] if ts else 0)
+        entries = [j for j in range(lo, hi) if any((j - s) // bs in ch for ch in chosen)]
+        qq = torch.cat([turned(q_row[:, t:t + 1], [n + t]) for t in ts], dim=1)  # [Hq, len(ts), D]
+        kk = key_at(entries).repeat_interleave(group, 0)
+        scores = torch.einsum("hgd,hkd->hgk", qq, kk) * scale
+        if score_mod is not None:
+            if positions == "cache":
+                qp = cache_query_pos.view(1, -1, 1)
+                kv = [t_mem if in_memory else j for j in entries]
+                kp = qp - query_pos.view(1, -1, 1) + torch.tensor(kv, dtype=torch.long).view(1, 1, -1)
+            else:
+                qp = query_pos.view(1, -1, 1)
+                kp = torch.tensor(entries, dtype=torch.long).view(1, 1, -1)
+            heads = torch.arange(Hq).view(Hq, 1, 1)
+            scores = score_mod(scores, torch.tensor(b), heads, qp, kp).double()
+        allowed = torch.tensor([[(j - s) // bs in chosen[h // group] for j in entries] for h in range(Hq)],
+                               dtype=torch.bool).view(Hq, 1, len(entries))
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        return scores, V_all[:, entries].repeat_interleave(group, 0)
 
     def _row_history(self, layer: int, rid, pos, r: int, k_own: torch.Tensor, v_own: torch.Tensor) -> tuple:
         """Row `r` of request `rid`'s whole history in `layer` with the step's own keys `k_own` (stream order)

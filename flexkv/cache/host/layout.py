@@ -105,7 +105,8 @@ def default_block_size(config: BoundedKVConfig, device_type: str) -> int:
     scratch = scratch_cells(config)
     has_sources = bool(config.max_source_len and config.max_sources)
     # A row of 8 more than a multiple of 16 cells would be a block the compiled CPU kernel gets wrong.
-    if not has_sources and row >= DEFAULT_BLOCK_SIZE and _ceil_div(scratch, row) * row - scratch <= \
+    # A ring that holds a Recall memory is mostly cells a query does not read: not one block.
+    if not has_sources and not config.memory_capacity and row >= DEFAULT_BLOCK_SIZE and _ceil_div(scratch, row) * row - scratch <= \
             ALIGNED_BLOCK_PADDING * pool and cpu_kernel_block_exact(row):
         return row
     cells = (config.max_retained + config.max_step_tokens) // 8
@@ -133,6 +134,8 @@ class Layout:
     q_block_size: int
     #: Scratch cells padding rows write into: `step_tokens`, or 0 when steps never pad.
     scratch_len: int
+    #: Ring cells that hold a `Recall` retention's memory (entries that left the window), 0 without one.
+    memory_len: int = 0
 
     @classmethod
     def for_config(cls, config: BoundedKVConfig, block_size: Optional[int] = None,
@@ -154,6 +157,7 @@ class Layout:
             block_size=block_size,
             q_block_size=DEFAULT_BLOCK_SIZE,
             scratch_len=scratch_cells(config),
+            memory_len=config.memory_capacity,
         )
 
     @property

@@ -62,9 +62,10 @@ NEG_INF = float("-inf")
 
 
 def reads_in_place(layout: Layout, rows: int) -> bool:
-    """Whether a step of `rows` rows attends the slot pool in place (else it gathers)."""
+    """Whether a step of `rows` rows attends the slot pool in place (else it gathers). Never for a
+    ring that holds a `Recall` memory: the window would be read beside every memory cell."""
     has_sources = bool(layout.source_row_len and layout.max_sources)
-    return not has_sources and layout.max_slots * layout.rows_per_request <= 2 * rows
+    return not has_sources and not layout.memory_len and layout.max_slots * layout.rows_per_request <= 2 * rows
 
 
 def gather_width(config) -> int:
