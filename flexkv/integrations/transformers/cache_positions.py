@@ -67,7 +67,8 @@ class CachePositions:
         for kv in range(c.num_layers):
             i = kv_owner[kv]
             layer_config = manager.layer_config(kv)
-            if layer_config.sink_capacity == 0 or not _layer_uses_rope(cfg, i):
+            # A layer that keeps no sinks needs no rewrite, unless a Recall memory is read at in-cache positions.
+            if (layer_config.sink_capacity == 0 and layer_config.recall is None) or not _layer_uses_rope(cfg, i):
                 self.layers.append(None)
                 continue
             layer_type = types[i] if types is not None and i < len(types) else None
