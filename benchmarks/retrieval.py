@@ -53,7 +53,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from flexkv import SinkWindow
+from flexkv import Recall, SinkWindow
 from flexkv.integrations.transformers import FlexKVCache
 from flexkv.integrations.transformers.pretrained import load_pretrained, reference_text
 
@@ -67,7 +67,11 @@ CACHES = {
     "stream": "sinks + window, stream positions",
     "window": "window only",
     "int8": "int8 slots, FlexKVCache's default positions",
+    "recall-2k": "Recall: sinks + window + a memory of 2,048 entries, top-k blocks attended",
+    "recall-16k": "Recall: sinks + window + a memory of 16,384 entries, top-k blocks attended",
 }
+#: the memory (entries) of each Recall cache
+RECALL_MEMORY = {"recall-2k": 2048, "recall-16k": 16384}
 DEFAULT_CACHES = ["dynamic", "cache", "int8"]
 
 INTRO = "There is a pass key hidden in this text. Find it and remember it.\n\n"
@@ -81,14 +85,17 @@ def found(key: str, text: str) -> bool:
     return key in re.findall(r"\d+", text)
 
 
-def make_cache(model, name: str, sink: int, window: int, chunk: int):
-    """The cache `--caches name` stands for, empty, for one stream."""
+def make_cache(model, name: str, sink: int, window: int, chunk: int, block: int = 64, top_k: int = 4):
+    """The cache `--caches name` stands for, empty, for one stream (`block`, `top_k`: a Recall cache's)."""
     if name == "dynamic":
         from transformers import DynamicCache
 
         return DynamicCache(config=model.config)
     if name not in CACHES:
         raise ValueError(f"no cache {name!r}; the names are {list(CACHES)}")
+    if name in RECALL_MEMORY:
+        return FlexKVCache(model, Recall(sink, window, RECALL_MEMORY[name], block, top_k), max_streams=1,
+                           prefill_chunk=chunk)
     retention = SinkWindow(0, window) if name == "window" else SinkWindow(sink, window)
     return FlexKVCache(model, retention, max_streams=1, prefill_chunk=chunk,
                        rope_positions="stream" if name == "stream" else None,
@@ -180,7 +187,7 @@ def run(args) -> dict:
         answers = {n: [] for n in distances}
         positions = None
         for i, trial in enumerate(trials):
-            cache = make_cache(model, name, args.sink, args.window, args.chunk)
+            cache = make_cache(model, name, args.sink, args.window, args.chunk, args.block, args.top_k)
             positions = getattr(cache, "rope_positions", None)
             for n, text in ask(model, tokenizer, cache, trial, distances, answer=args.answer, chunk=args.chunk).items():
                 answers[n].append(text)
@@ -220,6 +227,8 @@ def main(argv=None) -> int:
                        f"{k} = {v}" for k, v in CACHES.items()))
     p.add_argument("--sink", type=int, default=4, help="sink tokens of the bounded caches (default: 4)")
     p.add_argument("--window", type=int, default=252, help="window of the bounded caches (default: 252)")
+    p.add_argument("--block", type=int, default=64, help="entries per memory block of the Recall caches (default: 64)")
+    p.add_argument("--top-k", type=int, default=4, help="memory blocks a Recall cache attends per step (default: 4)")
     p.add_argument("--filler", choices=["neutral", "text"], default="neutral",
                    help="neutral: one sentence group repeated; text: reference_text() at a random offset")
     p.add_argument("--max-prefix", type=int, default=128, help="most filler tokens before the key (default: 128)")
