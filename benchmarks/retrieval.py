@@ -21,8 +21,9 @@ before the first answer token.
 One stream per trial and cache answers every N: the prompt goes in
 `--chunk` tokens per forward, up to the shortest N; the question is asked
 and answered, then taken back (`crop`, which both transformers'
-`DynamicCache` and `FlexKVCache` support), and the filler continues to the
-next N. The caches (`--caches`):
+`DynamicCache` and `FlexKVCache` support; a kvpress cache is copied before
+the question and the copy put back instead), and the filler continues to
+the next N. The caches (`--caches`):
 
 - dynamic: transformers' `DynamicCache`, the model's own (grows);
 - cache: `FlexKVCache(model, SinkWindow(--sink, --window))` with its default
@@ -33,6 +34,33 @@ next N. The caches (`--caches`):
   Quantized slots cannot hold the sink keys that in-cache positions rewrite
   every step, so the default falls back to stream positions for them (the
   run prints the position mode each cache ended up with).
+- recall-2k, recall-16k: `Recall(--sink, --window, memory, --block, --top-k)`;
+- knorm-256, knorm-2304: kvpress's decoding compression, `DecodingPress(KnormPress())`
+  over a `DynamicCache`, cut back after every forward (`compression_interval=1`)
+  to the 256 / 2,304 entries per layer with the smallest key norms: the
+  entries (so the bytes: both keep keys and values per KV head in the model's
+  dtype) of `cache` and `recall-2k` at the default `--sink` and `--window`.
+  Between forwards the cache holds that many, during one that many plus the
+  forward's tokens, as a FlexKVCache holds its retention plus `--chunk` cells;
+  the press keeps no hidden states (`hidden_states_buffer_size=0`: Knorm
+  scores keys alone). The model runs at stream positions (kvpress's own
+  pipeline's), and kvpress skips compression on a stream's first forward;
+- streaming-256: the same, `DecodingPress(StreamingLLMPress(n_sink=--sink))`:
+  the first `--sink` entries and the latest, `stream`'s retention (a check of
+  the kvpress runs against `stream`). kvpress 0.5.5 keeps the surviving
+  entries in score order (NVIDIA/kvpress#173), and StreamingLLMPress takes
+  the first indices for the sinks and the next for the oldest, so from the
+  second compression on it would keep arbitrary entries: this cache keeps
+  them in stream order (`_press_cache`).
+
+  A kvpress cache's compression evicts entries and reorders the rest (by
+  score), so `crop` cannot take its question back: the run copies it
+  (`copy.deepcopy`) before each question and goes on from the copy. These
+  need kvpress 0.5.5, which pins transformers < 5.3 (flexkv needs 5.23 to
+  5.25); it runs on 5.25 installed beside it without its dependencies
+  (`pip install --no-deps kvpress==0.5.5`, then its other dependencies),
+  through the adapter in `_press_cache`. Importing kvpress wraps transformers'
+  attention functions (a no-op for these presses) for the rest of the run.
 
     python -m benchmarks.retrieval --threads 1 --json retrieval.json
 
@@ -42,6 +70,8 @@ Needs `pip install 'flexkv[transformers,real]'` and the model (docs/real_model.m
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import json
 import os
 import random
@@ -69,9 +99,15 @@ CACHES = {
     "int8": "int8 slots, FlexKVCache's default positions",
     "recall-2k": "Recall: sinks + window + a memory of 2,048 entries, top-k blocks attended",
     "recall-16k": "Recall: sinks + window + a memory of 16,384 entries, top-k blocks attended",
+    "knorm-256": "kvpress DecodingPress(KnormPress), 256 entries per layer",
+    "knorm-2304": "kvpress DecodingPress(KnormPress), 2,304 entries per layer",
+    "streaming-256": "kvpress DecodingPress(StreamingLLMPress), 256 entries per layer",
 }
 #: the memory (entries) of each Recall cache
 RECALL_MEMORY = {"recall-2k": 2048, "recall-16k": 16384}
+#: the scorer press and entries per layer of each kvpress cache
+KVPRESS = {"knorm-256": ("KnormPress", 256), "knorm-2304": ("KnormPress", 2304),
+           "streaming-256": ("StreamingLLMPress", 256)}
 DEFAULT_CACHES = ["dynamic", "cache", "int8"]
 
 INTRO = "There is a pass key hidden in this text. Find it and remember it.\n\n"
@@ -93,6 +129,8 @@ def make_cache(model, name: str, sink: int, window: int, chunk: int, block: int 
         return DynamicCache(config=model.config)
     if name not in CACHES:
         raise ValueError(f"no cache {name!r}; the names are {list(CACHES)}")
+    if name in KVPRESS:
+        return _press_cache(model, *KVPRESS[name], sink)
     if name in RECALL_MEMORY:
         return FlexKVCache(model, Recall(sink, window, RECALL_MEMORY[name], block, top_k), max_streams=1,
                            prefill_chunk=chunk)
@@ -100,6 +138,43 @@ def make_cache(model, name: str, sink: int, window: int, chunk: int, block: int 
     return FlexKVCache(model, retention, max_streams=1, prefill_chunk=chunk,
                        rope_positions="stream" if name == "stream" else None,
                        slot_dtype=torch.int8 if name == "int8" else None)
+
+
+def _press_cache(model, scorer: str, size: int, sink: int):
+    """A `DynamicCache` that kvpress's `DecodingPress(scorer)` cuts back to `size` entries per layer after every forward,
+    `cache.press` (`ask` runs the model under it), with the stream's next position, `cache.position`."""
+    import kvpress
+    from kvpress.utils import compute_n_kept
+    from transformers import DynamicCache
+
+    base = kvpress.StreamingLLMPress(n_sink=sink) if scorer == "StreamingLLMPress" else getattr(kvpress, scorer)()
+    press = kvpress.DecodingPress(base_press=base, compression_interval=1, target_size=size,
+                                  hidden_states_buffer_size=0)
+    hook = press.forward_hook
+
+    def forward_hook(module, args, kwargs, output):
+        # kvpress 0.5.5 reads the attention's `past_key_values` and `cache_position` (transformers < 5.3);
+        # transformers 5.24 renamed the first `cache` and no longer passes the second
+        kwargs = dict(kwargs)
+        kwargs.setdefault("past_key_values", kwargs.get("cache"))
+        kwargs.setdefault("cache_position", kwargs["position_ids"][0])
+        return hook(module, args, kwargs, output)
+
+    press.forward_hook = forward_hook
+    if scorer == "StreamingLLMPress":
+        def compress(module, hidden_states, keys, values, attentions, kwargs):
+            # ScorerPress.compress, the kept entries left in stream order (its top-k leaves them in score order)
+            if base.compression_ratio == 0:
+                return keys, values
+            scores = base.score(module, hidden_states, keys, values, attentions, kwargs)
+            kept = scores.topk(compute_n_kept(keys.shape[2], base.compression_ratio), dim=-1).indices.sort(-1).values
+            kept = kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+            return keys.gather(2, kept).contiguous(), values.gather(2, kept).contiguous()
+
+        base.compress = compress
+    cache = DynamicCache(config=model.config)
+    cache.press, cache.position, cache.rope_positions = press, 0, "stream"
+    return cache
 
 
 @dataclass
@@ -139,30 +214,45 @@ def _feed(model, cache, ids: Sequence[int], chunk: int):
     logits = None
     with torch.no_grad():
         for s in range(0, len(ids), chunk):
-            x = torch.tensor([ids[s:s + chunk]])
-            logits = model(x, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            logits = _forward(model, cache, torch.tensor([ids[s:s + chunk]]), logits_to_keep=1)
     return logits
+
+
+def _forward(model, cache, x, **kwargs):
+    """The last position's logits of `x` through `cache`; a kvpress cache's at the stream's positions (its length,
+    from which the model counts them otherwise, stops growing)."""
+    if hasattr(cache, "press"):
+        kwargs["position_ids"] = torch.arange(cache.position, cache.position + x.shape[1])[None]
+        cache.position += x.shape[1]
+    return model(x, cache=cache, use_cache=True, **kwargs).logits[0, -1]
 
 
 def ask(model, tokenizer, cache, trial: Trial, distances: Sequence[int], *, answer: int, chunk: int) -> Dict[int, str]:
     """One stream through `cache`: the key, then for each N (ascending) filler up to N, the question and a greedy
     answer of at most `answer` tokens (it stops once the key is out), which is then taken back. N -> answer text."""
-    _feed(model, cache, trial.head, chunk)
-    out, done = {}, 0
-    for n in sorted(distances):
-        _feed(model, cache, trial.filler[done:n], chunk)
-        done = n
-        logits = _feed(model, cache, trial.question, chunk)
-        tokens: List[int] = []
-        with torch.no_grad():
-            while True:
-                tokens.append(int(logits.argmax()))
-                text = tokenizer.decode(tokens)
-                if len(tokens) == answer or found(trial.key, text):
-                    break
-                logits = model(torch.tensor([tokens[-1:]]), cache=cache, use_cache=True).logits[0, -1]
-        out[n] = text
-        cache.crop(-(len(trial.question) + len(tokens) - 1))  # the last answer token was never fed
+    press = getattr(cache, "press", None)
+    with press(model) if press is not None else contextlib.nullcontext():
+        _feed(model, cache, trial.head, chunk)
+        out, done = {}, 0
+        for n in sorted(distances):
+            _feed(model, cache, trial.filler[done:n], chunk)
+            done = n
+            # a kvpress cache evicts and reorders entries, which crop cannot undo: the copy replaces it afterwards
+            before = copy.deepcopy(cache) if press is not None else None
+            logits = _feed(model, cache, trial.question, chunk)
+            tokens: List[int] = []
+            with torch.no_grad():
+                while True:
+                    tokens.append(int(logits.argmax()))
+                    text = tokenizer.decode(tokens)
+                    if len(tokens) == answer or found(trial.key, text):
+                        break
+                    logits = _forward(model, cache, torch.tensor([tokens[-1:]]))
+            out[n] = text
+            if before is not None:
+                cache = before
+            else:
+                cache.crop(-(len(trial.question) + len(tokens) - 1))  # the last answer token was never fed
     return out
 
 

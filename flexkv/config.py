@@ -141,31 +141,31 @@ class _RingKeys(SinkWindow):
 class Recall(SinkWindow):
     """Sinks and a window as `SinkWindow(sink, window)`, plus a memory of what left the window.
 
-    The `memory` entries that left the window most recently (first in, first
-    out: an entry leaves the memory `memory` entries after it left the
-    window) stay in the slot, in blocks of `block` stream entries counted
-    from the first entry after the sinks (block `b` holds entries `sink + b *
-    block` to `sink + (b + 1) * block - 1`). Every step, per row and KV head,
-    the `top_k` blocks holding memory entries whose mean key scores highest
-    against the step's queries are attended beside the sinks and the window:
+    Entries after the sinks fall into blocks of `block` stream entries (block
+    `b` holds entries `sink + b * block` to `sink + (b + 1) * block - 1`).
+    For a query whose first window entry is `w` (`p - query_window` under a
+    per-query window, the step's window start otherwise; at least `sink`),
+    the blocks wholly before `w` are `0 .. B - 1` with `B = (w - sink) //
+    block`; its memory is the newest `memory // block` of them (first in,
+    first out), and its tail the entries `sink + B * block .. w - 1` that
+    left the window while their block is not yet whole. Each query reads its
+    sinks, its window, its tail, and those of its memory blocks that the
+    step chose for its KV head:
 
-    - a query `p` reads a memory entry `j` when `max(sink, w(p) - memory) <=
-      j < w(p)`, `w(p)` its first window entry (`p - query_window` under a
-      per-query window, the step's window start otherwise), and `j`'s block
-      is selected for the row and KV head;
-    - a block's score is `sum over the step's queries t and the head's query
-      heads h of q[h, t] . mean(k[j])`, the mean over the block's entries that
-      some query of the step reads in memory; the `top_k` highest are selected
-      (every block with such entries when there are fewer); ties go to the
-      lower block.
+    - every step, per row and KV head, the blocks in some writing query's
+      memory are scored `sum over the step's written tokens t and the head's
+      query heads h of q[h, t] . mean(k[block])`, the mean over the block's
+      `block` keys; the `top_k` highest are chosen (all of them when fewer;
+      ties go to the lower block).
 
     A decode step's selection is its one query's; the queries of a chunk
-    choose together (InfLLM's chunk-level lookup). What the memory holds is
-    fixed at admission: a slot keeps `memory` more cells of each layer's ring
-    (`BoundedKVConfig.ring_cells`, `slot_bytes`); nothing else is kept per
-    block. Under in-cache rotary positions (`positions="cache"`,
-    `SinkRotation`) a memory entry is read at the position just before the
-    step's first window entry, so no distance passes `window + step`.
+    choose together (InfLLM's chunk-level lookup). The footprint is fixed at
+    admission: a slot keeps `memory + block - 1` more cells of each layer's
+    ring (`BoundedKVConfig.ring_cells`) and one mean key per block the ring
+    can hold (`slot_bytes` counts both). Under in-cache rotary positions
+    (`positions="cache"`, `SinkRotation`) a memory or tail entry is read at
+    the position just before the step's first window entry, so no distance
+    passes `window + step`.
 
     A named tuple of five fields (`sink, window, memory, block, top_k`); it
     is a `SinkWindow` for everything that plans sinks and windows
@@ -446,9 +446,10 @@ class BoundedKVConfig:
 
     @property
     def memory_capacity(self) -> int:
-        """Ring cells a slot keeps for entries that left the window (`Recall.memory`; 0 without one)."""
+        """Ring cells a slot keeps for entries that left the window: a `Recall`'s whole blocks (`memory`)
+        and the fewer than `block` entries of the block leaving the window; 0 without one."""
         recall = self.recall
-        return 0 if recall is None else recall.memory
+        return 0 if recall is None else recall.memory + recall.block - 1
 
     @property
     def ring_cells(self) -> int:

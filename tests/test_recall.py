@@ -48,9 +48,13 @@ def test_the_memory_is_part_of_every_slot_and_known_at_admission():
     plain = BoundedKVManager(small_config(retention=SinkWindow(2, 6)), "cpu")
     recall = BoundedKVManager(small_config(retention=RECALL), "cpu")
     c = recall.config
-    assert c.recall == RECALL and c.memory_capacity == 8 and c.ring_cells == 6 + 8 + 3
+    # The memory's 4 whole blocks of 2, and the 1 entry of the block leaving the window.
+    assert c.recall == RECALL and c.memory_capacity == 8 + 1 and c.ring_cells == 6 + 9 + 3
     cell = 2 * 2 * 8 * 4  # keys and values, 2 heads of 8 float32 per cell
-    assert recall.slot_bytes - plain.slot_bytes == c.num_layers * 8 * cell
+    means = (18 // 2 + 1) * 2 * 8 * 4  # a float32 mean key per block the ring of 18 can hold, per head
+    assert recall.slot_bytes - plain.slot_bytes == c.num_layers * (9 * cell + means)
+    group = recall.cache_groups[0]  # the means of every slot row and of the row padding writes into
+    assert recall.memory_bytes == group.store.memory_bytes + c.num_layers * (c.max_slots + 1) * means
 
 
 def test_configs_recall_cannot_serve_are_refused():

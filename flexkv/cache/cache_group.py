@@ -31,7 +31,7 @@ from .paths.choice import AttentionPaths, PathCall
 from .paths.joint_path import KeyPart, check_joined
 from .paths.merge import merge_attention
 from .paths.query_only import attend_query_only, check_query_only
-from .paths.recall import attend_memory, check_recall_call
+from .paths.recall import MemoryIndex, attend_memory, check_recall_call
 from .paths.sinks import apply_learned_sinks, check_sinks
 from .positions.masks import POSITION_MODES, make_score_mod
 from .positions.relative_position import RelativePositionScores
@@ -87,6 +87,10 @@ class CacheGroup(StoreBuffers, nn.Module):
         #: Per layer, the `Rotary` of a ``"cache"``-mode rotation under a `Recall` retention: its memory is
         #: read at in-cache positions (`flexkv.cache.paths.recall`); None reads it at stream positions.
         self._memory_rotary = [None] * config.num_layers
+        #: A `Recall` retention's block means (`flexkv.cache.paths.recall.MemoryIndex`), copied with the slots.
+        self.memory_index = None if config.recall is None else MemoryIndex(config, self.layout, device)
+        if self.memory_index is not None:
+            built.keep_slot_state(self.memory_index)
 
     # ------------------------------------------------------------------ views
 
@@ -105,13 +109,13 @@ class CacheGroup(StoreBuffers, nn.Module):
         off the CPU, or on it with options path="flex"; under path="auto" without the keys' or the
         values' half where the kernel reads those cells as stored, `flexkv.cache.paths.float8_path`) and
         the group buffer cells widen into (`cpu_fast_rows.dequantize_scratch`, unless path="flex" or cpu_fast_paths=False)."""
-        return self._store.memory_bytes
+        return self._store.memory_bytes + (0 if self.memory_index is None else self.memory_index.memory_bytes)
 
     @property
     def slot_bytes(self) -> int:
         """Bytes one slot holds over all layers, rows, keys and values (and their scales when quantized):
         the memory of one request."""
-        return self._store.slot_bytes
+        return self._store.slot_bytes + (0 if self.memory_index is None else self.memory_index.slot_bytes)
 
     # ------------------------------------------------------------ model side
 
@@ -229,7 +233,8 @@ class CacheGroup(StoreBuffers, nn.Module):
         out, lse = path(PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, want_lse, relative, compiling))
         out = out.view(N, Hq, T, v.shape[3])
         if c.recall is not None:  # the memory part of the same softmax (flexkv.cache.paths.recall)
-            memory = attend_memory(c, self.layout, q, kc, vc, scales, plan, scale=scale, score_mod=score_mod,
+            memory = attend_memory(self.memory_index, layer_idx, c, self.layout, q, kc, vc, scales, plan, scale=scale,
+                                   score_mod=score_mod,
                                    positions=positions, rotary=self._memory_rotary[layer_idx])
             out, lse = merge_attention((out, _read_lse(lse, N, Hq, T)), memory)
         own = _epilogue(out, lse, sinks, return_lse)

@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..cache.storage.quantized import SLOT_DTYPE_NAMES, cell_bytes, slot_dtype_named
-from ..config import BoundedKVConfig, SinkWindow, is_int
+from ..config import BoundedKVConfig, Recall, SinkWindow, is_int
 
 __all__ = [
     "Workload",
@@ -45,7 +45,9 @@ class Workload:
     rows per request (2 for batched classifier-free guidance).
     Retention: `source_len` entries of a shared source (0: none; `sources`
     distinct ones, each request picks one), `sink`, `window`,
-    `window_includes_step`, `query_window`, `reverse_step_order` (docs/contract.md sections 1-2).
+    `window_includes_step`, `query_window`, `reverse_step_order` (docs/contract.md sections 1-2);
+    `memory` > 0 keeps that many entries past the window, `memory_block` per block, and attends each
+    step's `top_k` best-scoring blocks (`flexkv.Recall`; 0, the default: sinks and window only).
     Step: each request writes `span` tokens per step out of `tokens` (T);
     with `final_tokens`, a request ends with one step of `final_tokens`
     tokens that writes `final_span`. `score_bias: relative` adds a learned
@@ -75,6 +77,9 @@ class Workload:
     window_includes_step: bool = False
     query_window: Optional[int] = None
     reverse_step_order: bool = False
+    memory: int = 0
+    memory_block: int = 64
+    top_k: int = 4
     span: int = 1
     tokens: Optional[int] = None
     final_tokens: Optional[int] = None
@@ -127,6 +132,8 @@ class Workload:
         return 2 * self.layers * self.rows * self.kv_heads * cell
 
     def retention(self) -> SinkWindow:
+        if self.memory:
+            return Recall(self.sink, self.window, self.memory, self.memory_block, self.top_k)
         return SinkWindow(self.sink, self.window, self.window_includes_step)
 
     def config(self) -> BoundedKVConfig:
@@ -161,7 +168,8 @@ class Workload:
             f"sink {self.sink}, window {self.window}"
             + (" (includes step)" if self.window_includes_step else "")
             + (f", query_window {self.query_window}" if self.query_window is not None else "")
-            + (", reverse order" if self.reverse_step_order else ""),
+            + (", reverse order" if self.reverse_step_order else "")
+            + (f"; memory {self.memory} in blocks of {self.memory_block}, top {self.top_k}" if self.memory else ""),
             f"span {self.span}, T {self.step_tokens}"
             + (f", last chunk T {self.final_tokens} span {self.final_span}" if self.final_tokens else ""),
             "relative bias" if self.score_bias == "relative" else "",
@@ -190,8 +198,18 @@ def _check_fields(w: Workload) -> None:
         _fail("description", w.description, "expected a string")
     for f in ("layers", "kv_heads", "head_dim", "rows", "window", "span", "requests", "steps"):
         _int_field(w, f, 1)
-    for f in ("source_len", "sink", "final_span", "seed", "check_steps", "check_requests"):
+    for f in ("source_len", "sink", "final_span", "seed", "check_steps", "check_requests", "memory"):
         _int_field(w, f, 0)
+    for f in ("memory_block", "top_k"):
+        _int_field(w, f, 1)
+    if w.memory and w.window_includes_step:
+        _fail("window_includes_step", True, "a workload with a memory (memory > 0) counts its window before the "
+              "step: give window_includes_step: false, or memory: 0")
+    if w.memory:
+        try:
+            w.retention()
+        except ValueError as e:
+            raise WorkloadError(f"memory: {e}") from None
     _int_field(w, "sources", 1)
     for f in ("q_heads", "tokens", "final_tokens", "block_size"):
         _int_field(w, f, 1, allow_none=True)

@@ -201,25 +201,22 @@ class ReferenceCache:
     @staticmethod
     def _memory(c, K_all, V_all, q_row, own, span, ts, group, scale, rotary, rope_positions, score_mod, positions,
                 b, cache_query_pos, query_pos):
-        """A `Recall` row's memory part for queries `ts` (which share their memory range): `(scores [Hq,
-        len(ts), E], values [Hq, E, Dv])` over the union `E` of the entries some KV head selected, -inf
-        where a query head's KV head did not select the entry's block (the `Recall` docstring's rule)."""
+        """A `Recall` row's memory part for queries `ts` (which share their window start): `(scores [Hq,
+        len(ts), E], values [Hq, E, Dv])` over its tail and the entries of the blocks some KV head chose,
+        -inf where a query head's KV head did not choose the entry's block (the `Recall` docstring's rule)."""
         recall = c.recall
-        s, bs, M = recall.sink, recall.block, recall.memory
+        s, bs, MB = recall.sink, recall.block, recall.memory_blocks
         n = own[0] if own else 0
-        T = len(own)
 
-        def memory_range(t: int) -> tuple:
-            p = n + t
-            hi = max(s, p - c.query_window) if c.query_window is not None else recall.window_start(n, span)
-            return max(s, hi - M), hi
+        def window_start(t: int) -> int:
+            return max(s, n + t - c.query_window) if c.query_window is not None else recall.window_start(n, span)
 
-        writers = range(span)
-        u_lo = min((memory_range(t)[0] for t in writers), default=0)
-        u_hi = max((memory_range(t)[1] for t in writers), default=0)
-        in_memory = in_cache = rotary is not None and rope_positions == "cache"
-        t_mem = memory_range(0)[1] - 1
-        blocks = sorted({(j - s) // bs for j in range(u_lo, u_hi)})
+        def memory_blocks(t: int) -> range:
+            whole = (window_start(t) - s) // bs
+            return range(max(0, whole - MB), whole)
+
+        in_memory = rotary is not None and rope_positions == "cache"
+        t_mem = window_start(0) - 1
         H = K_all.shape[0]
         Hq = H * group
 
@@ -228,22 +225,24 @@ class ReferenceCache:
                 return x
             return rotary.rotate(x.unsqueeze(0), torch.as_tensor(at, dtype=torch.long))[0]
 
-        def key_at(js) -> torch.Tensor:  # [H, len(js), D]: memory keys at the positions they are read at
-            keys = K_all[:, js]
-            return turned(keys, [t_mem] * len(js) if in_memory else js)
+        def key_at(js) -> torch.Tensor:  # [H, len(js), D]: keys at the positions memory is read at
+            return turned(K_all[:, js], [t_mem] * len(js) if in_memory else js)
 
-        qsum = sum(turned(q_row[:, t:t + 1], [n + t]) for t in writers)  # [Hq, 1, D]
-        chosen = []  # per KV head, the selected blocks
+        candidates = sorted(set().union(*(memory_blocks(t) for t in range(span))))
+        qsum = sum(turned(q_row[:, t:t + 1], [n + t]) for t in range(span))  # [Hq, 1, D]
+        chosen = []  # per KV head, the chosen blocks
         for h in range(H):
             scored = []
-            for blk in blocks:
-                js = [j for j in range(s + blk * bs, s + (blk + 1) * bs) if u_lo <= j < u_hi]
-                mean = key_at(js)[h].mean(dim=0)
+            for blk in candidates:
+                mean = key_at(list(range(s + blk * bs, s + (blk + 1) * bs)))[h].mean(dim=0)
                 score = float(sum((qsum[h * group + i, 0] * mean).sum() for i in range(group)))
                 scored.append((-score, blk))
             chosen.append({blk for _, blk in sorted(scored)[: recall.top_k]})
-        lo, hi = memory_range(ts[0] if ts else 0)
-        entries = [j for j in range(lo, hi) if any((j - s) // bs in ch for ch in chosen)]
+        t0 = ts[0]
+        mine = memory_blocks(t0)
+        tail = list(range(s + mine.stop * bs, window_start(t0)))
+        picked = sorted({s + blk * bs + e for ch in chosen for blk in ch if blk in mine for e in range(bs)})
+        entries = picked + tail
         qq = torch.cat([turned(q_row[:, t:t + 1], [n + t]) for t in ts], dim=1)  # [Hq, len(ts), D]
         kk = key_at(entries).repeat_interleave(group, 0)
         scores = torch.einsum("hgd,hkd->hgk", qq, kk) * scale
@@ -257,8 +256,8 @@ class ReferenceCache:
                 kp = torch.tensor(entries, dtype=torch.long).view(1, 1, -1)
             heads = torch.arange(Hq).view(Hq, 1, 1)
             scores = score_mod(scores, torch.tensor(b), heads, qp, kp).double()
-        allowed = torch.tensor([[(j - s) // bs in chosen[h // group] for j in entries] for h in range(Hq)],
-                               dtype=torch.bool).view(Hq, 1, len(entries))
+        allowed = torch.tensor([[j in tail or (j - s) // bs in chosen[h // group] for j in entries]
+                                for h in range(Hq)], dtype=torch.bool).view(Hq, 1, len(entries))
         scores = scores.masked_fill(~allowed, float("-inf"))
         return scores, V_all[:, entries].repeat_interleave(group, 0)
 
