@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from configs import small_config
 from random_workload import RandomWorkload, score_bias
 
+from configs import small_config
 from flexkv import BoundedKVManager, BoundedKVStep, Recall, Rotary, Segment, SinkWindow, StreamPosition
 from flexkv.cache.paths.attention_options import AttentionOptions
 
