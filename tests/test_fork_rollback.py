@@ -15,7 +15,7 @@ import torch
 from random_workload import check_close
 
 from configs import small_config
-from flexkv import BoundedKVManager, SinkWindow
+from flexkv import BoundedKVManager, Recall, SinkWindow
 from flexkv.cache.groups import LayerGroup, layer_group_configs
 from flexkv.cache.host.slots import SlotsExhausted
 from flexkv.model.reference import ReferenceCache
@@ -158,6 +158,9 @@ CONFIGS = {
     "max-rollback": dict(retention=SinkWindow(1, 4), max_rollback=7, max_step_tokens=4),
     "two-rows": dict(rows_per_request=2),
     "source": dict(max_source_len=3, max_sources=1, min_source_len=3, retention=SinkWindow(4, 5)),
+    # a memory whose block means (kept beside the ring) are forked, reordered and rolled back with it
+    "recall": dict(retention=Recall(1, 3, 6, block=2, top_k=2)),
+    "recall-per-query": dict(retention=Recall(1, 3, 4, block=2, top_k=1), query_window=3, max_rollback=5),
 }
 
 
@@ -177,6 +180,14 @@ def test_grouped_cache_forks_and_rolls_back_every_group():
     d = Driver(BoundedKVManager(cfg, groups=groups), cfg, groups, seed=3)
     random_run(d, steps=40)
     assert d.worst < 1e-9
+
+
+def test_a_recall_group_beside_a_window_group_forks_and_rolls_back():
+    cfg = make_config(num_layers=3, max_step_tokens=2, max_rollback=5)
+    groups = (LayerGroup((0, 2), Recall(1, 3, 4, block=2, top_k=1)), LayerGroup((1,), SinkWindow(0, 7), query_window=7))
+    d = Driver(BoundedKVManager(cfg, groups=groups), cfg, groups, seed=4)
+    random_run(d, steps=60)
+    assert d.worst < 1e-9 and max(d.written(r) for r in d.cache.requests) > 1 + 3 + 4
 
 
 def test_the_uncached_twin_forks_and_rolls_back_as_the_cache_does():

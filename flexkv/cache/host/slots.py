@@ -56,16 +56,17 @@ def rollback_floor(config: BoundedKVConfig, source_len: int, reach: int) -> int:
     once entries up to `reach` (exclusive) have been written, the ring holds intact the entries
     from `reach - ring_cells` on. A stream rolled back to `written = m` (length `n = source_len +
     m`) needs its ring entries from `max(ring_start, n - window)` on (every later query reads at
-    most `window` entries before itself; sinks below `ring_start` live in cells of their own), so
-    `m` is exact when that is at least `reach - ring_cells`, or when nothing of the ring is needed
-    (`n <= ring_start`, returned as 0 when the whole stream lies in the sink region).
+    most `window` entries before itself, and a `Recall` memory the `memory_capacity` entries before
+    those; sinks below `ring_start` live in cells of their own), so `m` is exact when that is at
+    least `reach - ring_cells`, or when nothing of the ring is needed (`n <= ring_start`, returned
+    as 0 when the whole stream lies in the sink region).
     """
     pol = config.retention_for(source_len)
     ring_start = max(pol.sink, source_len)
     intact = reach - config.ring_cells
     if ring_start >= intact:
         return 0
-    return max(0, intact + pol.window - source_len)
+    return max(0, intact + pol.window + config.memory_capacity - source_len)
 
 
 class Admission(NamedTuple):
