@@ -24,6 +24,7 @@ from flexkv import (
     BoundedKVConfig,
     BoundedKVManager,
     LayerGroup,
+    Recall,
     SinkWindow,
     SlotsExhausted,
     SourcesExhausted,
@@ -96,9 +97,11 @@ class SessionModel:
         n = L + w - tokens
         for config in self.configs:
             pol = config.retention_for(L)
-            ring = pol.window + config.max_step_tokens
+            # A Recall memory keeps its whole blocks and the block leaving the window behind the window.
+            memory = 0 if not isinstance(pol, Recall) else pol.memory + pol.block - 1
+            ring = pol.window + memory + config.max_step_tokens
             ring_start = max(pol.sink, L)
-            if not (n <= ring_start or max(ring_start, n - pol.window) >= self.reach[rid] - ring):
+            if not (n <= ring_start or max(ring_start, n - pol.window - memory) >= self.reach[rid] - ring):
                 return False
         return True
 
@@ -112,13 +115,15 @@ class SessionModel:
 
 
 class SessionMachine(RuleBasedStateMachine):
-    #: the cache's layer groups (None: one group with CONFIG's retention)
+    #: the cache's layer groups (None: one group with the config's retention)
     groups = None
+    config = CONFIG
 
     def __init__(self):
         super().__init__()
-        self.session = StreamSession(BoundedKVManager(CONFIG, groups=self.groups, block_size=8), compile=False)
-        self.ref = ReferenceCache(CONFIG) if self.groups is None else GroupedReference(CONFIG, self.groups)
+        config = self.config
+        self.session = StreamSession(BoundedKVManager(config, groups=self.groups, block_size=8), compile=False)
+        self.ref = ReferenceCache(config) if self.groups is None else GroupedReference(config, self.groups)
         self.m = SessionModel(tuple(self.session.cache.layer_config(i) for i in range(LAYERS)))
         self.seed = 0
         self.steps = 0
@@ -390,6 +395,23 @@ class GroupedSessionMachine(SessionMachine):
 
 GroupedSessionMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
 test_grouped_session_against_its_model = GroupedSessionMachine.TestCase
+
+
+class RecallSessionMachine(SessionMachine):
+    """The same program over a `Recall` cache (no sources: its memory lives in the slot's ring): memories
+    fill and move on, forks copy them with their block means, rollbacks are exact only while the memory's
+    cells are intact, resets and finishes free them. The source rules are left out."""
+
+    config = CONFIG.replace(retention=Recall(1, 4, 4, block=2, top_k=1), max_source_len=0, max_sources=0)
+
+    def add_source(self, length):  # not rules here: a Recall cache holds no sources
+        pass
+
+    remove_source = add_private_source = remove_private_source = add_source
+
+
+RecallSessionMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=40, deadline=None)
+test_recall_session_against_its_model = RecallSessionMachine.TestCase
 
 
 # ---------------------------------------------------------------------------------------------------------------
