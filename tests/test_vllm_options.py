@@ -55,6 +55,19 @@ def test_a_bad_entry_is_refused_naming_it(entry, match):
         retention_from({"flexkv": entry})
 
 
+@pytest.mark.parametrize("where", ["engine", "request nested", "request flat"])
+def test_a_recall_memory_is_refused_at_start_up_and_per_request_with_the_reason(where):
+    """vLLM frees the blocks that leave the window and its backends read the window only: a memory asked of
+    the plugin is refused by name, never served as sinks + window."""
+    with pytest.raises(ValueError, match=r"\['memory', 'top_k'\].*Recall .* is not served in vLLM.*frees"):
+        if where == "engine":
+            retention_from(entry(memory=2048, top_k=4))
+        elif where == "request nested":
+            request_retention({"flexkv": {"sink": 4, "window": 64, "memory": 2048, "top_k": 4}}, SinkWindow(4, 1020))
+        else:
+            request_retention({"flexkv_memory": 2048, "flexkv_top_k": 4}, SinkWindow(4, 1020))
+
+
 def test_what_cannot_be_served_exactly_is_refused_with_every_reason():
     assert check_engine(engine()) == SinkWindow(4, 1020)
     assert check_engine(engine(additional_config={})) is None

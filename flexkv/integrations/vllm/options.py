@@ -23,7 +23,7 @@ from ...config import SinkWindow, is_int
 
 __all__ = ["KEY", "ALLOWED", "POSITIONS", "SERVED_ROPE", "retention_from", "positions_from", "rope_of",
            "rope_table_len", "serving_positions", "refusals", "check_engine", "startup_line", "REQUEST_ALLOWED",
-           "PROMPT_SINK", "request_retention"]
+           "PROMPT_SINK", "request_retention", "RECALL_KEYS", "check_recall"]
 
 #: the key of vLLM's `additional_config` the plugin reads
 KEY = "flexkv"
@@ -31,6 +31,25 @@ KEY = "flexkv"
 ALLOWED = ("sink", "window", "positions")
 #: the position modes the entry's `positions` takes
 POSITIONS = ("cache", "stream")
+#: `flexkv.Recall`'s fields beyond sink and window: named to refuse them with the reason (`check_recall`)
+RECALL_KEYS = ("memory", "block", "top_k")
+#: why the plugin does not serve a `Recall` memory
+RECALL_REFUSED = (
+    "flexkv's Recall (a memory of evicted blocks, the top-k read per step) is not served in vLLM: vLLM's "
+    "KV-cache manager frees a request's blocks once they leave the window, and its attention backends read "
+    "the window only, so the memory would be neither kept nor read (the answer would silently be sinks + "
+    "window); serve Recall through flexkv.integrations.transformers.FlexKVCache or StreamSession, or give "
+    "sink and window alone here"
+)
+
+
+def check_recall(entry: dict, where: str) -> None:
+    """Refuse an entry that asks for a `Recall` memory, naming the keys and why."""
+    asked = sorted(k for k in entry if k in RECALL_KEYS)
+    if asked:
+        raise ValueError(f"{where} asks for {asked}: {RECALL_REFUSED}")
+
+
 #: rope types served in both modes: a row of their cos/sin table is a rotation by a fixed set of
 #: frequencies, so rotations compose (`R(a) R(b) = R(a + b)`) and a longer table only adds rows
 SERVED_ROPE = ("default", "linear", "llama3")
@@ -49,6 +68,7 @@ def retention_from(additional_config) -> Optional[SinkWindow]:
         raise ValueError(
             f'additional_config["{KEY}"] must be a dict such as {{"sink": 4, "window": 1020}}, got {entry!r}'
         )
+    check_recall(entry, f'additional_config["{KEY}"]')
     unknown = sorted(set(entry) - set(ALLOWED))
     if unknown:
         raise ValueError(f'additional_config["{KEY}"] has unknown keys {unknown}; allowed: {list(ALLOWED)}')
@@ -221,6 +241,9 @@ def _request_entry(extra_args) -> Optional[dict]:
     flat = {k[len(KEY) + 1:]: extra_args[k] for k in ours if k.startswith(KEY + "_")}
     nested = extra_args.get(KEY)
     allowed = [KEY] + [f"{KEY}_{k}" for k in REQUEST_ALLOWED]
+    check_recall(flat, f"extra_args {sorted(KEY + '_' + k for k in flat if k in RECALL_KEYS)}")
+    if isinstance(extra_args.get(KEY), dict):
+        check_recall(extra_args[KEY], f'extra_args["{KEY}"]')
     unknown = [k for k in ours if k not in allowed]
     if unknown:
         raise ValueError(f"extra_args {unknown}: not a key flexkv reads; a request's own retention is extra_args="
