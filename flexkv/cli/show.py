@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 from ..cache.host.layout import Layout, entry_cell
 from ..cache.host.planner import build_plan
 from ..config import BoundedKVConfig, is_int
-from ..model.reference import attended_indices, own_stream_indices
+from ..model.reference import attended_indices, memory_reach, own_stream_indices
 from ..step import BoundedKVStep, Segment, StreamPosition
 
 __all__ = ["StepPicture", "describe_step", "render_text", "render_png", "LEGEND"]
@@ -29,6 +29,8 @@ LEGEND = (
     ("W", "written entry in the ring (the window)"),
     ("O", "own token this step writes"),
     ("A", "own look-ahead token (attended, not kept)"),
+    ("M", "in memory: read when its block is among the top-k the step chooses"),
+    ("L", "left the window, its block not yet whole: read"),
     (".", "not attended"),
 )
 GRID_MAX = 100  # widest stream drawn one character per entry; longer ones are drawn as runs
@@ -142,7 +144,23 @@ def describe_step(
         chars = ["."] * width
         for j in attended[t]:
             chars[j] = letter_place(j)[0]
+        if c.recall is not None:  # what a Recall query may read past its window (chosen on the device)
+            blocks, tail = memory_reach(c, n, span, t)
+            bs, s0 = c.recall.block, c.recall.sink
+            for j in range(s0 + blocks.start * bs, s0 + blocks.stop * bs):
+                chars[j] = "M"
+            for j in tail:
+                chars[j] = "L"
         marks.append("".join(chars))
+    if c.recall is not None:
+        place = letter_place
+
+        def letter_place(j: int) -> Tuple[str, str, int]:
+            letter, region, cell = place(j)
+            mark = next((m[j] for m in marks if m[j] in "ML"), None)
+            return (mark or letter), region, cell
+
+        attended = [[j for j, ch in enumerate(m) if ch != "."] for m in marks]
 
     everything = sorted(set(j for a in attended for j in a))
     where: List[Tuple[int, int, str, str]] = []
@@ -208,7 +226,7 @@ def render_text(pic: StepPicture, title: Optional[str] = None) -> str:
     window = (f"per-query window {c.query_window}" if c.query_window is not None else
               "per-step window, causal inside the step" if c.causal_step else "per-step window")
     lines.append(
-        f"retention: sink {pol.sink}, window {pol.window}"
+        f"retention: {'Recall: ' if c.recall is not None else ''}sink {pol.sink}, window {pol.window}"
         + (" (includes the step)" if pol.window_includes_step else "")
         + f", {window}" + (", reverse step order" if c.reverse_step_order else "")
     )
@@ -226,10 +244,17 @@ def render_text(pic: StepPicture, title: Optional[str] = None) -> str:
         f"position: source_len {pic.source_len}, written {pic.written} -> n = {n}; "
         f"step: span {span}, T {T} -> {own} {rng(n, n + T - 1)} ({', '.join(parts)})"
     )
+    memory = "" if c.recall is None else (
+        f" + memory {c.recall.memory} + {c.recall.block - 1} for the block leaving the window")
     lines.append(
         f"slot {pic.slot}: sink region {lay.sink_len} cells, ring {lay.ring_len} cells "
-        f"(window {c.window_capacity} + {lay.step_tokens} for the step's own tokens)"
+        f"(window {c.window_capacity}{memory} + {lay.ring_len - c.window_capacity - c.memory_capacity} for the "
+        f"step's own tokens)"
     )
+    if c.recall is not None:
+        r = c.recall
+        lines.append(f"memory: {r.memory_blocks} blocks of {r.block} entries, the {r.top_k} whose mean key scores "
+                     f"highest against the step's queries read (per KV head, chosen on the device)")
     lines.append("")
     groups = _query_groups(pic)
     label = lambda a, b: f"t={a}" if a == b else f"t={a}-{b}"
@@ -262,7 +287,8 @@ def render_text(pic: StepPicture, title: Optional[str] = None) -> str:
     return "\n".join(lines)
 
 
-COLORS = {"S": "#4c78a8", "K": "#f58518", "W": "#54a24b", "O": "#e45756", "A": "#b279a2", ".": "#eeeeee"}
+COLORS = {"S": "#4c78a8", "K": "#f58518", "W": "#54a24b", "O": "#e45756", "A": "#b279a2", "M": "#9d755d",
+          "L": "#bab0ac", ".": "#eeeeee"}
 
 
 def render_png(pic: StepPicture, path: str, title: Optional[str] = None) -> None:

@@ -16,7 +16,7 @@ import torch
 from ..config import BoundedKVConfig
 from ..step import BoundedKVStep
 
-__all__ = ["attended_indices", "own_stream_indices", "ReferenceCache"]
+__all__ = ["attended_indices", "own_stream_indices", "memory_reach", "ReferenceCache"]
 
 
 def own_stream_indices(n: int, span: int, tokens: int, reverse: bool) -> List[int]:
@@ -42,6 +42,17 @@ def attended_indices(config: BoundedKVConfig, source_len: int, written: int, spa
         p = n + t
         out.append([j for j in range(p + 1) if j >= p - qw or j < s])
     return out
+
+
+def memory_reach(config: BoundedKVConfig, n: int, span: int, t: int) -> tuple:
+    """Under a `Recall` retention, what query `t` of a step at stream length `n` may read past its window:
+    `(blocks, tail)`, the memory blocks (a `range` of block numbers, each read when the step chooses it)
+    and the tail entries (read always), from the `Recall` docstring's definition."""
+    recall = config.recall
+    s, bs = recall.sink, recall.block
+    w = max(s, n + t - config.query_window) if config.query_window is not None else recall.window_start(n, span)
+    whole = (w - s) // bs
+    return range(max(0, whole - recall.memory_blocks), whole), list(range(s + whole * bs, w))
 
 
 class ReferenceCache:
@@ -205,15 +216,14 @@ class ReferenceCache:
         len(ts), E], values [Hq, E, Dv])` over its tail and the entries of the blocks some KV head chose,
         -inf where a query head's KV head did not choose the entry's block (the `Recall` docstring's rule)."""
         recall = c.recall
-        s, bs, MB = recall.sink, recall.block, recall.memory_blocks
+        s, bs = recall.sink, recall.block
         n = own[0] if own else 0
 
         def window_start(t: int) -> int:
             return max(s, n + t - c.query_window) if c.query_window is not None else recall.window_start(n, span)
 
         def memory_blocks(t: int) -> range:
-            whole = (window_start(t) - s) // bs
-            return range(max(0, whole - MB), whole)
+            return memory_reach(c, n, span, t)[0]
 
         in_memory = rotary is not None and rope_positions == "cache"
         t_mem = window_start(0) - 1
@@ -239,8 +249,7 @@ class ReferenceCache:
                 scored.append((-score, blk))
             chosen.append({blk for _, blk in sorted(scored)[: recall.top_k]})
         t0 = ts[0]
-        mine = memory_blocks(t0)
-        tail = list(range(s + mine.stop * bs, window_start(t0)))
+        mine, tail = memory_reach(c, n, span, t0)
         picked = sorted({s + blk * bs + e for ch in chosen for blk in ch if blk in mine for e in range(bs)})
         entries = picked + tail
         qq = torch.cat([turned(q_row[:, t:t + 1], [n + t]) for t in ts], dim=1)  # [Hq, len(ts), D]
