@@ -8,6 +8,8 @@ process, one cache after another:
 - `FlexKVCache(model, SinkWindow(4, 1020))` (`--sink`, `--window`, `--prefill-chunk`);
 - with `--caches flexkv-stream-positions`, the same with `rope_positions="stream"` (`flexkv` takes
   FlexKVCache's default, StreamingLLM's in-cache positions for SmolLM2);
+- with `--caches flexkv-recall`, `FlexKVCache(model, Recall(sink, window, --memory, 64, --top-k))`:
+  the same sinks and window, plus a memory of evicted blocks whose best `--top-k` are read per step;
 - transformers' `DynamicCache` (grows by one token per layer per step);
 - transformers' `StaticCache` sized for the whole run (`prompt + tokens`);
 
@@ -41,7 +43,7 @@ import time
 
 import torch
 
-from flexkv import SinkWindow
+from flexkv import Recall, SinkWindow
 from flexkv.integrations.transformers import FlexKVCache
 from flexkv.integrations.transformers.pretrained import load_pretrained, reference_text
 
@@ -89,7 +91,9 @@ def run_one(model, prompt, tokens: int, kind: str, compiled: bool, args) -> dict
     if kind.startswith("flexkv"):
         rope = "stream" if kind == "flexkv-stream-positions" else None
         chunk = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
-        cache = FlexKVCache(model, SinkWindow(args.sink, args.window), max_streams=1, rope_positions=rope, **chunk)
+        retention = (Recall(args.sink, args.window, args.memory, 64, args.top_k) if kind == "flexkv-recall"
+                     else SinkWindow(args.sink, args.window))
+        cache = FlexKVCache(model, retention, max_streams=1, rope_positions=rope, **chunk)
     elif kind == "dynamic":
         cache = DynamicCache(config=model.config)
     else:
@@ -164,15 +168,17 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, default=1020)
     parser.add_argument("--every", type=int, default=500, help="report ms per token every this many tokens")
     parser.add_argument("--caches", nargs="+", default=["flexkv", "dynamic", "static"],
-                        choices=["flexkv", "flexkv-stream-positions", "dynamic", "static"],
+                        choices=["flexkv", "flexkv-stream-positions", "flexkv-recall", "dynamic", "static"],
                         help="flexkv: FlexKVCache as built by default (in-cache positions for a rotary model); "
                              "flexkv-stream-positions: with rope_positions='stream'")
+    parser.add_argument("--memory", type=int, default=2048, help="flexkv-recall: entries its memory keeps")
+    parser.add_argument("--top-k", type=int, default=4, help="flexkv-recall: memory blocks of 64 read per step")
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="flexkv caches: FlexKVCache's prefill_chunk, the ring headroom every slot holds "
                              "(default: FlexKVCache's own)")
     parser.add_argument("--fullgraph", action="store_true", help="compiled runs: CompileConfig(fullgraph=True)")
     parser.add_argument("--eager-caches", nargs="+", default=None,
-                        choices=["flexkv", "flexkv-stream-positions", "dynamic", "static"],
+                        choices=["flexkv", "flexkv-stream-positions", "flexkv-recall", "dynamic", "static"],
                         help="the caches run eagerly (default: --caches)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)

@@ -111,11 +111,30 @@ def _cells(plan, j: torch.Tensor, ring: int, T: int, S: int) -> torch.Tensor:
     return torch.where(held, cells, 0).clamp(0, S - 1)
 
 
+@torch.library.custom_op("flexkv::gather_head_cells", mutates_args=())
+def gather_head_cells(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """Rows `flat` of layer tensor `x` (`[1, H, S, width]`) viewed as `[H * S, width]` (row `h * S + cell`
+    is head `h`'s cell): `[len(flat), width]`. One op opaque to a compiled graph: inductor calls
+    `index_select` as it is (a row copy) instead of generating a slower gather loop for it."""
+    return x.reshape(-1, x.shape[-1]).index_select(0, flat)
+
+
+@gather_head_cells.register_fake
+def _(x, flat):
+    return x.new_empty(flat.shape[0], x.shape[-1])
+
+
 def _read(kc: torch.Tensor, scale: Optional[torch.Tensor], cells: torch.Tensor, work: torch.dtype) -> torch.Tensor:
-    """Cells `[N, H, L]` (one list per KV head) of a layer tensor `[1, H, S, D]`, dequantized: `[N, H, L, D]`."""
-    head = torch.arange(kc.shape[1], device=kc.device).view(1, -1, 1)
-    out = kc[0][head, cells].to(work)
-    return out if scale is None else out * scale[0][head, cells]
+    """Cells `[N, H, L]` (one list per KV head) of a layer tensor `[1, H, S, D]`, dequantized: `[N, H, L, D]`.
+    Read as whole rows of the flattened `[H * S, D]` tensor (`index_select`: several times faster on the
+    CPU than indexing by a head and a cell tensor)."""
+    N, H, L = cells.shape
+    S = kc.shape[2]
+    flat = (torch.arange(H, device=kc.device).view(1, H, 1) * S + cells).reshape(-1)
+    out = gather_head_cells(kc, flat).view(N, H, L, -1).to(work)
+    if scale is None:
+        return out
+    return out * gather_head_cells(scale, flat).view(N, H, L, 1)
 
 
 def index_blocks(index: MemoryIndex, layer: int, config: BoundedKVConfig, layout: Layout, kc: torch.Tensor,
