@@ -245,6 +245,61 @@ def test_show_hand_worked_per_query_with_sink(tmp_path, capsys):
     assert lines[14] == "  O  9-11  ring cells 1-3"
 
 
+RECALL_YAML = """\
+name: recall
+layers: 2
+kv_heads: 2
+head_dim: 16
+q_heads: 4
+sink: 2
+window: 6
+memory: 8
+memory_block: 4
+top_k: 1
+span: 2
+tokens: 2
+requests: 3
+stream_len: [20, 40]
+arrival: 0.5
+steps: 40
+seed: 1
+check_steps: 4
+check_requests: 2
+"""
+
+
+def test_show_hand_worked_recall_memory_and_tail(tmp_path, capsys):
+    cfg = tmp_path / "recall.yaml"
+    cfg.write_text(RECALL_YAML)
+    assert main(["show", str(cfg), "--written", "21", "--span", "1", "--T", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # n = 21: the window is 15-20; blocks of 4 from the sinks' end: 2-5, 6-9, 10-13 are whole before 15, the
+    # memory keeps the newest 2 (6-13), 14 is the tail (its block 14-17 is not whole); 2-5 has left the memory.
+    assert lines[1] == "retention: Recall: sink 2, window 6, per-step window"
+    assert lines[3] == ("slot 0: sink region 2 cells, ring 19 cells (window 6 + memory 8 + 3 for the block leaving "
+                        "the window + 2 for the step's own tokens)")
+    assert lines[4].startswith("memory: 2 blocks of 4 entries, the 1 whose mean key")
+    assert lines[8] == "t=0    KK....MMMMMMMMLWWWWWWO"
+
+
+def test_run_with_a_memory_equals_the_reference(tmp_path):
+    cfg = tmp_path / "recall.yaml"
+    cfg.write_text(RECALL_YAML)
+    out = tmp_path / "report.json"
+    proc = flexkv("run", cfg, "--threads", "1", "--json", out)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert "memory 8 in blocks of 4, top 1" in proc.stdout
+    assert report["reference"]["ok"] and report["reference"]["max_error"] < 1e-4
+
+
+def test_a_memory_that_counts_the_step_in_its_window_is_refused(tmp_path, capsys):
+    cfg = tmp_path / "recall.yaml"
+    cfg.write_text(RECALL_YAML + "window_includes_step: true\n")
+    assert main(["run", str(cfg)]) != 0
+    assert "window_includes_step" in capsys.readouterr().err
+
+
 def test_show_long_stream_draws_runs(capsys):
     # The built-in workload (sink 4, window 252): at written 1000 the picture is drawn as runs.
     assert main(["show", "--written", "1000"]) == 0
