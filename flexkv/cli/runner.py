@@ -135,8 +135,9 @@ class _Tracker:
     """Written keys/values of the requests checked against the reference (host copies, stream order).
 
     Only what a check can read is kept: the chunks holding a request's first `sink` entries and the
-    chunks holding its last `window + max step` entries (a query reads its sinks and the window
-    before it). The chunks between are dropped as the stream grows, and `stream` hands the reference
+    chunks holding its last `window + memory + max step` entries (a query reads its sinks, the window
+    before it and, with a `Recall` memory, the `memory + block - 1` entries before that). The chunks
+    between are dropped as the stream grows, and `stream` hands the reference
     zeros in their place: a check that read them would fail, not pass. So a long-lived tracked request
     holds a bounded copy, and a long run's memory stays flat with checks on."""
 
@@ -146,7 +147,8 @@ class _Tracker:
         self.hist: Dict[int, _Tracked] = {}
         self.slot_dtype = workload.config().slot_dtype
         self.head = workload.sink
-        self.tail = max(workload.window, workload.query_window or 0) + workload.max_tokens
+        self.tail = (max(workload.window, workload.query_window or 0) + workload.config().memory_capacity
+                     + workload.max_tokens)
 
     def offer(self, rid: int) -> None:
         """Track `rid` if there is room; longer-lived requests are preferred by the caller's order."""
@@ -295,7 +297,7 @@ class _WorkloadRun:
         w = self.w
         for r in reqs:
             self.session.start(r.rid, source=r.source, source_len=w.source_len)
-        long_enough = w.sink + w.window + w.span
+        long_enough = w.sink + w.window + w.memory + w.span
         for r in sorted(reqs, key=lambda r: (r.length < long_enough, r.rid)):
             self.tracker.offer(r.rid)
 
