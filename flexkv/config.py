@@ -299,6 +299,8 @@ class BoundedKVConfig:
     _policies: tuple = field(default=(), init=False, repr=False, compare=False)
     #: True when no value width was given: values are as wide as keys, through `replace` too
     _values_as_keys: bool = field(default=False, init=False, repr=False, compare=False)
+    #: The `Recall` among the resolved policies, or None (read on every `attend`: settled once here)
+    _recall: Optional["Recall"] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         _int("num_layers", self.num_layers, 1)
@@ -374,6 +376,7 @@ class BoundedKVConfig:
             )
         if recalls and self.reverse_step_order:
             raise ValueError(f"retention {policies[0]!r} needs stream order: got reverse_step_order=True")
+        object.__setattr__(self, "_recall", next(iter(recalls)) if recalls else None)
 
         qw = self.query_window
         if qw is None and not self.causal_step and self.max_step_tokens > 1:
@@ -441,8 +444,7 @@ class BoundedKVConfig:
     @property
     def recall(self) -> Optional[Recall]:
         """The `Recall` retention this cache keeps (its memory lies in each slot's ring), or None."""
-        pol = self._policies[0]
-        return pol if isinstance(pol, Recall) else None
+        return self._recall
 
     @property
     def memory_capacity(self) -> int:

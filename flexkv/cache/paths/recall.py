@@ -38,7 +38,7 @@ from torch import nn
 from ...config import BoundedKVConfig
 from ..host.layout import Layout
 from ..positions.rotary import apply_rotary
-from ..storage.slot_copy import SlotBuffer
+from ..storage.slot_copy import SlotBuffer, plan_slot_rows
 
 __all__ = ["MemoryIndex", "attend_memory", "check_recall_call"]
 
@@ -94,10 +94,8 @@ class MemoryIndex(nn.Module):
             yield SlotBuffer(buf, 0, 0, self.rows_per_request)
 
     def row_of(self, plan) -> torch.Tensor:
-        """`[N]`: each plan row's slot row, the spare row for padding rows (their regions lie out of reach)."""
-        base = plan.ring_base.long()
-        live = (base >= self.slots_base) & (base < self.slots_base + self.rows * self.slot_row_len)
-        return torch.where(live, plan.slot_row.long(), self.rows)
+        """`[N]`: each plan row's slot row, the spare row for padding rows."""
+        return plan_slot_rows(plan, self.slots_base, self.slot_row_len, self.rows)[0]
 
 
 def _cells(plan, j: torch.Tensor, ring: int, T: int, S: int) -> torch.Tensor:

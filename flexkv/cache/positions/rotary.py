@@ -57,7 +57,7 @@ from torch import nn
 
 from ...config import BoundedKVConfig, check_layer_index, is_int
 from ...step import BoundedKVStep
-from ..storage.slot_copy import SlotBuffer
+from ..storage.slot_copy import SlotBuffer, plan_slot_rows
 
 __all__ = [
     "ROPE_POSITIONS",
@@ -315,9 +315,7 @@ class SinkRotation(nn.Module):
 
     def _slot_rows_of(self, plan) -> Tuple[torch.Tensor, torch.Tensor]:
         """Each plan row's slot row (padding rows: the spare row) and whether it is live."""
-        sink_base = plan.sink_base.long()
-        live = sink_base >= self._slots_base  # padding rows point out of reach
-        return torch.where(live, (sink_base - self._slots_base) // self._slot_row_len, self._slot_rows), live
+        return plan_slot_rows(plan, self._slots_base, self._slot_row_len, self._slot_rows)
 
     def sink_entries(self, plan) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's sink entries after `forward`: keys as kept (`[N, H, S, D]`, rotated at their stream

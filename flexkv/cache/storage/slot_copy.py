@@ -21,7 +21,7 @@ from typing import Iterable, NamedTuple, Sequence, Tuple
 
 import torch
 
-__all__ = ["SlotBuffer", "copy_slots", "fork_slot", "reorder_slots"]
+__all__ = ["SlotBuffer", "copy_slots", "fork_slot", "reorder_slots", "plan_slot_rows"]
 
 
 class SlotBuffer(NamedTuple):
@@ -72,3 +72,12 @@ def reorder_slots(table, buffers: Iterable[SlotBuffer], mapping) -> None:
     pairs = [(table.slot_of(src), table.slot_of(dst)) for dst, src in mapping.items() if dst != src]
     copy_slots(buffers, pairs)
     table.reorder(mapping)
+
+
+def plan_slot_rows(plan, slots_base: int, slot_row_len: int, spare: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`(rows, live)`, each `[N]` on the device: the slot row each plan row writes (`spare`, the row kept for
+    them, for padding rows, whose regions the planner points out of reach) and whether it is a request's.
+    For state kept per slot row beside the layer tensors (`SlotBuffer`s with a spare row)."""
+    sink_base = plan.sink_base.long()
+    live = sink_base >= slots_base
+    return torch.where(live, (sink_base - slots_base) // slot_row_len, spare), live
