@@ -29,9 +29,8 @@ from .host.planner import BoundedPlan, build_plan
 from .paths.attention_options import AttentionOptions
 from .paths.choice import AttentionPaths, PathCall
 from .paths.joint_path import KeyPart, check_joined
-from .paths.merge import merge_attention
 from .paths.query_only import attend_query_only, check_query_only
-from .paths.recall import MemoryIndex, attend_memory, check_recall_call
+from .paths.recall import MemoryIndex, MemoryTurns, attend_memory, check_recall_call
 from .paths.sinks import apply_learned_sinks, check_sinks
 from .positions.masks import POSITION_MODES, make_score_mod
 from .positions.relative_position import RelativePositionScores
@@ -84,11 +83,10 @@ class CacheGroup(StoreBuffers, nn.Module):
         object.__setattr__(self, "_store", built)  # the same, read without nn.Module's lookup
         #: The attention paths over the store and the one choice among them (their scratch is allocated now).
         self.paths = AttentionPaths(built, options)
-        #: Per layer, the `Rotary` of a ``"cache"``-mode rotation under a `Recall` retention: its memory is
-        #: read at in-cache positions (`flexkv.cache.paths.recall`); None reads it at stream positions.
-        self._memory_rotary = [None] * config.num_layers
-        #: A `Recall` retention's block means (`flexkv.cache.paths.recall.MemoryIndex`), copied with the slots.
+        #: A `Recall` retention's block means (`flexkv.cache.paths.recall.MemoryIndex`), copied with the slots,
+        #: and the turns its layers read their memory at under ``"cache"``-mode rotations (`MemoryTurns`).
         self.memory_index = None if config.recall is None else MemoryIndex(config, self.layout, device)
+        self.memory_turns = None if config.recall is None else MemoryTurns(config, device)
         if self.memory_index is not None:
             built.keep_slot_state(self.memory_index)
 
@@ -109,7 +107,8 @@ class CacheGroup(StoreBuffers, nn.Module):
         off the CPU, or on it with options path="flex"; under path="auto" without the keys' or the
         values' half where the kernel reads those cells as stored, `flexkv.cache.paths.float8_path`) and
         the group buffer cells widen into (`cpu_fast_rows.dequantize_scratch`, unless path="flex" or cpu_fast_paths=False)."""
-        return self._store.memory_bytes + (0 if self.memory_index is None else self.memory_index.memory_bytes)
+        memory = 0 if self.memory_index is None else self.memory_index.memory_bytes + self.memory_turns.memory_bytes
+        return self._store.memory_bytes + memory
 
     @property
     def slot_bytes(self) -> int:
@@ -127,7 +126,7 @@ class CacheGroup(StoreBuffers, nn.Module):
                                 rotated_inputs=rotated_inputs)
         self._store.keep_slot_state(rotation)
         if self.config.recall is not None:
-            self._memory_rotary[layer_idx] = rotary if mode == "cache" else None
+            self.memory_turns.set(layer_idx, rotary if mode == "cache" else None)
         return rotation
 
     def stream_positions(self, plan: BoundedPlan, tokens: Optional[int] = None) -> torch.Tensor:
@@ -232,11 +231,10 @@ class CacheGroup(StoreBuffers, nn.Module):
         qs = (q.reshape(N, H, g * T, D) if route.pack_gqa else q) * scale
         out, lse = path(PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, want_lse, relative, compiling))
         out = out.view(N, Hq, T, v.shape[3])
-        if c.recall is not None:  # the memory part of the same softmax (flexkv.cache.paths.recall)
-            memory = attend_memory(self.memory_index, layer_idx, c, self.layout, q, kc, vc, scales, plan, scale=scale,
-                                   score_mod=score_mod,
-                                   positions=positions, rotary=self._memory_rotary[layer_idx])
-            out, lse = merge_attention((out, _read_lse(lse, N, Hq, T)), memory)
+        if c.recall is not None:  # the memory part joins the same softmax (flexkv.cache.paths.recall)
+            memo = {} if compiling else self._store.per_plan(plan)
+            out, lse = attend_memory(self.memory_index, self.memory_turns, layer_idx, c, self.layout, q, kc, vc, scales,
+                                     plan, (out, lse), memo, scale=scale, score_mod=score_mod, positions=positions)
         own = _epilogue(out, lse, sinks, return_lse)
         return own if query_only is None else (own, extra)
 
@@ -304,13 +302,6 @@ class CacheGroup(StoreBuffers, nn.Module):
                 f"attend: q shape expected ({N}, a multiple of num_heads={c.num_heads}, {T}, {c.head_dim}), "
                 f"got {tuple(q.shape)}"
             )
-
-
-def _read_lse(lse: torch.Tensor, N: int, Hq: int, T: int) -> torch.Tensor:
-    """A path's log-sum-exp as `[N, Hq, T]`, `-inf` where a query read nothing (a path may leave NaN or
-    a large negative number there)."""
-    lse = lse.reshape(N, Hq, T)
-    return torch.where(torch.isnan(lse), float("-inf"), lse)
 
 
 def _split(res, T: int) -> tuple:

@@ -30,7 +30,7 @@ neither waits nor recompiles as memories fill):
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ from ..host.layout import Layout
 from ..positions.rotary import apply_rotary
 from ..storage.slot_copy import SlotBuffer, plan_slot_rows
 
-__all__ = ["MemoryIndex", "attend_memory", "check_recall_call"]
+__all__ = ["MemoryIndex", "MemoryStep", "MemoryTurns", "attend_memory", "check_recall_call", "memory_step"]
 
 
 def check_recall_call(config: BoundedKVConfig, query_only, joined, relative: bool = False) -> None:
@@ -122,40 +122,121 @@ def _(x, flat):
     return x.new_empty(flat.shape[0], x.shape[-1])
 
 
-def _read(kc: torch.Tensor, scale: Optional[torch.Tensor], cells: torch.Tensor, work: torch.dtype) -> torch.Tensor:
-    """Cells `[N, H, L]` (one list per KV head) of a layer tensor `[1, H, S, D]`, dequantized: `[N, H, L, D]`.
-    Read as whole rows of the flattened `[H * S, D]` tensor (`index_select`: several times faster on the
-    CPU than indexing by a head and a cell tensor)."""
-    N, H, L = cells.shape
-    S = kc.shape[2]
-    flat = (torch.arange(H, device=kc.device).view(1, H, 1) * S + cells).reshape(-1)
-    out = gather_head_cells(kc, flat).view(N, H, L, -1).to(work)
+def _rows(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """`gather_head_cells(x, flat)`; eagerly `index_select` itself (a custom op's eager dispatch costs more than
+    the copy)."""
+    if torch.compiler.is_compiling():
+        return gather_head_cells(x, flat)
+    return x.reshape(-1, x.shape[-1]).index_select(0, flat)
+
+
+def _read(kc: torch.Tensor, scale: Optional[torch.Tensor], flat: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+    """Rows `flat` (`[N, H, L]`, head `h`'s cell `c` as `h * S + c`) of a layer tensor `[1, H, S, D]`,
+    dequantized: `[N, H, L, D]`. Read as whole rows of the flattened `[H * S, D]` tensor (`index_select`:
+    several times faster on the CPU than indexing by a head and a cell tensor)."""
+    N, H, L = flat.shape
+    flat = flat.reshape(-1)
+    out = _rows(kc, flat).view(N, H, L, -1).to(work)
     if scale is None:
         return out
-    return out * gather_head_cells(scale, flat).view(N, H, L, 1)
+    return out * _rows(scale, flat).view(N, H, L, 1)
 
 
-def index_blocks(index: MemoryIndex, layer: int, config: BoundedKVConfig, layout: Layout, kc: torch.Tensor,
-                 key_scale: Optional[torch.Tensor], plan, T: int, rotary=None) -> None:
-    """Write the mean key of every block the step's committed tokens make whole (at most `T // block + 1`
-    per row); under in-cache positions (`rotary`) the keys are turned back to position 0 first."""
-    bs = config.recall.block
-    C = T // bs + 1
-    N, H = plan.n.shape[0], kc.shape[1]
-    work = index.means(layer).dtype
-    n, sink, span = plan.n.long(), plan.sink.long(), plan.span.long()
-    whole_after = torch.div(n + span - sink, bs, rounding_mode="floor")  # blocks whole after the step
-    whole_before = torch.div(n - sink, bs, rounding_mode="floor").clamp_min(0)
-    b = whole_after.view(N, 1) - 1 - torch.arange(C, device=n.device).view(1, C)  # [N, C]
-    made = (b >= whole_before.view(N, 1)) & (b >= 0)
-    j = sink.view(N, 1, 1) + b.view(N, C, 1) * bs + torch.arange(bs, device=n.device).view(1, 1, bs)  # [N, C, bs]
-    cells = _cells(plan, j.view(N, C * bs), layout.ring_len, T, kc.shape[2]).view(N, 1, C * bs).expand(N, H, C * bs)
-    keys = _read(kc, key_scale, cells, work)  # [N, H, C*bs, D]
-    if rotary is not None:
-        keys = rotary.rotate(keys, -j.view(N, C * bs))
-    means = keys.view(N, H, C, bs, -1).mean(dim=3).transpose(1, 2)  # [N, C, H, D]
-    rows = torch.where(made, index.row_of(plan).view(N, 1), index.rows)
-    index.means(layer).index_put_((rows, torch.remainder(b, index.blocks)), means)
+class MemoryTurns(nn.Module):
+    """Cosine and sine tables of the turns a memory read makes under in-cache rotary positions, one table
+    per distinct rotary (`[length, head_dim]` in the work dtype, row `offset + d` turning by `d`
+    positions), built once when a layer's rotation is set (`set`).
+
+    A turn is a small distance, never a stream index: a memory entry at stream index `j` is read at
+    `t_mem - j` past its cell's rotation (`t_mem` just before the step's first window entry), which lies
+    between `-(max_step_tokens + block)` and `memory + block`. So a step reads its keys' turns as table
+    rows, where a sine and cosine per entry and layer in float64 cost more than the attention. Two turns
+    are by a stream index (`turn_at`, angles computed): the keys of a block made whole, turned back to
+    position 0 for the index (once per block), and each row's query sum turned back to `t_mem` for
+    scoring (one vector per row and head: the means themselves are never turned).
+    """
+
+    def __init__(self, config: BoundedKVConfig, device: torch.device):
+        super().__init__()
+        recall = config.recall
+        self.block = recall.block
+        self.offset = config.max_step_tokens + recall.block + 1
+        self.length = self.offset + config.memory_capacity + 2 * recall.block + 1
+        self.work = _work(config.dtype)
+        self.device = device
+        self._kinds: list = []  # the (layout, angle dtype, frequencies) of each table
+        self._rotaries: list = []  # a rotary of each kind (for the turns of unbounded stream indices)
+        self.layer_table: list = [None] * config.num_layers
+
+    def set(self, layer: int, rotary) -> None:
+        """Layer `layer` reads its memory turned by `rotary` (a `Rotary`), or at stream positions (None)."""
+        if rotary is None:
+            self.layer_table[layer] = None
+            return
+        kind = (rotary.layout, rotary.angle_dtype, tuple(rotary.inv_freq.tolist()))
+        if kind not in self._kinds:
+            k = len(self._kinds)
+            d = torch.arange(-self.offset, self.length - self.offset, device=self.device)
+            cos, sin = rotary.cos_sin(d, self.work)
+            self.register_buffer(f"cos_{k}", cos, persistent=False)
+            self.register_buffer(f"sin_{k}", sin, persistent=False)
+            self._kinds.append(kind)
+            self._rotaries.append(rotary)
+        self.layer_table[layer] = (self._kinds.index(kind), rotary.layout)
+
+    def tables(self, layer: int):
+        """`(cos, sin, layout, kind)` of layer `layer`'s turns, or None (memory read at stream positions)."""
+        entry = self.layer_table[layer]
+        if entry is None:
+            return None
+        return getattr(self, f"cos_{entry[0]}"), getattr(self, f"sin_{entry[0]}"), entry[1], entry[0]
+
+    def turn_at(self, kind: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`x` `[N, H, P, D]` turned by the (unbounded) `positions` `[N, P]`, angles in the rotary's own dtype."""
+        return self._rotaries[kind].rotate(x, positions)
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+
+class MemoryStep(NamedTuple):
+    """What every layer of one step reads alike (`memory_step`): positions, candidate blocks, the tail."""
+
+    #: `[N]` each plan row's slot row in the index (padding rows: the spare row).
+    rows: torch.Tensor
+    #: The blocks the step makes whole: `[N, C]` index rows (the spare row where none) and slots, and the
+    #: flat cells of their entries `[N, H, C * block]`; `made` whether any row makes one (eagerly read from
+    #: the host table; compiled, True).
+    made_rows: torch.Tensor
+    made_slots: torch.Tensor
+    made_flat: torch.Tensor
+    made: bool
+    #: `[N, C * block]` the stream index of each entry of those blocks.
+    made_entries: torch.Tensor
+    #: `[N, 1, 1, T, 1]` 1 for each written query (a chunk's written queries choose together).
+    writes: torch.Tensor
+    #: `[N, NB]` candidate block numbers, their index slots, `[N, 1, NB]` which are in some written
+    #: query's memory, and `[N]` `t_mem`, the position memory is read at (`attend_memory`).
+    cand: torch.Tensor
+    cand_slots: torch.Tensor
+    valid: torch.Tensor
+    t_mem: torch.Tensor
+    #: `[N, 1, 1, T, 1]` each query's oldest memory block and first block not yet wholly out of its window.
+    oldest: torch.Tensor
+    whole: torch.Tensor
+    #: `[N, H, L]` the tail's flat cells, `[N, 1, L]` its table rows, `[N, 1, 1, T, L]` which queries read
+    #: which tail entry.
+    tail_flat: torch.Tensor
+    tail_turn: torch.Tensor
+    tail_reads: torch.Tensor
+    #: `[N, 1]` the first entry after the sinks; `[N, 1, 1, block]` the stream index of each entry of block
+    #: 0 and its table row (block `b`'s are `b * block` more and less); `[N, H, 1, 1]` where each KV head's
+    #: ring starts in the flattened layer tensor (a chosen entry `j` sits `j % ring_len` past it).
+    sink: torch.Tensor
+    entry0: torch.Tensor
+    turn0: torch.Tensor
+    ring_flat: torch.Tensor
 
 
 def _window_starts(config: BoundedKVConfig, plan, T: int) -> torch.Tensor:
@@ -166,8 +247,80 @@ def _window_starts(config: BoundedKVConfig, plan, T: int) -> torch.Tensor:
     return plan.lo.long().view(-1, 1).expand(-1, T)
 
 
+def _blocks_made(plan, bs: int) -> bool:
+    """Whether some row's step makes a block whole (host table: no device read)."""
+    for i in range(plan.rows):
+        n, sink, span = plan.field("n", i), plan.field("sink", i), plan.field("span", i)
+        if span and (n + span - sink) // bs > max((n - sink) // bs, 0):
+            return True
+    return False
+
+
+def memory_step(index: MemoryIndex, turns: MemoryTurns, config: BoundedKVConfig, layout: Layout, plan, T: int,
+                H: int, S: int) -> MemoryStep:
+    """The layer-independent part of a `Recall` step (`MemoryStep`), from the plan's tensors on the device."""
+    recall = config.recall
+    bs, MB = recall.block, recall.memory_blocks
+    N = plan.n.shape[0]
+    dev = plan.n.device
+    work = index.means(0).dtype
+    ring = layout.ring_len
+    n, sink, span = plan.n.long().view(N, 1), plan.sink.long().view(N, 1), plan.span.long().view(N, 1)
+    rows = index.row_of(plan)
+    head_base = (torch.arange(H, device=dev) * S).view(1, H, 1, 1)
+
+    # Blocks the step's committed tokens make whole (at most T // block + 1 per row).
+    C = T // bs + 1
+    whole_after = torch.div(n + span - sink, bs, rounding_mode="floor")
+    whole_before = torch.div(n - sink, bs, rounding_mode="floor").clamp_min(0)
+    b_made = whole_after - 1 - torch.arange(C, device=dev).view(1, C)  # [N, C]
+    made = (b_made >= whole_before) & (b_made >= 0)
+    j_made = sink.view(N, 1, 1) + b_made.view(N, C, 1) * bs + torch.arange(bs, device=dev).view(1, 1, bs)
+    made_cells = _cells(plan, j_made.view(N, 1, C * bs), ring, T, S)
+    made_flat = head_base.view(1, H, 1) + made_cells  # [N, H, C * bs]
+    made_rows = torch.where(made, rows.view(N, 1), index.rows)
+    made_slots = torch.remainder(b_made, index.blocks)
+    any_made = torch.compiler.is_compiling() or _blocks_made(plan, bs)
+
+    # Each query's memory: the blocks wholly out of its window, the newest MB of them.
+    w = _window_starts(config, plan, T)  # [N, T]
+    whole = torch.div(w - sink, bs, rounding_mode="floor")
+    oldest = (whole - MB).clamp_min(0)
+    written = torch.arange(T, device=dev).view(1, T) < span
+    newest = torch.where(written, whole, 0).amax(dim=1, keepdim=True)  # [N, 1]: end of the step's blocks
+    NB = MB + T // bs + 1
+    cand = oldest[:, :1] + torch.arange(NB, device=dev).view(1, NB)  # [N, NB]
+    valid = ((cand < newest) & written.any(dim=1, keepdim=True)).view(N, 1, NB)
+    t_mem = w[:, :1] - 1  # [N, 1]: just before the first query's first window entry
+
+    # The tail (shared by the KV heads): entries out of the window whose block is not yet whole.
+    L = bs + T
+    j_tail = sink + whole[:, :1] * bs + torch.arange(L, device=dev).view(1, L)  # [N, L]
+    tail_flat = head_base.view(1, H, 1) + _cells(plan, j_tail, ring, T, S).view(N, 1, L)
+    tail_turn = (t_mem - j_tail + turns.offset).clamp(0, turns.length - 1).view(N, 1, L)
+    jq = j_tail.view(N, 1, 1, 1, L)
+    tail_reads = (jq >= (sink + whole * bs).view(N, 1, 1, T, 1)) & (jq < w.view(N, 1, 1, T, 1))
+    e = torch.arange(bs, device=dev).view(1, 1, 1, bs)
+    live_row = plan.ring_base.long().view(N, 1, 1, 1) >= 0  # padding rows carry a negative ring base
+    ring_flat = head_base + torch.where(live_row, plan.ring_base.long().view(N, 1, 1, 1), 0)
+    return MemoryStep(
+        rows, made_rows, made_slots, made_flat, any_made, j_made.view(N, C * bs), written.to(work).view(N, 1, 1, T, 1),
+        cand, torch.remainder(cand, index.blocks), valid, t_mem.view(N), oldest.view(N, 1, 1, T, 1),
+        whole.view(N, 1, 1, T, 1), tail_flat, tail_turn, tail_reads, sink, sink.view(N, 1, 1, 1) + e,
+        (t_mem.view(N, 1, 1, 1) - sink.view(N, 1, 1, 1) - e + turns.offset), ring_flat)
+
+
+def _turn(x: torch.Tensor, tables, rows: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """`x` turned by the table rows `rows` (cosines and sines read as `shape + (D,)`, broadcast over `x`)."""
+    cos, sin, rope_layout, _ = tables
+    flat = rows.reshape(-1)
+    return apply_rotary(x, cos.index_select(0, flat).view(shape + (-1,)), sin.index_select(0, flat).view(shape + (-1,)),
+                        rope_layout)
+
+
 def attend_memory(
     index: MemoryIndex,
+    turns: MemoryTurns,
     layer: int,
     config: BoundedKVConfig,
     layout: Layout,
@@ -176,89 +329,122 @@ def attend_memory(
     vc: torch.Tensor,
     scales: Optional[Tuple[torch.Tensor, torch.Tensor]],
     plan,
+    window: Tuple[torch.Tensor, torch.Tensor],
+    memo: dict,
     *,
     scale: float,
     score_mod: Optional[Callable] = None,
     positions: str = "stream",
-    rotary=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The memory part of a `Recall` layer's attention: `(out [N, Hq, T, Dv], lse [N, Hq, T])`, `lse = -inf`
-    (and `out = 0`) where a query reads no memory entry. Writes the step's whole blocks into `index` first.
+    """A `Recall` layer's attention: the window part `window = (out [N, Hq, T, Dv], lse [N, Hq, T])` (`lse`
+    `-inf` where a query read nothing) joined by the memory part into one softmax; returns `(out, lse)`
+    alike. Writes the step's whole blocks into `index` first.
 
     `q`: the step's queries `[N, Hq, T, D]`, as `attend` got them (unscaled). `kc`, `vc`: the layer's
     key and value tensors `[1, H, S, *]` after the step's write; `scales` their per-cell scales when
-    quantized. `rotary`: the layer's `Rotary` when its keys carry in-cache positions (memory read at
-    the position before the step's first window entry), else None (read at the stream index).
-    `score_mod(score, b, h, q_pos, kv_pos)` gets stream positions, or with `positions="cache"` in-cache
-    ones (a memory entry then sits `q_pos - p + t_mem` for a query at stream index `p`).
+    quantized. `turns`: the layer's table when its keys carry in-cache positions (memory read at the
+    position before the step's first window entry), else memory is read at its stream index. `memo`:
+    where the step's layers share the layer-independent part (`memory_step`; an empty dict each layer
+    when compiled). `score_mod(score, b, h, q_pos, kv_pos)` gets stream positions, or with
+    `positions="cache"` in-cache ones (a memory entry then sits `q_pos - p + t_mem` for a query at
+    stream index `p`).
     """
     recall = config.recall
-    bs, k_top, MB = recall.block, recall.top_k, recall.memory_blocks
+    bs, k_top = recall.block, recall.top_k
     N, Hq, T, D = q.shape
-    H = kc.shape[1]
+    H, S = kc.shape[1], kc.shape[2]
     g = Hq // H
-    dev = q.device
     work = _work(q.dtype)
     ks, vs = (None, None) if scales is None else scales
-    index_blocks(index, layer, config, layout, kc, ks, plan, T, rotary)
+    tables = turns.tables(layer)
+    step = memo.get("recall")
+    if step is None:
+        step = memo["recall"] = memory_step(index, turns, config, layout, plan, T, H, S)
+    means = index.means(layer)
 
-    n, sink = plan.n.long().view(N, 1), plan.sink.long().view(N, 1)
-    w = _window_starts(config, plan, T)  # [N, T]
-    whole = torch.div(w - sink, bs, rounding_mode="floor")  # [N, T]: blocks wholly out of each query's window
-    oldest = (whole - MB).clamp_min(0)  # [N, T]: each query's oldest memory block
-    writes = torch.arange(T, device=dev).view(1, T) < plan.span.long().view(N, 1)
-    any_writes = writes.any(dim=1, keepdim=True)
-    newest = torch.where(writes, whole, 0).amax(dim=1, keepdim=True)  # [N, 1]: end of the step's blocks
-    NB = MB + T // bs + 1
-    b = oldest[:, :1] + torch.arange(NB, device=dev).view(1, NB)  # [N, NB] candidate blocks
-    valid = (b < newest) & any_writes
-    t_mem = w[:, :1] - 1  # [N, 1]: just before the first query's first window entry
-    reps = index.means(layer)[index.row_of(plan).view(N, 1), torch.remainder(b, index.blocks)]  # [N, NB, H, D]
-    reps = reps.transpose(1, 2)  # [N, H, NB, D]
-    if rotary is not None:
-        reps = rotary.rotate(reps, t_mem.expand(N, NB))
-    qsum = (q.to(work) * writes.to(work).view(N, 1, T, 1)).view(N, H, g, T, D).sum(dim=(2, 3))  # [N, H, D]
-    score = torch.einsum("nhd,nhbd->nhb", qsum, reps).masked_fill(~valid.view(N, 1, NB), float("-inf"))
+    # The step's whole blocks' means, each turned to its first entry's index.
+    if step.made:
+        keys = _read(kc, ks, step.made_flat, work)  # [N, H, C * bs, D]
+        if tables is not None:
+            keys = turns.turn_at(tables[3], keys, -step.made_entries)
+        C = keys.shape[2] // bs
+        means.index_put_((step.made_rows, step.made_slots), keys.view(N, H, C, bs, -1).mean(dim=3).transpose(1, 2))
+
+    # Score the candidates: the row's written queries summed over the step and the KV head's group.
+    NB = step.cand.shape[1]
+    reps = means[step.rows.view(N, 1), step.cand_slots]  # [N, NB, H, D], at position 0
+    qw = (q.to(work) * scale).view(N, H, g, T, D)  # scaled: the ranking is the same
+    qsum = (qw * step.writes).sum(dim=(2, 3))  # [N, H, D]
+    if tables is not None:  # q . R(t_mem) m = R(-t_mem) q . m
+        qsum = turns.turn_at(tables[3], qsum.unsqueeze(2), step.t_mem.view(N, 1).neg()).squeeze(2)
+    score = torch.einsum("nhd,nbhd->nhb", qsum, reps).masked_fill(~step.valid, float("-inf"))
     ranked, order = torch.sort(score, dim=-1, descending=True, stable=True)
     live = torch.isfinite(ranked[..., :k_top])  # [N, H, k]
-    chosen = b.view(N, 1, NB).expand(N, H, NB).gather(2, order[..., :k_top])  # [N, H, k] block numbers
+    chosen = step.cand.view(N, 1, NB).expand(N, H, NB).gather(2, order[..., :k_top])  # [N, H, k]
 
-    # The chosen blocks' entries (per KV head), then the tail (shared): every entry's stream index.
-    e = torch.arange(bs, device=dev)
-    j_sel = (sink.view(N, 1, 1, 1) + chosen.unsqueeze(-1) * bs + e).reshape(N, H, k_top * bs)
-    L = bs + T
-    j_tail = (sink + whole[:, :1] * bs + torch.arange(L, device=dev).view(1, L)).view(N, 1, L).expand(N, H, L)
-    j_all = torch.cat([j_sel, j_tail], dim=2)  # [N, H, E]
-    cells = _cells(plan, j_all, layout.ring_len, T, kc.shape[2])
-    keys = _read(kc, ks, cells, work)
-    if rotary is not None:  # each KV head reads other entries: turn with per-head angles
-        cos, sin = rotary.cos_sin(t_mem.view(N, 1, 1) - j_all, keys.dtype)
-        keys = apply_rotary(keys, cos, sin, rotary.layout)
-    values = _read(vc, vs, cells, work)
-    # Which query reads which entry: a chosen block inside its own memory, a tail entry inside its own tail.
-    blk = torch.cat([chosen.unsqueeze(-1).expand(N, H, k_top, bs).reshape(N, H, k_top * bs),
-                     torch.full((N, H, L), -1, dtype=torch.long, device=dev)], dim=2).view(N, H, 1, 1, -1)
-    ok = torch.cat([live.unsqueeze(-1).expand(N, H, k_top, bs).reshape(N, H, k_top * bs),
-                    torch.zeros(N, H, L, dtype=torch.bool, device=dev)], dim=2).view(N, H, 1, 1, -1)
-    jq = j_all.view(N, H, 1, 1, -1)
-    wq, wholeq, oldq = (x.view(N, 1, 1, T, 1) for x in (w, whole, oldest))
-    in_tail = (jq >= sink.view(N, 1, 1, 1, 1) + wholeq * bs) & (jq < wq) & (blk < 0)
-    reads = (ok & (blk >= oldq) & (blk < wholeq)) | in_tail  # [N, H, 1, T, E]
+    # The chosen blocks' entries (per KV head), then the tail's.
+    shift = (chosen * bs).unsqueeze(-1)  # [N, H, k, 1]
+    j_sel = shift + step.entry0  # [N, H, k, bs]: stream indices
+    flat = torch.cat([(step.ring_flat + torch.remainder(j_sel, layout.ring_len)).view(N, H, k_top * bs),
+                      step.tail_flat], dim=2)  # [N, H, E]
+    keys = _read(kc, ks, flat, work)
+    values = _read(vc, vs, flat, work)
+    if tables is not None:
+        turn = torch.cat([(step.turn0 - shift).view(N, H, k_top * bs), step.tail_turn.expand(N, H, -1)], dim=2)
+        keys = _turn(keys, tables, turn.clamp_(0, turns.length - 1), (N, H, flat.shape[2]))
 
-    scores = torch.einsum("nhgtd,nhsd->nhgts", q.to(work).view(N, H, g, T, D), keys) * scale
+    scores = (qw.reshape(N, H, g * T, D) @ keys.transpose(2, 3)).view(N, H, g, T, -1)
     if score_mod is not None:
-        p = n.view(N, 1, 1, 1, 1) + torch.arange(T, device=dev).view(1, 1, 1, T, 1)
-        kv_pos, q_pos = jq, p
-        if positions == "cache":
-            s = sink.view(N, 1, 1, 1, 1)
-            evicted = (w - sink).view(N, 1, 1, T, 1)  # entries before each query's window, past the sinks
-            q_pos = torch.where(p < s, p, p - evicted)
-            kv_pos = q_pos - p + (t_mem.view(N, 1, 1, 1, 1) if rotary is not None else jq)
-        bidx = torch.arange(N, device=dev).view(N, 1, 1, 1, 1)
-        h = torch.arange(Hq, device=dev).view(1, H, g, 1, 1)
-        scores = score_mod(scores, bidx, h, q_pos, kv_pos).to(work)
-    scores = scores.masked_fill(~reads, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [N, H, g, T]
-    weights = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
-    out = torch.einsum("nhgts,nhsd->nhgtd", weights, values)
-    return out.reshape(N, Hq, T, -1).to(q.dtype), lse.reshape(N, Hq, T)
+        jq = torch.cat([j_sel.view(N, H, k_top * bs), _tail_entries(step, bs, T).expand(N, H, -1)],
+                       dim=2).view(N, H, 1, 1, -1)
+        scores = _scored(score_mod, scores, jq, plan, config, step, N, H, g, T, Hq, positions, tables is not None,
+                         work)
+    # Which query reads which entry: a live chosen block inside its own memory (under one window start per
+    # step every candidate is: they are the step's), a tail entry inside its own tail.
+    sel = scores[..., :k_top * bs].view(N, H, g, T, k_top, bs)
+    if config.query_window is None:
+        sel.masked_fill_(~live.view(N, H, 1, 1, k_top, 1), float("-inf"))
+    else:
+        blk = chosen.view(N, H, 1, 1, k_top, 1)
+        inside = (blk >= step.oldest.view(N, 1, 1, T, 1, 1)) & (blk < step.whole.view(N, 1, 1, T, 1, 1))
+        sel.masked_fill_(~(inside & live.view(N, H, 1, 1, k_top, 1)), float("-inf"))
+    scores[..., k_top * bs:].masked_fill_(~step.tail_reads, float("-inf"))
+    return _join(window, scores, values, N, Hq, H, g, T)
+
+
+def _tail_entries(step: MemoryStep, bs: int, T: int) -> torch.Tensor:
+    """`[N, 1, L]`: the tail's stream indices."""
+    N = step.sink.shape[0]
+    L = bs + T
+    first = step.sink.view(N, 1) + step.whole.view(N, T)[:, :1] * bs
+    return (first + torch.arange(L, device=first.device).view(1, L)).view(N, 1, L)
+
+
+def _scored(score_mod, scores, jq, plan, config, step, N, H, g, T, Hq, positions, turned, work):
+    """`score_mod` applied to the memory part's scores `[N, H, g, T, E]` at its positions (`attend_memory`)."""
+    dev = scores.device
+    n = plan.n.long().view(N, 1, 1, 1, 1)
+    p = n + torch.arange(T, device=dev).view(1, 1, 1, T, 1)
+    kv_pos, q_pos = jq, p
+    if positions == "cache":
+        s = step.sink.view(N, 1, 1, 1, 1)
+        w = _window_starts(config, plan, T).view(N, 1, 1, T, 1)
+        q_pos = torch.where(p < s, p, p - (w - s))  # entries before each query's window, past the sinks
+        t_mem = w[:, :, :, :1] - 1
+        kv_pos = q_pos - p + (t_mem if turned else jq)
+    bidx = torch.arange(N, device=dev).view(N, 1, 1, 1, 1)
+    h = torch.arange(Hq, device=dev).view(1, H, g, 1, 1)
+    return score_mod(scores, bidx, h, q_pos, kv_pos).to(work)
+
+
+def _join(window, scores, values, N, Hq, H, g, T):
+    """One softmax over the window part (`(out, lse)`) and the memory part's masked scores `[N, H, g, T, E]`
+    and values `[N, H, E, Dv]`: `(out [N, Hq, T, Dv], lse [N, Hq, T])` (exact: the key sets are disjoint)."""
+    out_w, lse_w = window
+    # A path may leave NaN where a query read nothing: -inf, as the memory part's.
+    lse_w = torch.nan_to_num(lse_w.reshape(N, H, g, T).to(scores.dtype), nan=float("-inf"), neginf=float("-inf"))
+    lse = torch.logaddexp(lse_w, torch.logsumexp(scores, dim=-1))
+    at = torch.where(torch.isneginf(lse), 0.0, lse)
+    mem = torch.exp(scores - at.unsqueeze(-1)).view(N, H, g * T, -1) @ values  # [N, H, g * T, Dv]
+    out = torch.exp(lse_w - at).view(N, H, g * T, 1) * out_w.reshape(N, H, g * T, -1).to(mem.dtype) + mem
+    return out.view(N, Hq, T, -1).to(out_w.dtype), lse.reshape(N, Hq, T)
