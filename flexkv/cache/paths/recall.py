@@ -1,30 +1,33 @@
-"""The memory part of a `Recall` retention: block means kept once, blocks chosen on the device, merged by log-sum-exp.
+"""The memory part of a `Recall` retention: block means kept once, blocks chosen on the device, one softmax.
 
 A `flexkv.config.Recall` cache keeps `memory + block - 1` more cells in every
 slot's ring, so the entries that left the window stay in the slot. The
 window part (sinks, window, the step's own tokens) is attended by the
-cache's usual paths, unchanged; this module attends the memory part of the
-same softmax, and `CacheGroup.attend` merges the two by their log-sum-exps
-(`flexkv.cache.paths.merge`), which is exact: the two key sets are disjoint.
+cache's usual paths with its log-sum-exp; this module attends the memory
+part and joins it to the window's into one softmax (`_join`: exact, the
+two key sets are disjoint).
 
 Blocks are `block` stream entries counted from the first entry after the
 sinks. `MemoryIndex` keeps, per layer and slot row, the mean key of each
 block once it is whole (written when the step that writes its last entry
 attends the layer; `ring_len / block + 1` blocks per row, so a block's mean
 outlives its cells): a step scores `memory / block` means, not `memory`
-keys. Per layer and step, all on the device, no host read (a compiled step
-neither waits nor recompiles as memories fill):
+keys. What every layer of a step reads alike (positions, candidate blocks,
+the tail's cells and mask) is made once per step (`memory_step`). Per layer
+and step, all on the device, no host read (a compiled step neither waits
+nor recompiles as memories fill):
 
 1. the means of the blocks some query of the step may read, read from the
-   index (under in-cache rotary positions, turned to the position just
-   before the step's first window entry: the index keeps them un-rotated);
-2. scored against the sum of the row's queries over the step and the KV
-   head's query heads; a stable descending sort keeps the `top_k` highest
-   (ties to the lower block);
-3. the chosen blocks' keys and values (`top_k * block` per row and KV head)
+   index, scored against the sum of the row's queries over the step and
+   the KV head's query heads (under in-cache rotary positions the sum is
+   turned back from the position memory is read at: the index keeps means
+   at position 0); a stable descending sort keeps the `top_k` highest (ties
+   to the lower block);
+2. the chosen blocks' keys and values (`top_k * block` per row and KV head)
    and the row's tail (the entries that left the window while their block
    is not yet whole, fewer than `block` per query) gathered from the ring,
-   each query masked to its own memory, attended in float32 (float64 for a
+   keys turned to their read position from a table (`MemoryTurns`), each
+   query masked to its own memory, attended in float32 (float64 for a
    float64 cache) with the user's `score_mod`.
 """
 
@@ -178,22 +181,33 @@ class MemoryTurns(nn.Module):
             k = len(self._kinds)
             d = torch.arange(-self.offset, self.length - self.offset, device=self.device)
             cos, sin = rotary.cos_sin(d, self.work)
-            self.register_buffer(f"cos_{k}", cos, persistent=False)
-            self.register_buffer(f"sin_{k}", sin, persistent=False)
+            # `apply_rotary(x, cos, sin)` is `x * cos + swap(x) * (sign * sin)`, `swap` exchanging each pair's
+            # two dimensions and `sign` -1 on the first of them: the sines are kept signed (`_turn`).
+            sign = apply_rotary(torch.ones(1, rotary.head_dim, dtype=self.work, device=self.device),
+                                torch.zeros(1, rotary.head_dim, dtype=self.work, device=self.device),
+                                torch.ones(1, rotary.head_dim, dtype=self.work, device=self.device), rotary.layout)
+            self.register_buffer(f"turns_{k}", torch.stack((cos, sin * sign), dim=1), persistent=False)
             self._kinds.append(kind)
             self._rotaries.append(rotary)
         self.layer_table[layer] = (self._kinds.index(kind), rotary.layout)
 
     def tables(self, layer: int):
-        """`(cos, sin, layout, kind)` of layer `layer`'s turns, or None (memory read at stream positions)."""
+        """`(table [length, 2, D], layout, kind)` of layer `layer`'s turns (each row its cosines and signed
+        sines), or None (memory read at stream positions)."""
         entry = self.layer_table[layer]
         if entry is None:
             return None
-        return getattr(self, f"cos_{entry[0]}"), getattr(self, f"sin_{entry[0]}"), entry[1], entry[0]
+        return getattr(self, f"turns_{entry[0]}"), entry[1], entry[0]
 
     def turn_at(self, kind: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """`x` `[N, H, P, D]` turned by the (unbounded) `positions` `[N, P]`, angles in the rotary's own dtype."""
         return self._rotaries[kind].rotate(x, positions)
+
+    def turn_matrix(self, kind: int, positions: torch.Tensor) -> torch.Tensor:
+        """`[N, D, D]`: the turn by `positions` `[N]` as a matrix (`x @ M` turns rows `x` of a batch row)."""
+        rotary = self._rotaries[kind]
+        eye = torch.eye(rotary.head_dim, dtype=self.work, device=positions.device).expand(positions.shape[0], 1, -1, -1)
+        return rotary.rotate(eye, positions.view(-1, 1).expand(-1, rotary.head_dim)).squeeze(1)
 
     @property
     def memory_bytes(self) -> int:
@@ -310,12 +324,18 @@ def memory_step(index: MemoryIndex, turns: MemoryTurns, config: BoundedKVConfig,
         (t_mem.view(N, 1, 1, 1) - sink.view(N, 1, 1, 1) - e + turns.offset), ring_flat)
 
 
+def _swap(x: torch.Tensor, rope_layout: str) -> torch.Tensor:
+    """Each rotated pair's two dimensions exchanged (`(i, i + D/2)` for ``"half"``, `(2i, 2i + 1)` else)."""
+    if rope_layout == "interleaved":
+        return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return x.roll(x.shape[-1] // 2, dims=-1)
+
+
 def _turn(x: torch.Tensor, tables, rows: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """`x` turned by the table rows `rows` (cosines and sines read as `shape + (D,)`, broadcast over `x`)."""
-    cos, sin, rope_layout, _ = tables
-    flat = rows.reshape(-1)
-    return apply_rotary(x, cos.index_select(0, flat).view(shape + (-1,)), sin.index_select(0, flat).view(shape + (-1,)),
-                        rope_layout)
+    """`x` turned by the table rows `rows` (read as `shape + (2, D)`, broadcast over `x`)."""
+    table, rope_layout, _ = tables
+    cs = table.index_select(0, rows.reshape(-1)).view(shape + table.shape[1:])
+    return x * cs[..., 0, :] + _swap(x, rope_layout) * cs[..., 1, :]
 
 
 def attend_memory(
@@ -366,7 +386,7 @@ def attend_memory(
     if step.made:
         keys = _read(kc, ks, step.made_flat, work)  # [N, H, C * bs, D]
         if tables is not None:
-            keys = turns.turn_at(tables[3], keys, -step.made_entries)
+            keys = turns.turn_at(tables[2], keys, -step.made_entries)
         C = keys.shape[2] // bs
         means.index_put_((step.made_rows, step.made_slots), keys.view(N, H, C, bs, -1).mean(dim=3).transpose(1, 2))
 
@@ -375,8 +395,12 @@ def attend_memory(
     reps = means[step.rows.view(N, 1), step.cand_slots]  # [N, NB, H, D], at position 0
     qw = (q.to(work) * scale).view(N, H, g, T, D)  # scaled: the ranking is the same
     qsum = (qw * step.writes).sum(dim=(2, 3))  # [N, H, D]
-    if tables is not None:  # q . R(t_mem) m = R(-t_mem) q . m
-        qsum = turns.turn_at(tables[3], qsum.unsqueeze(2), step.t_mem.view(N, 1).neg()).squeeze(2)
+    if tables is not None:  # q . R(t_mem) m = R(-t_mem) q . m: one matrix per row and step
+        key = ("recall_turn", tables[2])
+        turn = memo.get(key)
+        if turn is None:
+            turn = memo[key] = turns.turn_matrix(tables[2], step.t_mem.neg())
+        qsum = torch.bmm(qsum, turn)
     score = torch.einsum("nhd,nbhd->nhb", qsum, reps).masked_fill(~step.valid, float("-inf"))
     ranked, order = torch.sort(score, dim=-1, descending=True, stable=True)
     live = torch.isfinite(ranked[..., :k_top])  # [N, H, k]
