@@ -30,9 +30,7 @@ the next N. The caches (`--caches`):
   positions (StreamingLLM's, inside the cache, for SmolLM2);
 - stream: the same retention, `rope_positions="stream"`;
 - window: `SinkWindow(0, --window)`, no sinks;
-- int8: the same retention, `slot_dtype=torch.int8`, default positions.
-  Quantized slots cannot hold the sink keys that in-cache positions rewrite
-  every step, so the default falls back to stream positions for them (the
+- int8: the same retention, `slot_dtype=torch.int8`, default positions (the
   run prints the position mode each cache ended up with).
 - recall-2k, recall-16k: `Recall(--sink, --window, memory, --block, --top-k)`;
 - knorm-256, knorm-2304: kvpress's decoding compression, `DecodingPress(KnormPress())`

@@ -11,8 +11,9 @@ model, `--chunk` tokens per forward, once per cache:
 - sinks + window, cache positions: `SinkWindow(4, W)` with `FlexKVCache`'s default positions (StreamingLLM's
   in-cache ones for SmolLM2), fed in chunks like every other cache;
 - sinks + window, stream positions: `SinkWindow(4, W)`, `rope_positions="stream"`;
-- int8 / float8 slots: sinks + window, stream positions (quantized slots take them),
-  `slot_dtype=torch.int8` / `torch.float8_e4m3fn`;
+- int8 / float8 slots: sinks + window, `slot_dtype=torch.int8` / `torch.float8_e4m3fn`, with
+  stream positions (`int8`, `float8`) or `FlexKVCache`'s default in-cache ones (`int8-cache`,
+  `float8-cache`);
 - sliding window with recompute (the paper's oracle): at `--recompute-samples`
   evenly spaced positions, the model run afresh on the token and its `W`
   predecessors (expensive, so subsampled; compared on the same positions).
@@ -57,6 +58,8 @@ CACHES = {
     "sinks + window, stream positions": ("stream", SINK, "stream", None, None),
     "int8 slots (stream positions)": ("int8", SINK, "stream", torch.int8, None),
     "float8 slots (stream positions)": ("float8", SINK, "stream", torch.float8_e4m3fn, None),
+    "int8 slots, cache positions (the default)": ("int8-cache", SINK, None, torch.int8, None),
+    "float8 slots, cache positions (the default)": ("float8-cache", SINK, None, torch.float8_e4m3fn, None),
     "Recall: sinks + window + a memory of 2,048, top 4 blocks of 64 (cache positions)": ("recall", SINK, None, None,
                                                                                        2048),
 }
@@ -265,8 +268,10 @@ def table(result: dict) -> str:
     ref = DEFAULT_POSITIONS if DEFAULT_POSITIONS in present else STREAM_POSITIONS
     for name, head in (("window only", "window only / sinks + window"),
                        ("int8 slots (stream positions)", "int8 / unquantized"),
-                       ("float8 slots (stream positions)", "float8 / unquantized")):
-        base = ref if name == "window only" else STREAM_POSITIONS
+                       ("float8 slots (stream positions)", "float8 / unquantized"),
+                       ("int8 slots, cache positions (the default)", "int8 / unquantized, cache positions"),
+                       ("float8 slots, cache positions (the default)", "float8 / unquantized, cache positions")):
+        base = ref if name == "window only" else DEFAULT_POSITIONS if "cache positions" in name else STREAM_POSITIONS
         if name in present and base in present:
             heads.append(head)
             cols.append(lambda e, name=name, base=base: f"{e[name]['inside'] / e[base]['inside']:.4f}")

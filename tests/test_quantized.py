@@ -4,7 +4,9 @@ tests/test_properties.py, tests/test_front_doors.py and tests/test_compiled.py."
 
 import pytest
 import torch
+from random_workload import RandomWorkload
 
+from configs import small_config
 from flexkv import BoundedKVConfig, BoundedKVManager, LayerGroup, SinkWindow
 from flexkv.cache.positions.rotary import Rotary
 from flexkv.cache.storage import quantized
@@ -100,12 +102,39 @@ def test_the_cache_stores_what_quantize_gives_for_a_written_token():
     assert torch.equal(m.k_cache_0[0, :, cell], want) and torch.equal(m.k_scale_0[0, :, cell], scale)
 
 
-def test_cache_rotary_positions_are_refused_with_quantized_sinks():
-    m = BoundedKVManager(config(num_heads=2, head_dim=8, retention=SinkWindow(2, 6), slot_dtype=torch.int8,
-                                dtype=torch.float32), block_size=8)
-    with pytest.raises(ValueError, match=r"mode='cache' re-rotates the sink keys.*use mode='stream'"):
-        m.rotation(0, Rotary(8), "cache")
-    m.rotation(0, Rotary(8), "stream")  # stream positions rotate before the write: fine
+@pytest.mark.parametrize("slot_dtype, rotated_inputs", [(torch.int8, False), (torch.int8, True),
+                                                        (torch.float8_e4m3fn, False)])
+def test_in_cache_rotary_positions_over_quantized_slots_equal_the_reference_reading_cells_back(slot_dtype,
+                                                                                               rotated_inputs):
+    """In-cache positions rewrite every sink cell at each step from the sink's unquantized copy (one
+    quantization per write, no error carried over): the reference quantizes each key as the cache holds it
+    (rotated at its stream index; a sink at the distance its in-cache position gives) and reads it back."""
+    cfg = small_config(retention=SinkWindow(2, 6), head_dim=8, dtype=torch.float64, max_step_tokens=2,
+                       slot_dtype=slot_dtype)
+    manager = BoundedKVManager(cfg, "cpu")
+    rotary = Rotary(8)
+    rotations = [manager.rotation(layer, rotary, "cache", rotated_inputs=rotated_inputs)
+                 for layer in range(cfg.num_layers)]
+
+    def attend(m, plan, qs, ks, vs):
+        outs = []
+        for layer in range(cfg.num_layers):
+            q, k = qs[layer], ks[layer]
+            if rotated_inputs:  # a model that rotates its own q, k at their stream indices
+                pos = manager.stream_positions(plan)
+                q, k = rotary.rotate(q, pos), rotary.rotate(k, pos)
+            q, k = rotations[layer](q, k, plan)
+            outs.append(m.attend(layer, q, k, vs[layer], plan))
+        return outs
+
+    work = RandomWorkload(cfg, q_heads=4, segments=3, seed=7, manager=manager, attend=attend, churn=0.1)
+    work.stored = lambda x: x  # the reference reads cells back itself, after the rotation (`stored=`)
+    ref_attend = work.ref.attend
+    work.ref.attend = lambda *a, **kw: ref_attend(*a, rotary=rotary, rope_positions="cache",
+                                                  stored=lambda x: quantized.round_trip(x, slot_dtype), **kw)
+    work.tolerance = 1e-9
+    for _ in range(40):
+        work.step()
 
 
 def test_the_workload_key_sets_the_slot_dtype_and_a_bad_one_names_the_choices():

@@ -151,14 +151,14 @@ def test_int8_slots_hold_the_memory_and_equal_the_reference_over_what_they_read_
         work.step()
 
 
-@pytest.mark.parametrize("mode", ["stream", "cache"])
-def test_rotary_positions_equal_the_reference(mode):
+@pytest.mark.parametrize("mode, layout", [("stream", "half"), ("cache", "half"), ("cache", "interleaved")])
+def test_rotary_positions_equal_the_reference(mode, layout):
     """Keys rotated by `SinkRotation`: under ``"cache"`` positions each memory entry is read at the
-    position just before the step's first window entry (the reference rotates raw keys there), under
-    ``"stream"`` at its stream index."""
+    position just before the step's first window entry (the reference rotates raw keys there; the cache
+    turns them by table rows, either pair layout), under ``"stream"`` at its stream index."""
     cfg = small_config(retention=RECALL, head_dim=8, dtype=torch.float64, max_step_tokens=1)
     manager = BoundedKVManager(cfg, "cpu")
-    rotary = Rotary(8)
+    rotary = Rotary(8, layout=layout)
     rotations = [manager.rotation(layer, rotary, mode) for layer in range(cfg.num_layers)]
 
     def attend(m, plan, qs, ks, vs):

@@ -48,10 +48,9 @@ def test_retrieval_builds_the_cache_each_name_says(tiny):
         cache = built[name]
         assert cache.retention == (SinkWindow(0, 8) if name == "window" else SinkWindow(2, 8)), name
         assert cache.manager.config.slot_dtype == (torch.int8 if name == "int8" else None), name
-    assert built["cache"].rope_positions == built["window"].rope_positions == "cache"  # FlexKVCache's default
+    # FlexKVCache's default, quantized slots included
+    assert built["cache"].rope_positions == built["window"].rope_positions == built["int8"].rope_positions == "cache"
     assert built["stream"].rope_positions == "stream"
-    # quantized slots cannot hold re-rotated sinks: the default falls back to stream positions, and says why
-    assert built["int8"].rope_positions == "stream" and "quantized slots" in built["int8"].stream_positions_reason
     assert built["recall-2k"].retention == Recall(2, 8, 2048, 64, 4)
     assert built["recall-16k"].retention == Recall(2, 8, 16384, 64, 4)
     with pytest.raises(ValueError, match="no cache 'int4'"):

@@ -90,8 +90,10 @@ def test_generate_matches_the_model_reading_the_quantized_cells_back(family, slo
     model = make_model(family)
     ps = prompts(LENGTHS)
     ids, mask = left_pad(ps)
+    # Stream positions: the reference is the model's own attention, which reads every key at its stream index
+    # (in-cache positions over quantized slots are checked against the float64 reference in test_quantized.py).
     cache = FlexKVCache(model, SinkWindow(SINK, WINDOW), max_streams=4, prefill_chunk=CHUNK, block_size=16,
-                        slot_dtype=slot_dtype)
+                        slot_dtype=slot_dtype, rope_positions="stream")
     assert all(m.k_cache_0.dtype == slot_dtype for m in cache.manager.cache_groups)
     out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=NEW, do_sample=False,
                          output_logits=True, return_dict_in_generate=True)

@@ -107,16 +107,17 @@ def test_cache_positions_batch_a_new_stream_beside_one_past_its_window_as_each_a
 
 
 def test_the_default_positions_are_in_cache_ones_wherever_they_are_served():
-    """`rope_positions=None`: StreamingLLM's in-cache positions for a rotary model; stream positions, with the
-    reason kept, for latent attention's partial rotary and for quantized slots; asking for what is not served
-    is refused with that reason, and the refused build leaves nothing behind."""
+    """`rope_positions=None`: StreamingLLM's in-cache positions for a rotary model, quantized slots included;
+    stream positions, with the reason kept, for latent attention's partial rotary; asking for what is not
+    served is refused with that reason, and the refused build leaves nothing behind."""
     llama = make_model("llama")
     assert FlexKVCache(llama, SinkWindow(SINK, WINDOW)).rope_positions == "cache"
     assert FlexKVCache(llama, SinkWindow(SINK, WINDOW), rope_positions="stream").rope_positions == "stream"
     int8 = FlexKVCache(llama, SinkWindow(SINK, WINDOW), slot_dtype=torch.int8)
-    assert int8.rope_positions == "stream" and "quantized slots" in int8.stream_positions_reason
-    assert int8.memory_bytes == FlexKVCache(llama, SinkWindow(SINK, WINDOW), slot_dtype=torch.int8,
-                                            rope_positions="stream").memory_bytes  # no sink copies were kept
+    assert int8.rope_positions == "cache" and int8.stream_positions_reason is None
+    # The sinks' unquantized copies are what in-cache positions add.
+    assert int8.memory_bytes > FlexKVCache(llama, SinkWindow(SINK, WINDOW), slot_dtype=torch.int8,
+                                           rope_positions="stream").memory_bytes
     mla = make_model("deepseek_v3")
     cache = FlexKVCache(mla, SinkWindow(SINK, WINDOW))
     assert cache.rope_positions == "stream" and "rotary over the whole head" in cache.stream_positions_reason

@@ -111,6 +111,7 @@ class ReferenceCache:
         return_lse: bool = False,
         query_only: Optional[torch.Tensor] = None,
         joined=None,
+        stored: Optional[Callable] = None,
     ) -> torch.Tensor:
         """Attention of `step` for `layer` over each query's attended set (contract section 2).
 
@@ -130,7 +131,11 @@ class ReferenceCache:
         (each `(out, lse)` with `return_lse`). `joined`: `KeyPart`s (`flexkv.cache.paths.joint_path`) whose
         keys of a row that exist join the softmax of each query the part names (own queries
         `0 .. T - 1`, then query-only ones `T ..`), as plain scores (no position, rotation or
-        `score_mod`); a padding row reads none.
+        `score_mod`); a padding row reads none. `stored` (with `rotary`): what a cell reads back for the
+        vector written into it (quantized slots: `flexkv.cache.storage.quantized.round_trip`), applied to
+        each value as given and to each key as a cache holds it, rotated at its stream index (a sink
+        under in-cache positions: at its stream index plus the entries evicted before the window,
+        which gives the distance its in-cache position gives), before the rotation is made in-cache.
         """
         c = self.config
         R = c.rows_per_request
@@ -178,12 +183,21 @@ class ReferenceCache:
                     cache_key_pos = torch.arange(len(idx), dtype=torch.long)
                     cache_query_pos = torch.tensor([rank[own[t]] for t in ts], dtype=torch.long)
                     kk = K_all[:, key_pos]  # [H, K, D]
+                    vv = V_all[:, key_pos]
                     if rotary is not None:
                         in_cache = rope_positions == "cache"
-                        kk = rotary.rotate(kk.unsqueeze(0), cache_key_pos if in_cache else key_pos)[0]
+                        if stored is None:
+                            kk = rotary.rotate(kk.unsqueeze(0), cache_key_pos if in_cache else key_pos)[0]
+                        else:
+                            evicted = int((key_pos - cache_key_pos).max()) if in_cache and len(idx) else 0
+                            held = cache_key_pos + evicted if in_cache else key_pos
+                            kk = stored(rotary.rotate(kk.unsqueeze(0), held)[0])
+                            if evicted:
+                                kk = rotary.rotate(kk.unsqueeze(0), torch.full_like(held, -evicted))[0]
+                            vv = stored(vv)
                         qq = rotary.rotate(qq.unsqueeze(0), cache_query_pos if in_cache else query_pos)[0]
                     kk = kk.repeat_interleave(group, 0)  # [Hq, K, D]
-                    vv = V_all[:, key_pos].repeat_interleave(group, 0)
+                    vv = vv.repeat_interleave(group, 0)
                     scores = torch.einsum("hgd,hkd->hgk", qq, kk) * scale
                     if score_mod is not None:
                         in_cache = positions == "cache"

@@ -236,13 +236,6 @@ class SinkRotation(nn.Module):
             raise ValueError(f"SinkRotation: mode must be one of {ROPE_POSITIONS}, got {mode!r}")
         if mode == "cache":
             check_cache_config(c)
-            if c.slot_dtype is not None and c.sink_capacity:
-                # Quantized slots: the sink keys would be rotated again and written back at every step.
-                raise ValueError(
-                    f"rotary positions mode='cache' re-rotates the sink keys in place at every step, which "
-                    f"quantized slots (slot_dtype={c.slot_dtype}) cannot store without re-quantizing them; use "
-                    f"mode='stream', or slot_dtype=None for 'cache' positions"
-                )
         # Not registered as submodules: the manager and the Rotary belong to the model.
         object.__setattr__(self, "manager", manager)
         object.__setattr__(self, "store", store)
@@ -412,7 +405,7 @@ class SinkRotation(nn.Module):
             rotated = torch.bmm(raw, turn).view(N, S, H, D)
         else:
             rotated = apply_rotary(raw.view(N, S, H, D), turn[0], turn[1], self.rotary.layout)
-        if eager:
+        if eager and self.store.config.slot_dtype is None:
             # One copy along the cell axis, into the cells-first view of the layer's keys (an advanced-index
             # write costs several times more per call).
             flat_cells = memo.get("sink_cells")

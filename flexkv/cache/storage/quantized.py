@@ -12,7 +12,9 @@ values separately:
   scale is per cell and head because that is what a write produces: a step
   writes whole tokens, so every stored number is a function of the token's
   own vector alone. Nothing is ever re-quantized: a cell keeps the error of
-  its one write however often the ring wraps past it, and the largest entry
+  its one write however often the ring wraps past it (under in-cache rotary
+  positions the sink cells are written again at every step, each time from
+  the sink's unquantized copy, so each holds one write's error), and the largest entry
   of every vector (an outlier included) is stored exactly at the top of the
   range rather than clipped.
 - **read** (`dequantize`): `cells.float() * scale`, cast to the cache's

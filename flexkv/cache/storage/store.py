@@ -179,9 +179,15 @@ class LayerStore(StoreHooks, nn.Module):
         return kc, vc
 
     def write_keys(self, layer_idx: int, cells: torch.Tensor, keys: torch.Tensor) -> None:
-        """Overwrite key cells of layer `layer_idx` (unquantized): `cells` `[N, 1, C]` of `keys` `[N, H, C, D]`."""
+        """Overwrite key cells of layer `layer_idx`: `cells` `[N, 1, C]` of `keys` `[N, H, C, D]` (quantized
+        slots: quantized from `keys`, their scales beside them, as `write` does)."""
         kc = self.layer_kv(layer_idx)[0]
-        kc.index_put_((self._zero_index, self._head_index, cells), keys)
+        index = (self._zero_index, self._head_index, cells)
+        ks = self.layer_scales(layer_idx)[0]
+        if ks is not None:
+            keys, scale = quantized.quantize(keys, self.config.slot_dtype)
+            ks.index_put_(index, scale)
+        kc.index_put_(index, keys)
 
     # ----------------------------------------------------------- sources
 

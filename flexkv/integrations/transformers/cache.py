@@ -57,8 +57,8 @@ class FlexKVCache(BranchingCache, CacheShim):
             keep a model's quality past its trained context) or `"stream"`
             (the stream index, what the model sees without a cache). None
             (default): `"cache"` wherever flexkv serves it (rotary layers whose
-            angles are `position * inv_freq`, over the whole head, with slots
-            in the model's dtype), else `"stream"`, and a stream that then
+            angles are `position * inv_freq`, over the whole head; quantized
+            slots too), else `"stream"`, and a stream that then
             runs past the model's trained context (`max_position_embeddings`)
             is warned about once, with the fix (docs/transformers.md,
             "Positions").

@@ -95,12 +95,6 @@ class CachePositions:
                     f"frequencies != head_dim {head_dim}): use rope_positions='stream'"
                 )
             check_cache_config(layer_config)
-            if layer_config.slot_dtype is not None:
-                raise ValueError(
-                    f"rope_positions='cache' rewrites the sink keys at every step, which quantized slots "
-                    f"(slot_dtype={layer_config.slot_dtype}) cannot hold without re-quantizing them: use "
-                    f"rope_positions='stream', or slot_dtype=None"
-                )
             self.layers.append((inv_freq, head_dim))
         # Every check passed: only now does any layer register its sink copies with the cache.
         for kv, wanted in enumerate(self.layers):
