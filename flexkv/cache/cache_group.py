@@ -30,7 +30,7 @@ from .paths.attention_options import AttentionOptions
 from .paths.choice import AttentionPaths, PathCall
 from .paths.joint_path import KeyPart, check_joined
 from .paths.query_only import attend_query_only, check_query_only
-from .paths.recall import MemoryIndex, MemoryTurns, attend_memory, check_recall_call
+from .paths.recall import MemoryIndex, MemoryTurns, attend_with_window, check_recall_call, join_window, memory_part
 from .paths.sinks import apply_learned_sinks, check_sinks
 from .positions.masks import POSITION_MODES, make_score_mod
 from .positions.relative_position import RelativePositionScores
@@ -225,16 +225,27 @@ class CacheGroup(StoreBuffers, nn.Module):
         sm = None if score_mod is None else make_score_mod(
             plan, self.layout.ring_len, T, score_mod.at if relative else score_mod, positions, c.reverse_step_order,
             c.query_window, group=g, query_index=relative)
-        # The scale is applied to q here rather than inside the call (TORCH_WORKAROUNDS["Q_VIEW"]): the
-        # product is a fresh buffer. Packed, query head h * g + i sits at rows i * T .. i * T + T - 1 of KV
-        # head h: the same [N, Hq, T] view serves the output and its log-sum-exp.
-        qs = (q.reshape(N, H, g * T, D) if route.pack_gqa else q) * scale
-        out, lse = path(PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, want_lse, relative, compiling))
-        out = out.view(N, Hq, T, v.shape[3])
-        if c.recall is not None:  # the memory part joins the same softmax (flexkv.cache.paths.recall)
-            memo = {} if compiling else self._store.per_plan(plan)
-            out, lse = attend_memory(self.memory_index, self.memory_turns, layer_idx, c, self.layout, q, kc, vc, scales,
-                                     plan, (out, lse), memo, scale=scale, score_mod=score_mod, positions=positions)
+        if c.recall is not None:  # the memory part in the same softmax (flexkv.cache.paths.recall)
+            memory = memory_part(self.memory_index, self.memory_turns, layer_idx, c, self.layout, q, kc, vc, scales,
+                                 plan, {} if compiling else self._store.per_plan(plan), scale=scale,
+                                 score_mod=score_mod, positions=positions)
+            qs = q.reshape(N, H, g * T, D) if route.pack_gqa else q
+        if c.recall is not None and route.path == "rows":
+            # The window's cells as the rows path gathers them, read in the memory's softmax: one pass.
+            geometry, mask_mod = self.paths.rows.step_geometry(
+                PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, True, relative, compiling))
+            if geometry is None:
+                geometry = self.paths.rows.geometry(plan, mask_mod, qs.shape[2], q.dtype)
+            out, lse = attend_with_window(memory, kc, vc, scales, geometry, sm, q.dtype)
+        else:
+            # The scale is applied to q here rather than inside the call (TORCH_WORKAROUNDS["Q_VIEW"]): the
+            # product is a fresh buffer. Packed, query head h * g + i sits at rows i * T .. i * T + T - 1 of KV
+            # head h: the same [N, Hq, T] view serves the output and its log-sum-exp.
+            qs = (q.reshape(N, H, g * T, D) if route.pack_gqa else q) * scale
+            out, lse = path(PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, want_lse, relative, compiling))
+            out = out.view(N, Hq, T, v.shape[3])
+            if c.recall is not None:  # FlexAttention's window and its log-sum-exp, joined with the memory
+                out, lse = join_window((out, lse), memory)
         own = _epilogue(out, lse, sinks, return_lse)
         return own if query_only is None else (own, extra)
 

@@ -43,7 +43,8 @@ from ..host.layout import Layout
 from ..positions.rotary import apply_rotary
 from ..storage.slot_copy import SlotBuffer, plan_slot_rows
 
-__all__ = ["MemoryIndex", "MemoryStep", "MemoryTurns", "attend_memory", "check_recall_call", "memory_step"]
+__all__ = ["MemoryCall", "MemoryIndex", "MemoryStep", "MemoryTurns", "attend_with_window", "check_recall_call",
+           "join_window", "memory_part", "memory_step"]
 
 
 def check_recall_call(config: BoundedKVConfig, query_only, joined, relative: bool = False) -> None:
@@ -338,7 +339,18 @@ def _turn(x: torch.Tensor, tables, rows: torch.Tensor, shape: tuple) -> torch.Te
     return x * cs[..., 0, :] + _swap(x, rope_layout) * cs[..., 1, :]
 
 
-def attend_memory(
+class MemoryCall(NamedTuple):
+    """One layer's memory part as both of its finishes take it (`memory_part`)."""
+
+    #: `[N, H, g, T, E]` each query's scores over its row's memory entries (scaled, `score_mod` applied,
+    #: `-inf` where it does not read one) and `[N, H, E, Dv]` their values, in the work dtype.
+    scores: torch.Tensor
+    values: torch.Tensor
+    #: `[N, H, g, T, D]` the scaled queries in the work dtype.
+    queries: torch.Tensor
+
+
+def memory_part(
     index: MemoryIndex,
     turns: MemoryTurns,
     layer: int,
@@ -349,16 +361,14 @@ def attend_memory(
     vc: torch.Tensor,
     scales: Optional[Tuple[torch.Tensor, torch.Tensor]],
     plan,
-    window: Tuple[torch.Tensor, torch.Tensor],
     memo: dict,
     *,
     scale: float,
     score_mod: Optional[Callable] = None,
     positions: str = "stream",
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A `Recall` layer's attention: the window part `window = (out [N, Hq, T, Dv], lse [N, Hq, T])` (`lse`
-    `-inf` where a query read nothing) joined by the memory part into one softmax; returns `(out, lse)`
-    alike. Writes the step's whole blocks into `index` first.
+) -> MemoryCall:
+    """The memory part of a `Recall` layer's attention (`MemoryCall`). Writes the step's whole blocks into
+    `index` first.
 
     `q`: the step's queries `[N, Hq, T, D]`, as `attend` got them (unscaled). `kc`, `vc`: the layer's
     key and value tensors `[1, H, S, *]` after the step's write; `scales` their per-cell scales when
@@ -382,7 +392,7 @@ def attend_memory(
         step = memo["recall"] = memory_step(index, turns, config, layout, plan, T, H, S)
     means = index.means(layer)
 
-    # The step's whole blocks' means, each turned to its first entry's index.
+    # The step's whole blocks' means, each turned back to position 0.
     if step.made:
         keys = _read(kc, ks, step.made_flat, work)  # [N, H, C * bs, D]
         if tables is not None:
@@ -433,7 +443,53 @@ def attend_memory(
         inside = (blk >= step.oldest.view(N, 1, 1, T, 1, 1)) & (blk < step.whole.view(N, 1, 1, T, 1, 1))
         sel.masked_fill_(~(inside & live.view(N, H, 1, 1, k_top, 1)), float("-inf"))
     scores[..., k_top * bs:].masked_fill_(~step.tail_reads, float("-inf"))
-    return _join(window, scores, values, N, Hq, H, g, T)
+    return MemoryCall(scores, values, qw)
+
+
+def join_window(window: Tuple[torch.Tensor, torch.Tensor], memory: MemoryCall) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The window part `window = (out [N, Hq, T, Dv], lse [N, Hq, T])` (a path's result with its
+    log-sum-exp, `-inf` or NaN where a query read nothing) and the memory part in one softmax: `(out,
+    lse)` alike (exact: the key sets are disjoint)."""
+    out_w, lse_w = window
+    scores, values = memory.scores, memory.values
+    N, H, g, T, _ = scores.shape
+    lse_w = torch.nan_to_num(lse_w.reshape(N, H, g, T).to(scores.dtype), nan=float("-inf"), neginf=float("-inf"))
+    lse = torch.logaddexp(lse_w, torch.logsumexp(scores, dim=-1))
+    at = torch.where(torch.isneginf(lse), 0.0, lse)
+    mem = torch.exp(scores - at.unsqueeze(-1)).view(N, H, g * T, -1) @ values  # [N, H, g * T, Dv]
+    out = torch.exp(lse_w - at).view(N, H, g * T, 1) * out_w.reshape(N, H, g * T, -1).to(mem.dtype) + mem
+    return out.view(N, H * g, T, -1).to(out_w.dtype), lse.reshape(N, H * g, T)
+
+
+def attend_with_window(memory: MemoryCall, kc: torch.Tensor, vc: torch.Tensor,
+                       scales: Optional[Tuple[torch.Tensor, torch.Tensor]], geo, window_score_mod: Optional[Callable],
+                       dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The window's cells, as the rows path gathers them (`geo`: its `RowGeometry` of the step, packed
+    queries), and the memory part in one softmax: `(out [N, Hq, T, Dv] in `dtype`, lse [N, Hq, T])`.
+    One pass where the rows path and a join would make two: the window's own softmax, its log-sum-exp
+    and the join are not formed. `window_score_mod`: the step's `score_mod` as the rows path takes it
+    (layer-tensor cells, packed queries), or None."""
+    scores_m, values_m, qw = memory
+    N, H, g, T, D = qw.shape
+    ks, vs = (None, None) if scales is None else scales
+    work = qw.dtype
+    W = geo.cells.shape[-1]
+    flat = (torch.arange(H, device=qw.device) * kc.shape[2]).view(1, H, 1) + geo.cells.view(N, 1, W)
+    q = qw.reshape(N, H, g * T, D)
+    scores = q @ _read(kc, ks, flat, work).transpose(2, 3)  # [N, H, g * T, W]
+    if window_score_mod is not None:
+        q_idx = torch.arange(g * T, device=q.device).view(1, 1, -1, 1)
+        heads = torch.arange(H, device=q.device).view(1, H, 1, 1)
+        scores = window_score_mod(scores, geo.batch_rows.view(N, 1, 1, 1), heads, q_idx,
+                                  geo.cells.view(N, 1, 1, W)).to(work)
+    scores = torch.cat([scores + geo.bias.to(work), scores_m.view(N, H, g * T, -1)], dim=-1)
+    top = scores.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isneginf(top), 0.0, top)
+    p = torch.exp(scores - top)
+    total = p.sum(dim=-1, keepdim=True)
+    out = p[..., :W] @ _read(vc, vs, flat, work) + p[..., W:] @ values_m
+    out = out / total.clamp_min(torch.finfo(work).tiny)
+    return out.view(N, H * g, T, -1).to(dtype), (torch.log(total) + top).view(N, H * g, T)
 
 
 def _tail_entries(step: MemoryStep, bs: int, T: int) -> torch.Tensor:
@@ -459,16 +515,3 @@ def _scored(score_mod, scores, jq, plan, config, step, N, H, g, T, Hq, positions
     bidx = torch.arange(N, device=dev).view(N, 1, 1, 1, 1)
     h = torch.arange(Hq, device=dev).view(1, H, g, 1, 1)
     return score_mod(scores, bidx, h, q_pos, kv_pos).to(work)
-
-
-def _join(window, scores, values, N, Hq, H, g, T):
-    """One softmax over the window part (`(out, lse)`) and the memory part's masked scores `[N, H, g, T, E]`
-    and values `[N, H, E, Dv]`: `(out [N, Hq, T, Dv], lse [N, Hq, T])` (exact: the key sets are disjoint)."""
-    out_w, lse_w = window
-    # A path may leave NaN where a query read nothing: -inf, as the memory part's.
-    lse_w = torch.nan_to_num(lse_w.reshape(N, H, g, T).to(scores.dtype), nan=float("-inf"), neginf=float("-inf"))
-    lse = torch.logaddexp(lse_w, torch.logsumexp(scores, dim=-1))
-    at = torch.where(torch.isneginf(lse), 0.0, lse)
-    mem = torch.exp(scores - at.unsqueeze(-1)).view(N, H, g * T, -1) @ values  # [N, H, g * T, Dv]
-    out = torch.exp(lse_w - at).view(N, H, g * T, 1) * out_w.reshape(N, H, g * T, -1).to(mem.dtype) + mem
-    return out.view(N, Hq, T, -1).to(out_w.dtype), lse.reshape(N, Hq, T)
