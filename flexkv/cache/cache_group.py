@@ -226,17 +226,8 @@ class CacheGroup(StoreBuffers, nn.Module):
             plan, self.layout.ring_len, T, score_mod.at if relative else score_mod, positions, c.reverse_step_order,
             c.query_window, group=g, query_index=relative)
         if c.recall is not None:  # the memory part in the same softmax (flexkv.cache.paths.recall)
-            memory = memory_part(self.memory_index, self.memory_turns, layer_idx, c, self.layout, q, kc, vc, scales,
-                                 plan, {} if compiling else self._store.per_plan(plan), scale=scale,
-                                 score_mod=score_mod, positions=positions)
-            qs = q.reshape(N, H, g * T, D) if route.pack_gqa else q
-        if c.recall is not None and route.path == "rows":
-            # The window's cells as the rows path gathers them, read in the memory's softmax: one pass.
-            geometry, mask_mod = self.paths.rows.step_geometry(
-                PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, True, relative, compiling))
-            if geometry is None:
-                geometry = self.paths.rows.geometry(plan, mask_mod, qs.shape[2], q.dtype)
-            out, lse = attend_with_window(memory, kc, vc, scales, geometry, sm, q.dtype)
+            out, lse = self._attend_recall(layer_idx, q, kc, vc, scales, plan, route, path, sm, scale, score_mod,
+                                           positions, relative, compiling)
         else:
             # The scale is applied to q here rather than inside the call (TORCH_WORKAROUNDS["Q_VIEW"]): the
             # product is a fresh buffer. Packed, query head h * g + i sits at rows i * T .. i * T + T - 1 of KV
@@ -244,10 +235,32 @@ class CacheGroup(StoreBuffers, nn.Module):
             qs = (q.reshape(N, H, g * T, D) if route.pack_gqa else q) * scale
             out, lse = path(PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, want_lse, relative, compiling))
             out = out.view(N, Hq, T, v.shape[3])
-            if c.recall is not None:  # FlexAttention's window and its log-sum-exp, joined with the memory
-                out, lse = join_window((out, lse), memory)
         own = _epilogue(out, lse, sinks, return_lse)
         return own if query_only is None else (own, extra)
+
+    def _attend_recall(self, layer_idx, q, kc, vc, scales, plan, route, path, sm, scale, score_mod, positions, relative,
+                       compiling):
+        """`(out, lse)` of a `Recall` layer's call: its memory part (`flexkv.cache.paths.recall.memory_part`) and
+        its window in one softmax. On the rows path the window's cells are gathered into the memory's softmax
+        (`attend_with_window`: one pass); through FlexAttention the window is attended with its log-sum-exp
+        and joined (`join_window`)."""
+        c = self.config
+        N, Hq, T, D = q.shape
+        H = kc.shape[1]
+        g = Hq // H if route.pack_gqa else 1
+        memory = memory_part(self.memory_index, self.memory_turns, layer_idx, c, self.layout, q, kc, vc, scales, plan,
+                             {} if compiling else self._store.per_plan(plan), scale=scale, score_mod=score_mod,
+                             positions=positions)
+        if route.path == "rows":
+            qs = q.reshape(N, H, g * T, D) if route.pack_gqa else q  # its shape and dtype name the geometry
+            geometry, mask_mod = self.paths.rows.step_geometry(
+                PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, True, relative, compiling))
+            if geometry is None:
+                geometry = self.paths.rows.geometry(plan, mask_mod, qs.shape[2], q.dtype)
+            return attend_with_window(memory, kc, vc, scales, geometry, sm, q.dtype)
+        qs = (q.reshape(N, H, g * T, D) if route.pack_gqa else q) * scale  # a fresh buffer (Q_VIEW, above)
+        out, lse = path(PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, True, relative, compiling))
+        return join_window((out.view(N, Hq, T, -1), lse), memory)
 
     def _check_extras(self, q, score_mod, positions, sinks, query_only) -> bool:
         """Check `attend`'s optional arguments; returns whether `score_mod` is a relative-position table."""

@@ -400,21 +400,8 @@ def memory_part(
         C = keys.shape[2] // bs
         means.index_put_((step.made_rows, step.made_slots), keys.view(N, H, C, bs, -1).mean(dim=3).transpose(1, 2))
 
-    # Score the candidates: the row's written queries summed over the step and the KV head's group.
-    NB = step.cand.shape[1]
-    reps = means[step.rows.view(N, 1), step.cand_slots]  # [N, NB, H, D], at position 0
     qw = (q.to(work) * scale).view(N, H, g, T, D)  # scaled: the ranking is the same
-    qsum = (qw * step.writes).sum(dim=(2, 3))  # [N, H, D]
-    if tables is not None:  # q . R(t_mem) m = R(-t_mem) q . m: one matrix per row and step
-        key = ("recall_turn", tables[2])
-        turn = memo.get(key)
-        if turn is None:
-            turn = memo[key] = turns.turn_matrix(tables[2], step.t_mem.neg())
-        qsum = torch.bmm(qsum, turn)
-    score = torch.einsum("nhd,nbhd->nhb", qsum, reps).masked_fill(~step.valid, float("-inf"))
-    ranked, order = torch.sort(score, dim=-1, descending=True, stable=True)
-    live = torch.isfinite(ranked[..., :k_top])  # [N, H, k]
-    chosen = step.cand.view(N, 1, NB).expand(N, H, NB).gather(2, order[..., :k_top])  # [N, H, k]
+    chosen, live = _choose(step, means, qw, turns, tables, memo, k_top)
 
     # The chosen blocks' entries (per KV head), then the tail's.
     shift = (chosen * bs).unsqueeze(-1)  # [N, H, k, 1]
@@ -444,6 +431,27 @@ def memory_part(
         sel.masked_fill_(~(inside & live.view(N, H, 1, 1, k_top, 1)), float("-inf"))
     scores[..., k_top * bs:].masked_fill_(~step.tail_reads, float("-inf"))
     return MemoryCall(scores, values, qw)
+
+
+def _choose(step: MemoryStep, means: torch.Tensor, qw: torch.Tensor, turns: MemoryTurns, tables, memo: dict,
+            k_top: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`(chosen, live)`, each `[N, H, k]`: the `k` candidate blocks whose means score highest against the row's
+    written queries summed over the step and the KV head's group (a stable sort: ties to the lower block),
+    and whether each is a block of the memory (a row with fewer candidates chooses some that are not)."""
+    N, H = qw.shape[:2]
+    NB = step.cand.shape[1]
+    reps = means[step.rows.view(N, 1), step.cand_slots]  # [N, NB, H, D], at position 0
+    qsum = (qw * step.writes).sum(dim=(2, 3))  # [N, H, D]
+    if tables is not None:  # q . R(t_mem) m = R(-t_mem) q . m: one matrix per row and step
+        key = ("recall_turn", tables[2])
+        turn = memo.get(key)
+        if turn is None:
+            turn = memo[key] = turns.turn_matrix(tables[2], step.t_mem.neg())
+        qsum = torch.bmm(qsum, turn)
+    score = torch.einsum("nhd,nbhd->nhb", qsum, reps).masked_fill(~step.valid, float("-inf"))
+    ranked, order = torch.sort(score, dim=-1, descending=True, stable=True)
+    live = torch.isfinite(ranked[..., :k_top])
+    return step.cand.view(N, 1, NB).expand(N, H, NB).gather(2, order[..., :k_top]), live
 
 
 def join_window(window: Tuple[torch.Tensor, torch.Tensor], memory: MemoryCall) -> Tuple[torch.Tensor, torch.Tensor]:
