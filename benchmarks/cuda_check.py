@@ -78,7 +78,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.benchmark import Timer
 
 import flexkv.cache.paths.flex_call as flex_call_module
-from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Recall, Segment, SinkWindow, StreamPosition
 from flexkv.cache.host.layout import entry_cell
 from flexkv.cache.paths.attention_options import AttentionOptions
 from flexkv.cache.paths.kernel_options import decode_split_kv, flex_kernel_options
@@ -295,6 +295,17 @@ def workload_specs(cuda: bool) -> list:
          BoundedKVConfig(num_layers=1, num_heads=2, head_dim=D, rows_per_request=1, max_source_len=0,
                          retention=SinkWindow(4, 3 * win), max_step_tokens=33, max_slots=4),
          dict(q_heads=8, tokens=33, segments=3, block_size=blk[2], sinks=True), max(steps // 2, 6), both),
+        # A memory of what left the window: FlexAttention's window with its log-sum-exp joined with the top
+        # blocks chosen on the device; streams long enough to fill and wrap the memory.
+        ("recall-chunk-gqa4",
+         BoundedKVConfig(num_layers=2 if cuda else 1, num_heads=2, head_dim=D, rows_per_request=1, max_source_len=0,
+                         retention=Recall(2, win // 2, 8 * (win // 4), win // 4, 2), max_step_tokens=8, max_slots=4),
+         dict(q_heads=8, tokens=8, segments=3, block_size=blk[1], churn=0.02), steps * 2, both),
+        ("recall-decode-gqa4-cache-positions",
+         BoundedKVConfig(num_layers=1, num_heads=2, head_dim=D, rows_per_request=1, max_source_len=0,
+                         retention=Recall(4, win, 4 * 8, 8, 2), max_step_tokens=1, max_slots=4),
+         dict(q_heads=8, tokens=1, segments=3, block_size=blk[2], score_mod=score_bias, positions="cache",
+              churn=0.02), steps * 8, (torch.float32,)),
     ]
 
 

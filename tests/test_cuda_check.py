@@ -83,6 +83,16 @@ def test_learned_sinks_workloads_match_reference(name):
     assert res["ok"] and res["rel_err"] < 1e-5, res
 
 
+@pytest.mark.parametrize("name", ["recall-chunk", "recall-decode"])
+def test_recall_workloads_fill_their_memories_and_match_reference(name):
+    """The CPU twin of the GPU check's `Recall` rows: streams long enough that memories fill and wrap."""
+    name, cfg, kw, steps, _ = _spec(name)
+    res = run_workload(name, cfg, kw, steps, "cpu", torch.float32, compiled=False)
+    assert res["ok"] and res["rel_err"] < 1e-5, res
+    r = cfg.retention
+    assert steps * kw["tokens"] > r.sink + r.window + r.memory  # the check is long enough to wrap a memory
+
+
 def test_no_variant_repeats_the_shipped_kernel_options():
     """On the CPU `attend` passes no kernel options, so "torch's defaults" would be the shipped run."""
     d = Decode(torch.device("cpu"), bench_shape(False))
@@ -107,7 +117,9 @@ def test_checks_run_in_two_passes_bf16_first():
     second = [(n, d) for n, _, _, _, d in correctness_rows(True, False)]
     every = [(n, d) for n, _, _, _, ds in workload_specs(True) for d in ds]
     assert sorted(first + second, key=str) == sorted(every, key=str)
-    assert all(d == torch.bfloat16 for n, d in first if n != "per-query-window+score_mod+gqa4")
+    only_fp32 = {n for n, _, _, _, ds in workload_specs(True) if ds == (torch.float32,)}
+    assert "per-query-window+score_mod+gqa4" in only_fp32
+    assert all(d == torch.bfloat16 for n, d in first if n not in only_fp32)
     assert all(d == torch.float32 for _, d in second)
 
 
