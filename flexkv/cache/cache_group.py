@@ -257,7 +257,7 @@ class CacheGroup(StoreBuffers, nn.Module):
                 PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, True, relative, compiling))
             if geometry is None:
                 geometry = self.paths.rows.geometry(plan, mask_mod, qs.shape[2], q.dtype)
-            return attend_with_window(memory, kc, vc, scales, geometry, sm, q.dtype)
+            return attend_with_window(memory, kc, vc, scales, geometry, sm, q.dtype, c.max_retained + T)
         qs = (q.reshape(N, H, g * T, D) if route.pack_gqa else q) * scale  # a fresh buffer (Q_VIEW, above)
         out, lse = path(PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, True, relative, compiling))
         return join_window((out.view(N, Hq, T, -1), lse), memory)

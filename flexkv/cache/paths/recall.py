@@ -471,26 +471,28 @@ def join_window(window: Tuple[torch.Tensor, torch.Tensor], memory: MemoryCall) -
 
 def attend_with_window(memory: MemoryCall, kc: torch.Tensor, vc: torch.Tensor,
                        scales: Optional[Tuple[torch.Tensor, torch.Tensor]], geo, window_score_mod: Optional[Callable],
-                       dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+                       dtype: torch.dtype, width: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The window's cells, as the rows path gathers them (`geo`: its `RowGeometry` of the step, packed
     queries), and the memory part in one softmax: `(out [N, Hq, T, Dv] in `dtype`, lse [N, Hq, T])`.
     One pass where the rows path and a join would make two: the window's own softmax, its log-sum-exp
     and the join are not formed. `window_score_mod`: the step's `score_mod` as the rows path takes it
-    (layer-tensor cells, packed queries), or None."""
+    (layer-tensor cells, packed queries), or None. `width`: the most cells a row of this step reads
+    (`max_retained + T`): a gathered row holds them first, so the rest of it is not read."""
     scores_m, values_m, qw = memory
     N, H, g, T, D = qw.shape
     ks, vs = (None, None) if scales is None else scales
     work = qw.dtype
-    W = geo.cells.shape[-1]
-    flat = (torch.arange(H, device=qw.device) * kc.shape[2]).view(1, H, 1) + geo.cells.view(N, 1, W)
+    W = min(width, geo.cells.shape[-1])
+    cells, bias = geo.cells[:, :W], geo.bias[..., :W]
+    flat = (torch.arange(H, device=qw.device) * kc.shape[2]).view(1, H, 1) + cells.reshape(N, 1, W)
     q = qw.reshape(N, H, g * T, D)
     scores = q @ _read(kc, ks, flat, work).transpose(2, 3)  # [N, H, g * T, W]
     if window_score_mod is not None:
         q_idx = torch.arange(g * T, device=q.device).view(1, 1, -1, 1)
         heads = torch.arange(H, device=q.device).view(1, H, 1, 1)
         scores = window_score_mod(scores, geo.batch_rows.view(N, 1, 1, 1), heads, q_idx,
-                                  geo.cells.view(N, 1, 1, W)).to(work)
-    scores = torch.cat([scores + geo.bias.to(work), scores_m.view(N, H, g * T, -1)], dim=-1)
+                                  cells.reshape(N, 1, 1, W)).to(work)
+    scores = torch.cat([scores + bias.to(work), scores_m.view(N, H, g * T, -1)], dim=-1)
     top = scores.amax(dim=-1, keepdim=True)
     top = torch.where(torch.isneginf(top), 0.0, top)
     p = torch.exp(scores - top)
