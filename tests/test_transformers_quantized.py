@@ -109,3 +109,23 @@ def test_generate_matches_the_model_reading_the_quantized_cells_back(family, slo
         plain_tokens, plain_logits = reference_greedy(model, p, NEW)
         apart = max(apart, float((logits[b].double() - plain_logits.double()).abs().max()))
     assert apart > 10 * tol, f"{family}: the quantized cache is within {apart:.2g} of the unquantized model"
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "float8"])
+def test_in_cache_positions_over_quantized_slots_differ_from_unquantized_as_stream_positions_do(slot_dtype):
+    """Quantized slots keep `FlexKVCache`'s default in-cache positions. Over a stream 6x its window, fed in
+    chunks whose queries evicted different counts (the sinks scored apart, their values read back from
+    quantized cells), the logits stay as close to the unquantized cache's as quantization leaves stream
+    positions: within twice that difference (exactness itself: tests/test_quantized.py)."""
+    model = make_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 120), generator=torch.Generator().manual_seed(0))
+
+    def logits(slot_dtype, rope):
+        cache = FlexKVCache(model, SinkWindow(4, 16), max_streams=1, prefill_chunk=8, slot_dtype=slot_dtype,
+                            rope_positions=rope)
+        assert cache.rope_positions == ("cache" if rope is None else rope)
+        with torch.no_grad():
+            return torch.cat([model(ids[:, s:s + 8], cache=cache).logits for s in range(0, 120, 8)], 1)
+
+    apart = {rope: float((logits(slot_dtype, rope) - logits(None, rope)).abs().max()) for rope in ("stream", None)}
+    assert 0 < apart[None] <= 2 * apart["stream"], apart

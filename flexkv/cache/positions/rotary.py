@@ -312,7 +312,8 @@ class SinkRotation(nn.Module):
 
     def sink_entries(self, plan) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's sink entries after `forward`: keys as kept (`[N, H, S, D]`, rotated at their stream
-        index with `rotated_inputs`, else un-rotated), their values from the layer's cells (`[N, H, S, Dv]`)
+        index with `rotated_inputs`, else un-rotated; unquantized under quantized slots too), their values
+        from the layer's cells (`[N, H, S, Dv]`, dequantized)
         and which exist in a live row (`[N, S]`, the retention's sink count; whether a query may read one
         yet is its position's business). ``"cache"`` mode with sinks only."""
         if self.mode != "cache" or not self._sink:
@@ -327,6 +328,10 @@ class SinkRotation(nn.Module):
         cells = torch.where(live.view(-1, 1), plan.sink_base.long().view(-1, 1) + offs, self._scratch_base)
         _, v_cells = self.store.layer_kv(self.layer_idx)  # [1, H, cells, Dv]
         values = v_cells[0][:, cells.view(-1)].view(H, N, S, -1).transpose(0, 1)
+        v_scale = self.store.layer_scales(self.layer_idx)[1]
+        if v_scale is not None:  # quantized slots: the values as their cells read back
+            scale = v_scale[0][:, cells.view(-1)].view(H, N, S, 1).transpose(0, 1)
+            values = values.to(scale.dtype).mul(scale).to(self.manager.config.dtype)
         valid = live.view(-1, 1) & (offs < plan.sink.long().view(-1, 1))
         return keys, values, valid
 
