@@ -248,16 +248,16 @@ class CacheGroup(StoreBuffers, nn.Module):
         N, Hq, T, D = q.shape
         H = kc.shape[1]
         g = Hq // H if route.pack_gqa else 1
+        memo = {} if compiling else self._store.per_plan(plan)
         memory = memory_part(self.memory_index, self.memory_turns, layer_idx, c, self.layout, q, kc, vc, scales, plan,
-                             {} if compiling else self._store.per_plan(plan), scale=scale, score_mod=score_mod,
-                             positions=positions)
+                             memo, scale=scale, score_mod=score_mod, positions=positions)
         if route.path == "rows":
             qs = q.reshape(N, H, g * T, D) if route.pack_gqa else q  # its shape and dtype name the geometry
             geometry, mask_mod = self.paths.rows.step_geometry(
                 PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, True, relative, compiling))
             if geometry is None:
                 geometry = self.paths.rows.geometry(plan, mask_mod, qs.shape[2], q.dtype)
-            return attend_with_window(memory, kc, vc, scales, geometry, sm, q.dtype, c.max_retained + T)
+            return attend_with_window(memory, kc, vc, scales, geometry, sm, q.dtype, c.max_retained + T, memo)
         qs = (q.reshape(N, H, g * T, D) if route.pack_gqa else q) * scale  # a fresh buffer (Q_VIEW, above)
         out, lse = path(PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, True, relative, compiling))
         return join_window((out.view(N, Hq, T, -1), lse), memory)

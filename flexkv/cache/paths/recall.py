@@ -231,7 +231,8 @@ class MemoryStep(NamedTuple):
     made_entries: torch.Tensor
     #: `[N, 1, 1, T, 1]` 1 for each written query (a chunk's written queries choose together).
     writes: torch.Tensor
-    #: `[N, NB]` candidate block numbers, their index slots, `[N, 1, NB]` which are in some written
+    #: `[N, NB]` candidate block numbers, their means' rows in a layer's index viewed as `[rows * blocks, H,
+    #: D]`, `[N, 1, NB]` which are in some written
     #: query's memory, and `[N]` `t_mem`, the position memory is read at (`attend_memory`).
     cand: torch.Tensor
     cand_slots: torch.Tensor
@@ -320,7 +321,7 @@ def memory_step(index: MemoryIndex, turns: MemoryTurns, config: BoundedKVConfig,
     ring_flat = head_base + torch.where(live_row, plan.ring_base.long().view(N, 1, 1, 1), 0)
     return MemoryStep(
         rows, made_rows, made_slots, made_flat, any_made, j_made.view(N, C * bs), written.to(work).view(N, 1, 1, T, 1),
-        cand, torch.remainder(cand, index.blocks), valid, t_mem.view(N), oldest.view(N, 1, 1, T, 1),
+        cand, rows.view(N, 1) * index.blocks + torch.remainder(cand, index.blocks), valid, t_mem.view(N), oldest.view(N, 1, 1, T, 1),
         whole.view(N, 1, 1, T, 1), tail_flat, tail_turn, tail_reads, sink, sink.view(N, 1, 1, 1) + e,
         (t_mem.view(N, 1, 1, 1) - sink.view(N, 1, 1, 1) - e + turns.offset), ring_flat)
 
@@ -440,8 +441,9 @@ def _choose(step: MemoryStep, means: torch.Tensor, qw: torch.Tensor, turns: Memo
     and whether each is a block of the memory (a row with fewer candidates chooses some that are not)."""
     N, H = qw.shape[:2]
     NB = step.cand.shape[1]
-    reps = means[step.rows.view(N, 1), step.cand_slots]  # [N, NB, H, D], at position 0
-    qsum = (qw * step.writes).sum(dim=(2, 3))  # [N, H, D]
+    reps = means.view(-1, H, qw.shape[-1]).index_select(0, step.cand_slots.view(-1)).view(N, NB, H, -1)  # at 0
+    # The row's written queries (a one-token step's only query is written, or its row reads no memory).
+    qsum = (qw if qw.shape[3] == 1 else qw * step.writes).sum(dim=(2, 3))  # [N, H, D]
     if tables is not None:  # q . R(t_mem) m = R(-t_mem) q . m: one matrix per row and step
         key = ("recall_turn", tables[2])
         turn = memo.get(key)
@@ -471,20 +473,26 @@ def join_window(window: Tuple[torch.Tensor, torch.Tensor], memory: MemoryCall) -
 
 def attend_with_window(memory: MemoryCall, kc: torch.Tensor, vc: torch.Tensor,
                        scales: Optional[Tuple[torch.Tensor, torch.Tensor]], geo, window_score_mod: Optional[Callable],
-                       dtype: torch.dtype, width: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                       dtype: torch.dtype, width: int, memo: dict) -> Tuple[torch.Tensor, torch.Tensor]:
     """The window's cells, as the rows path gathers them (`geo`: its `RowGeometry` of the step, packed
     queries), and the memory part in one softmax: `(out [N, Hq, T, Dv] in `dtype`, lse [N, Hq, T])`.
     One pass where the rows path and a join would make two: the window's own softmax, its log-sum-exp
     and the join are not formed. `window_score_mod`: the step's `score_mod` as the rows path takes it
     (layer-tensor cells, packed queries), or None. `width`: the most cells a row of this step reads
-    (`max_retained + T`): a gathered row holds them first, so the rest of it is not read."""
+    (`max_retained + T`): a gathered row holds them first, so the rest of it is not read. `memo`: where
+    the step's layers share the window's cells and mask (`memory_part`'s)."""
     scores_m, values_m, qw = memory
     N, H, g, T, D = qw.shape
     ks, vs = (None, None) if scales is None else scales
     work = qw.dtype
     W = min(width, geo.cells.shape[-1])
-    cells, bias = geo.cells[:, :W], geo.bias[..., :W]
-    flat = (torch.arange(H, device=qw.device) * kc.shape[2]).view(1, H, 1) + cells.reshape(N, 1, W)
+    cells = geo.cells[:, :W]
+    key = ("recall_window", id(geo))
+    shared = memo.get(key)
+    if shared is None or shared[0] is not geo:
+        flat = (torch.arange(H, device=qw.device) * kc.shape[2]).view(1, H, 1) + cells.reshape(N, 1, W)
+        shared = memo[key] = (geo, flat, geo.bias[..., :W].to(work))
+    _, flat, bias = shared
     q = qw.reshape(N, H, g * T, D)
     scores = q @ _read(kc, ks, flat, work).transpose(2, 3)  # [N, H, g * T, W]
     if window_score_mod is not None:
@@ -492,7 +500,7 @@ def attend_with_window(memory: MemoryCall, kc: torch.Tensor, vc: torch.Tensor,
         heads = torch.arange(H, device=q.device).view(1, H, 1, 1)
         scores = window_score_mod(scores, geo.batch_rows.view(N, 1, 1, 1), heads, q_idx,
                                   cells.reshape(N, 1, 1, W)).to(work)
-    scores = torch.cat([scores + bias.to(work), scores_m.view(N, H, g * T, -1)], dim=-1)
+    scores = torch.cat([scores + bias, scores_m.view(N, H, g * T, -1)], dim=-1)
     top = scores.amax(dim=-1, keepdim=True)
     top = torch.where(torch.isneginf(top), 0.0, top)
     p = torch.exp(scores - top)
