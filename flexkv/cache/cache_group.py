@@ -30,7 +30,16 @@ from .paths.attention_options import AttentionOptions
 from .paths.choice import AttentionPaths, PathCall
 from .paths.joint_path import KeyPart, check_joined
 from .paths.query_only import attend_query_only, check_query_only
-from .paths.recall import MemoryIndex, MemoryTurns, attend_with_window, check_recall_call, join_window, memory_part
+from .paths.recall import (
+    MemoryIndex,
+    MemoryTurns,
+    attend_with_window,
+    check_recall_call,
+    join_window,
+    memory_part,
+    memory_step,
+)
+from .paths.row_attention import device_geometry, mask_geometry, repeat_queries
 from .paths.sinks import apply_learned_sinks, check_sinks
 from .positions.masks import POSITION_MODES, make_score_mod
 from .positions.relative_position import RelativePositionScores
@@ -147,7 +156,23 @@ class CacheGroup(StoreBuffers, nn.Module):
                                                     step.step_tokens),
                           private_source=private.get, parts=not eager_only)
         self.paths.plan_parts(plan, eager_only)
+        if self.memory_index is not None:
+            self._recall_parts(plan)
         return plan
+
+    def _recall_parts(self, plan: BoundedPlan) -> None:
+        """What every layer of a `Recall` step reads alike, made once with its plan (device ops on the plan's
+        tensors, no host read) so that a compiled step takes it as inputs instead of forming it in every
+        layer: the memory's geometry (`memory_step`), the window's gathered cells and mask (unpacked
+        queries), and each rotary's turn of the query sum."""
+        T = plan.tokens
+        kc = self._store.layer_kv(0)[0]
+        step = memory_step(self.memory_index, self.memory_turns, self.config, self.layout, plan, T, kc.shape[1],
+                           kc.shape[2])
+        plan.extras["recall"] = step
+        plan.extras["recall_turns"] = self.memory_turns.turn_matrices(step.t_mem.neg())
+        plan.extras["recall_window"] = mask_geometry(self.layout, plan, self._store.mask_mod(plan, T, False), T,
+                                                     self.config.dtype, self.paths.rows.width)
 
     def slot_buffers(self):
         """Every buffer of this group that holds per-slot state (`LayerStore.slot_buffers`): each layer's
@@ -250,13 +275,10 @@ class CacheGroup(StoreBuffers, nn.Module):
         g = Hq // H if route.pack_gqa else 1
         memo = {} if compiling else self._store.per_plan(plan)
         memory = memory_part(self.memory_index, self.memory_turns, layer_idx, c, self.layout, q, kc, vc, scales, plan,
-                             memo, scale=scale, score_mod=score_mod, positions=positions)
+                             scale=scale, score_mod=score_mod, positions=positions)
         if route.path == "rows":
-            qs = q.reshape(N, H, g * T, D) if route.pack_gqa else q  # its shape and dtype name the geometry
-            geometry, mask_mod = self.paths.rows.step_geometry(
-                PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, True, relative, compiling))
-            if geometry is None:
-                geometry = self.paths.rows.geometry(plan, mask_mod, qs.shape[2], q.dtype)
+            window = plan.extras["recall_window"]  # made with the plan (`_recall_parts`), unpacked queries
+            geometry = repeat_queries(device_geometry(window) if compiling else window, g)
             return attend_with_window(memory, kc, vc, scales, geometry, sm, q.dtype, c.max_retained + T, memo)
         qs = (q.reshape(N, H, g * T, D) if route.pack_gqa else q) * scale  # a fresh buffer (Q_VIEW, above)
         out, lse = path(PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, True, relative, compiling))

@@ -204,11 +204,15 @@ class MemoryTurns(nn.Module):
         """`x` `[N, H, P, D]` turned by the (unbounded) `positions` `[N, P]`, angles in the rotary's own dtype."""
         return self._rotaries[kind].rotate(x, positions)
 
-    def turn_matrix(self, kind: int, positions: torch.Tensor) -> torch.Tensor:
-        """`[N, D, D]`: the turn by `positions` `[N]` as a matrix (`x @ M` turns rows `x` of a batch row)."""
-        rotary = self._rotaries[kind]
-        eye = torch.eye(rotary.head_dim, dtype=self.work, device=positions.device).expand(positions.shape[0], 1, -1, -1)
-        return rotary.rotate(eye, positions.view(-1, 1).expand(-1, rotary.head_dim)).squeeze(1)
+    def turn_matrices(self, positions: torch.Tensor) -> dict:
+        """Per table kind, `[N, D, D]`: the turn by `positions` `[N]` as a matrix (`x @ M` turns the rows `x` of
+        a batch row)."""
+        out = {}
+        for kind, rotary in enumerate(self._rotaries):
+            eye = torch.eye(rotary.head_dim, dtype=self.work, device=positions.device)
+            rows = eye.expand(positions.shape[0], 1, -1, -1)
+            out[kind] = rotary.rotate(rows, positions.view(-1, 1).expand(-1, rotary.head_dim)).squeeze(1)
+        return out
 
     @property
     def memory_bytes(self) -> int:
@@ -362,7 +366,6 @@ def memory_part(
     vc: torch.Tensor,
     scales: Optional[Tuple[torch.Tensor, torch.Tensor]],
     plan,
-    memo: dict,
     *,
     scale: float,
     score_mod: Optional[Callable] = None,
@@ -374,27 +377,25 @@ def memory_part(
     `q`: the step's queries `[N, Hq, T, D]`, as `attend` got them (unscaled). `kc`, `vc`: the layer's
     key and value tensors `[1, H, S, *]` after the step's write; `scales` their per-cell scales when
     quantized. `turns`: the layer's table when its keys carry in-cache positions (memory read at the
-    position before the step's first window entry), else memory is read at its stream index. `memo`:
-    where the step's layers share the layer-independent part (`memory_step`; an empty dict each layer
-    when compiled). `score_mod(score, b, h, q_pos, kv_pos)` gets stream positions, or with
+    position before the step's first window entry), else memory is read at its stream index. `plan`:
+    the group's plan, carrying what its layers share (`plan.extras["recall"]`, a `MemoryStep`, and
+    `["recall_turns"]`, `MemoryTurns.turn_matrices`). `score_mod(score, b, h, q_pos, kv_pos)` gets stream positions, or with
     `positions="cache"` in-cache ones (a memory entry then sits `q_pos - p + t_mem` for a query at
     stream index `p`).
     """
     recall = config.recall
     bs, k_top = recall.block, recall.top_k
     N, Hq, T, D = q.shape
-    H, S = kc.shape[1], kc.shape[2]
+    H = kc.shape[1]
     g = Hq // H
     work = _work(q.dtype)
     ks, vs = (None, None) if scales is None else scales
     tables = turns.tables(layer)
-    step = memo.get("recall")
-    if step is None:
-        step = memo["recall"] = memory_step(index, turns, config, layout, plan, T, H, S)
+    step = plan.extras["recall"]  # made with the plan (`memory_step`)
     means = index.means(layer)
 
-    # The step's whole blocks' means, each turned back to position 0.
-    if step.made:
+    # The step's whole blocks' means, each turned back to position 0 (compiled: every step, no guard on it).
+    if torch.compiler.is_compiling() or step.made:
         keys = _read(kc, ks, step.made_flat, work)  # [N, H, C * bs, D]
         if tables is not None:
             keys = turns.turn_at(tables[2], keys, -step.made_entries)
@@ -402,7 +403,7 @@ def memory_part(
         means.index_put_((step.made_rows, step.made_slots), keys.view(N, H, C, bs, -1).mean(dim=3).transpose(1, 2))
 
     qw = (q.to(work) * scale).view(N, H, g, T, D)  # scaled: the ranking is the same
-    chosen, live = _choose(step, means, qw, turns, tables, memo, k_top)
+    chosen, live = _choose(step, means, qw, turns, tables, plan.extras["recall_turns"], k_top)
 
     # The chosen blocks' entries (per KV head), then the tail's.
     shift = (chosen * bs).unsqueeze(-1)  # [N, H, k, 1]
@@ -434,7 +435,7 @@ def memory_part(
     return MemoryCall(scores, values, qw)
 
 
-def _choose(step: MemoryStep, means: torch.Tensor, qw: torch.Tensor, turns: MemoryTurns, tables, memo: dict,
+def _choose(step: MemoryStep, means: torch.Tensor, qw: torch.Tensor, turns: MemoryTurns, tables, turn_matrices: dict,
             k_top: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """`(chosen, live)`, each `[N, H, k]`: the `k` candidate blocks whose means score highest against the row's
     written queries summed over the step and the KV head's group (a stable sort: ties to the lower block),
@@ -445,10 +446,9 @@ def _choose(step: MemoryStep, means: torch.Tensor, qw: torch.Tensor, turns: Memo
     # The row's written queries (a one-token step's only query is written, or its row reads no memory).
     qsum = (qw if qw.shape[3] == 1 else qw * step.writes).sum(dim=(2, 3))  # [N, H, D]
     if tables is not None:  # q . R(t_mem) m = R(-t_mem) q . m: one matrix per row and step
-        key = ("recall_turn", tables[2])
-        turn = memo.get(key)
-        if turn is None:
-            turn = memo[key] = turns.turn_matrix(tables[2], step.t_mem.neg())
+        turn = turn_matrices.get(tables[2])
+        if turn is None:  # a rotation set after the step was planned
+            turn = turns.turn_matrices(step.t_mem.neg())[tables[2]]
         qsum = torch.bmm(qsum, turn)
     score = torch.einsum("nhd,nbhd->nhb", qsum, reps).masked_fill(~step.valid, float("-inf"))
     ranked, order = torch.sort(score, dim=-1, descending=True, stable=True)
