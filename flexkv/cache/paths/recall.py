@@ -225,8 +225,8 @@ class MemoryStep(NamedTuple):
     #: `[N]` each plan row's slot row in the index (padding rows: the spare row).
     rows: torch.Tensor
     #: The blocks the step makes whole: `[N, C]` index rows (the spare row where none) and slots, and the
-    #: flat cells of their entries `[N, H, C * block]`; `made` whether any row makes one (eagerly read from
-    #: the host table; compiled, True).
+    #: flat cells of their entries `[N, H, C * block]`; `made` whether any row makes one (read from the host
+    #: table; a compiled step writes at every step instead of reading it, which would be a guard).
     made_rows: torch.Tensor
     made_slots: torch.Tensor
     made_flat: torch.Tensor
@@ -235,9 +235,9 @@ class MemoryStep(NamedTuple):
     made_entries: torch.Tensor
     #: `[N, 1, 1, T, 1]` 1 for each written query (a chunk's written queries choose together).
     writes: torch.Tensor
-    #: `[N, NB]` candidate block numbers, their means' rows in a layer's index viewed as `[rows * blocks, H,
-    #: D]`, `[N, 1, NB]` which are in some written
-    #: query's memory, and `[N]` `t_mem`, the position memory is read at (`attend_memory`).
+    #: `[N, NB]` candidate block numbers and their means' rows in a layer's index viewed as `[rows * blocks,
+    #: H, D]`; `[N, 1, NB]` which are in some written query's memory; `[N]` `t_mem`, the position memory is
+    #: read at (`memory_part`).
     cand: torch.Tensor
     cand_slots: torch.Tensor
     valid: torch.Tensor
@@ -323,11 +323,12 @@ def memory_step(index: MemoryIndex, turns: MemoryTurns, config: BoundedKVConfig,
     e = torch.arange(bs, device=dev).view(1, 1, 1, bs)
     live_row = plan.ring_base.long().view(N, 1, 1, 1) >= 0  # padding rows carry a negative ring base
     ring_flat = head_base + torch.where(live_row, plan.ring_base.long().view(N, 1, 1, 1), 0)
+    cand_rows = rows.view(N, 1) * index.blocks + torch.remainder(cand, index.blocks)
     return MemoryStep(
-        rows, made_rows, made_slots, made_flat, any_made, j_made.view(N, C * bs), written.to(work).view(N, 1, 1, T, 1),
-        cand, rows.view(N, 1) * index.blocks + torch.remainder(cand, index.blocks), valid, t_mem.view(N), oldest.view(N, 1, 1, T, 1),
-        whole.view(N, 1, 1, T, 1), tail_flat, tail_turn, tail_reads, sink, sink.view(N, 1, 1, 1) + e,
-        (t_mem.view(N, 1, 1, 1) - sink.view(N, 1, 1, 1) - e + turns.offset), ring_flat)
+        rows, made_rows, made_slots, made_flat, any_made, j_made.view(N, C * bs),
+        written.to(work).view(N, 1, 1, T, 1), cand, cand_rows, valid, t_mem.view(N),
+        oldest.view(N, 1, 1, T, 1), whole.view(N, 1, 1, T, 1), tail_flat, tail_turn, tail_reads, sink,
+        sink.view(N, 1, 1, 1) + e, (t_mem.view(N, 1, 1, 1) - sink.view(N, 1, 1, 1) - e + turns.offset), ring_flat)
 
 
 def _swap(x: torch.Tensor, rope_layout: str) -> torch.Tensor:
@@ -519,7 +520,7 @@ def _tail_entries(step: MemoryStep, bs: int, T: int) -> torch.Tensor:
 
 
 def _scored(score_mod, scores, jq, plan, config, step, N, H, g, T, Hq, positions, turned, work):
-    """`score_mod` applied to the memory part's scores `[N, H, g, T, E]` at its positions (`attend_memory`)."""
+    """`score_mod` applied to the memory part's scores `[N, H, g, T, E]` at its positions (`memory_part`)."""
     dev = scores.device
     n = plan.n.long().view(N, 1, 1, 1, 1)
     p = n + torch.arange(T, device=dev).view(1, 1, 1, T, 1)
