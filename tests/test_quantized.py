@@ -7,7 +7,7 @@ import torch
 from random_workload import RandomWorkload
 
 from configs import small_config
-from flexkv import BoundedKVConfig, BoundedKVManager, LayerGroup, SinkWindow
+from flexkv import BoundedKVConfig, BoundedKVManager, LayerGroup, Recall, SinkWindow
 from flexkv.cache.positions.rotary import Rotary
 from flexkv.cache.storage import quantized
 from flexkv.cli.workload import WorkloadError, parse_workload
@@ -102,14 +102,17 @@ def test_the_cache_stores_what_quantize_gives_for_a_written_token():
     assert torch.equal(m.k_cache_0[0, :, cell], want) and torch.equal(m.k_scale_0[0, :, cell], scale)
 
 
-@pytest.mark.parametrize("slot_dtype, rotated_inputs", [(torch.int8, False), (torch.int8, True),
-                                                        (torch.float8_e4m3fn, False)])
+@pytest.mark.parametrize("slot_dtype, rotated_inputs, retention", [
+    (torch.int8, False, SinkWindow(2, 6)), (torch.int8, True, SinkWindow(2, 6)),
+    (torch.float8_e4m3fn, False, SinkWindow(2, 6)), (torch.int8, True, Recall(2, 6, 8, block=2, top_k=2))])
 def test_in_cache_rotary_positions_over_quantized_slots_equal_the_reference_reading_cells_back(slot_dtype,
-                                                                                               rotated_inputs):
+                                                                                               rotated_inputs,
+                                                                                               retention):
     """In-cache positions rewrite every sink cell at each step from the sink's unquantized copy (one
     quantization per write, no error carried over): the reference quantizes each key as the cache holds it
-    (rotated at its stream index; a sink at the distance its in-cache position gives) and reads it back."""
-    cfg = small_config(retention=SinkWindow(2, 6), head_dim=8, dtype=torch.float64, max_step_tokens=2,
+    (rotated at its stream index; a sink at the distance its in-cache position gives) and reads it back.
+    A `Recall` memory reads its quantized cells and turns them to where memory is read."""
+    cfg = small_config(retention=retention, head_dim=8, dtype=torch.float64, max_step_tokens=2,
                        slot_dtype=slot_dtype)
     manager = BoundedKVManager(cfg, "cpu")
     rotary = Rotary(8)

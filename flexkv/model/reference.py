@@ -211,7 +211,8 @@ class ReferenceCache:
                         vv = torch.cat([vv, ev], dim=1)
                     if c.recall is not None:  # the memory part: each KV head's selected blocks
                         ms, mv = self._memory(c, K_all, V_all, q[b], own, span, ts, group, scale, rotary,
-                                              rope_positions, score_mod, positions, b, cache_query_pos, query_pos)
+                                              rope_positions, score_mod, positions, b, cache_query_pos, query_pos,
+                                              stored)
                         scores, vv = torch.cat([scores, ms], dim=-1), torch.cat([vv, mv], dim=1)
                     if sink_logits is not None:
                         scores = torch.cat([scores, sink_logits.expand(Hq, len(ts), 1)], dim=-1)
@@ -225,7 +226,7 @@ class ReferenceCache:
 
     @staticmethod
     def _memory(c, K_all, V_all, q_row, own, span, ts, group, scale, rotary, rope_positions, score_mod, positions,
-                b, cache_query_pos, query_pos):
+                b, cache_query_pos, query_pos, stored=None):
         """A `Recall` row's memory part for queries `ts` (which share their window start): `(scores [Hq,
         len(ts), E], values [Hq, E, Dv])` over its tail and the entries of the blocks some KV head chose,
         -inf where a query head's KV head did not choose the entry's block (the `Recall` docstring's rule)."""
@@ -250,7 +251,10 @@ class ReferenceCache:
             return rotary.rotate(x.unsqueeze(0), torch.as_tensor(at, dtype=torch.long))[0]
 
         def key_at(js) -> torch.Tensor:  # [H, len(js), D]: keys at the positions memory is read at
-            return turned(K_all[:, js], [t_mem] * len(js) if in_memory else js)
+            if stored is None:
+                return turned(K_all[:, js], [t_mem] * len(js) if in_memory else js)
+            held = stored(turned(K_all[:, js], js))  # as a cell holds it: rotated at its stream index
+            return turned(held, [t_mem - j for j in js]) if in_memory else held
 
         candidates = sorted(set().union(*(memory_blocks(t) for t in range(span))))
         qsum = sum(turned(q_row[:, t:t + 1], [n + t]) for t in range(span))  # [Hq, 1, D]
@@ -282,7 +286,8 @@ class ReferenceCache:
         allowed = torch.tensor([[j in tail or (j - s) // bs in chosen[h // group] for j in entries]
                                 for h in range(Hq)], dtype=torch.bool).view(Hq, 1, len(entries))
         scores = scores.masked_fill(~allowed, float("-inf"))
-        return scores, V_all[:, entries].repeat_interleave(group, 0)
+        values = V_all[:, entries] if stored is None else stored(V_all[:, entries])
+        return scores, values.repeat_interleave(group, 0)
 
     def _row_history(self, layer: int, rid, pos, r: int, k_own: torch.Tensor, v_own: torch.Tensor) -> tuple:
         """Row `r` of request `rid`'s whole history in `layer` with the step's own keys `k_own` (stream order)

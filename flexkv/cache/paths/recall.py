@@ -41,6 +41,7 @@ from torch import nn
 from ...config import BoundedKVConfig
 from ..host.layout import Layout
 from ..positions.rotary import apply_rotary
+from ..storage.quantized import dequantize
 from ..storage.slot_copy import SlotBuffer, plan_slot_rows
 
 __all__ = ["MemoryCall", "MemoryIndex", "MemoryStep", "MemoryTurns", "attend_with_window", "check_recall_call",
@@ -134,16 +135,18 @@ def _rows(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).index_select(0, flat)
 
 
-def _read(kc: torch.Tensor, scale: Optional[torch.Tensor], flat: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+def _read(kc: torch.Tensor, scale: Optional[torch.Tensor], flat: torch.Tensor, work: torch.dtype,
+          dtype: torch.dtype) -> torch.Tensor:
     """Rows `flat` (`[N, H, L]`, head `h`'s cell `c` as `h * S + c`) of a layer tensor `[1, H, S, D]`,
-    dequantized: `[N, H, L, D]`. Read as whole rows of the flattened `[H * S, D]` tensor (`index_select`:
+    dequantized into the cache's `dtype` then widened to `work`: `[N, H, L, D]`. Read as whole rows of the flattened `[H * S, D]` tensor (`index_select`:
     several times faster on the CPU than indexing by a head and a cell tensor)."""
     N, H, L = flat.shape
     flat = flat.reshape(-1)
-    out = _rows(kc, flat).view(N, H, L, -1).to(work)
+    out = _rows(kc, flat).view(N, H, L, -1)
     if scale is None:
-        return out
-    return out * _rows(scale, flat).view(N, H, L, 1)
+        return out.to(work)
+    # As every path reads a quantized cell back (`quantized.dequantize`), then widened.
+    return dequantize(out, _rows(scale, flat).view(N, H, L, 1), dtype).to(work)
 
 
 class MemoryTurns(nn.Module):
@@ -397,7 +400,7 @@ def memory_part(
 
     # The step's whole blocks' means, each turned back to position 0 (compiled: every step, no guard on it).
     if torch.compiler.is_compiling() or step.made:
-        keys = _read(kc, ks, step.made_flat, work)  # [N, H, C * bs, D]
+        keys = _read(kc, ks, step.made_flat, work, q.dtype)  # [N, H, C * bs, D]
         if tables is not None:
             keys = turns.turn_at(tables[2], keys, -step.made_entries)
         C = keys.shape[2] // bs
@@ -411,8 +414,8 @@ def memory_part(
     j_sel = shift + step.entry0  # [N, H, k, bs]: stream indices
     flat = torch.cat([(step.ring_flat + torch.remainder(j_sel, layout.ring_len)).view(N, H, k_top * bs),
                       step.tail_flat], dim=2)  # [N, H, E]
-    keys = _read(kc, ks, flat, work)
-    values = _read(vc, vs, flat, work)
+    keys = _read(kc, ks, flat, work, q.dtype)
+    values = _read(vc, vs, flat, work, q.dtype)
     if tables is not None:
         turn = torch.cat([(step.turn0 - shift).view(N, H, k_top * bs), step.tail_turn.expand(N, H, -1)], dim=2)
         keys = _turn(keys, tables, turn.clamp_(0, turns.length - 1), (N, H, flat.shape[2]))
@@ -495,7 +498,7 @@ def attend_with_window(memory: MemoryCall, kc: torch.Tensor, vc: torch.Tensor,
         shared = memo[key] = (geo, flat, geo.bias[..., :W].to(work))
     _, flat, bias = shared
     q = qw.reshape(N, H, g * T, D)
-    scores = q @ _read(kc, ks, flat, work).transpose(2, 3)  # [N, H, g * T, W]
+    scores = q @ _read(kc, ks, flat, work, dtype).transpose(2, 3)  # [N, H, g * T, W]
     if window_score_mod is not None:
         q_idx = torch.arange(g * T, device=q.device).view(1, 1, -1, 1)
         heads = torch.arange(H, device=q.device).view(1, H, 1, 1)
@@ -506,7 +509,7 @@ def attend_with_window(memory: MemoryCall, kc: torch.Tensor, vc: torch.Tensor,
     top = torch.where(torch.isneginf(top), 0.0, top)
     p = torch.exp(scores - top)
     total = p.sum(dim=-1, keepdim=True)
-    out = p[..., :W] @ _read(vc, vs, flat, work) + p[..., W:] @ values_m
+    out = p[..., :W] @ _read(vc, vs, flat, work, dtype) + p[..., W:] @ values_m
     out = out / total.clamp_min(torch.finfo(work).tiny)
     return out.view(N, H * g, T, -1).to(dtype), (torch.log(total) + top).view(N, H * g, T)
 
