@@ -171,8 +171,13 @@ class CacheGroup(StoreBuffers, nn.Module):
                            kc.shape[2])
         plan.extras["recall"] = step
         plan.extras["recall_turns"] = self.memory_turns.turn_matrices(step.t_mem.neg())
-        plan.extras["recall_window"] = mask_geometry(self.layout, plan, self._store.mask_mod(plan, T, False), T,
-                                                     self.config.dtype, self.paths.rows.width)
+        if any(self.paths.reach("rows", T)):  # the window's geometry, unless every step takes FlexAttention
+            # A chunk the CPU fast paths serve already carries it (`FastRowsPath.plan_parts`): the same one.
+            window = plan.extras.get("rows_geometry")
+            if window is None:
+                window = mask_geometry(self.layout, plan, self._store.mask_mod(plan, T, False), T, self.config.dtype,
+                                       self.paths.rows.width)
+            plan.extras["recall_window"] = window
 
     def slot_buffers(self):
         """Every buffer of this group that holds per-slot state (`LayerStore.slot_buffers`): each layer's

@@ -3,9 +3,10 @@
 A `flexkv.config.Recall` cache keeps `memory + block - 1` more cells in every
 slot's ring, so the entries that left the window stay in the slot. The
 window part (sinks, window, the step's own tokens) is attended by the
-cache's usual paths with its log-sum-exp; this module attends the memory
-part and joins it to the window's into one softmax (`_join`: exact, the
-two key sets are disjoint).
+cache's usual paths; this module attends the memory part in the same
+softmax (exact: the two key sets are disjoint): on the rows path with the
+window's gathered cells (`attend_with_window`), through FlexAttention by
+joining the window's log-sum-exp (`join_window`).
 
 Blocks are `block` stream entries counted from the first entry after the
 sinks. `MemoryIndex` keeps, per layer and slot row, the mean key of each
@@ -138,8 +139,9 @@ def _rows(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
 def _read(kc: torch.Tensor, scale: Optional[torch.Tensor], flat: torch.Tensor, work: torch.dtype,
           dtype: torch.dtype) -> torch.Tensor:
     """Rows `flat` (`[N, H, L]`, head `h`'s cell `c` as `h * S + c`) of a layer tensor `[1, H, S, D]`,
-    dequantized into the cache's `dtype` then widened to `work`: `[N, H, L, D]`. Read as whole rows of the flattened `[H * S, D]` tensor (`index_select`:
-    several times faster on the CPU than indexing by a head and a cell tensor)."""
+    dequantized into the cache's `dtype`, then widened to `work`: `[N, H, L, D]`. Read as whole rows of
+    the flattened `[H * S, D]` tensor (`index_select`: several times faster on the CPU than indexing by a
+    head and a cell tensor)."""
     N, H, L = flat.shape
     flat = flat.reshape(-1)
     out = _rows(kc, flat).view(N, H, L, -1)
@@ -151,8 +153,8 @@ def _read(kc: torch.Tensor, scale: Optional[torch.Tensor], flat: torch.Tensor, w
 
 class MemoryTurns(nn.Module):
     """Cosine and sine tables of the turns a memory read makes under in-cache rotary positions, one table
-    per distinct rotary (`[length, head_dim]` in the work dtype, row `offset + d` turning by `d`
-    positions), built once when a layer's rotation is set (`set`).
+    per distinct rotary (`[length, 2, head_dim]` in the work dtype: row `offset + d` holds the cosines
+    and the signed sines of a turn by `d` positions), built once when a layer's rotation is set (`set`).
 
     A turn is a small distance, never a stream index: a memory entry at stream index `j` is read at
     `t_mem - j` past its cell's rotation (`t_mem` just before the step's first window entry), which lies
@@ -166,7 +168,6 @@ class MemoryTurns(nn.Module):
     def __init__(self, config: BoundedKVConfig, device: torch.device):
         super().__init__()
         recall = config.recall
-        self.block = recall.block
         self.offset = config.max_step_tokens + recall.block + 1
         self.length = self.offset + config.memory_capacity + 2 * recall.block + 1
         self.work = _work(config.dtype)
@@ -383,9 +384,9 @@ def memory_part(
     quantized. `turns`: the layer's table when its keys carry in-cache positions (memory read at the
     position before the step's first window entry), else memory is read at its stream index. `plan`:
     the group's plan, carrying what its layers share (`plan.extras["recall"]`, a `MemoryStep`, and
-    `["recall_turns"]`, `MemoryTurns.turn_matrices`). `score_mod(score, b, h, q_pos, kv_pos)` gets stream positions, or with
-    `positions="cache"` in-cache ones (a memory entry then sits `q_pos - p + t_mem` for a query at
-    stream index `p`).
+    `["recall_turns"]`, `MemoryTurns.turn_matrices`). `score_mod(score, b, h, q_pos, kv_pos)` gets
+    stream positions, or with `positions="cache"` in-cache ones (a memory entry then sits
+    `q_pos - p + t_mem` for a query at stream index `p`).
     """
     recall = config.recall
     bs, k_top = recall.block, recall.top_k

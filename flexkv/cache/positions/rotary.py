@@ -57,6 +57,7 @@ from torch import nn
 
 from ...config import BoundedKVConfig, check_layer_index, is_int
 from ...step import BoundedKVStep
+from ..storage.quantized import dequantize
 from ..storage.slot_copy import SlotBuffer, plan_slot_rows
 
 __all__ = [
@@ -331,7 +332,7 @@ class SinkRotation(nn.Module):
         v_scale = self.store.layer_scales(self.layer_idx)[1]
         if v_scale is not None:  # quantized slots: the values as their cells read back
             scale = v_scale[0][:, cells.view(-1)].view(H, N, S, 1).transpose(0, 1)
-            values = values.to(scale.dtype).mul(scale).to(self.manager.config.dtype)
+            values = dequantize(values, scale, self.manager.config.dtype)
         valid = live.view(-1, 1) & (offs < plan.sink.long().view(-1, 1))
         return keys, values, valid
 

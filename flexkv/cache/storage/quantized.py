@@ -14,9 +14,9 @@ values separately:
   own vector alone. Nothing is ever re-quantized: a cell keeps the error of
   its one write however often the ring wraps past it (under in-cache rotary
   positions the sink cells are written again at every step, each time from
-  the sink's unquantized copy, so each holds one write's error), and the largest entry
-  of every vector (an outlier included) is stored exactly at the top of the
-  range rather than clipped.
+  the sink's unquantized copy, so each holds one write's error), and the
+  largest entry of every vector (an outlier included) is stored exactly at
+  the top of the range rather than clipped.
 - **read** (`dequantize`): `cells.float() * scale`, cast to the cache's
   `dtype`, where a path reads cells: the rows path (eager and compiled CPU)
   a group of rows at a time (`flexkv.cache.cpu.quantized_rows`; float32 steps
