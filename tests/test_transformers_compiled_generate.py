@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 
 from hf_models import left_pad, make_model, prompts
 from single_thread import one_thread  # noqa: F401
@@ -59,6 +60,15 @@ def _chat(model, **generate_kw):
     finally:
         hook.remove()
     return (first, second), graphs
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles the one model's forward its own way: dynamo's graphs for it start empty, so
+    that the other tests' graphs neither count nor fill its recompile limit."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +116,104 @@ def test_a_forward_compiled_with_dynamic_none_decodes_on_one_graph(llama):
     assert first[0] >= 2 and first == [first[0]] * len(first), f"decode steps compiled again: {graphs}"
     assert second == [second[0]] * len(second) and second[0] <= first[0] + 1, graphs
     assert torch._dynamo.config.automatic_dynamic_shapes  # restored after each forward
+
+
+def test_a_forward_compiled_by_hand_runs_its_chunks_on_one_graph(llama):
+    """`model.forward = torch.compile(model.forward)` and a prompt of three 16-token chunks, no padding:
+    the hooks run the compiled forward once per chunk (one graph for all three, not a graph holding
+    every chunk of every layer), the streams advance only when the last chunk returns, and the ids
+    equal the eager cache's, the prompt and the chat continued after it. A second cache on the same
+    compiled forward compiles nothing more."""
+    model, _ = llama
+    ids = torch.stack(prompts((48, 48), seed=6))
+    more = torch.stack(prompts((5, 5), seed=7))
+
+    def chat():
+        cache = FlexKVCache(model, RETENTION, **KW)
+        with torch.no_grad():
+            first = model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False)
+            second = model.generate(torch.cat([first, more], dim=1), cache=cache, max_new_tokens=6, do_sample=False)
+        return first, second, cache
+
+    want = chat()[:2]
+    forward = model.forward
+    torch._dynamo.utils.counters.clear()
+    counter = CompileCounter()
+    seen = []  # after each model call: the columns its forward ran, the graphs compiled so far
+
+    def count(mod, args, kwargs, out):
+        seen.append((kwargs["input_ids"].shape[1], counter.frame_count))
+
+    hook = model.register_forward_hook(count, with_kwargs=True)
+    model.forward = torch.compile(forward, backend=counter, fullgraph=True)
+    try:
+        first, second, cache = chat()
+        graphs = counter.frame_count
+        again = chat()  # a new cache on the same compiled forward
+    finally:
+        model.forward = forward
+        hook.remove()
+    assert torch.equal(first, want[0]) and torch.equal(second, want[1])
+    assert torch.equal(again[0], first) and torch.equal(again[1], second)
+    assert counter.frame_count == graphs, "a new cache compiled the forward again"
+    seen = seen[:len(seen) // 2]
+    # The cache's one-token routing probe runs eager; the prompt's forward ends on its last 16-column
+    # chunk with one graph compiled for all three; decoding compiles one more; the second call's prompt
+    # (the last answer token and 5 more: one chunk) a third, and its decoding none.
+    assert seen == [(1, 0), (16, 1)] + [(1, 2)] * 5 + [(6, 3)] + [(1, 3)] * 5, seen
+    assert [cache.stream_length(s) for s in cache.streams] == [first.shape[1] + 5 + 5] * 2
+
+
+def test_a_forward_compiled_by_hand_returns_every_chunks_logits(llama):
+    """A plain forward of three chunks (`logits_to_keep` 0: every column's logits) through a forward
+    compiled by hand: its logits are the eager cache's, all 40 columns of them, in order."""
+    model, _ = llama
+    ids = torch.stack(prompts((40,), seed=8))
+    with torch.no_grad():
+        want = model(input_ids=ids, cache=FlexKVCache(model, RETENTION, **KW)).logits
+        forward = model.forward
+        model.forward = torch.compile(forward, backend="eager", fullgraph=True)
+        try:
+            got = model(input_ids=ids, cache=FlexKVCache(model, RETENTION, **KW)).logits
+        finally:
+            model.forward = forward
+    assert got.shape == want.shape == (1, 40, want.shape[-1])
+    # Each chunk rotates its queries one by one (one graph for every chunk) where the eager forward rotates
+    # a chunk's at once: the same arithmetic in another order, float32 rounding apart.
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_chunk_that_fails_takes_the_whole_forward_back(llama, monkeypatch):
+    """The chunks of a forward compiled by hand are one forward: when the second chunk fails, the first
+    chunk's tokens are not in the stream, and the same cache then serves the prompt as if nothing had
+    happened (the ids equal a fresh cache's)."""
+    from flexkv.model.attendance import AttendanceRecord
+
+    model, _ = llama
+    ids = torch.stack(prompts((40,), seed=9))
+    with torch.no_grad():
+        want = model.generate(ids, cache=FlexKVCache(model, RETENTION, **KW), max_new_tokens=4, do_sample=False)
+    settle = AttendanceRecord.settle
+    calls = []
+
+    def failing(record):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the second chunk failed")
+        settle(record)
+
+    cache = FlexKVCache(model, RETENTION, **KW)
+    forward = model.forward
+    model.forward = torch.compile(forward, backend="eager", fullgraph=True)
+    try:
+        monkeypatch.setattr(AttendanceRecord, "settle", failing)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="second chunk failed"):
+            model(input_ids=ids, cache=cache)
+        assert [cache.stream_length(s) for s in cache.streams] in ([], [0]) and cache.get_seq_length() == 0
+        monkeypatch.setattr(AttendanceRecord, "settle", settle)
+        with torch.no_grad():
+            got = model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
+    finally:
+        model.forward = forward
+    assert len(calls) == 2 and torch.equal(got, want)

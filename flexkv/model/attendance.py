@@ -70,12 +70,15 @@ class AttendanceRecord:
         self.counts: List[int] = [0] * self.num_layers
         #: the calls each layer owes the current step: one per chunk the step was planned in
         self.calls = 1
+        #: calls counted by the parts of the step that ended (`settle`)
+        self.settled: List[int] = [0] * self.num_layers
         self._explainers: "weakref.WeakSet" = weakref.WeakSet()
 
     def start(self, calls: int = 1) -> None:
         """A step begins: every count (and every explainer's own counters) back to zero, in place; each
         layer owes the step `calls` attend calls (a step planned as `calls` chunks attends each once)."""
         self.counts[:] = [0] * self.num_layers
+        self.settled[:] = [0] * self.num_layers
         self.calls = int(calls)
         for e in list(self._explainers):
             e.start()
@@ -83,6 +86,13 @@ class AttendanceRecord:
     def attended(self, layer: int) -> None:
         """Count one attend call of `layer` (called by the attention core, eager or traced)."""
         self.counts[layer] += 1
+
+    def settle(self) -> None:
+        """A part of the step ended (one of its chunks, run by a model forward of its own): its calls join
+        the step's and the counts start from zero again, so every part's graph reads the same values."""
+        for i, c in enumerate(self.counts):
+            self.settled[i] += c
+        self.counts[:] = [0] * self.num_layers
 
     def add_explainer(self, explainer) -> None:
         """Register an object with `start()` and `explain(missing, twice) -> list of str`."""
@@ -94,8 +104,9 @@ class AttendanceRecord:
     def problems(self, layers: Optional[Sequence[int]] = None) -> Optional[str]:
         """What is wrong with the step's attendance (None: every layer attended once per chunk)."""
         expected = range(self.num_layers) if layers is None else layers
-        missing = [i for i in expected if self.counts[i] == 0]
-        twice = [i for i in expected if self.counts[i] not in (0, self.calls)]
+        counts = [c + s for c, s in zip(self.counts, self.settled)]
+        missing = [i for i in expected if counts[i] == 0]
+        twice = [i for i in expected if counts[i] not in (0, self.calls)]
         extra = []
         for e in list(self._explainers):
             extra.extend(e.explain(missing, twice))
@@ -106,7 +117,7 @@ class AttendanceRecord:
             parts.append(f"{self.what}s {layer_ranges(missing)} (of {len(expected)}) were never attended")
         if twice:
             owed = "" if self.calls == 1 else f" for the step's {self.calls} chunks"
-            parts.append(", ".join(f"{self.what} {i} was attended {self.counts[i]} times{owed}" for i in twice))
+            parts.append(", ".join(f"{self.what} {i} was attended {counts[i]} times{owed}" for i in twice))
         return "; ".join(parts + extra)
 
     def check(self, where: str, layers: Optional[Sequence[int]] = None) -> None:

@@ -492,7 +492,8 @@ def attend_with_window(memory: MemoryCall, kc: torch.Tensor, vc: torch.Tensor,
     work = qw.dtype
     W = min(width, geo.cells.shape[-1])
     cells = geo.cells[:, :W]
-    key = ("recall_window", id(geo))
+    # Compiled, `memo` is a fresh dict: no `id()` in the graph (a new one would recompile it every step).
+    key = "recall_window" if torch.compiler.is_compiling() else ("recall_window", id(geo))
     shared = memo.get(key)
     if shared is None or shared[0] is not geo:
         flat = (torch.arange(H, device=qw.device) * kc.shape[2]).view(1, H, 1) + cells.reshape(N, 1, W)

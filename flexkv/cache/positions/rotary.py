@@ -392,7 +392,8 @@ class SinkRotation(nn.Module):
             self.raw_sink.index_put_((flat,), k_raw.transpose(1, 2).reshape(N * T, H, D))
         # Each row's copies as [N, S * H, D]: one row read whole per plan row.
         raw = self.raw_sink.view(self._slot_rows + 1, S * H, D).index_select(0, slot_row)
-        angles = ("sink_angles", id(self.rotary), k_raw.dtype, self.rotated_inputs)
+        # The memo lives only eagerly: a graph must not hold an `id()` (each new cache would recompile it).
+        angles = ("sink_angles", id(self.rotary), k_raw.dtype, self.rotated_inputs) if eager else None
         turn = memo.get(angles)
         if turn is None:
             if self.rotated_inputs:

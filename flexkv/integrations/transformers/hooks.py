@@ -26,6 +26,7 @@ import torch
 from transformers.masking_utils import create_masks_for_generate
 
 from .branching import generate_branching
+from .chunked_forward import chunked_call, join_outputs
 from .model_config import text_config
 from .plan import FlexKVForward, compiled_forward
 from .registration import ATTN_IMPLEMENTATION, register
@@ -196,6 +197,13 @@ def _plan_forward(state: ModelState, module, args, kwargs):
     kwargs["attention_mask"] = cache.model_masks(mask, fwd)
     if compiled_forward(module):
         state.static_shapes(True)
+        try:  # a forward compiled by hand: its chunks run the compiled forward one by one
+            split = chunked_call(module, fwd, args, kwargs)
+        except BaseException:
+            state.recover()
+            raise
+        if split is not None:
+            return split
     return args, kwargs
 
 
@@ -213,6 +221,10 @@ def _post_forward(state: ModelState, module, args, kwargs, result):
 
 
 def _end_forward(state: ModelState, module, fwd, result):
+    if fwd.whole is not None:  # the last chunk of a forward run chunk by chunk (`chunked_call`)
+        result = join_outputs(fwd.earlier, result)
+        _end_forward(state, module, fwd.whole, result)
+        return result
     if state.running is fwd:
         state.running = None
     state.static_shapes(False)

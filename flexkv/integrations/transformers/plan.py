@@ -10,6 +10,7 @@ and the cache commits it.
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -100,6 +101,28 @@ class FlexKVForward:
         self.staged: dict = {}
         #: the model module whose hooks planned the forward (None: planned by hand)
         self.owner = None
+        #: a part (`part`): the whole forward it belongs to and its chunk's index (None: the whole)
+        self.whole = None
+        self.index = None
+
+    def part(self, index: int) -> "FlexKVForward":
+        """Chunk `index` of this forward alone, for a model forward that runs that chunk's columns only
+        (`chunked_forward`): it attends `plans[index]`, and its `whole` is this forward, which is what is
+        committed or rolled back. Only for a forward without padding columns or recurrent state."""
+        if self.gather is not None or self.state_slots is not None or self.whole is not None:
+            raise ValueError("FlexKVForward.part: a forward with padding columns or recurrent layers runs its "
+                             "chunks inside one model forward")
+        start = sum(plan.tokens for plan in self.plans[:index])
+        part = copy.copy(self)
+        part.plans = (self.plans[index],)
+        # Every part of a forward whose chunks do not all share one eviction count attends per query (the
+        # same result where a chunk's queries do share one): the parts then run one graph, not two.
+        part.rotary_shared = (all(self.rotary_shared),)
+        part.position_ids = self.position_ids[:, start:start + self.plans[index].tokens]
+        part.whole, part.index = self, index
+        #: the outputs of the chunks before, where the whole forward's output joins them (`chunked_forward`)
+        part.earlier = []
+        return part
 
     def attend(
         self,
