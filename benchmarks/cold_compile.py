@@ -29,9 +29,21 @@ Cases:
 - `example-quickstart`, `example-chat`, `example-conformer`, `example-tts`:
   the examples' warm-ups (`StreamSession.warmup`), with short runs.
 
+Run by name only (they need `flexkv[transformers,real]` and SmolLM2, docs/real_model.md): a
+trained model's `generate()` (SmolLM2-135M, 30 layers, a 512-token prompt, greedy, 3 new tokens)
+compiled the two ways transformers users write it, through `FlexKVCache(model, SinkWindow(4, 252))`
+or transformers' `StaticCache` sized for the run:
+
+- `hf-forward-flexkv`, `hf-forward-static`: `model.forward = torch.compile(model.forward,
+  fullgraph=True)`, prefill and decode compiled; the time is the prefill's and the first decode
+  step's (each printed too);
+- `hf-config-flexkv`, `hf-config-static`: `generate(compile_config=CompileConfig(fullgraph=True))`,
+  the decode step compiled (prefill eager); the time is the first decode step's.
+
     python -m benchmarks.cold_compile                      # every case, cold then warm
     python -m benchmarks.cold_compile --cases model-flexkv,model-ring
     python -m benchmarks.cold_compile --cases model-flexkv,model-ring --layers 40
+    python -m benchmarks.cold_compile --cases hf-forward-flexkv,hf-forward-static,hf-config-flexkv,hf-config-static
 """
 
 from __future__ import annotations
@@ -47,6 +59,7 @@ import tempfile
 import time
 from pathlib import Path
 
+HF_CASES = ("hf-forward-flexkv", "hf-forward-static", "hf-config-flexkv", "hf-config-static")
 CASES = ("model-flexkv", "model-ring", "chunk-flexkv", "chunk-ring", "dit-flexkv", "dit-ring", "session-2-buckets", "flexkv-run", "example-quickstart", "example-chat",
          "example-conformer", "example-tts")
 
@@ -181,6 +194,48 @@ def _child_example(name: str) -> float:
     return sum(spent)
 
 
+def _child_hf(form: str, cache_kind: str) -> dict:
+    """A trained model's `generate()` compiled as `form` (`"forward"` or `"config"`) through `cache_kind`:
+    the seconds of the prefill and of the first decode step (the module docstring)."""
+    import torch
+    from transformers import LogitsProcessorList, StaticCache
+
+    from flexkv import SinkWindow
+    from flexkv.integrations.transformers import FlexKVCache
+    from flexkv.integrations.transformers.pretrained import load_pretrained, reference_text
+
+    from .real_model_speed import DEFAULT_MODEL
+
+    model, tokenizer = load_pretrained(os.path.expanduser(DEFAULT_MODEL))
+    ids = tokenizer(reference_text(), return_tensors="pt").input_ids[:, :512]
+    new = 3
+    if cache_kind == "flexkv":
+        cache = FlexKVCache(model, SinkWindow(4, 252), max_streams=1)
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new + 1)
+    extra = {}
+    if form == "forward":
+        model.forward = torch.compile(model.forward, fullgraph=True)
+    else:
+        from transformers import CompileConfig
+
+        config = CompileConfig(fullgraph=True)
+        config._compile_all_devices = True  # transformers compiles on the CPU only when asked
+        extra = dict(compile_config=config)
+    stamps = []
+
+    def stamp(input_ids, scores):
+        stamps.append(time.perf_counter())
+        return scores
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False, max_new_tokens=new,
+                       min_new_tokens=new, logits_processor=LogitsProcessorList([stamp]), pad_token_id=0, **extra)
+    prefill, decode = stamps[0] - t0, stamps[1] - stamps[0]
+    return dict(compile_s=prefill + decode if form == "forward" else decode, prefill_s=prefill, decode_s=decode)
+
+
 def child(case: str) -> None:
     import torch
 
@@ -199,8 +254,12 @@ def child(case: str) -> None:
         s = _child_flexkv_run()
     elif case.startswith("example-"):
         s = _child_example(case[len("example-"):])
+    elif case in HF_CASES:
+        _, form, kind = case.split("-")
+        print(json.dumps(_child_hf(form, kind)))
+        return
     else:
-        raise SystemExit(f"unknown case {case!r}; one of {', '.join(CASES)}")
+        raise SystemExit(f"unknown case {case!r}; one of {', '.join(CASES + HF_CASES)}")
     print(json.dumps({"compile_s": s}))
 
 
@@ -217,14 +276,15 @@ def run_case(case: str, cache_dir: str, layers: int = 4) -> dict:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if p.returncode:
         raise RuntimeError(f"{case} failed:\n{p.stderr[-3000:]}")
-    compile_s = json.loads(p.stdout.strip().splitlines()[-1])["compile_s"]
+    found = json.loads(p.stdout.strip().splitlines()[-1])
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return dict(compile_s=compile_s, cpu_s=cpu, process_s=wall)
+    return dict(found, cpu_s=cpu, process_s=wall)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ",".join(CASES))
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help="comma-separated subset of " + ",".join(CASES) + "; or of " + ",".join(HF_CASES))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--json", help="write the figures to this file")
@@ -240,8 +300,10 @@ def main(argv=None) -> None:
             cold = run_case(case, d, args.layers)
             warm = run_case(case, d, args.layers)
         rows[case] = dict(cold=cold, warm=warm)
+        parts = "".join(f"; {r}: prefill {x['prefill_s']:.1f} s, first decode step {x['decode_s']:.1f} s"
+                        for r, x in (("cold", cold), ("warm", warm)) if "prefill_s" in x)
         print(f"  {case}: cold {cold['compile_s']:.1f} s ({cold['cpu_s']:.0f} CPU s), "
-              f"warm {warm['compile_s']:.1f} s ({warm['cpu_s']:.0f} CPU s)", flush=True)
+              f"warm {warm['compile_s']:.1f} s ({warm['cpu_s']:.0f} CPU s){parts}", flush=True)
     import torch
 
     print(f"torch {torch.__version__}, one torch thread per child, {os.cpu_count()} CPUs, "
@@ -249,10 +311,13 @@ def main(argv=None) -> None:
     head = ("case", "cold compile s", "cold CPU s", "warm compile s", "warm CPU s")
     body = [(c, f"{r['cold']['compile_s']:.1f}", f"{r['cold']['cpu_s']:.0f}", f"{r['warm']['compile_s']:.1f}",
              f"{r['warm']['cpu_s']:.0f}") for c, r in rows.items()]
-    if "model-flexkv" in rows and "model-ring" in rows:
-        f, g = rows["model-flexkv"]["cold"], rows["model-ring"]["cold"]
-        print(f"cold compile, flexkv model over the ring model: {f['compile_s'] / g['compile_s']:.2f}x "
-              f"(CPU seconds {f['cpu_s'] / g['cpu_s']:.2f}x)")
+    for mine, theirs, what in (("model-flexkv", "model-ring", "flexkv model over the ring model"),
+                               ("hf-forward-flexkv", "hf-forward-static", "SmolLM2, forward compiled, over StaticCache"),
+                               ("hf-config-flexkv", "hf-config-static", "SmolLM2, compile_config, over StaticCache")):
+        if mine in rows and theirs in rows:
+            f, g = rows[mine]["cold"], rows[theirs]["cold"]
+            print(f"cold compile, {what}: {f['compile_s'] / g['compile_s']:.2f}x "
+                  f"(CPU seconds {f['cpu_s'] / g['cpu_s']:.2f}x)")
     if args.markdown:
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         print("\n".join("| " + " | ".join(r) + " |" for r in body))

@@ -98,6 +98,9 @@ class CacheGroup(StoreBuffers, nn.Module):
         self.memory_turns = None if config.recall is None else MemoryTurns(config, device)
         if self.memory_index is not None:
             built.keep_slot_state(self.memory_index)
+        #: One ``"cache"``-mode rotation of each kind (rotary, inputs rotated or not) handed out by `rotation`:
+        #: what their layers share is made with each compiled step's plan (`SinkRotation.prepare`).
+        self._rotations: list = []
 
     # ------------------------------------------------------------------ views
 
@@ -134,6 +137,11 @@ class CacheGroup(StoreBuffers, nn.Module):
         rotation = SinkRotation(self, check_layer_index(layer_idx, self.config.num_layers), rotary, mode,
                                 rotated_inputs=rotated_inputs)
         self._store.keep_slot_state(rotation)
+        rotaries = [r.rotary for r in self._rotations]
+        rotation.rotary_index = next((i for i, r in enumerate(rotaries) if r is rotary), len(rotaries))
+        if mode == "cache" and not any(r.rotary is rotary and r.rotated_inputs == rotation.rotated_inputs
+                                       for r in self._rotations):
+            self._rotations.append(rotation)  # one per kind: each makes its kind's parts with a plan
         if self.config.recall is not None:
             self.memory_turns.set(layer_idx, rotary if mode == "cache" else None)
         return rotation
@@ -156,6 +164,9 @@ class CacheGroup(StoreBuffers, nn.Module):
                                                     step.step_tokens),
                           private_source=private.get, parts=not eager_only)
         self.paths.plan_parts(plan, eager_only)
+        if not eager_only:
+            for rotation in self._rotations:
+                rotation.prepare(plan)
         if self.memory_index is not None:
             self._recall_parts(plan)
         return plan

@@ -244,6 +244,9 @@ class SinkRotation(nn.Module):
         self.layer_idx = layer_idx
         self.mode = mode
         self.rotated_inputs = bool(rotated_inputs)
+        #: Which of its cache's rotaries this rotation turns by (`CacheGroup.rotation` numbers them): the key
+        #: of the turns its step shares with the cache's other layers (`prepare`).
+        self.rotary_index = 0
         lay = store.layout
         self._sink = c.sink_capacity
         self._slot_rows = c.max_slots * c.rows_per_request
@@ -297,14 +300,14 @@ class SinkRotation(nn.Module):
         """`q [N, Hq, T, D]`, `k [N, H, T, D]` -> both rotated at stream positions (see the class docstring)."""
         if self.rotated_inputs:
             if self.mode == "cache" and self._sink:
-                self._rewrite_sinks(k, None, plan)
+                self._rewrite_sinks(k, plan)
             return q, k
         pos = stream_positions(plan, k.shape[2], self._reverse)
         q = self.rotary.rotate(q, pos)
         k_raw = k
         k = self.rotary.rotate(k, pos)
         if self.mode == "cache" and self._sink:
-            self._rewrite_sinks(k_raw, pos, plan)
+            self._rewrite_sinks(k_raw, plan)
         return q, k
 
     def _slot_rows_of(self, plan) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -321,19 +324,16 @@ class SinkRotation(nn.Module):
             raise ValueError(f"sink_entries: layer {self.layer_idx} keeps no sink copies (mode={self.mode!r}, "
                              f"sink={self._sink})")
         S = self._sink
-        slot_row, live = self._slot_rows_of(plan)
+        slot_row, cells, valid = self._shared(plan, ("sink_entries",), lambda: self._entry_cells(plan))
         N = slot_row.shape[0]
         H, D = self.raw_sink.shape[1:]
         keys = self.raw_sink.view(self._slot_rows + 1, S, H, D)[slot_row].transpose(1, 2)
-        offs = self._sink_offsets
-        cells = torch.where(live.view(-1, 1), plan.sink_base.long().view(-1, 1) + offs, self._scratch_base)
         _, v_cells = self.store.layer_kv(self.layer_idx)  # [1, H, cells, Dv]
         values = v_cells[0][:, cells.view(-1)].view(H, N, S, -1).transpose(0, 1)
         v_scale = self.store.layer_scales(self.layer_idx)[1]
         if v_scale is not None:  # quantized slots: the values as their cells read back
             scale = v_scale[0][:, cells.view(-1)].view(H, N, S, 1).transpose(0, 1)
             values = dequantize(values, scale, self.manager.config.dtype)
-        valid = live.view(-1, 1) & (offs < plan.sink.long().view(-1, 1))
         return keys, values, valid
 
     def rewrite_sinks(self, k: torch.Tensor, plan) -> None:
@@ -343,16 +343,15 @@ class SinkRotation(nn.Module):
             raise ValueError("rewrite_sinks: only for a 'cache' mode rotation built with rotated_inputs=True; "
                              "call the rotation as q, k = rotation(q, k, plan)")
         if self._sink:
-            self._rewrite_sinks(k, None, plan)
+            self._rewrite_sinks(k, plan)
 
-    def _sink_geometry(self, pos: Optional[torch.Tensor], plan, N: int, T: int) -> tuple:
+    def _sink_geometry(self, plan) -> tuple:
         """Where a step's sink work goes, the same for every layer of the cache: the flat copy index of each
         own token (the spare row unless it lands in the sink region), each row's slot row, the sink cells
-        `[N, S]` (padding rows: scratch cells), the positions to rotate each copy at `[N, S]`, and whether
-        any own token may land in a sink region (read from the plan's host table when eager; else True)."""
+        `[N, S]` (padding rows: scratch cells) and the positions to rotate each copy at `[N, S]`."""
         S = self._sink
-        if pos is None:
-            pos = stream_positions(plan, T, self._reverse)
+        N, T = plan.n.shape[0], plan.tokens
+        pos = stream_positions(plan, T, self._reverse)
         sink_base = plan.sink_base.long()
         src_len = plan.src_len.long().view(-1, 1)
         slot_row, live = self._slot_rows_of(plan)
@@ -371,53 +370,112 @@ class SinkRotation(nn.Module):
         cells = torch.where(
             live.view(-1, 1), sink_base.view(-1, 1) + offs, self._scratch_base + offs % self._scratch_len
         )
-        copies = torch.compiler.is_compiling() or any(
-            plan.field("n", i) < plan.field("ring_start", i) for i in range(plan.rows))
-        return flat.view(N * T), slot_row, cells, at, copies
+        return flat.view(N * T), slot_row, cells, at
 
-    def _rewrite_sinks(self, k_raw: torch.Tensor, pos: Optional[torch.Tensor], plan) -> None:
-        """Keep the step's own sink keys (as given) and rewrite every row's sink cells rotated `e` positions
-        past their stream index. Eagerly the geometry and the angles are made once per step and shared by
-        every layer (`store.per_plan`); compiled, each layer's graph holds its own."""
-        S = self._sink
+    def _sink_turn(self, plan, dtype: torch.dtype):
+        """How this rotation turns a row's sink copies (`[N, D, D]` matrices in at least float32 with rotated
+        inputs, each row's copies turned alike; else cosines and sines `[N, S, 1, D]` in `dtype`)."""
+        at = self._shared(plan, ("sink_geometry", self.rotated_inputs), lambda: self._sink_geometry(plan))[3]
+        if self.rotated_inputs:
+            # Every sink of a row turns by the same `e`: one `[D, D]` rotation matrix per row, so that a
+            # layer's rotation is one batched matmul (`apply_rotary` is linear in x: `x @ M`, M = its
+            # value on the identity).
+            work = torch.promote_types(torch.float32, dtype)
+            cos, sin = self.rotary.cos_sin(at[:, :1], work)  # [N, 1, D]
+            eye = torch.eye(self.rotary.head_dim, dtype=work, device=cos.device)
+            return apply_rotary(eye, cos, sin, self.rotary.layout)
+        cos, sin = self.rotary.cos_sin(at, dtype)  # [N, S, D]
+        return cos.unsqueeze(2), sin.unsqueeze(2)
+
+    def _turn_key(self, dtype: torch.dtype) -> tuple:
+        work = torch.promote_types(torch.float32, dtype) if self.rotated_inputs else dtype
+        return ("sink_turn", self.rotary_index, work, self.rotated_inputs)
+
+    def _entry_cells(self, plan) -> tuple:
+        """Each plan row's slot row, its sink cells `[N, S]` and which of them a live row holds `[N, S]`."""
+        slot_row, live = self._slot_rows_of(plan)
+        offs = self._sink_offsets
+        cells = torch.where(live.view(-1, 1), plan.sink_base.long().view(-1, 1) + offs, self._scratch_base)
+        valid = live.view(-1, 1) & (offs < plan.sink.long().view(-1, 1))
+        return slot_row, cells, valid
+
+    def _query_turn(self, plan, dtype: torch.dtype) -> tuple:
+        """Cosines and sines `[N, T, D]` in `dtype` that turn each query back by its own eviction count `e`
+        (its in-cache distance to a sink is `e` less than its stream distance)."""
+        pol = self.manager.config.retention_for(0)
+        window = self._query_window if self._query_window is not None else pol.window
+        pos = stream_positions(plan, plan.tokens, self._reverse)
+        return self.rotary.cos_sin(-(pos - window - pol.sink).clamp_min(0), dtype)
+
+    def _shared(self, plan, key: tuple, build):
+        """What every layer of `plan`'s step reads alike under `key`: eagerly made by the first layer that
+        needs it (`store.per_plan`); compiled, read from the plan (`prepare` made it with the plan, so the
+        graph takes it as an input instead of forming it in every layer), else formed in the graph."""
+        if torch.compiler.is_compiling():
+            ahead = plan.extras.get("sinks")
+            found = None if ahead is None else ahead.get(key)
+            return build() if found is None else found
+        memo = self.store.per_plan(plan)
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = build()
+        return found
+
+    def prepare(self, plan) -> None:
+        """Make with `plan` (on the host, by device ops on its tensors, before any layer runs) what every
+        layer of its compiled step reads alike: the sink geometry, this rotation's turn of the sink copies
+        and of each query, the sink entries' cells (`plan.extras["sinks"]`, keyed as `_shared` reads it)."""
+        if self.mode != "cache" or not self._sink:
+            return
+        memo = plan.extras.setdefault("sinks", {})
+        dtype = self.manager.config.dtype
+        parts = {("sink_geometry", self.rotated_inputs): lambda: self._sink_geometry(plan),
+                 ("sink_entries",): lambda: self._entry_cells(plan),
+                 self._turn_key(dtype): lambda: self._sink_turn(plan, dtype),
+                 ("query_turn", self.rotary_index, dtype): lambda: self._query_turn(plan, dtype)}
+        for key, build in parts.items():
+            if key not in memo:
+                memo[key] = build()
+
+    def query_turn(self, plan, dtype: torch.dtype) -> tuple:
+        """`(cos, sin)` `[N, T, D]` turning each of the step's queries back by its own eviction count, as
+        `apply_rotary` takes them (``"cache"`` mode with sinks)."""
+        return self._shared(plan, ("query_turn", self.rotary_index, dtype), lambda: self._query_turn(plan, dtype))
+
+    def keep_sink_keys(self, k: torch.Tensor, plan) -> None:
+        """Keep the step's own sink keys `k` (as `forward` takes them) without rewriting the sink cells: for
+        a step that reads the sinks from their copies (`sink_entries`), not from the cells."""
+        if self.mode == "cache" and self._sink:
+            self._copy_sinks(k, plan)
+
+    def _copy_sinks(self, k_raw: torch.Tensor, plan) -> tuple:
         N, H, T, D = k_raw.shape
-        eager = not torch.compiler.is_compiling()
-        memo = self.store.per_plan(plan) if eager else {}
-        # Keyed by the input kind too: a cache's layers may mix rotations fed raw and rotated q, k.
-        geometry = memo.get(("sink_geometry", self.rotated_inputs))
-        if geometry is None:
-            geometry = memo[("sink_geometry", self.rotated_inputs)] = self._sink_geometry(pos, plan, N, T)
-        flat, slot_row, cells, at, copies = geometry
+        geometry = self._shared(plan, ("sink_geometry", self.rotated_inputs), lambda: self._sink_geometry(plan))
+        flat = geometry[0]
+        copies = torch.compiler.is_compiling() or self._shared(plan, ("sink_copies",), lambda: any(
+            plan.field("n", i) < plan.field("ring_start", i) for i in range(plan.rows)))
         if copies:
             self.raw_sink.index_put_((flat,), k_raw.transpose(1, 2).reshape(N * T, H, D))
+        return geometry
+
+    def _rewrite_sinks(self, k_raw: torch.Tensor, plan) -> None:
+        """Keep the step's own sink keys (as given) and rewrite every row's sink cells rotated `e` positions
+        past their stream index. The geometry and the turn are made once per step and read by every layer
+        (`_shared`: eagerly the first layer's; compiled, the plan's)."""
+        S = self._sink
+        N, H, T, D = k_raw.shape
+        _, slot_row, cells, _ = self._copy_sinks(k_raw, plan)
         # Each row's copies as [N, S * H, D]: one row read whole per plan row.
         raw = self.raw_sink.view(self._slot_rows + 1, S * H, D).index_select(0, slot_row)
-        # The memo lives only eagerly: a graph must not hold an `id()` (each new cache would recompile it).
-        angles = ("sink_angles", id(self.rotary), k_raw.dtype, self.rotated_inputs) if eager else None
-        turn = memo.get(angles)
-        if turn is None:
-            if self.rotated_inputs:
-                # Every sink of a row turns by the same `e`: one `[D, D]` rotation matrix per row, so that a
-                # layer's rotation is one batched matmul (`apply_rotary` is linear in x: `x @ M`, M = its
-                # value on the identity).
-                work = torch.promote_types(torch.float32, k_raw.dtype)
-                cos, sin = self.rotary.cos_sin(at[:, :1], work)  # [N, 1, D]
-                eye = torch.eye(D, dtype=work, device=cos.device)
-                turn = apply_rotary(eye, cos, sin, self.rotary.layout).to(k_raw.dtype)  # [N, D, D]
-            else:
-                cos, sin = self.rotary.cos_sin(at, k_raw.dtype)  # [N, S, D]
-                turn = (cos.unsqueeze(2), sin.unsqueeze(2))
-            memo[angles] = turn
+        turn = self._shared(plan, self._turn_key(k_raw.dtype), lambda: self._sink_turn(plan, k_raw.dtype))
         if self.rotated_inputs:
-            rotated = torch.bmm(raw, turn).view(N, S, H, D)
+            rotated = torch.bmm(raw, turn.to(k_raw.dtype)).view(N, S, H, D)
         else:
             rotated = apply_rotary(raw.view(N, S, H, D), turn[0], turn[1], self.rotary.layout)
-        if eager and self.store.config.slot_dtype is None:
+        if not torch.compiler.is_compiling() and self.store.config.slot_dtype is None:
             # One copy along the cell axis, into the cells-first view of the layer's keys (an advanced-index
             # write costs several times more per call).
-            flat_cells = memo.get("sink_cells")
-            if flat_cells is None:
-                flat_cells = memo["sink_cells"] = cells.reshape(N * S)
+            flat_cells = self._shared(plan, ("sink_cells",), lambda: cells.reshape(N * S))
             self.store.layer_kv(self.layer_idx)[0][0].transpose(0, 1).index_copy_(
                 0, flat_cells, rotated.view(N * S, H, D))
         else:

@@ -25,7 +25,7 @@ import torch
 from ...cache.groups import GroupRotation
 from ...cache.manager import BoundedKVManager
 from ...cache.paths.merge import merge_attention
-from ...cache.positions.rotary import Rotary, check_cache_config, eviction_shared
+from ...cache.positions.rotary import Rotary, apply_rotary, check_cache_config, eviction_shared
 from ...step import BoundedKVStep
 from .model_config import text_config
 
@@ -161,7 +161,7 @@ class CachePositions:
         config = self.manager.layer_config(layer_idx)
         pol = config.retention_for(0)
         S = pol.sink
-        q, k = rotation(q, k, gplan)  # keeps this chunk's sink keys; the cells' rotation is not read here
+        rotation.keep_sink_keys(k, gplan)  # the cells' rotation is not read here: part two reads the copies
 
         def without_sinks(score, b, h, q_pos, kv_pos):
             if score_mod is not None:
@@ -180,9 +180,8 @@ class CachePositions:
         N, Hq, T, D = q.shape
         H = keys.shape[1]
         pos = self.manager.stream_positions(plan, T)  # [N, T]
-        window = config.query_window if config.query_window is not None else pol.window
-        evicted = (pos - window - S).clamp_min(0)
-        q_back = rotation.rotary.rotate(q, -evicted)  # at its in-cache position, as seen from the sinks
+        cos, sin = rotation.query_turn(gplan, q.dtype)  # each query turned back by its own eviction count
+        q_back = apply_rotary(q, cos.unsqueeze(-3), sin.unsqueeze(-3), rotation.rotary.layout)
         scale = D ** -0.5 if scale is None else scale
         work = torch.promote_types(torch.float32, q.dtype)  # scores and weights in at least float32
         qg = q_back.view(N, H, Hq // H, T, D).to(work)
