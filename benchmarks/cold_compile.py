@@ -36,8 +36,8 @@ or transformers' `StaticCache` sized for the run:
 
 - `hf-forward-flexkv`, `hf-forward-static`: `model.forward = torch.compile(model.forward,
   fullgraph=True)`, prefill and decode compiled; the time is the prefill's and the first decode
-  step's (each printed too);
-- `hf-config-flexkv`, `hf-config-static`: `generate(compile_config=CompileConfig(fullgraph=True))`,
+  step's (each printed too, and the second decode step's, compiled: the speed after);
+- `hf-config-flexkv`, `hf-config-static`: `generate(compile_config=CompileConfig())`,
   the decode step compiled (prefill eager); the time is the first decode step's.
 
     python -m benchmarks.cold_compile                      # every case, cold then warm
@@ -219,7 +219,7 @@ def _child_hf(form: str, cache_kind: str) -> dict:
     else:
         from transformers import CompileConfig
 
-        config = CompileConfig(fullgraph=True)
+        config = CompileConfig()  # fullgraph=False, transformers' default: its __call__ holds flexkv's hooks
         config._compile_all_devices = True  # transformers compiles on the CPU only when asked
         extra = dict(compile_config=config)
     stamps = []
@@ -233,7 +233,8 @@ def _child_hf(form: str, cache_kind: str) -> dict:
         model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False, max_new_tokens=new,
                        min_new_tokens=new, logits_processor=LogitsProcessorList([stamp]), pad_token_id=0, **extra)
     prefill, decode = stamps[0] - t0, stamps[1] - stamps[0]
-    return dict(compile_s=prefill + decode if form == "forward" else decode, prefill_s=prefill, decode_s=decode)
+    return dict(compile_s=prefill + decode if form == "forward" else decode, prefill_s=prefill, decode_s=decode,
+                step_s=stamps[2] - stamps[1])
 
 
 def child(case: str) -> None:
@@ -300,8 +301,9 @@ def main(argv=None) -> None:
             cold = run_case(case, d, args.layers)
             warm = run_case(case, d, args.layers)
         rows[case] = dict(cold=cold, warm=warm)
-        parts = "".join(f"; {r}: prefill {x['prefill_s']:.1f} s, first decode step {x['decode_s']:.1f} s"
-                        for r, x in (("cold", cold), ("warm", warm)) if "prefill_s" in x)
+        parts = "".join(f"; {r}: prefill {x['prefill_s']:.1f} s, first decode step {x['decode_s']:.1f} s, "
+                        f"the next {x['step_s'] * 1000:.0f} ms" for r, x in (("cold", cold), ("warm", warm))
+                        if "prefill_s" in x)
         print(f"  {case}: cold {cold['compile_s']:.1f} s ({cold['cpu_s']:.0f} CPU s), "
               f"warm {warm['compile_s']:.1f} s ({warm['cpu_s']:.0f} CPU s){parts}", flush=True)
     import torch

@@ -114,17 +114,21 @@ def test_interleaved_layout_is_gptj_rope():
         Rotary(D, layout="gptj")
 
 
-def _run_against_streamingllm(cfg, steps, step_fn, seed, layout="half", rotated_inputs=False):
+def _run_against_streamingllm(cfg, steps, step_fn, seed, layout="half", rotated_inputs=False, from_cache=False):
     """Decode `steps` steps for a churning batch; compare every live row with StreamingLLM.
 
     The first step, layer and request further than 2e-5 from it fails there; returns the length `r2`
     (the longest stream) reached. With
     `layout="interleaved"` the reference rotates with `GPTJRotary`, written apart from flexkv's.
+    `from_cache`: the rotations are the cache's (`m.rotation`), which make their shared parts with each plan.
     """
     torch.manual_seed(seed)
     m = BoundedKVManager(cfg, block_size=16)
     rot = Rotary(D, base=100.0, layout=layout)
-    layers = [SinkRotation(m, i, rot, "cache", rotated_inputs=rotated_inputs) for i in range(LAYERS)]
+    if from_cache:
+        layers = [m.rotation(i, rot, "cache", rotated_inputs=rotated_inputs) for i in range(LAYERS)]
+    else:
+        layers = [SinkRotation(m, i, rot, "cache", rotated_inputs=rotated_inputs) for i in range(LAYERS)]
     ref = StreamingLLM(GPTJRotary(D, 100.0) if layout == "interleaved" else rot, SINK, WINDOW, D ** -0.5)
     live = ["r0", "r1", None]
     written = {}
@@ -205,6 +209,33 @@ def test_cache_positions_match_streamingllm_compiled_without_recompiles(compiled
     before = counters["stats"]["unique_graphs"]
     longest = _run_against_streamingllm(_cache_config(), 34, compiled_step, seed=2)
     assert longest >= SINK + WINDOW + 12
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
+@pytest.mark.parametrize("rotated_inputs", [False, True])
+def test_the_caches_rotations_take_their_sink_parts_from_the_plan_compiled(rotated_inputs, monkeypatch):
+    """Rotations handed out by the cache (`m.rotation`): each plan carries the sink geometry and turns every
+    layer reads (`SinkRotation.prepare`), so the compiled step forms none of them in its graph (forming one
+    while tracing fails the fullgraph compile here) and still matches StreamingLLM, one graph throughout."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    def not_in_the_graph(real):
+        def wrapped(self, *args):
+            if torch.compiler.is_compiling():
+                raise AssertionError(f"{real.__name__} formed inside the compiled step")
+            return real(self, *args)
+
+        return wrapped
+
+    for name in ("_sink_geometry", "_sink_turn", "_entry_cells", "_query_turn"):
+        monkeypatch.setattr(SinkRotation, name, not_in_the_graph(getattr(SinkRotation, name)))
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    step = torch.compile(_eager_step, fullgraph=True, dynamic=False)
+    longest = _run_against_streamingllm(_cache_config(), 30, step, seed=4, rotated_inputs=rotated_inputs,
+                                        from_cache=True)
+    assert longest >= SINK + WINDOW + 8
     assert counters["stats"]["unique_graphs"] - before == 1
 
 

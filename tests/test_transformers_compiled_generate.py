@@ -97,6 +97,21 @@ def test_generate_with_transformers_compile_config_compiles_decoding_once(llama)
     assert len(graphs) >= 2 * (NEW - 1) and graphs[2] >= 1
     assert graphs[2:] == [graphs[2]] * (len(graphs) - 2), f"decode steps compiled again: {graphs}"
 
+def test_compile_config_with_fullgraph_is_refused_before_anything_runs(llama):
+    """`CompileConfig(fullgraph=True)` compiles `__call__`, flexkv's host-side planning hooks inside it: refused
+    with the two ways that work, before any forward (the cache holds no stream after)."""
+    from transformers import CompileConfig
+
+    model, _ = llama
+    config = CompileConfig(fullgraph=True)
+    config._compile_all_devices = True
+    cache = FlexKVCache(model, RETENTION, **KW)
+    ids = torch.stack(prompts((6,), seed=9))
+    with pytest.raises(ValueError, match=r"CompileConfig\(fullgraph=True\).*fullgraph=False.*model.forward = torch"):
+        model.generate(ids, cache=cache, max_new_tokens=2, do_sample=False, compile_config=config)
+    assert list(cache.streams) == [] and "_compiled_call" not in model.__dict__
+
+
 def test_a_forward_compiled_with_dynamic_none_decodes_on_one_graph(llama):
     """`torch.compile(model.forward, dynamic=None)` (torch's default): the prefill's graph, then the
     first decode step's, and no other decode step compiles; the ids are the eager cache's. The graphs

@@ -298,6 +298,22 @@ _MODE_FIELDS = ("num_beams", "num_beam_groups", "do_sample", "penalty_alpha", "t
                 "force_words_ids", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "dola_layers")
 
 
+def _check_compile_config(model, compile_config, config) -> None:
+    """Refuse a `compile_config` with `fullgraph=True` where generate() would compile: transformers compiles the
+    model's `__call__`, flexkv's planning hooks included, and they run on the host (a graph break)."""
+    if compile_config is None or not compile_config.fullgraph or config.disable_compile:
+        return
+    if model.device.type == "cpu" and not getattr(compile_config, "_compile_all_devices", False):
+        return  # transformers does not compile on the CPU unless asked
+    raise ValueError(
+        "generate(compile_config=CompileConfig(fullgraph=True)) with a FlexKVCache: transformers compiles the "
+        "model's __call__, and flexkv's hooks in it plan each forward on the host, outside the graph, which "
+        "fullgraph=True forbids. Use CompileConfig(fullgraph=False) (transformers' default: the forward still "
+        "compiles as one graph), or compile the forward itself: model.forward = torch.compile(model.forward, "
+        "fullgraph=True)"
+    )
+
+
 def _generation_config(model, args, kwargs):
     """The generation config `generate(*args, **kwargs)` will run with (its mode fields and
     `num_return_sequences` as the call sets them)."""
@@ -361,6 +377,7 @@ def _guarded_generate(state: ModelState, model, generate, *args, **kwargs):
             "decoding and prompt lookup take back rejected draft tokens, but the model's recurrent layers "
             f"{list(cache._recurrent.layers)} keep a state that cannot be taken back"
         )
+    _check_compile_config(model, kwargs.get("compile_config", config.compile_config), config)
     # A stream continued with only new tokens first attends the token generate() returned last (turns.py).
     check_continuation(cache, args, kwargs)
     columns = cache.selected.columns
