@@ -199,36 +199,50 @@ def test_a_forward_compiled_by_hand_returns_every_chunks_logits(llama):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_a_chunk_that_fails_takes_the_whole_forward_back(llama, monkeypatch):
-    """The chunks of a forward compiled by hand are one forward: when the second chunk fails, the first
-    chunk's tokens are not in the stream, and the same cache then serves the prompt as if nothing had
-    happened (the ids equal a fresh cache's)."""
+@pytest.mark.parametrize("where", ["second chunk", "last chunk"])
+def test_a_chunk_that_fails_takes_the_whole_forward_back(llama, monkeypatch, where):
+    """The chunks of a forward compiled by hand are one forward: when the second of three chunks fails
+    (an error), or Ctrl-C arrives as the last one returns (before the chunks' outputs are joined), no
+    chunk's tokens are in the stream, and the same cache then serves the prompt as if nothing had happened
+    (the ids equal a fresh cache's)."""
+    from flexkv.integrations.transformers import hooks
     from flexkv.model.attendance import AttendanceRecord
 
     model, _ = llama
     ids = torch.stack(prompts((40,), seed=9))
     with torch.no_grad():
         want = model.generate(ids, cache=FlexKVCache(model, RETENTION, **KW), max_new_tokens=4, do_sample=False)
-    settle = AttendanceRecord.settle
+    settle, join = AttendanceRecord.settle, hooks.join_outputs
     calls = []
 
-    def failing(record):
+    def failing_settle(record):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("the second chunk failed")
         settle(record)
 
+    def interrupted_join(earlier, result):
+        calls.append(len(earlier))
+        raise KeyboardInterrupt
+
     cache = FlexKVCache(model, RETENTION, **KW)
     forward = model.forward
     model.forward = torch.compile(forward, backend="eager", fullgraph=True)
     try:
-        monkeypatch.setattr(AttendanceRecord, "settle", failing)
-        with torch.no_grad(), pytest.raises(RuntimeError, match="second chunk failed"):
+        if where == "second chunk":
+            monkeypatch.setattr(AttendanceRecord, "settle", failing_settle)
+            raised = pytest.raises(RuntimeError, match="second chunk failed")
+        else:
+            monkeypatch.setattr(hooks, "join_outputs", interrupted_join)
+            raised = pytest.raises(KeyboardInterrupt)
+        with torch.no_grad(), raised:
             model(input_ids=ids, cache=cache)
         assert [cache.stream_length(s) for s in cache.streams] in ([], [0]) and cache.get_seq_length() == 0
         monkeypatch.setattr(AttendanceRecord, "settle", settle)
+        monkeypatch.setattr(hooks, "join_outputs", join)
         with torch.no_grad():
             got = model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
     finally:
         model.forward = forward
-    assert len(calls) == 2 and torch.equal(got, want)
+    # Three chunks of 16, 16 and 8: the error at the second; the interrupt after all three ran.
+    assert calls == ([1, 1] if where == "second chunk" else [2]) and torch.equal(got, want)

@@ -222,7 +222,11 @@ def _post_forward(state: ModelState, module, args, kwargs, result):
 
 def _end_forward(state: ModelState, module, fwd, result):
     if fwd.whole is not None:  # the last chunk of a forward run chunk by chunk (`chunked_call`)
-        result = join_outputs(fwd.earlier, result)
+        try:
+            result = None if result is None else join_outputs(fwd.earlier, result)
+        except BaseException:  # the whole forward goes back, Ctrl-C included
+            state.recover()
+            raise
         _end_forward(state, module, fwd.whole, result)
         return result
     if state.running is fwd:
