@@ -239,6 +239,39 @@ def test_the_caches_rotations_take_their_sink_parts_from_the_plan_compiled(rotat
     assert counters["stats"]["unique_graphs"] - before == 1
 
 
+@pytest.mark.parametrize("from_cache", [False, True])
+def test_layers_with_different_rotaries_each_turn_their_sinks_by_their_own(from_cache):
+    """Two layers of one cache rotate by different rotaries (a model's local and global layers): each
+    layer's sinks turn by its own, in a step whose layers share what they can. Layer 1 beside a layer
+    with another rotary answers as it does beside a layer with its own, past the window."""
+    rot_a, rot_b = Rotary(D, base=100.0), Rotary(D, base=10000.0)
+
+    def run(rotaries):
+        m = BoundedKVManager(_cache_config(), block_size=16)
+        if from_cache:
+            layers = [m.rotation(i, r, "cache", rotated_inputs=True) for i, r in enumerate(rotaries)]
+        else:
+            layers = [SinkRotation(m, i, r, "cache", rotated_inputs=True) for i, r in enumerate(rotaries)]
+        torch.manual_seed(5)
+        outs = []
+        for n in range(SINK + WINDOW + 6):
+            step = BoundedKVStep((Segment("r", 1),), {"r": StreamPosition(0, n)})
+            m.admit(step)
+            plan = m.plan(step)
+            at = m.stream_positions(plan, 1)
+            for li, (rot, rotary) in enumerate(zip(layers, rotaries)):
+                q, k, v = torch.randn(R, HQ, 1, D), torch.randn(R, H, 1, D), torch.randn(R, H, 1, D)
+                q, k = rot(rotary.rotate(q, at), rotary.rotate(k, at), plan)
+                out = m.attend(li, q, k, v, plan)
+                if li == 1:
+                    outs.append(out)
+            m.commit(step)
+        return torch.stack(outs)
+
+    assert LAYERS == 2
+    torch.testing.assert_close(run([rot_a, rot_b]), run([rot_b, rot_b]), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_stream_mode_is_rotation_at_stream_index(layout):
     """In "stream" mode the cache attends keys rotated at their stream index (checked on the dense

@@ -245,8 +245,9 @@ class SinkRotation(nn.Module):
         self.mode = mode
         self.rotated_inputs = bool(rotated_inputs)
         #: Which of its cache's rotaries this rotation turns by (`CacheGroup.rotation` numbers them): the key
-        #: of the turns its step shares with the cache's other layers (`prepare`).
-        self.rotary_index = 0
+        #: of the turns its step shares with the cache's other layers (`prepare`). None for a rotation built
+        #: directly: its turns are shared by rotary identity eagerly and formed in each layer compiled.
+        self.rotary_index = None
         lay = store.layout
         self._sink = c.sink_capacity
         self._slot_rows = c.max_slots * c.rows_per_request
@@ -389,7 +390,14 @@ class SinkRotation(nn.Module):
 
     def _turn_key(self, dtype: torch.dtype) -> tuple:
         work = torch.promote_types(torch.float32, dtype) if self.rotated_inputs else dtype
-        return ("sink_turn", self.rotary_index, work, self.rotated_inputs)
+        return ("sink_turn", self._rotary_key(), work, self.rotated_inputs)
+
+    def _rotary_key(self):
+        """This rotation's rotary in a shared part's key: the cache's number for it, else (a rotation built
+        directly) its identity, eagerly only (`_shared` keeps no `id()` out of a graph)."""
+        if self.rotary_index is not None:
+            return self.rotary_index
+        return None if torch.compiler.is_compiling() else ("id", id(self.rotary))
 
     def _entry_cells(self, plan) -> tuple:
         """Each plan row's slot row, its sink cells `[N, S]` and which of them a live row holds `[N, S]`."""
@@ -413,7 +421,7 @@ class SinkRotation(nn.Module):
         graph takes it as an input instead of forming it in every layer), else formed in the graph."""
         if torch.compiler.is_compiling():
             ahead = plan.extras.get("sinks")
-            found = None if ahead is None else ahead.get(key)
+            found = None if ahead is None or None in key else ahead.get(key)
             return build() if found is None else found
         memo = self.store.per_plan(plan)
         found = memo.get(key)
@@ -432,7 +440,7 @@ class SinkRotation(nn.Module):
         parts = {("sink_geometry", self.rotated_inputs): lambda: self._sink_geometry(plan),
                  ("sink_entries",): lambda: self._entry_cells(plan),
                  self._turn_key(dtype): lambda: self._sink_turn(plan, dtype),
-                 ("query_turn", self.rotary_index, dtype): lambda: self._query_turn(plan, dtype)}
+                 ("query_turn", self._rotary_key(), dtype): lambda: self._query_turn(plan, dtype)}
         for key, build in parts.items():
             if key not in memo:
                 memo[key] = build()
@@ -440,7 +448,7 @@ class SinkRotation(nn.Module):
     def query_turn(self, plan, dtype: torch.dtype) -> tuple:
         """`(cos, sin)` `[N, T, D]` turning each of the step's queries back by its own eviction count, as
         `apply_rotary` takes them (``"cache"`` mode with sinks)."""
-        return self._shared(plan, ("query_turn", self.rotary_index, dtype), lambda: self._query_turn(plan, dtype))
+        return self._shared(plan, ("query_turn", self._rotary_key(), dtype), lambda: self._query_turn(plan, dtype))
 
     def keep_sink_keys(self, k: torch.Tensor, plan) -> None:
         """Keep the step's own sink keys `k` (as `forward` takes them) without rewriting the sink cells: for
