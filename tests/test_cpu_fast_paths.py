@@ -100,6 +100,40 @@ def test_compiled_rows_path_matches_the_reference_with_the_fast_paths_on_and_off
     assert work.worst_relative < REL_TOL
 
 
+def test_a_compiled_chunk_with_a_score_mod_reads_its_cells_stream_indices_from_the_plan(monkeypatch):
+    """A chunk on the CPU rows path carries each gathered cell's stream index in the geometry made with its
+    plan (`with_stream_index`): a compiled step's `score_mod` reads it there instead of forming it from the
+    cells in every layer (forming it while tracing fails the fullgraph compile here), and the step still
+    matches the reference, one graph throughout."""
+    from flexkv.cache.positions import masks
+
+    real = masks.stream_index
+
+    def not_in_the_graph(*args):
+        if torch.compiler.is_compiling():
+            raise AssertionError("stream_index formed inside the compiled step")
+        return real(*args)
+
+    monkeypatch.setattr(masks, "stream_index", not_in_the_graph)
+    torch._dynamo.reset()
+    cfg = _config(None, False, tokens=3)
+    manager = _manager(cfg, True, path="auto")
+
+    def model_step(qs, ks, vs, plan):
+        return [manager.attend(layer, qs[layer], ks[layer], vs[layer], plan, score_mod=score_bias)
+                for layer in range(cfg.num_layers)]
+
+    step = torch.compile(model_step, fullgraph=True)
+    work = RandomWorkload(cfg, q_heads=4, segments=3, seed=7, manager=manager, fixed_tokens=3, score_mod=score_bias,
+                          attend=lambda m, plan, qs, ks, vs: step(qs, ks, vs, plan), churn=0.1, tolerance=TOL)
+    assert manager.path_for(3) == "rows"
+    work.step()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(14):
+            work.step()
+    assert work.worst_relative < REL_TOL
+
+
 FAST_FUNCTIONS = [(cpu_fast_rows, "attend"), (cpu_fast_rows, "geometry"), (cpu_fast_rows, "one_token_in_place"),
                   (cpu_fast_rows, "slot_pool"), (quantized_rows, "grouped_attention"),
                   (quantized_rows, "reduced_decode"), (quantized_rows, "widened_group"),

@@ -204,7 +204,8 @@ def _dense_dequantized(q, k_cache, v_cache, scales, cells, base, row_len, geo: R
                 scratch, off, c, s, (b1 - b0) * H * W * (D + Dv))
             kv.append(out if out.dtype == q.dtype else out.to(q.dtype))
         part = geo if (b0, b1) == (0, B) else geo._replace(
-            batch_rows=geo.batch_rows[b0:b1], cells=geo.cells[b0:b1], bias=geo.bias[b0:b1], reads=geo.reads[b0:b1])
+            batch_rows=geo.batch_rows[b0:b1], cells=geo.cells[b0:b1], bias=geo.bias[b0:b1], reads=geo.reads[b0:b1],
+            kv_stream=None if geo.kv_stream is None else geo.kv_stream[b0:b1])
         out, lse = dense_attention(q[b0:b1], kv[0], kv[1], part, score_mod, want_lse, additive)
         outs.append(out)
         lses.append(lse)

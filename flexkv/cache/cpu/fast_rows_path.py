@@ -19,7 +19,7 @@ reference) and differs in three places:
 
 from __future__ import annotations
 
-from ..paths.row_attention import device_geometry, repeat_queries
+from ..paths.row_attention import device_geometry, repeat_queries, with_stream_index
 from ..paths.rows_path import RowsPath
 from . import cpu_fast_rows
 
@@ -50,7 +50,9 @@ class FastRowsPath(RowsPath):
         s = self.store
         if eager and compiled and s.device.type == "cpu" and plan.tokens > 1:
             T = plan.tokens
-            plan.extras["rows_geometry"] = self.geometry(plan, s.mask_mod(plan, T, False), T, s.config.dtype)
+            geometry = self.geometry(plan, s.mask_mod(plan, T, False), T, s.config.dtype)
+            # With each cell's stream index: a compiled layer's `score_mod` reads it instead of forming it.
+            plan.extras["rows_geometry"] = with_stream_index(geometry, s.layout, plan)
 
     def step_geometry(self, call):
         """As `RowsPath.step_geometry`, except that every layer of a step whose plan carries its

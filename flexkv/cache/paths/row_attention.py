@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from ..host.layout import Layout
 from ..host.planner import INTERVALS
+from ..positions.masks import stream_index
 from ..storage.quantized import SCALE_DTYPE
 from .row_cells import batch_cells
 
@@ -103,6 +104,9 @@ class RowGeometry(NamedTuple):
     #: Known on the host: every query reads some cell (`reads` and `row_reads` all True), so no
     #: output needs zeroing. False: not known.
     all_read: bool = False
+    #: `[B, W]`: the stream index of the entry each key position holds (`with_stream_index`), read by a
+    #: `score_mod` instead of forming it from the cells in every layer; None: not made.
+    kv_stream: Optional[torch.Tensor] = None
 
 
 def device_geometry(geo: RowGeometry) -> RowGeometry:
@@ -110,7 +114,13 @@ def device_geometry(geo: RowGeometry) -> RowGeometry:
     compiled step may read of a geometry that comes with each plan, since a flag it read would be
     a guard, and a plan that flips it a recompile."""
     return RowGeometry(geo.in_place, geo.q_len, geo.batch_rows, geo.cells, geo.bias, geo.reads, geo.row_reads,
-                       geo.to_batch, geo.back)
+                       geo.to_batch, geo.back, kv_stream=geo.kv_stream)
+
+
+def with_stream_index(geo: RowGeometry, layout: Layout, plan) -> RowGeometry:
+    """`geo` with each key position's stream index (`kv_stream`), made once for every layer of the step."""
+    _, j = stream_index(plan, layout.ring_len, plan.tokens, geo.batch_rows.view(-1, 1), geo.cells)
+    return geo._replace(kv_stream=j)
 
 
 def repeat_queries(geo: RowGeometry, group: int) -> RowGeometry:
@@ -208,7 +218,12 @@ def dense_attention(q, keys, values, geo: RowGeometry, score_mod, want_lse, addi
     if score_mod is not None:
         q_idx = torch.arange(Q, device=dev).view(1, 1, Q, 1)
         heads = torch.arange(H, device=dev).view(1, H, 1, 1)
-        scores = score_mod(scores, geo.batch_rows.view(B, 1, 1, 1), heads, q_idx, geo.cells.view(B, 1, 1, -1))
+        b = geo.batch_rows.view(B, 1, 1, 1)
+        at_stream = getattr(score_mod, "at_stream_index", None)
+        if geo.kv_stream is not None and at_stream is not None:
+            scores = at_stream(scores, b, heads, q_idx, geo.kv_stream.view(B, 1, 1, -1))
+        else:
+            scores = score_mod(scores, b, heads, q_idx, geo.cells.view(B, 1, 1, -1))
     scores = scores + geo.bias.to(work)
     top = torch.where(geo.reads.unsqueeze(-1), scores.amax(dim=-1, keepdim=True), 0.0)
     probs = torch.exp(scores - top)

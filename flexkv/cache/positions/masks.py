@@ -134,10 +134,13 @@ def make_score_mod(
         raise ValueError(f"positions must be one of {POSITION_MODES}, got {positions!r}")
 
     def score_mod(score, b, h, q_idx, kv_idx):
+        return at_stream_index(score, b, h, q_idx, stream_index(plan, ring_len, tokens, b, kv_idx)[1])
+
+    def at_stream_index(score, b, h, q_idx, j):
+        """The same, for cells whose stream indices `j` the caller already has (the rows path's geometry)."""
         if group > 1:
             h = h * group + q_idx // tokens
             q_idx = q_idx % tokens
-        _, j = stream_index(plan, ring_len, tokens, b, kv_idx)
         qp = query_stream_index(plan, b, q_idx, reverse)
         if positions == "cache":
             s = plan.sink[b]
@@ -152,4 +155,5 @@ def make_score_mod(
             return user(score, b, h, q_idx, qp, j)
         return user(score, b, h, qp, j)
 
+    score_mod.at_stream_index = at_stream_index
     return score_mod

@@ -439,11 +439,22 @@ class SinkRotation(nn.Module):
         dtype = self.manager.config.dtype
         parts = {("sink_geometry", self.rotated_inputs): lambda: self._sink_geometry(plan),
                  ("sink_entries",): lambda: self._entry_cells(plan),
+                 ("query_sinks",): lambda: self._query_sinks(plan),
                  self._turn_key(dtype): lambda: self._sink_turn(plan, dtype),
                  ("query_turn", self._rotary_key(), dtype): lambda: self._query_turn(plan, dtype)}
         for key, build in parts.items():
             if key not in memo:
                 memo[key] = build()
+
+    def _query_sinks(self, plan) -> tuple:
+        pos = stream_positions(plan, plan.tokens, self._reverse)
+        valid = self._shared(plan, ("sink_entries",), lambda: self._entry_cells(plan))[2]
+        return pos, valid.unsqueeze(1) & (self._sink_offsets.view(1, 1, -1) <= pos.unsqueeze(-1))
+
+    def query_sinks(self, plan) -> tuple:
+        """`(positions [N, T], readable [N, T, S])`: each of the step's queries' stream position, and which
+        sink entries it reads (kept in a live row, and not after it)."""
+        return self._shared(plan, ("query_sinks",), lambda: self._query_sinks(plan))
 
     def query_turn(self, plan, dtype: torch.dtype) -> tuple:
         """`(cos, sin)` `[N, T, D]` turning each of the step's queries back by its own eviction count, as

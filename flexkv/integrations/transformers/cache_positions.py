@@ -176,23 +176,22 @@ class CachePositions:
         out = torch.where(dead.unsqueeze(-1), torch.zeros_like(out), out)
         lse = torch.where(dead, float("-inf"), lse)
 
-        keys, values, valid = rotation.sink_entries(gplan)  # [N, H, S, D], [N, H, S, Dv], [N, S]
+        keys, values, _ = rotation.sink_entries(gplan)  # [N, H, S, D], [N, H, S, Dv]
         N, Hq, T, D = q.shape
         H = keys.shape[1]
-        pos = self.manager.stream_positions(plan, T)  # [N, T]
+        pos, readable = rotation.query_sinks(gplan)  # [N, T]; the sinks each query reads, [N, T, S]
         cos, sin = rotation.query_turn(gplan, q.dtype)  # each query turned back by its own eviction count
         q_back = apply_rotary(q, cos.unsqueeze(-3), sin.unsqueeze(-3), rotation.rotary.layout)
         scale = D ** -0.5 if scale is None else scale
         work = torch.promote_types(torch.float32, q.dtype)  # scores and weights in at least float32
         qg = q_back.view(N, H, Hq // H, T, D).to(work)
         scores = torch.einsum("nhgtd,nhsd->nhgts", qg, keys.to(work)) * scale
-        b = torch.arange(N, device=q.device).view(N, 1, 1, 1, 1)
-        h = torch.arange(Hq, device=q.device).view(1, H, Hq // H, 1, 1)
-        offs = torch.arange(keys.shape[2], device=q.device)  # the sink cells' stream positions
         if score_mod is not None:
+            b = torch.arange(N, device=q.device).view(N, 1, 1, 1, 1)
+            h = torch.arange(Hq, device=q.device).view(1, H, Hq // H, 1, 1)
+            offs = torch.arange(keys.shape[2], device=q.device)  # the sink cells' stream positions
             scores = score_mod(scores, b, h, pos.view(N, 1, 1, T, 1), offs)
-        readable = valid.view(N, 1, 1, 1, -1) & (offs.view(1, 1, 1, 1, -1) <= pos.view(N, 1, 1, T, 1))
-        scores = scores.masked_fill(~readable, float("-inf"))
+        scores = scores.masked_fill(~readable.view(N, 1, 1, T, -1), float("-inf"))
         sink_lse = torch.logsumexp(scores, dim=-1)
         weights = torch.exp(scores - torch.where(torch.isneginf(sink_lse), 0.0, sink_lse).unsqueeze(-1))
         sink_out = torch.einsum("nhgts,nhsd->nhgtd", weights, values.to(work))
