@@ -133,12 +133,25 @@ def test_a_forward_compiled_with_dynamic_none_decodes_on_one_graph(llama):
     assert torch._dynamo.config.automatic_dynamic_shapes  # restored after each forward
 
 
-def test_a_forward_compiled_by_hand_runs_its_chunks_on_one_graph(llama):
+def test_a_forward_compiled_by_hand_runs_its_chunks_on_one_graph(llama, monkeypatch):
     """`model.forward = torch.compile(model.forward)` and a prompt of three 16-token chunks, no padding:
     the hooks run the compiled forward once per chunk (one graph for all three, not a graph holding
     every chunk of every layer), the streams advance only when the last chunk returns, and the ids
     equal the eager cache's, the prompt and the chat continued after it. A second cache on the same
-    compiled forward compiles nothing more."""
+    compiled forward compiles nothing more. What the sink rotation's layers share (the chunks past the
+    window attend per query) comes with each plan: formed while tracing, it fails the compile here."""
+    from flexkv.cache.positions.rotary import SinkRotation
+
+    def not_in_the_graph(real):
+        def wrapped(self, *args):
+            if torch.compiler.is_compiling():
+                raise AssertionError(f"{real.__name__} formed inside the compiled forward")
+            return real(self, *args)
+
+        return wrapped
+
+    for name in ("_sink_geometry", "_sink_turn", "_entry_cells", "_query_sinks", "_query_turn"):
+        monkeypatch.setattr(SinkRotation, name, not_in_the_graph(getattr(SinkRotation, name)))
     model, _ = llama
     ids = torch.stack(prompts((48, 48), seed=6))
     more = torch.stack(prompts((5, 5), seed=7))

@@ -412,16 +412,16 @@ class SinkRotation(nn.Module):
         (its in-cache distance to a sink is `e` less than its stream distance)."""
         pol = self.manager.config.retention_for(0)
         window = self._query_window if self._query_window is not None else pol.window
-        pos = stream_positions(plan, plan.tokens, self._reverse)
+        pos = self.query_sinks(plan)[0]
         return self.rotary.cos_sin(-(pos - window - pol.sink).clamp_min(0), dtype)
 
     def _shared(self, plan, key: tuple, build):
-        """What every layer of `plan`'s step reads alike under `key`: eagerly made by the first layer that
-        needs it (`store.per_plan`); compiled, read from the plan (`prepare` made it with the plan, so the
-        graph takes it as an input instead of forming it in every layer), else formed in the graph."""
-        if torch.compiler.is_compiling():
-            ahead = plan.extras.get("sinks")
-            found = None if ahead is None or None in key else ahead.get(key)
+        """What every layer of `plan`'s step reads alike under `key`: what `prepare` made with the plan (a
+        compiled graph takes it as an input instead of forming it in every layer); else, eagerly, made by the
+        first layer that needs it (`store.per_plan`), and compiled, formed in the graph."""
+        ahead = plan.extras.get("sinks")
+        found = None if ahead is None or None in key else ahead.get(key)
+        if found is not None or torch.compiler.is_compiling():
             return build() if found is None else found
         memo = self.store.per_plan(plan)
         found = memo.get(key)
@@ -438,11 +438,12 @@ class SinkRotation(nn.Module):
         memo = plan.extras.setdefault("sinks", {})
         dtype = self.manager.config.dtype
         parts = {("sink_geometry", self.rotated_inputs): lambda: self._sink_geometry(plan),
-                 ("sink_entries",): lambda: self._entry_cells(plan),
-                 ("query_sinks",): lambda: self._query_sinks(plan),
-                 self._turn_key(dtype): lambda: self._sink_turn(plan, dtype),
-                 ("query_turn", self._rotary_key(), dtype): lambda: self._query_turn(plan, dtype)}
-        for key, build in parts.items():
+                 self._turn_key(dtype): lambda: self._sink_turn(plan, dtype)}
+        if plan.tokens > 1:  # what a chunk whose queries evicted different counts reads (never one token)
+            parts.update({("sink_entries",): lambda: self._entry_cells(plan),
+                          ("query_sinks",): lambda: self._query_sinks(plan),
+                          ("query_turn", self._rotary_key(), dtype): lambda: self._query_turn(plan, dtype)})
+        for key, build in parts.items():  # in order: each part's build reads the ones before it (`_shared`)
             if key not in memo:
                 memo[key] = build()
 

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .plan import FlexKVForward
+from .plan import FlexKVForward, forward_compiled_by_hand
 
 __all__ = ["chunked_call", "join_outputs"]
 
@@ -36,13 +36,6 @@ _SPLITTABLE = frozenset({"input_ids", "inputs_embeds", "attention_mask", "positi
                          "output_attentions", "output_hidden_states"})
 #: Keywords whose value is cut to each chunk's columns (dimension 1).
 _BY_COLUMN = ("input_ids", "inputs_embeds", "position_ids")
-
-
-def compiled_by_hand(module) -> bool:
-    """Whether `module` (or its base model) has its `forward` replaced by a compiled one."""
-    base = module._modules.get(getattr(type(module), "base_model_prefix", None) or "")
-    return any(mod is not None and hasattr(mod.__dict__.get("forward"), "_torchdynamo_orig_callable")
-               for mod in (module, base))
 
 
 def _splits(fwd: FlexKVForward, args, kwargs) -> bool:
@@ -60,7 +53,7 @@ def chunked_call(module, fwd: FlexKVForward, args, kwargs) -> Optional[tuple]:
     """Run every chunk of `fwd` but the last through `module.forward` now, and return the `(args, kwargs)`
     of the last chunk's call (its `flexkv_step` a part whose `earlier` holds the other chunks' outputs,
     when they are kept); None where the forward is not split (see the module docstring)."""
-    if torch.compiler.is_compiling() or not compiled_by_hand(module) or not _splits(fwd, args, kwargs):
+    if torch.compiler.is_compiling() or not forward_compiled_by_hand(module) or not _splits(fwd, args, kwargs):
         return None
     keep = kwargs.get("logits_to_keep", 0)
     earlier = []

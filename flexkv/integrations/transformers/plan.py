@@ -42,18 +42,22 @@ def compiled_forward(model) -> bool:
     (`_compiled_call`). A forward that may is given plans whose parts are made before the graph."""
     if torch.compiler.is_compiling():
         return True
-    if model is None:
-        return False
-    # Read from the modules' own dicts: a module's attribute lookup is slow, and this runs per forward.
+    return model is not None and any(
+        d.get("_compiled_call_impl") is not None or d.get("_compiled_call") is not None
+        or hasattr(d.get("forward"), "_torchdynamo_orig_callable") for d in _own_dicts(model))
+
+
+def forward_compiled_by_hand(model) -> bool:
+    """Whether `model`'s `forward` (or its base model's) was replaced by a compiled one
+    (`model.forward = torch.compile(model.forward)`), the hooks then running outside the graph."""
+    return any(hasattr(d.get("forward"), "_torchdynamo_orig_callable") for d in _own_dicts(model))
+
+
+def _own_dicts(model) -> list:
+    """The instance dicts of `model` and its base model: read directly, since a module's attribute lookup is
+    slow and these are read per forward."""
     base = model._modules.get(getattr(type(model), "base_model_prefix", None) or "")
-    for mod in (model, base):
-        if mod is None:
-            continue
-        d = mod.__dict__
-        if (d.get("_compiled_call_impl") is not None or d.get("_compiled_call") is not None
-                or hasattr(d.get("forward"), "_torchdynamo_orig_callable")):
-            return True
-    return False
+    return [mod.__dict__ for mod in (model, base) if mod is not None]
 
 
 def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
