@@ -50,6 +50,15 @@ the timing and the fp32 rows after it; the time budget for optional variants
    `flexkv.cache.storage.quantized.value_scaled_attention`), while the deadline
    allows. Time, bytes the step must read over time, and the norm-relative
    error against a bf16 cache holding the dequantized cells.
+6. The vLLM plugin's paged path (`benchmarks/cuda_paged.py`, after the first
+   correctness pass; `--paged-only` runs it alone, `--skip-paged` leaves it
+   out): the retention's block mask over a paged cache and the in-cache sink
+   `score_mod` (`flexkv.integrations.vllm.paged`, torch alone) in one compiled
+   FlexAttention call with vLLM's kernel options, against a dense reference
+   written from docs/vllm.md (fp32, bf16, both position modes), recompiles
+   over steps of 1, 8, 64 and 512 tokens, a CUDA graph captured over padded
+   rows and replayed with new content, and decode time against a plain
+   sliding window of the same size at 4k, 32k and 128k positions.
 
 The kernel options each compiled `flex_attention` call received are printed
 once per distinct call. Without a CUDA device (or with `--cpu`) the same
@@ -78,6 +87,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.benchmark import Timer
 
 import flexkv.cache.paths.flex_call as flex_call_module
+from benchmarks import cuda_paged
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Recall, Segment, SinkWindow, StreamPosition
 from flexkv.cache.host.layout import entry_cell
 from flexkv.cache.paths.attention_options import AttentionOptions
@@ -887,6 +897,7 @@ def _failures(report: dict) -> list:
         failed.append("flexkv vs SDPA at the bench shape")
     failed += [f"variant {v}" for v in report.get("variant_failures", [])]
     failed += [f"quantized: {r['name']}" for r in report.get("quantized", {}).get("rows", []) if r.get("ok") is False]
+    failed += cuda_paged.failures(report)
     if report.get("context_lost"):
         failed.append(f"the CUDA context was lost at {report['context_lost']}: later checks did not run")
     return failed
@@ -906,6 +917,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", action="append", default=[], metavar="NAME",
                     help="leave out the correctness workloads whose name contains NAME (repeatable)")
     ap.add_argument("--skip-quantized", action="store_true", help="leave out section 5 (quantized slots)")
+    ap.add_argument("--skip-paged", action="store_true", help="leave out section 6 (the vLLM plugin's paged path)")
+    ap.add_argument("--paged-only", action="store_true", help="run section 6 alone")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds from the start after which no further check or timing starts "
                          "(default 500 on CUDA, none on the CPU)")
@@ -929,6 +942,11 @@ def main(argv=None) -> int:
         save_report(args.json, report)
 
     deadline = None if args.deadline is None else start + args.deadline
+    if args.paged_only:
+        cuda_paged.run(device, report, deadline)
+        save()
+        print(f"done in {report['wall_s']:.0f} s; failures: {report['failed'] or 'none'}")
+        return 1 if report["failed"] else 0
     recorder = CompiledOptions()
     with recorder.recording():
         print("correctness against the dense reference (compiled; norm-relative error; recompiles counted after "
@@ -939,6 +957,13 @@ def main(argv=None) -> int:
             _section_error(report, "correctness", e)
             report.setdefault("correctness", []).append(dict(name="correctness section", ok=False))
         save()
+        if not args.skip_paged and not report.get("context_lost") and (deadline is None or time.monotonic() < deadline):
+            print("the vLLM plugin's paged path (flexkv.integrations.vllm.paged), torch alone:")
+            try:
+                cuda_paged.run(device, report, deadline)
+            except Exception as e:
+                _section_error(report, "paged", e)
+            save()
         if not args.skip_timing and report.get("context_lost"):
             report.setdefault("skipped", []).append(f"timing: the CUDA context was lost at {report['context_lost']}")
             print(f"  (timing skipped: the CUDA context was lost at {report['context_lost']})")

@@ -153,3 +153,20 @@ def test_a_fault_that_loses_the_cuda_context_skips_the_rest_instead_of_failing_i
     assert len(report["skipped"]) == len(cuda_check.correctness_rows(False, True)) - 2
     assert all("context was lost" in s for s in report["skipped"])
     assert cuda_check._failures(report)[-1].startswith(f"the CUDA context was lost at {second}")
+
+
+def test_the_paged_section_passes_on_the_cpu():
+    """`benchmarks.cuda_check`'s paged section (the vLLM plugin's GPU path, torch alone), compiled at its CPU
+    shapes (float32, and steps of 1, 8 and 64 tokens, to keep the suite's compile time down): every row against
+    the dense reference, and the recompile count over step sizes."""
+    from benchmarks import cuda_paged
+
+    report: dict = {}
+    with torch.no_grad():
+        cuda_paged.correctness(cuda_paged.shape_for(False), torch.device("cpu"), report, dtypes=(torch.float32,))
+        cuda_paged.recompiles(cuda_paged.shape_for(False), torch.device("cpu"), report, steps=(1, 8, 64))
+    assert len(report["correctness"]) == 4 and all(r["ok"] for r in report["correctness"]), report
+    assert report["recompiles"]["ok"], report["recompiles"]
+    assert cuda_paged.failures(dict(paged=report)) == []
+    report["correctness"][0]["ok"] = False
+    assert cuda_paged.failures(dict(paged=report)) == ["paged: decode x3 past eviction float32 cache"]

@@ -195,3 +195,18 @@ def test_the_flexattention_layer_finds_its_rotary_table_once_the_model_is_loaded
     else:
         table, neox = impl._rotary
         assert table.shape == (512, 32) and neox
+
+
+def test_the_paged_module_plans_the_blocks_vllms_direct_build_lists(paged):
+    """`flexkv.integrations.vllm.paged` (what the GPU check runs with torch alone) and vLLM's own metadata with
+    the retention: the same physical-to-logical map, and per query block the same set of KV blocks."""
+    from flexkv.integrations.vllm.paged import PagedBatch, physical_to_logical, retention_block_mask
+
+    table, _, _, seq_lens, query_start, _ = paged
+    md = apply_retention(metadata(table, seq_lens, query_start), SINK, WINDOW)
+    batch = PagedBatch(table, seq_lens.long(), query_start.long(), md.doc_ids.long(), BS, BLOCKS)
+    assert torch.equal(physical_to_logical(batch), md.physical_to_logical)
+    ours = retention_block_mask(batch, SINK, WINDOW, q_block=1)  # the fixture's metadata has query blocks of 1
+    for g in range(md.block_mask.kv_num_blocks.shape[-1]):
+        n, m = int(md.block_mask.kv_num_blocks[0, 0, g]), int(ours.kv_num_blocks[0, 0, g])
+        assert set(md.block_mask.kv_indices[0, 0, g, :n].tolist()) == set(ours.kv_indices[0, 0, g, :m].tolist()), g

@@ -10,8 +10,9 @@ back to vLLM's block pool as a request advances, and attention reads only what i
 Modules: `options` (reading and checking the `flexkv` entry of `additional_config`, and what is
 refused, and which positions are served), `spec` (the KV-cache spec and block manager), `cpu_layout`
 (reading vLLM's CPU cache layout), `rope` (the model's rotary table inside vLLM), `backend` (the CPU attention backend),
-`retention_mask` (the retention as vLLM's FlexAttention metadata reads it), `flex_backend` (the
-FlexAttention backend, for CUDA), `plugin` (what `register` installs into vLLM). docs/vllm.md is the full description.
+`retention_mask` (the retention as vLLM's FlexAttention metadata reads it), `paged` (what the
+FlexAttention path computes over a paged cache, in torch alone), `flex_backend` (the FlexAttention
+backend, for CUDA), `plugin` (what `register` installs into vLLM). docs/vllm.md is the full description.
 """
 
 __all__ = ["register", "SUPPORTED_VLLM", "check_vllm_version"]

@@ -21,17 +21,17 @@ index. That is `"stream"`. For `"cache"` (StreamingLLM's in-cache positions,
 the default for a served rope type) only a sink key's score changes: the
 query at stream index `p` reads it `e = max(0, p - sink - window)` positions
 closer than its stream index says. The step's sink scores are computed apart
-(`sink_scores`: each request's few sink keys turned by each query's `e`,
-`rope.turned`, O(sink) per query and layer, with no host synchronisation, so
-a CUDA graph can hold it) and FlexAttention's
-`score_mod` puts them in place of the sinks' scores (`cache_position_score_mod`);
-every other score is the kernel's own. One FlexAttention call per layer either
-way.
+and FlexAttention's `score_mod` puts them in place of the sinks' scores; every
+other score is the kernel's own. One FlexAttention call per layer either way.
+What that computes lives in `paged` (torch alone, no vLLM import: `sink_scores`,
+`in_cache_score_mod`, and a block mask built from a block table); this module
+hands it vLLM's metadata.
 
 The mask, the block hint and both positions are unit-tested on CPU tensors
 against `create_block_mask(...).to_dense()` and against the CPU backend's
-`sink_window_attention` (tests/test_vllm_flex.py); the backend has not run on
-a GPU.
+`sink_window_attention` (tests/test_vllm_flex.py); `paged` against a dense
+reference (tests/test_vllm_paged.py, and on CUDA `benchmarks/cuda_check.py`'s
+paged section). The backend itself has not run on a GPU.
 """
 
 from __future__ import annotations
@@ -46,44 +46,38 @@ from vllm.v1.attention.backends.flex_attention import (
 )
 
 from .options import check_engine, serving_positions
+from .paged import PagedBatch, in_cache_score_mod
+from .paged import sink_scores as paged_sink_scores
 from .retention_mask import apply_retention, building_with, install_metadata_hook
-from .rope import model_rotary, turned
+from .rope import model_rotary
 from .spec import SinkWindowSpec
 
 __all__ = ["FlexKVFlexAttentionBackend", "FlexKVFlexAttentionBuilder", "FlexKVFlexAttentionImpl", "sink_scores",
            "cache_position_score_mod"]
 
 
+def _batch(metadata) -> PagedBatch:
+    """vLLM's FlexAttention metadata as `paged.PagedBatch`."""
+    return PagedBatch(metadata.block_table, metadata.seq_lens, metadata.query_start_loc, metadata.doc_ids,
+                      metadata.block_size, metadata.num_blocks)
+
+
 def sink_scores(query, key_cache, metadata, sink: int, window: int, scale: float, cos_sin, neox: bool):
-    """`[T, Hq, sink]`: each of the step's `T` query tokens' scaled scores against its request's sink keys at
-    in-cache positions. `query` `[T, Hq, D]` and `key_cache` `[slots, H, D]` (vLLM's flattened paged cache) are
-    rotated at stream indices, as vLLM leaves them; `metadata` a `FlexAttentionMetadata` (its requests' block
-    table, where each token's request starts and its stream offset); `cos_sin`, `neox`: the model's rotary
-    table (`rope.turned`). A sink slot past the stream (a request shorter than `sink`) scores whatever
-    the cache holds there; the mask never admits it."""
+    """`paged.sink_scores` with vLLM's metadata (`FlexAttentionMetadata`): its requests' block table, where each
+    token's request starts and its stream offset (`decode_offset`, vLLM's own count)."""
     t = query.shape[0]
-    heads, d = key_cache.shape[1], key_cache.shape[2]
     req = metadata.doc_ids[:t].long()
     p = torch.arange(t, device=query.device) - metadata.query_start_loc[req] + metadata.decode_offset[req]
-    evicted = (p - sink - window).clamp(min=0)
-    j = torch.arange(sink, device=query.device)
-    bs = metadata.block_size
-    slots = metadata.block_table[:, j // bs].long() * bs + j % bs  # [R, sink]
-    k = key_cache[slots[req]].float().transpose(1, 2)  # [T, H, sink, D], rotated at stream indices j
-    k = turned(k, evicted, cos_sin, neox)  # at j + e: the query's distance to it in the cache (no host sync)
-    q = query.float().view(t, heads, -1, d)  # [T, H, G, D]: the GQA group of each key head
-    return (torch.einsum("thgd,thsd->thgs", q, k) * scale).reshape(t, -1, sink)
+    return paged_sink_scores(query, key_cache, _batch(metadata), sink, window, scale, cos_sin, neox, positions=p)
 
 
 def cache_position_score_mod(metadata, scores, sink: int):
-    """FlexAttention's `score_mod` over vLLM's paged cache for in-cache positions: a sink key's score is the
-    query's from `scores` (`sink_scores`), every other key's the kernel's own. Physical indices, as vLLM's
-    metadata hands FlexAttention its mask."""
-    def in_cache(score, b, h, q_idx, physical_kv_idx):
-        _, _, kv = metadata._convert_physical_to_logical(metadata.doc_ids, q_idx, physical_kv_idx)
-        return torch.where(kv < sink, scores[q_idx, h, kv.clamp(0, sink - 1)].to(score.dtype), score)
+    """`paged.in_cache_score_mod` over vLLM's paged cache: physical indices turned logical by vLLM's own
+    metadata, as it turns them for its mask."""
+    def logical_kv(q_idx, physical_kv_idx):
+        return metadata._convert_physical_to_logical(metadata.doc_ids, q_idx, physical_kv_idx)[2]
 
-    return in_cache
+    return in_cache_score_mod(scores, sink, logical_kv)
 
 
 class FlexKVFlexAttentionImpl(FlexAttentionImpl):
