@@ -195,7 +195,7 @@ def test_modules_import_only_their_layer_or_below():
 CACHE_ROLES = ("host", "storage", "positions", "paths", "cpu")
 HOST_FOR_PATHS = {"flexkv.cache.host.layout", "flexkv.cache.host.planner"}
 PLAIN_ROWS_PIECES = {"flexkv.cache.paths.rows_path", "flexkv.cache.paths.row_attention", "flexkv.cache.paths.row_cells"}
-CPU_DOOR = {"flexkv.cache.paths.choice"}
+CPU_DOOR = {"flexkv.cache.path_choice"}
 
 
 def cache_role(module: str) -> str:
@@ -232,7 +232,38 @@ def test_every_cache_module_sits_in_a_role():
     """`flexkv/cache/` holds the caches themselves at its top, everything else in a role's sub-package."""
     top = sorted(n for n in MODULES if n.startswith("flexkv.cache.") and n.count(".") == 2)
     assert top == sorted(["flexkv.cache.cache_group", "flexkv.cache.groups", "flexkv.cache.manager", "flexkv.cache.protocol",
-                          *(f"flexkv.cache.{role}" for role in CACHE_ROLES)])
+                          "flexkv.cache.path_choice", *(f"flexkv.cache.{role}" for role in CACHE_ROLES)])
+
+
+def package_of(name: str) -> str:
+    """The package a module belongs to (a package's `__init__` is the package itself); a module at the top of
+    flexkv stands for itself, since the top holds modules of every layer."""
+    package = name if MODULES.get(name, Path("x.py")).name == "__init__.py" else name.rpartition(".")[0]
+    return name if package == "flexkv" else package
+
+
+def package_graph(graph: dict) -> dict:
+    """`graph` (module -> modules it imports) with each module replaced by its package."""
+    packages = {package_of(n): set() for n in graph}
+    for name, deps in graph.items():
+        packages.update({package_of(d): packages.get(package_of(d), set()) for d in deps})
+        packages[package_of(name)].update(package_of(d) for d in deps if package_of(d) != package_of(name))
+    return packages
+
+
+def test_no_import_loop_between_packages():
+    """Packages import each other one way too: acyclic modules can still loop between two packages (a module of
+    one imports the other, a module of the other imports back), which is the layering the folders promise."""
+    graph = {name: imports_of(name, path) for name, path in MODULES.items()}
+    assert find_cycle(package_graph(graph)) is None
+
+
+def test_the_package_loop_check_sees_a_loop_the_modules_do_not_have():
+    graph = {"flexkv.cache.host.lifecycle": {"flexkv.cache.storage.slot_copy"},
+             "flexkv.cache.storage.store": {"flexkv.cache.host.layout"},
+             "flexkv.cache.storage.slot_copy": set(), "flexkv.cache.host.layout": set()}
+    assert find_cycle(graph) is None
+    assert find_cycle(package_graph(graph)) == ["flexkv.cache.host", "flexkv.cache.storage", "flexkv.cache.host"]
 
 
 def test_the_cache_roles_import_as_the_architecture_says():
@@ -256,7 +287,7 @@ def test_the_cache_role_check_finds_each_kind_of_break():
         "flexkv.cache.cpu.gathered_rows imports flexkv.cache.paths.flex_call: "
         "the CPU work imports only the plain rows path's pieces",
         "flexkv.cache.paths.merge imports flexkv.cache.cpu.gathered_rows: "
-        "the CPU work is entered from ['flexkv.cache.paths.choice'] only",
+        "the CPU work is entered from ['flexkv.cache.path_choice'] only",
         "flexkv.cache.storage.store imports flexkv.cache.manager: only the caches and the layers above read the caches",
     ]
 
@@ -324,3 +355,29 @@ def test_the_attend_caller_check_sees_a_door_calling_the_cache_itself():
               "    c = self.context.attend(0, q, k, v)\n"
               "    return group.attend(0, q, k, v, plan), a, b, c\n")
     assert cache_attend_calls(source) == [2, 3]
+
+
+def long_functions(paths, limit: int = 80) -> list:
+    """`(file name, line, function, lines)` of each function or method longer than `limit` lines, docstring
+    included."""
+    found = []
+    for path in paths:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    found.append((Path(path).name, node.lineno, node.name, n))
+    return found
+
+
+def test_no_function_in_the_cache_or_the_transformers_door_runs_past_80_lines():
+    paths = sorted((PACKAGE / "cache").rglob("*.py")) + sorted((PACKAGE / "integrations" / "transformers").rglob("*.py"))
+    assert long_functions(paths) == []
+
+
+def test_the_length_check_counts_a_long_function(tmp_path):
+    body = "\n".join(f"        x{i} = {i}" for i in range(80))
+    path = tmp_path / "x.py"
+    path.write_text(f"def short():\n    return 1\n\n\nclass A:\n    def long(self):\n{body}\n", encoding="utf-8")
+    assert long_functions([path]) == [("x.py", 6, "long", 81)]

@@ -11,6 +11,7 @@ import torch
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
 from flexkv.cache.cpu.cpu_fast_rows import one_token_in_place
 from flexkv.cache.paths.row_attention import mask_geometry, reads_in_place
+from flexkv.cache.positions.masks import store_mask_mod
 
 
 @pytest.mark.parametrize("query_window", [None, "window"])
@@ -38,7 +39,7 @@ def test_one_token_geometry_from_host_intervals_equals_the_masked_one(query_wind
         lay = m.layout
         if T == 1 and reads_in_place(lay, plan.rows):
             for group in (1, 2):
-                mask_mod = m.store.mask_mod(plan, 1, group > 1)
+                mask_mod = store_mask_mod(m.store, plan, 1, group > 1)
                 want = mask_geometry(lay, plan, mask_mod, group, torch.float32)
                 got = one_token_in_place(lay, plan, group, torch.float32, m.store.memos)
                 # The host flags say what the device geometry holds (the masked one, built on the device,
@@ -89,7 +90,7 @@ def test_a_stream_past_its_window_reuses_its_one_token_geometry_and_a_new_reach_
         m.admit(step)
         plan = m.plan(step)
         got = one_token_in_place(m.layout, plan, 1, torch.float32, m.store.memos)
-        want = mask_geometry(m.layout, plan, m.store.mask_mod(plan, 1, False), 1, torch.float32)
+        want = mask_geometry(m.layout, plan, store_mask_mod(m.store, plan, 1, False), 1, torch.float32)
         assert torch.equal(*torch.broadcast_tensors(got.bias, want.bias))
         same.append(got is last)
         last = got

@@ -7,7 +7,7 @@ holds no host state of its own: its `config` (the group's retention, windows
 and head sizes), its `layout` (`flexkv.cache.host.layout`), its device store
 (`flexkv.cache.storage.store.LayerStore`: one key and one value tensor per
 layer, registered buffers allocated once, and the scratch its paths asked
-for) and its attention paths (`flexkv.cache.paths.choice.AttentionPaths`,
+for) and its attention paths (`flexkv.cache.path_choice.AttentionPaths`,
 one chosen per call in one place). The cache routes each model layer to its
 group and the group's layer index; the group plans a step from the cache's
 one read of the table (`plan_from`) and answers `attend` for its layers:
@@ -26,8 +26,8 @@ from ..config import BoundedKVConfig, check_layer_index
 from ..step import BoundedKVStep
 from .host.layout import Layout
 from .host.planner import BoundedPlan, build_plan
+from .path_choice import AttentionPaths, PathCall
 from .paths.attention_options import AttentionOptions
-from .paths.choice import AttentionPaths, PathCall
 from .paths.joint_path import KeyPart, check_joined
 from .paths.query_only import attend_query_only, check_query_only
 from .paths.recall import (
@@ -41,7 +41,7 @@ from .paths.recall import (
 )
 from .paths.row_attention import device_geometry, mask_geometry, repeat_queries
 from .paths.sinks import apply_learned_sinks, check_sinks
-from .positions.masks import POSITION_MODES, make_score_mod
+from .positions.masks import POSITION_MODES, make_score_mod, store_mask_mod
 from .positions.relative_position import RelativePositionScores
 from .positions.rotary import SinkRotation, stream_positions
 from .storage.store import LayerStore
@@ -186,7 +186,7 @@ class CacheGroup(StoreBuffers, nn.Module):
             # A chunk the CPU fast paths serve already carries it (`FastRowsPath.plan_parts`): the same one.
             window = plan.extras.get("rows_geometry")
             if window is None:
-                window = mask_geometry(self.layout, plan, self._store.mask_mod(plan, T, False), T, self.config.dtype,
+                window = mask_geometry(self.layout, plan, store_mask_mod(self._store, plan, T, False), T, self.config.dtype,
                                        self.paths.rows.width)
             plan.extras["recall_window"] = window
 
@@ -224,7 +224,7 @@ class CacheGroup(StoreBuffers, nn.Module):
         `[N, num_heads, T, Dv]` (`D = head_dim`, `Dv = value_head_dim`) with `N =
         len(step.segments) * rows_per_request`. Returns `[N, Hq, T, Dv]`. `score_mod(score, b, h,
         q_pos, kv_pos)` gets stream positions (`positions="stream"`) or in-cache positions
-        (`positions="cache"`). One attention path per call (`flexkv.cache.paths.choice`: the rows path or
+        (`positions="cache"`). One attention path per call (`flexkv.cache.path_choice`: the rows path or
         one FlexAttention call), chosen by `options.route`; traceable by
         `torch.compile(fullgraph=True)`. `sinks`: learned sink logits `[Hq]` (`flexkv.cache.paths.sinks`),
         served from the same call's log-sum-exp. `return_lse`: `(out, lse)`, each query's natural-log

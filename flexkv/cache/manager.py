@@ -42,6 +42,7 @@ from .host.slots import SlotsExhausted, SlotTable, SourcesExhausted
 from .host.sources import split_source
 from .paths.attention_options import AttentionOptions
 from .paths.joint_path import KeyPart
+from .storage import slot_copy
 from .storage.store import LayerStore
 
 __all__ = ["BoundedKVManager", "SlotsExhausted", "SourcesExhausted"]
@@ -170,7 +171,7 @@ class BoundedKVManager(StreamLifecycle, StoreBuffers, nn.Module):
 
     @property
     def paths(self):
-        """A one-group cache's attention paths (`flexkv.cache.paths.choice.AttentionPaths`)."""
+        """A one-group cache's attention paths (`flexkv.cache.path_choice.AttentionPaths`)."""
         return self._only_group("paths").paths
 
     @property
@@ -260,6 +261,9 @@ class BoundedKVManager(StreamLifecycle, StoreBuffers, nn.Module):
         """Every buffer of this cache that holds per-slot state (`LayerStore.slot_buffers`): each layer's
         keys and values, and the un-rotated sink keys of its ``"cache"``-mode rotations, in every group."""
         return tuple(self._slot_buffers())
+
+    def _copy_slots(self, pairs: list) -> None:
+        slot_copy.copy_slots(self._slot_buffers(), pairs)
 
     # -------------------------------------------------------------- attention
 

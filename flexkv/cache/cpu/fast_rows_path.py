@@ -1,7 +1,7 @@
 """The rows path through the CPU fast paths: `FastRowsPath`, the plain `RowsPath` with each step sped up.
 
 Chosen once, when a cache is built, unless `AttentionOptions.cpu_fast_paths`
-is off (`flexkv.cache.paths.choice`). It computes what the plain path
+is off (`flexkv.cache.path_choice`). It computes what the plain path
 computes (`tests/test_cpu_fast_paths.py` checks both against the float64
 reference) and differs in three places:
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from ..paths.row_attention import device_geometry, repeat_queries, with_stream_index
 from ..paths.rows_path import RowsPath
+from ..positions.masks import store_mask_mod
 from . import cpu_fast_rows
 
 __all__ = ["FastRowsPath"]
@@ -50,7 +51,7 @@ class FastRowsPath(RowsPath):
         s = self.store
         if eager and compiled and s.device.type == "cpu" and plan.tokens > 1:
             T = plan.tokens
-            geometry = self.geometry(plan, s.mask_mod(plan, T, False), T, s.config.dtype)
+            geometry = self.geometry(plan, store_mask_mod(s, plan, T, False), T, s.config.dtype)
             # With each cell's stream index: a compiled layer's `score_mod` reads it instead of forming it.
             plan.extras["rows_geometry"] = with_stream_index(geometry, s.layout, plan)
 

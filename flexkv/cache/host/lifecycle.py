@@ -16,15 +16,16 @@ something the change touches).
 | `plan`                                    | checks, one read, notes the writes   | `_plan_step` (subclass): a plan |
 | `commit`                                  | `written += span`                    | `end_step`, `on_commit`         |
 | `reset_request` / `remove_request`        | rewinds / frees the slot             | `on_reset` / `on_remove`        |
-| `fork_request` / `reorder_requests`       | a new slot / new positions           | slot copy (`slot_buffers`), `on_fork` / `on_reorder` |
+| `fork_request` / `reorder_requests`       | a new slot / new positions           | slot copy (`_copy_slots`), `on_fork` / `on_reorder` |
 | `rollback_request`                        | `written -= tokens`                  | `on_rollback`                   |
 | `add_source` / `add_private_source`       | a source place                       | `write_source` (its share)      |
 | `remove_source` / `remove_private_source` | frees the place                      | `on_remove_source` / `on_remove_private` |
 
 A subclass sets `slots` and `_lock` (the table's lock), lists its stores in
 `_stores`, and supplies `_plan_step` (the plan of a checked step from one
-read of the table) and `_source_shares` (each store's share of all-layer
-source tensors, checked, and the source's length).
+read of the table), `_source_shares` (each store's share of all-layer
+source tensors, checked, and the source's length) and, when its stores keep
+per-slot buffers, `_copy_slots` (the device copy a fork or reorder makes).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from itertools import chain
 from typing import Hashable
 
 from ...step import BoundedKVStep, StreamPosition
-from ..storage.slot_copy import fork_slot, reorder_slots
 from .table_views import TableViews
 
 __all__ = ["StoreHooks", "StreamLifecycle"]
@@ -88,6 +88,14 @@ class StreamLifecycle(TableViews):
 
     def _slot_buffers(self):
         return chain.from_iterable(s.slot_buffers() for s in self._stores)
+
+    def _copy_slots(self, pairs: list) -> None:
+        """Copy slot `a` into slot `b` for each `(a, b)` of `pairs` in every per-slot buffer of the stores, every
+        source read before any destination is written. A subclass whose stores keep such buffers supplies it
+        (the device copy lives with the stores: `flexkv.cache.storage.slot_copy.copy_slots`)."""
+        if pairs and any(True for _ in self._slot_buffers()):
+            raise NotImplementedError(f"{type(self).__name__} keeps per-slot buffers and must define _copy_slots "
+                                      f"(StreamLifecycle's slot-copy hook)")
 
     # ------------------------------------------------------------------ streams
 
@@ -173,7 +181,12 @@ class StreamLifecycle(TableViews):
         roll back"): the lowest free slot, a copy of the parent's slot in every layer of every
         group, and its position (`written`, source). Atomic: on any error nothing changes."""
         with self._lock:
-            fork_slot(self.slots, self._slot_buffers(), parent_id, child_id)
+            src, dst = self.slots.fork(parent_id, child_id)
+            try:
+                self._copy_slots([(src, dst)])
+            except BaseException:
+                self.slots.remove(child_id)
+                raise
             for s in self._stores:
                 s.on_fork(parent_id, child_id)
 
@@ -189,7 +202,9 @@ class StreamLifecycle(TableViews):
         any destination is written."""
         with self._lock:
             mapping = self.slots.check_reorder(mapping)
-            reorder_slots(self.slots, self._slot_buffers(), mapping)
+            self._copy_slots([(self.slots.slot_of(src), self.slots.slot_of(dst))
+                              for dst, src in mapping.items() if dst != src])
+            self.slots.reorder(mapping)
             for s in self._stores:
                 s.on_reorder(mapping)
 

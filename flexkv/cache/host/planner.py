@@ -68,20 +68,25 @@ import torch
 
 from ...config import BoundedKVConfig, resolve_device
 from ...step import BoundedKVStep
-from ..positions.masks import MASK_INTERVALS
 from .layout import Layout
 
-__all__ = ["BoundedPlan", "ROW_FIELDS", "INTERVALS", "PLAN_TABLE", "build_plan", "table_spans", "table_views"]
+__all__ = ["BoundedPlan", "ROW_FIELDS", "INTERVALS", "MASK_INTERVALS", "PLAN_TABLE", "build_plan", "table_spans", "table_views"]
 
 #: Cell intervals per row: sinks and window each reach the source, the sink region and the ring,
 #: and the ring splits where it wraps; merged, no row needs more than this.
 INTERVALS = 6
+#: Cell intervals a per-step window's row can need: the sinks (in the source, or in the slot's sink
+#: region when the source is shorter than the sinks) and the window (in the source, and in the ring,
+#: split where it wraps). The window never reaches the sink region (it starts at or after the sinks).
+#: A per-step mask (`flexkv.cache.positions.masks`) tests these first ones only.
+MASK_INTERVALS = 4
 SCALAR_FIELDS = (
     "src_base", "src_len", "sink_base", "ring_start", "ring_base", "n", "n_mod", "sink", "lo", "span",
     "src_row", "slot_row",
 )
 ROW_FIELDS = SCALAR_FIELDS + tuple(f"cell_{e}{k}" for k in range(INTERVALS) for e in ("lo", "hi"))
 _FAR = 1 << 30  # a base no cell index can reach: padding rows' regions start here
+_SINK_BASE, _RING_BASE = SCALAR_FIELDS.index("sink_base"), SCALAR_FIELDS.index("ring_base")
 
 #: The plan table's one definition, in the order its parts lie: `(name, ints per row, view)`.
 #: Ints per row is 1 or the name of a plan size (`"width"`, `"full_width"`, `"tokens"`); the view
@@ -367,35 +372,77 @@ def build_plan(
     """
     R = layout.rows_per_request
     T = step.step_tokens
-    ring = layout.ring_len
-    block = layout.block_size
-    qw = config.query_window
-    causal = config.causal_step
-    reverse = config.reverse_step_order
     width, Ls, Lr, slots_base, sink_len, scratch_base = _layout_facts(layout)
-    full_width = width if full_blocks else 1
-    segments = step.segments
-    rows = len(segments) * R
+    qw = config.query_window
+    sizes = (R, T, layout.ring_len, layout.block_size, Ls, Lr, slots_base, sink_len, qw, config.causal_step,
+             config.reverse_step_order, INTERVALS if qw is not None else MASK_INTERVALS)
+    rows = len(step.segments) * R
+    out = _PlanRows(rows, width, width if full_blocks else 1)
+    _plan_rows(out, step, config, sizes, slot_of, private_source, full_blocks, list(range(scratch_base, scratch_base + T)))
+    return BoundedPlan(rows, T, width, out.table(), device, full_blocks, parts)
 
-    n_fields = len(ROW_FIELDS)
-    cols = [[0] * rows for _ in range(n_fields)]
-    (c_src_base, c_src_len, c_sink_base, c_ring_start, c_ring_base,
-     c_n, c_n_mod, c_sink, c_lo, c_span, c_src_row, c_slot_row) = cols[:len(SCALAR_FIELDS)]
-    c_cells = cols[len(SCALAR_FIELDS):]
-    num_blocks = [0] * rows
-    full_num = [0] * rows
-    indices = array("i", bytes(4 * rows * width))
-    full_indices = array("i", bytes(4 * rows * full_width))
-    writes: list = []
-    scratch = list(range(scratch_base, scratch_base + T))
 
-    i = 0
-    for seg in segments:
+class _PlanRows:
+    """The plan table's columns while `build_plan` fills them, row by row (`PLAN_TABLE` order)."""
+
+    def __init__(self, rows: int, width: int, full_width: int):
+        self.cols = [[0] * rows for _ in range(len(ROW_FIELDS))]
+        self.num_blocks = [0] * rows
+        self.full_num = [0] * rows
+        self.indices = array("i", bytes(4 * rows * width))
+        self.full_indices = array("i", bytes(4 * rows * full_width))
+        self.width, self.full_width = width, full_width
+        self.writes: list = []
+
+    def padding(self, i: int, scratch: list) -> None:
+        """A padding row: its regions out of reach, its tokens written to the scratch cells."""
+        self.cols[_SINK_BASE][i] = self.cols[_RING_BASE][i] = -_FAR
+        self.writes.extend(scratch)
+
+    def cells_and_blocks(self, i: int, reached: list, partial: list, full: list) -> None:
+        """Row `i`'s cell intervals and (partial, full) block lists."""
+        cols = self.cols
+        for k, (clo, chi) in enumerate(reached):
+            cols[len(SCALAR_FIELDS) + 2 * k][i], cols[len(SCALAR_FIELDS) + 2 * k + 1][i] = clo, chi
+        if full:
+            self.full_num[i] = len(full)
+            self.full_indices[i * self.full_width:i * self.full_width + len(full)] = array("i", full)
+        self.num_blocks[i] = len(partial)
+        self.indices[i * self.width:i * self.width + len(partial)] = array("i", partial)
+
+    def table(self) -> array:
+        """The row fields (in `ROW_FIELDS` order), then the rest."""
+        table = array("i", [x for col in self.cols for x in col])
+        tail = {"kv_num_blocks": self.num_blocks, "kv_indices": self.indices, "full_kv_num_blocks": self.full_num,
+                "full_kv_indices": self.full_indices, "write_index": self.writes}
+        for name in _TAIL_PARTS:
+            table.extend(tail[name])
+        return table
+
+
+def _intervals(ranges, geometry) -> list:
+    """The merged cell intervals of stream `ranges` in a row of `geometry`."""
+    cells: list = []
+    for a, b in ranges:
+        if a < b:
+            _cells(a, b, *geometry, cells)
+    return _merge(cells)
+
+
+def _plan_rows(out: _PlanRows, step: BoundedKVStep, config: BoundedKVConfig, sizes: tuple, slot_of, private_source,
+               full_blocks: bool, scratch: list) -> None:
+    """Fill every row of the step's segments. `sizes`: the layout's and config's facts a plan reads (rows per
+    request, step tokens, ring, block, source row, slot row, slots base, sink cells, query window, causal and
+    reverse step, interval limit), read once per plan (a layout's are properties that recompute)."""
+    R, T, ring, block, Ls, Lr, slots_base, sink_len, qw, causal, reverse, limit = sizes
+    cols, writes, i = out.cols, out.writes, 0
+    (c_src_base, c_src_len, c_sink_base, c_ring_start, c_ring_base, c_n, c_n_mod, c_sink, c_lo, c_span, c_src_row,
+     c_slot_row) = cols[:len(SCALAR_FIELDS)]
+    for seg in step.segments:
         rid = seg.request_id
         if rid is None:
             for _ in range(R):
-                c_sink_base[i] = c_ring_base[i] = -_FAR
-                writes.extend(scratch)
+                out.padding(i, scratch)
                 i += 1
             continue
         pos = step.positions[rid]
@@ -403,8 +450,8 @@ def build_plan(
         pol = config.retention_for(L)
         s = pol.sink
         ring_start = max(s, L)
-        lo = pol.window_start(n, span)
         # Stage 1: stream ranges attended by some query (reach) and by every query (common).
+        lo = pol.window_start(n, span)
         if qw is None:
             reach = ((0, min(s, n)), (min(lo, n), n + T))
             # Causal inside the step: query t reads own tokens up to t, so only the first is common.
@@ -413,72 +460,36 @@ def build_plan(
             reach = ((0, min(s, n + T)), (max(0, n - qw), n + T))
             common = ((0, min(s, n + 1)), (max(0, n + T - 1 - qw), n + 1))
         slot = slot_of(rid)
-        if reverse:
-            own = [n + span - 1 - t if t < span else n + t for t in range(T)]
-        else:
-            own = range(n, n + T)
-        n_mod = n % ring
+        own = [n + span - 1 - t if t < span else n + t for t in range(T)] if reverse else range(n, n + T)
         source = private_source(rid) if pos.source == -1 and L else pos.source
+        n_mod = n % ring
         for r in range(R):
             src_row = source * R + r if L else 0
             src = src_row * Ls
             slot_row = slot * R + r
             base = slots_base + slot_row * Lr
             ring_base = base + sink_len
-            c_src_base[i] = src
-            c_src_len[i] = L
-            c_sink_base[i] = base
-            c_ring_start[i] = ring_start
-            c_ring_base[i] = ring_base
-            c_n[i] = n
-            c_n_mod[i] = n_mod
-            c_sink[i] = s
-            c_lo[i] = lo
-            c_span[i] = span
-            c_src_row[i] = src_row
-            c_slot_row[i] = slot_row
-
+            c_src_base[i], c_src_len[i], c_sink_base[i], c_ring_start[i], c_ring_base[i] = (src, L, base, ring_start,
+                                                                                            ring_base)
+            c_n[i], c_n_mod[i], c_sink[i], c_lo[i], c_span[i], c_src_row[i], c_slot_row[i] = (n, n_mod, s, lo, span,
+                                                                                            src_row, slot_row)
             # Stage 2: cell intervals.
             geometry = (L, ring_start, src, base, ring_base, ring)
-            reached: list = []
+            reached = []
             for a, b in reach:
                 if a < b:
                     _cells(a, b, *geometry, reached)
             reached = _merge(reached)
-            if len(reached) > (INTERVALS if qw is not None else MASK_INTERVALS):
+            if len(reached) > limit:
                 raise AssertionError(f"row {i} needs {len(reached)} cell intervals: {reached}")
-            for k, (clo, chi) in enumerate(reached):
-                c_cells[2 * k][i] = clo
-                c_cells[2 * k + 1][i] = chi
-
             # Stage 3: blocks.
-            partial = _touched(reached, block)
+            partial, full = _touched(reached, block), []
             if full_blocks:
-                if common is reach:
-                    everyone = reached
-                else:
-                    everyone = []
-                    for a, b in common:
-                        if a < b:
-                            _cells(a, b, *geometry, everyone)
-                    everyone = _merge(everyone)
-                full = _inside(everyone, block)
+                full = _inside(reached if common is reach else _intervals(common, geometry), block)
                 if full:
                     full_set = set(full)
                     partial = [blk for blk in partial if blk not in full_set]
-                    full_num[i] = len(full)
-                    full_indices[i * full_width:i * full_width + len(full)] = array("i", full)
-            num_blocks[i] = len(partial)
-            indices[i * width:i * width + len(partial)] = array("i", partial)
-
+            out.cells_and_blocks(i, reached, partial, full)
             # Stage 4: where the step's tokens go.
             writes.extend(base + (j - L) if j < ring_start else ring_base + j % ring for j in own)
             i += 1
-
-    # The table in `PLAN_TABLE` order: the row fields (`cols`, in `ROW_FIELDS` order), then the rest.
-    table = array("i", [x for col in cols for x in col])
-    tail = {"kv_num_blocks": num_blocks, "kv_indices": indices, "full_kv_num_blocks": full_num,
-            "full_kv_indices": full_indices, "write_index": writes}
-    for name in _TAIL_PARTS:
-        table.extend(tail[name])
-    return BoundedPlan(rows, T, width, table, device, full_blocks, parts)

@@ -23,6 +23,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from ..host.layout import Layout
 from ..host.planner import table_views
+from ..positions.masks import store_mask_mod
 from .kernel_sharing import layer_region
 
 __all__ = ["flex_call", "flex_layer", "plan_block_mask"]
@@ -97,5 +98,5 @@ def flex_layer(q, k_cache, v_cache, table, store, rows, tokens, width, full_widt
     plan = PlanView(table, rows, tokens, width, full_width, full_blocks)
     group = q.shape[2] // tokens
     block_mask = plan_block_mask(store.layout, store.device.type, plan, tokens * group,
-                                 store.mask_mod(plan, tokens, pack_gqa), own_buffers=True)
+                                 store_mask_mod(store, plan, tokens, pack_gqa), own_buffers=True)
     return flex_call(q, k_cache, v_cache, block_mask, options)[0]

@@ -1,6 +1,6 @@
 """The FlexAttention path as a cache's attention path: one `flex_attention` call per layer.
 
-`flexkv.cache.paths.choice` chooses it per call (route `"flex"`: an inline call
+`flexkv.cache.path_choice` chooses it per call (route `"flex"`: an inline call
 with the step's `score_mod` and log-sum-exp; `"region"`: the call every
 compiled layer shares, `flex_call.flex_layer`). What it answers:
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..positions.masks import store_mask_mod
 from ..storage import quantized
 from .flex_call import flex_call, flex_layer, plan_block_mask
 from .kernel_options import flex_kernel_options
@@ -93,7 +94,7 @@ class FlexPath:
         return True
 
     def __call__(self, call):
-        """`(out, log-sum-exp or None)` of one `attend` call (`flexkv.cache.paths.choice.PathCall`)."""
+        """`(out, log-sum-exp or None)` of one `attend` call (`flexkv.cache.path_choice.PathCall`)."""
         kc, vc, qs, plan = call.k_cells, call.v_cells, call.q, call.plan
         if call.scales is not None:
             kc, vc = self.dequantized_layer(kc, call.scales[0], vc, call.scales[1], qs.dtype)
@@ -132,4 +133,4 @@ class FlexPath:
         lists are views of its one table inside the graph, and each gets a buffer of its own."""
         s, plan = self.store, call.plan
         return plan_block_mask(s.layout, s.device.type, plan, call.q.shape[2],
-                               s.mask_mod(plan, plan.tokens, call.route.pack_gqa), own_buffers=call.compiling)
+                               store_mask_mod(s, plan, plan.tokens, call.route.pack_gqa), own_buffers=call.compiling)

@@ -53,6 +53,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..positions.masks import store_mask_mod
 from ..storage.quantized import SCALE_DTYPE
 from .query_only import newest_token
 from .row_attention import NEG_INF, gather_width, interval_cells
@@ -167,7 +168,7 @@ def _own_cells(store, plan, n_q: int) -> tuple:
         newest = newest_token(plan, c.reverse_step_order).long().view(N, 1)
         q_idx = torch.cat([torch.arange(T, device=dev).expand(N, T), newest.expand(N, n_q)], 1).view(N, 1, -1, 1)
         rows = torch.arange(N, device=dev).view(N, 1, 1, 1)
-        allowed = store.mask_mod(plan, T, False)(rows, torch.zeros((), dtype=torch.long, device=dev), q_idx,
+        allowed = store_mask_mod(store, plan, T, False)(rows, torch.zeros((), dtype=torch.long, device=dev), q_idx,
                                                  cells.view(N, 1, 1, W)) & used.view(N, 1, 1, W)
     return cells, allowed, plan.sink_base >= 0, False
 
@@ -278,7 +279,7 @@ def cells_part(store, kc, vc, scales, plan) -> KeyPart:
 
 
 class JointPath:
-    """The joint path of one store (`flexkv.cache.paths.choice.AttentionPath`): no scratch, no plan parts; a
+    """The joint path of one store (`flexkv.cache.path_choice.AttentionPath`): no scratch, no plan parts; a
     call is `joint_attention` over its `PathCall` (`query_only` and `joined` set; the queries
     unscaled, the scale in `scale`); `part` is `write_part`'s `cells_part`."""
 

@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..positions.masks import make_score_mod
+from ..positions.masks import make_score_mod, store_mask_mod
 from .sinks import apply_learned_sinks
 
 __all__ = ["check_query_only", "attend_query_only"]
@@ -66,7 +66,7 @@ def attend_query_only(rows, q2: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
     g = Hq // H
     T = plan.tokens
     newest = newest_token(plan, c.reverse_step_order)
-    base = store.mask_mod(plan, T, False)
+    base = store_mask_mod(store, plan, T, False)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return base(b, h, newest[b] + q_idx * 0, kv_idx)

@@ -1,6 +1,6 @@
 """The rows path as a cache's attention path: each row's cells, then dense attention (`row_attention`).
 
-`flexkv.cache.paths.choice` chooses it per call; this module is the plain
+`flexkv.cache.path_choice` chooses it per call; this module is the plain
 reference a reader should see first: `row_attention.mask_geometry` and
 `row_attention.attend_rows`, with no scratch, no plan parts, no memos and no
 custom ops. The CPU fast paths are a class of their own over the same calls,
@@ -10,6 +10,7 @@ built (`AttentionOptions.cpu_fast_paths`); both compute the same thing.
 
 from __future__ import annotations
 
+from ..positions.masks import store_mask_mod
 from .row_attention import attend_rows, gather_width, mask_geometry
 
 __all__ = ["RowsPath"]
@@ -38,12 +39,12 @@ class RowsPath:
         s, plan, qs = self.store, call.plan, call.q
         T, pack, gT = plan.tokens, call.route.pack_gqa, call.q.shape[2]
         if call.compiling:
-            return None, s.mask_mod(plan, T, pack)
+            return None, store_mask_mod(s, plan, T, pack)
         return self.eager_geometry(plan, (gT, T, pack, qs.dtype),
-                                   lambda: self.geometry(plan, s.mask_mod(plan, T, pack), gT, qs.dtype)), None
+                                   lambda: self.geometry(plan, store_mask_mod(s, plan, T, pack), gT, qs.dtype)), None
 
     def __call__(self, call):
-        """`(out, log-sum-exp or None)` of one `attend` call (`flexkv.cache.paths.choice.PathCall`)."""
+        """`(out, log-sum-exp or None)` of one `attend` call (`flexkv.cache.path_choice.PathCall`)."""
         geometry, mask_mod = self.step_geometry(call)
         out = self.attend(call.layer, call.q, call.k_cells, call.v_cells, call.plan, mask_mod, call.score_mod,
                           lse=call.lse, geometry=geometry, additive=call.additive, scales=call.scales,

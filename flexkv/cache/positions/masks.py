@@ -19,14 +19,12 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["stream_index", "query_window_attends", "make_mask_mod", "make_score_mod", "POSITION_MODES"]
+from ..host.planner import MASK_INTERVALS
+
+__all__ = ["stream_index", "query_window_attends", "make_mask_mod", "store_mask_mod", "make_score_mod", "POSITION_MODES"]
 
 POSITION_MODES = ("stream", "cache")
 
-#: Cell intervals a per-step window's row can need: the sinks (in the source, or in the slot's sink
-#: region when the source is shorter than the sinks) and the window (in the source, and in the ring,
-#: split where it wraps). The window never reaches the sink region (it starts at or after the sinks).
-MASK_INTERVALS = 4
 
 
 def stream_index(plan, ring_len: int, tokens: int, b, kv_idx):
@@ -102,6 +100,13 @@ def make_mask_mod(plan, ring_len: int, tokens: int, query_window: Optional[int],
             return valid & query_window_attends(j, p, plan.sink[b], query_window)
 
     return mask_mod
+
+
+def store_mask_mod(store, plan, tokens: int, pack_gqa: bool = False) -> Callable:
+    """The step's retention `mask_mod` over `store`'s cells (a `flexkv.cache.storage.store.LayerStore`: its
+    layout's ring and its config's window and step shape); the one place every path builds it."""
+    return make_mask_mod(plan, store.layout.ring_len, tokens, store.config.query_window, pack_gqa=pack_gqa,
+                         causal_step=store.config.causal_step)
 
 
 def query_stream_index(plan, b, q_idx, reverse: bool):

@@ -21,7 +21,7 @@ from typing import Iterable, NamedTuple, Sequence, Tuple
 
 import torch
 
-__all__ = ["SlotBuffer", "copy_slots", "fork_slot", "reorder_slots", "plan_slot_rows"]
+__all__ = ["SlotBuffer", "copy_slots", "plan_slot_rows"]
 
 
 class SlotBuffer(NamedTuple):
@@ -51,27 +51,6 @@ def copy_slots(buffers: Iterable[SlotBuffer], pairs: Sequence[Tuple[int, int]]) 
             for i, (_, b) in enumerate(pairs):
                 buf.tensor.narrow(buf.dim, buf.base + b * buf.per_slot, buf.per_slot).copy_(
                     values.narrow(buf.dim, i * buf.per_slot, buf.per_slot))
-
-
-def fork_slot(table, buffers: Iterable[SlotBuffer], parent_id, child_id) -> None:
-    """Start `child_id` in `table` (a `SlotTable`, under its owner's lock) as a copy of `parent_id`'s
-    stream and copy the parent's slot into the child's in `buffers`; if the copy fails the child
-    is removed again, so nothing changes."""
-    src, dst = table.fork(parent_id, child_id)
-    try:
-        copy_slots(buffers, [(src, dst)])
-    except BaseException:
-        table.remove(child_id)
-        raise
-
-
-def reorder_slots(table, buffers: Iterable[SlotBuffer], mapping) -> None:
-    """`mapping` `{destination: source}` in `table` and in `buffers`: one batched copy (every source
-    gathered before any destination is written), then the table's positions."""
-    mapping = table.check_reorder(mapping)
-    pairs = [(table.slot_of(src), table.slot_of(dst)) for dst, src in mapping.items() if dst != src]
-    copy_slots(buffers, pairs)
-    table.reorder(mapping)
 
 
 def plan_slot_rows(plan, slots_base: int, slot_row_len: int, spare: int) -> Tuple[torch.Tensor, torch.Tensor]:

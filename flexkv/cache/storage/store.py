@@ -2,7 +2,7 @@
 
 A `BoundedKVManager` is a slot table (host state, `flexkv.cache.host.slots`), a
 store (this module: device state) and the attention paths over it
-(`flexkv.cache.paths.choice`). The store holds, for each of `config.num_layers`
+(`flexkv.cache.path_choice`). The store holds, for each of `config.num_layers`
 layers:
 
 ==================  ==========================  ========================================
@@ -31,7 +31,7 @@ and no sources in bfloat16 hold `2 layers * 2 (k, v) * 8 * 128 * 2 bytes`
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -40,7 +40,6 @@ from ...config import BoundedKVConfig, resolve_device
 from ..host.layout import Layout
 from ..host.lifecycle import StoreHooks
 from ..host.sources import check_source_shapes
-from ..positions.masks import make_mask_mod
 from . import quantized
 from .slot_copy import SlotBuffer
 
@@ -143,11 +142,6 @@ class LayerStore(StoreHooks, nn.Module):
             yield from self.layer_kv(i)
             if self.config.slot_dtype is not None:
                 yield from self.layer_scales(i)
-
-    def mask_mod(self, plan, tokens: int, pack_gqa: bool) -> Callable:
-        """The step's retention `mask_mod` (`flexkv.cache.positions.masks`); the one place every path builds it."""
-        return make_mask_mod(plan, self.layout.ring_len, tokens, self.config.query_window, pack_gqa=pack_gqa,
-                             causal_step=self.config.causal_step)
 
     # ------------------------------------------------------------ writes
 

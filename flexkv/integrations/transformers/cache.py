@@ -130,10 +130,37 @@ class FlexKVCache(BranchingCache, CacheShim):
         self._softcap = m.softcap
         self._absolute = m.absolute
         self._restarts = m.restarts
+        self.manager = self._build_manager(groups, len(self._kv_owner), max_streams, dtype, prefill_chunk,
+                                           slot_dtype, max_rollback, device, block_size)
+        #: The forward's step: one `flexkv.model.step_context.StepContext` over the cache, whose model layers attend their
+        #: KV layers (None: recurrent only); its transaction and attendance check are every forward's.
+        self.context = StepContext(self.manager, layers=tuple(kv if s.attends else None
+                                                              for s, kv in zip(specs, self.kv_layer)))
+        self._recurrent = m.states
+        self._rotary = None
+        #: why the default positions are "stream" for this model (None: they are not, or were asked for)
+        self.stream_positions_reason: Optional[str] = None
+        self._choose_positions(model, positions, rope_positions, m)
+        Cache.__init__(self, layers=[self._layer_view(s) for s in specs])
+        #: the stream of each batch row, the columns they took in, the tokens they are owed (one owner)
+        self.selected = Selection()
+        self._pending: Optional[Pending] = None
+        # Whether the last forward's attention ran eagerly (`FlexKVForward.attend`): the next one's
+        # plans are then made for eager calls only (`eager_forward`).
+        self._ran_eagerly = False
+        # Every check passed: only now touch the model.
+        enable(model)
+        # The model's hook state is read when needed, not kept: disable(model) and enable(model)
+        # replace it, and this cache must recover and switch through the one installed now.
+        self._model = weakref.ref(model)
+
+    def _build_manager(self, groups, num_layers: int, max_streams: int, dtype, prefill_chunk: int, slot_dtype,
+                       max_rollback: int, device, block_size) -> BoundedKVManager:
+        """The one bounded cache under the model's KV layers, grouped by `groups` (`survey`)."""
         first = groups[0]
-        self.manager = BoundedKVManager(
+        return BoundedKVManager(
             BoundedKVConfig(
-                num_layers=len(self._kv_owner),
+                num_layers=num_layers,
                 num_heads=first.num_heads,
                 head_dim=first.head_dim,
                 value_head_dim=first.value_head_dim,
@@ -153,47 +180,31 @@ class FlexKVCache(BranchingCache, CacheShim):
             groups=groups,
             block_size=block_size,
         )
-        #: The forward's step: one `flexkv.model.step_context.StepContext` over the cache, whose model layers attend their
-        #: KV layers (None: recurrent only); its transaction and attendance check are every forward's.
-        self.context = StepContext(self.manager, layers=tuple(kv if s.attends else None
-                                                              for s, kv in zip(specs, self.kv_layer)))
-        self._recurrent = m.states
-        self._rotary = None
-        #: why the default positions are "stream" for this model (None: they are not, or were asked for)
-        self.stream_positions_reason: Optional[str] = None
+
+    def _choose_positions(self, model, positions: str, asked: Optional[str], survey_result) -> None:
+        """In-cache positions where they can be served (else, unless `asked`, stream positions, saying why),
+        and the trained context a stream-positioned stream is warned past."""
         if positions == "cache":
             try:
                 self._rotary = CachePositions(self.manager, model, self._kv_owner)
             except ValueError as exc:
-                if rope_positions is not None:
+                if asked is not None:
                     raise
                 # The default where in-cache positions cannot be served: stream positions, said once a stream
                 # would run past what the model was trained on (`warn_past_trained_context`).
                 self.rope_positions = "stream"
                 self.stream_positions_reason = str(exc)
-        trained = getattr(m.config, "max_position_embeddings", None)
-        self._trained_context = trained if self.rope_positions == "stream" and m.absolute is None \
+        trained = getattr(survey_result.config, "max_position_embeddings", None)
+        self._trained_context = trained if self.rope_positions == "stream" and survey_result.absolute is None \
             and isinstance(trained, int) else None
-        views = []
-        for s in specs:
-            if s.attends and s.recurrent:
-                views.append(HybridLayerView(self, s.index))
-            elif s.recurrent:
-                views.append(RecurrentLayerView(self, s.index))
-            else:
-                views.append(AttentionLayerView(self, s.index))
-        Cache.__init__(self, layers=views)
-        #: the stream of each batch row, the columns they took in, the tokens they are owed (one owner)
-        self.selected = Selection()
-        self._pending: Optional[Pending] = None
-        # Whether the last forward's attention ran eagerly (`FlexKVForward.attend`): the next one's
-        # plans are then made for eager calls only (`eager_forward`).
-        self._ran_eagerly = False
-        # Every check passed: only now touch the model.
-        enable(model)
-        # The model's hook state is read when needed, not kept: disable(model) and enable(model)
-        # replace it, and this cache must recover and switch through the one installed now.
-        self._model = weakref.ref(model)
+
+    def _layer_view(self, spec):
+        """The model layer's view of the cache, by what the layer keeps."""
+        if spec.attends and spec.recurrent:
+            return HybridLayerView(self, spec.index)
+        if spec.recurrent:
+            return RecurrentLayerView(self, spec.index)
+        return AttentionLayerView(self, spec.index)
 
     # ---------------------------------------------------------------- views
 
@@ -391,61 +402,13 @@ class FlexKVCache(BranchingCache, CacheShim):
                 "prepare(): the model's flexkv hooks were removed (disable(model)); call "
                 "flexkv.integrations.transformers.enable(model) before planning a forward with this cache"
             )
-        ref = input_ids if input_ids is not None else inputs_embeds
-        if not isinstance(ref, torch.Tensor) or ref.dim() < 2:
-            raise ValueError(
-                "prepare() needs input_ids [batch, tokens] or inputs_embeds [batch, tokens, hidden], "
-                f"got {None if ref is None else tuple(ref.shape)}"
-            )
-        B, T = int(ref.shape[0]), int(ref.shape[1])
-        if T < 1:
-            raise ValueError(
-                f"a forward through FlexKVCache needs at least one token per row, got input of shape "
-                f"{tuple(ref.shape)}" + (
-                    f"; the selected streams were fed {self.selected.columns} columns since select() (get_seq_length()), "
-                    f"which generate() slices off the front of input_ids: to continue with only new ids, call "
-                    f"cache.select(stream_ids) before generate()" if self.selected.columns else ""))
+        B, T = self._forward_shape(input_ids if input_ids is not None else inputs_embeds)
         rows = self._rows(B)
-        real = None
-        if attention_mask is not None:
-            if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-                raise ValueError(
-                    "FlexKVCache takes a 2-D padding attention_mask [batch, columns] (ones: tokens, zeros: padding); "
-                    f"got {type(attention_mask).__name__} of shape "
-                    f"{tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else None}. "
-                    "flexkv builds the attention pattern itself"
-                )
-            if attention_mask.shape[0] != B or attention_mask.shape[1] < T:
-                raise ValueError(
-                    f"attention_mask shape {tuple(attention_mask.shape)} does not cover the forward's "
-                    f"{B} rows x {T} tokens"
-                )
-            # The one device read of the integration: which of this forward's columns are padding
-            # (read as Python values: a nonzero entry is a token, as `.bool()` would say).
-            flags = attention_mask[:, -T:].tolist()
-            if not all(all(r) for r in flags):
-                real = [[t for t, f in enumerate(r) if f] for r in flags]
+        real = self._real_columns(attention_mask, B, T)
         lengths = [T] * B if real is None else [len(r) for r in real]
         written = [self.stream_length(sid) for sid in rows]
-        if self._absolute is not None:
-            limit, name = self._absolute
-            for sid, w, L in zip(rows, written, lengths):
-                if w + L > limit:
-                    raise ValueError(
-                        f"stream {sid!r} would reach length {w + L} (holds {w}, this forward adds {L}), but the model's "
-                        f"learned absolute positions ({name}) stop at max_position_embeddings={limit}; start a new "
-                        f"stream (cache.finish({sid!r}) and select it again), or use a model with rotary positions"
-                    )
-        if self._trained_context is not None and warn_past_trained_context(
-                rows, written, lengths, self._trained_context, self.stream_positions_reason):
-            self._trained_context = None  # once per cache
-        if self._recurrent is not None:
-            check_recurrent_forward([s.index for s in self.layer_specs if s.recurrent], self._restarts, rows, written,
-                                    real, T)
-
-        longest = max(lengths)
+        self._check_forward_reach(rows, written, lengths, real, T)
         steps = chunk_steps(rows, written, lengths, self.manager.config.max_step_tokens)
-
         m = self.manager
         known = set(m.requests)
         # The last forward ran eagerly and nothing says this one is compiled: plans for eager calls only.
@@ -466,24 +429,7 @@ class FlexKVCache(BranchingCache, CacheShim):
         self._ran_eagerly = False
         new = [sid for sid in rows if sid not in known]
         try:
-            gather = scatter = None
-            if real is not None:
-                g, s = [], []
-                for r in real:
-                    g.append(r + [r[-1] if r else 0] * (longest - len(r)))
-                    rank = {col: i for i, col in enumerate(r)}
-                    s.append([rank.get(col, longest) for col in range(T)])
-                gather = self._to_device(g)
-                scatter = self._to_device(s)
-            pos = []
-            for b in range(B):
-                w = written[b]
-                if real is None:
-                    pos.append(list(range(w, w + T)))
-                else:
-                    rank = {col: i for i, col in enumerate(real[b])}
-                    pos.append([w + rank.get(col, 0) for col in range(T)])
-            position_ids = self._to_device(pos)
+            gather, scatter, position_ids = self._forward_columns(real, written, T)
             state_slots = None
             if self._recurrent is not None:
                 slot_of = m.slot_of
@@ -501,6 +447,90 @@ class FlexKVCache(BranchingCache, CacheShim):
         self.selected.advance(rows, T)
         switch(state, on=True)
         return {"position_ids": position_ids, "flexkv_step": fwd}
+
+    def _forward_shape(self, ref) -> tuple:
+        """`(B, T)` of a forward's `input_ids` or `inputs_embeds`, checked."""
+        if not isinstance(ref, torch.Tensor) or ref.dim() < 2:
+            raise ValueError(
+                "prepare() needs input_ids [batch, tokens] or inputs_embeds [batch, tokens, hidden], "
+                f"got {None if ref is None else tuple(ref.shape)}"
+            )
+        B, T = int(ref.shape[0]), int(ref.shape[1])
+        if T < 1:
+            raise ValueError(
+                f"a forward through FlexKVCache needs at least one token per row, got input of shape "
+                f"{tuple(ref.shape)}" + (
+                    f"; the selected streams were fed {self.selected.columns} columns since select() (get_seq_length()), "
+                    f"which generate() slices off the front of input_ids: to continue with only new ids, call "
+                    f"cache.select(stream_ids) before generate()" if self.selected.columns else ""))
+        return B, T
+
+    @staticmethod
+    def _real_columns(attention_mask, B: int, T: int):
+        """Each row's token columns among the forward's last `T` (None: no padding), from a 2-D padding mask."""
+        if attention_mask is None:
+            return None
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+            raise ValueError(
+                "FlexKVCache takes a 2-D padding attention_mask [batch, columns] (ones: tokens, zeros: padding); "
+                f"got {type(attention_mask).__name__} of shape "
+                f"{tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else None}. "
+                "flexkv builds the attention pattern itself"
+            )
+        if attention_mask.shape[0] != B or attention_mask.shape[1] < T:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} does not cover the forward's "
+                f"{B} rows x {T} tokens"
+            )
+        # The one device read of the integration: which of this forward's columns are padding
+        # (read as Python values: a nonzero entry is a token, as `.bool()` would say).
+        flags = attention_mask[:, -T:].tolist()
+        if all(all(r) for r in flags):
+            return None
+        return [[t for t, f in enumerate(r) if f] for r in flags]
+
+    def _check_forward_reach(self, rows, written, lengths, real, T: int) -> None:
+        """Refuse a forward past the model's learned absolute positions or a recurrent layer's rules; warn
+        (once per cache) past its trained context."""
+        if self._absolute is not None:
+            limit, name = self._absolute
+            for sid, w, L in zip(rows, written, lengths):
+                if w + L > limit:
+                    raise ValueError(
+                        f"stream {sid!r} would reach length {w + L} (holds {w}, this forward adds {L}), but the model's "
+                        f"learned absolute positions ({name}) stop at max_position_embeddings={limit}; start a new "
+                        f"stream (cache.finish({sid!r}) and select it again), or use a model with rotary positions"
+                    )
+        if self._trained_context is not None and warn_past_trained_context(
+                rows, written, lengths, self._trained_context, self.stream_positions_reason):
+            self._trained_context = None  # once per cache
+        if self._recurrent is not None:
+            check_recurrent_forward([s.index for s in self.layer_specs if s.recurrent], self._restarts, rows, written,
+                                    real, T)
+
+    def _forward_columns(self, real, written, T: int) -> tuple:
+        """`(gather, scatter, position_ids)` on the device: where each row's tokens sit among its columns (None
+        without padding) and each column's stream position."""
+        B = len(written)
+        gather = scatter = None
+        if real is not None:
+            longest = max(len(r) for r in real)
+            g, s = [], []
+            for r in real:
+                g.append(r + [r[-1] if r else 0] * (longest - len(r)))
+                rank = {col: i for i, col in enumerate(r)}
+                s.append([rank.get(col, longest) for col in range(T)])
+            gather = self._to_device(g)
+            scatter = self._to_device(s)
+        pos = []
+        for b in range(B):
+            w = written[b]
+            if real is None:
+                pos.append(list(range(w, w + T)))
+            else:
+                rank = {col: i for i, col in enumerate(real[b])}
+                pos.append([w + rank.get(col, 0) for col in range(T)])
+        return gather, scatter, self._to_device(pos)
 
     def model_masks(self, attention_mask, forward: FlexKVForward):
         """The `attention_mask` a planned forward passes to the model.

@@ -15,6 +15,10 @@ alone (`AttentionOptions.path_for` and `route`), which steps reach which
 path: the same rule sizes the scratch, adds the plan parts and routes each
 call. The paths:
 
+It sits beside the caches, above `paths` and `cpu`: it is the one module that
+enters the CPU speed work, which builds on the rows path's pieces, so the
+choice lives above both rather than inside `paths`.
+
 - `rows_path.RowsPath`: each row's cells, then dense attention (`flexkv.cache.paths.row_attention`); or,
   for a cache on the CPU, unless `AttentionOptions.cpu_fast_paths` is off, the same path through the CPU
   fast paths (`flexkv.cache.cpu.fast_rows_path.FastRowsPath`), the one class chosen here when the cache
@@ -34,13 +38,13 @@ from typing import Callable, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 
-from ..cpu.fast_rows_path import FastRowsPath
-from ..host.layout import cpu_kernel_block_exact
-from .attention_options import AttentionOptions, Route
-from .flex_path import FlexPath
-from .float8_path import Float8FlexPath, reads_cells_in_kernel
-from .joint_path import JointPath
-from .rows_path import RowsPath
+from .cpu.fast_rows_path import FastRowsPath
+from .host.layout import cpu_kernel_block_exact
+from .paths.attention_options import AttentionOptions, Route
+from .paths.flex_path import FlexPath
+from .paths.float8_path import Float8FlexPath, reads_cells_in_kernel
+from .paths.joint_path import JointPath
+from .paths.rows_path import RowsPath
 
 __all__ = ["AttentionPaths", "AttentionPath", "PathCall"]
 
