@@ -5,7 +5,9 @@ Skipped where vLLM is not installed or the trained SmolLM2 folder is absent (tes
 `smol_dir`). The server's greedy completions, plain and streamed (the second served from the prefix
 cache the first filled), must equal the offline engine's for the same prompt past the first eviction;
 a bad `flexkv` entry must stop the server at start-up with flexkv's message; flexkv's metrics on `/metrics`
-must count what the retention evicted and returned, worked out by hand from the answers' token counts.
+must count what the retention evicted and returned, worked out by hand from the answers' token counts;
+under vLLM's own load generator every stream keeps its block bound and a teacher-forced stream's
+perplexity is what it is alone.
 """
 
 import json
@@ -197,3 +199,28 @@ def test_a_bad_entry_stops_the_server_at_start_up_with_flexkvs_message(folder, t
             proc.kill()
     assert proc.returncode != 0
     assert "needs ['window']" in log.read_text()
+
+
+def test_under_load_every_stream_keeps_its_bound_and_what_came_back_is_what_it_is_alone(folder, tmp_path):
+    """benchmarks/vllm_serve_load.py small: a server with the flexkv entry under vLLM's own load generator (six
+    600-token prompts arriving at once, 30 tokens each) and a teacher-forced 700-token stream among them. Every
+    request completes, nothing is preempted, the pool never holds more than the plugin's per-stream bound for
+    each request in flight, and the stream's perplexity under the load is what it is served alone."""
+    from argparse import Namespace
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])  # `benchmarks` is a folder of the repository, not the package
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.vllm_serve_load import run_mode
+    from flexkv import SinkWindow
+    from flexkv.integrations.vllm.spec import block_bound
+
+    a = Namespace(model=folder, sink=4, window=60, streams=6, input_len=600, output_len=30, rate=100.0,
+                  quality_len=700, batched_tokens=64, logs=str(tmp_path))
+    row = run_mode("flexkv", a)
+    assert row["completed"] == 6 and row["preemptions"] == 0, row
+    per_stream = block_bound(SinkWindow(4, 60), 32, 64)
+    assert 0 < row["peak_blocks"] <= (a.streams + 1) * per_stream < (a.streams + 1) * (700 // 32), row
+    load, alone = row["quality"], row["quality_alone"]
+    assert abs(load["past_window"] / alone["past_window"] - 1) < 0.01, row
