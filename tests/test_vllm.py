@@ -34,7 +34,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from flexkv import BoundedKVConfig, SinkWindow  # noqa: E402
 from flexkv.cache.positions.masks import query_window_attends  # noqa: E402
-from flexkv.integrations.vllm.backend import decode_plan, sink_window_attention, step_gather, turn_sinks  # noqa: E402
+from flexkv.integrations.vllm.backend import band_attention, decode_plan, sink_window_attention, step_gather, turn_sinks  # noqa: E402
 from flexkv.integrations.vllm.metrics import request_counts  # noqa: E402
 from flexkv.integrations.vllm.spec import SinkWindowManager, SinkWindowSpec, block_bound, pool_line  # noqa: E402
 from flexkv.model.reference import attended_indices  # noqa: E402
@@ -123,6 +123,39 @@ def test_the_batched_attention_attends_the_contracts_set(sink, window, lens, ste
         got = torch.zeros_like(q)
         sink_window_attention(q, kc, vc, table, starts, torch.tensor(lens, dtype=torch.int32), sink, window,
                               d ** -0.5, got, max_len=max_len)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    banded = torch.zeros_like(q)  # the same set, a request's tokens a tile at a time
+    band_attention(q, kc, vc, table, starts, torch.tensor(lens, dtype=torch.int32), sink, window, d ** -0.5, banded)
+    torch.testing.assert_close(banded, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_a_prompt_chunk_a_tile_at_a_time_equals_the_per_token_gather(neox, monkeypatch):
+    """`band_attention` (prompt chunks) against `sink_window_attention` (every token its own gather): chunks of
+    requests past eviction and across it, tiles smaller than a chunk, in-cache positions (each query's sinks
+    turned by its own eviction count), and requests of their own narrower retention."""
+    import flexkv.integrations.vllm.backend as backend
+
+    monkeypatch.setattr(backend, "BAND_TILE", 7)
+    torch.manual_seed(1)
+    h, g, d, bs, nblk = 2, 2, 16, 8, 80
+    lens, steps = [150, 40, 90, 23], [30, 40, 1, 9]
+    kc, vc = torch.randn(nblk, h, bs, d), torch.randn(nblk, h, bs, d)
+    table = torch.zeros(len(lens), 20, dtype=torch.int32)
+    free = iter((torch.randperm(nblk - 1) + 1).tolist())
+    for r, n in enumerate(lens):
+        for b in range(-(-n // bs)):
+            table[r, b] = next(free)
+    q = torch.randn(sum(steps), h * g, d)
+    starts = torch.tensor([0] + torch.tensor(steps).cumsum(0).tolist(), dtype=torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.outer(torch.arange(256, dtype=torch.float64), inv)
+    rotary = (torch.cat((ang.cos(), ang.sin()), -1).float(), neox)
+    for rows in (None, torch.tensor([[4, 30], [2, 30], [4, 11], [0, 5]])):
+        want, got = torch.zeros_like(q), torch.zeros_like(q)
+        sink_window_attention(q, kc, vc, table, starts, seq, 4, 30, d ** -0.5, want, rotary=rotary, rows=rows)
+        band_attention(q, kc, vc, table, starts, seq, 4, 30, d ** -0.5, got, rotary=rotary, rows=rows)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -415,15 +448,21 @@ def static_layers(llm):
     return [layer for layer in ctx.values() if hasattr(layer, "impl")]
 
 
-def test_chunked_prefill_and_preemption_stay_exact(model_dir, reference, monkeypatch):
+@pytest.mark.parametrize("positions, prefix_caching", [(None, False), (None, True), ("stream", False),
+                                                       ("stream", True)])
+def test_chunked_prefill_and_preemption_stay_exact(model_dir, reference, monkeypatch, positions, prefix_caching):
     """Prompts longer than a step's 64 tokens are fed in chunks; twice, past the first eviction, vLLM's
     scheduler preempts its last running request (its own `_preempt_request`, as when the pool runs
-    short: blocks freed, the request recomputed from its first token)."""
-    llm = engine(model_dir, max_num_batched_tokens=64, max_num_seqs=4, enable_chunked_prefill=True)
+    short: blocks freed, the request recomputed from its first token). Both position modes, with vLLM's
+    prefix caching off and on (its default): a recomputed request may then resume from its own blocks."""
+    llm = engine(model_dir, positions, enable_prefix_caching=prefix_caching, max_num_batched_tokens=64,
+                 max_num_seqs=4, enable_chunked_prefill=True)
+    assert {layer.impl.positions for layer in static_layers(llm)} == {positions or "cache"}
     preempted = preempt_twice(monkeypatch, lambda request: request.request_id)
-    outs = run_and_check(llm, reference["cache"], prompts_of([200, 150, 90, 250]), monkeypatch)
+    outs = run_and_check(llm, reference[positions or "cache"], prompts_of([200, 150, 90, 250]), monkeypatch)
     assert len(preempted) == 2
-    assert sum(out.num_cached_tokens == 0 for out in outs) == 4  # nothing came back from a prefix cache
+    if not prefix_caching:
+        assert sum(out.num_cached_tokens == 0 for out in outs) == 4  # nothing came back from a prefix cache
 
 
 def test_two_tensor_parallel_ranks_stay_exact_with_bounded_blocks(model_dir, reference, monkeypatch):
