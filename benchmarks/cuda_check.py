@@ -73,7 +73,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -88,6 +87,7 @@ from torch.utils.benchmark import Timer
 
 import flexkv.cache.paths.flex_call as flex_call_module
 from benchmarks import cuda_paged
+from benchmarks.timing import device_ms as gpu_ms
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Recall, Segment, SinkWindow, StreamPosition
 from flexkv.cache.host.layout import entry_cell
 from flexkv.cache.paths.attention_options import AttentionOptions
@@ -437,26 +437,6 @@ def bench_shape(cuda: bool) -> dict:
                     dtype=torch.bfloat16, block=128, small_batch=4)
     return dict(requests=4, window=252, sink=4, q_heads=8, kv_heads=2, head_dim=32, layers=2,
                 dtype=torch.float32, block=64, small_batch=1)
-
-
-def gpu_ms(fn: Callable, device: torch.device, iters: int = 20, warmup: int = 3) -> float:
-    """Median time of one call: CUDA events on a GPU, `torch.utils.benchmark.Timer` on the CPU."""
-    with torch.no_grad():
-        if device.type != "cuda":
-            fn()
-            return Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.3).median * 1e3
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize(device)
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
 
 
 class Decode:

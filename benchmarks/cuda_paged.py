@@ -30,7 +30,6 @@ import argparse
 import functools
 import json
 import math
-import statistics
 import sys
 import time
 from typing import NamedTuple, Optional
@@ -39,8 +38,8 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import flex_attention
-from torch.utils.benchmark import Timer
 
+from benchmarks.timing import device_ms
 from flexkv.compiling import fresh_function
 from flexkv.integrations.vllm.paged import (
     PagedBatch,
@@ -328,25 +327,6 @@ def cuda_graph(shape: Shape, device, report: dict) -> None:
     report["cuda_graph"] = dict(rows=rows_out, ok=all(r["ok"] for r in rows_out))
 
 
-def _time_ms(call, device) -> float:
-    with torch.no_grad():
-        if device.type != "cuda":
-            call()
-            return Timer(stmt="call()", globals={"call": call}).blocked_autorange(min_run_time=0.3).median * 1e3
-        for _ in range(3):
-            call()
-        torch.cuda.synchronize(device)
-        times = []
-        for _ in range(20):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            call()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times)
-
-
 def decode_timing(shape: Shape, device, report: dict, deadline: Optional[float] = None) -> None:
     """One decode step of `requests` streams at each position, one compiled layer (the plan made outside the
     timing, as vLLM makes it before the forward): flexkv's retention with in-cache positions against a plain
@@ -366,9 +346,9 @@ def decode_timing(shape: Shape, device, report: dict, deadline: Optional[float] 
         ours_plan = plan(sc.batch, shape.sink, shape.window, shape.q_block, cq)
         plain_plan = plan(sc.batch, 0, shape.sink + shape.window, shape.q_block, cq)
         args = (sc.query, sc.key_cache, sc.value_cache, sc.batch)
-        ours = _time_ms(lambda: fn(*args, ours_plan, table, sink=shape.sink, window=shape.window, in_cache=True),
+        ours = device_ms(lambda: fn(*args, ours_plan, table, sink=shape.sink, window=shape.window, in_cache=True),
                         device)
-        plain = _time_ms(lambda: fn(*args, plain_plan, table, sink=0, window=shape.sink + shape.window,
+        plain = device_ms(lambda: fn(*args, plain_plan, table, sink=0, window=shape.sink + shape.window,
                                     in_cache=False), device)
         rows.append(dict(position=pos, requests=requests, flexkv_ms=ours, sliding_window_ms=plain,
                          ratio=ours / plain))

@@ -14,8 +14,9 @@ import time
 from typing import Callable, Dict
 
 import torch
+from torch.utils.benchmark import Timer
 
-__all__ = ["cycle", "decode_shape_args", "interleaved", "ratio", "round_robin"]
+__all__ = ["cycle", "decode_shape_args", "device_ms", "interleaved", "ratio", "round_robin"]
 
 
 def interleaved(fns: Dict[str, Callable[[], object]], rounds: int = 7, min_round_s: float = 0.2,
@@ -103,3 +104,23 @@ def cycle(step: Callable, inputs) -> Callable[[], None]:
             step(inputs[state["i"] % len(inputs)])
 
     return one
+
+
+def device_ms(fn: Callable, device, iters: int = 20, warmup: int = 3) -> float:
+    """Median time of one call: CUDA events on a GPU, `torch.utils.benchmark.Timer` on the CPU."""
+    with torch.no_grad():
+        if device.type != "cuda":
+            fn()
+            return Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.3).median * 1e3
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize(device)
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)

@@ -90,6 +90,17 @@ def test_the_manager_frees_the_gap_on_vllms_block_pool(sink, window, chunk):
     assert pool.get_num_free_blocks() == free0
 
 
+def shuffled_table(lens, blocks: int, bs: int, width: int) -> torch.Tensor:
+    """`[R, width]` block table: each request's blocks for `lens[r]` entries, drawn at random from `1..blocks - 1`
+    (block 0 is vLLM's null block)."""
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    free = iter((torch.randperm(blocks - 1) + 1).tolist())
+    for r, n in enumerate(lens):
+        for b in range(-(-n // bs)):
+            table[r, b] = next(free)
+    return table
+
+
 @pytest.mark.parametrize("sink, window, lens, steps", [
     (4, 20, [70, 30, 100], [1, 30, 7]), (4, 200, [70, 30, 100], [1, 30, 7]), (0, 5, [9, 3], [9, 1]),
     (50, 3, [40, 120], [40, 2]), (4, 60, [65, 66, 64], [65, 1, 2]),
@@ -100,11 +111,7 @@ def test_the_batched_attention_attends_the_contracts_set(sink, window, lens, ste
     torch.manual_seed(0)
     h, g, d, bs, nblk = 2, 2, 32, BLOCK, 40
     kc, vc = torch.randn(nblk, h, bs, d), torch.randn(nblk, h, bs, d)
-    table = torch.zeros(len(lens), 4, dtype=torch.int32)
-    free = iter((torch.randperm(nblk - 1) + 1).tolist())  # block 0 is vLLM's null block
-    for r, n in enumerate(lens):
-        for b in range(-(-n // bs)):
-            table[r, b] = next(free)
+    table = shuffled_table(lens, nblk, bs, 4)
     q = torch.randn(sum(steps), h * g, d)
     starts = torch.tensor([0] + torch.tensor(steps).cumsum(0).tolist(), dtype=torch.int32)
     cfg = BoundedKVConfig(num_layers=1, num_heads=h, head_dim=d, rows_per_request=1, max_source_len=0,
@@ -141,11 +148,7 @@ def test_a_prompt_chunk_a_tile_at_a_time_equals_the_per_token_gather(neox, monke
     h, g, d, bs, nblk = 2, 2, 16, 8, 80
     lens, steps = [150, 40, 90, 23], [30, 40, 1, 9]
     kc, vc = torch.randn(nblk, h, bs, d), torch.randn(nblk, h, bs, d)
-    table = torch.zeros(len(lens), 20, dtype=torch.int32)
-    free = iter((torch.randperm(nblk - 1) + 1).tolist())
-    for r, n in enumerate(lens):
-        for b in range(-(-n // bs)):
-            table[r, b] = next(free)
+    table = shuffled_table(lens, nblk, bs, 20)
     q = torch.randn(sum(steps), h * g, d)
     starts = torch.tensor([0] + torch.tensor(steps).cumsum(0).tolist(), dtype=torch.int32)
     seq = torch.tensor(lens, dtype=torch.int32)
@@ -168,11 +171,7 @@ def test_each_request_of_a_batch_attends_by_its_own_retention():
     own = [(4, 60), (2, 20), (0, 35), (4, 5), (3, 60)]
     lens, steps = [70, 30, 100, 90, 66], [1, 30, 7, 2, 66]
     kc, vc = torch.randn(nblk, h, bs, d), torch.randn(nblk, h, bs, d)
-    table = torch.zeros(len(lens), 4, dtype=torch.int32)
-    free = iter((torch.randperm(nblk - 1) + 1).tolist())
-    for r, n in enumerate(lens):
-        for b in range(-(-n // bs)):
-            table[r, b] = next(free)
+    table = shuffled_table(lens, nblk, bs, 4)
     q = torch.randn(sum(steps), h * g, d)
     starts = torch.tensor([0] + torch.tensor(steps).cumsum(0).tolist(), dtype=torch.int32)
     want = torch.zeros_like(q)
