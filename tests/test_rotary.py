@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from compile_guards import refuse_while_compiling
 from random_workload import check_close
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
@@ -220,16 +221,7 @@ def test_the_caches_rotations_take_their_sink_parts_from_the_plan_compiled(rotat
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    def not_in_the_graph(real):
-        def wrapped(self, *args):
-            if torch.compiler.is_compiling():
-                raise AssertionError(f"{real.__name__} formed inside the compiled step")
-            return real(self, *args)
-
-        return wrapped
-
-    for name in ("_sink_geometry", "_sink_turn", "_entry_cells", "_query_turn"):
-        monkeypatch.setattr(SinkRotation, name, not_in_the_graph(getattr(SinkRotation, name)))
+    refuse_while_compiling(monkeypatch, SinkRotation, ("_sink_geometry", "_sink_turn", "_entry_cells", "_query_sinks", "_query_turn"), "compiled step")
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
     step = torch.compile(_eager_step, fullgraph=True, dynamic=False)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compile_guards import refuse_while_compiling
 from torch._dynamo.testing import CompileCounter
 
 from hf_models import left_pad, make_model, prompts
@@ -142,16 +143,7 @@ def test_a_forward_compiled_by_hand_runs_its_chunks_on_one_graph(llama, monkeypa
     window attend per query) comes with each plan: formed while tracing, it fails the compile here."""
     from flexkv.cache.positions.rotary import SinkRotation
 
-    def not_in_the_graph(real):
-        def wrapped(self, *args):
-            if torch.compiler.is_compiling():
-                raise AssertionError(f"{real.__name__} formed inside the compiled forward")
-            return real(self, *args)
-
-        return wrapped
-
-    for name in ("_sink_geometry", "_sink_turn", "_entry_cells", "_query_sinks", "_query_turn"):
-        monkeypatch.setattr(SinkRotation, name, not_in_the_graph(getattr(SinkRotation, name)))
+    refuse_while_compiling(monkeypatch, SinkRotation, ("_sink_geometry", "_sink_turn", "_entry_cells", "_query_sinks", "_query_turn"), "compiled forward")
     model, _ = llama
     ids = torch.stack(prompts((48, 48), seed=6))
     more = torch.stack(prompts((5, 5), seed=7))

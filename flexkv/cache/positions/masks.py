@@ -26,7 +26,6 @@ __all__ = ["stream_index", "query_window_attends", "make_mask_mod", "store_mask_
 POSITION_MODES = ("stream", "cache")
 
 
-
 def stream_index(plan, ring_len: int, tokens: int, b, kv_idx):
     """(valid, j): whether cell `kv_idx` holds an entry of row `b`'s stream, and its index."""
     src_base = plan.src_base[b]

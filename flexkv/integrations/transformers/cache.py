@@ -19,7 +19,7 @@ from .cache_positions import CachePositions, warn_past_trained_context
 from .hooks import enable, switch
 from .model_config import RECURRENT_TYPES
 from .model_survey import check_retention, own_cache_class, survey
-from .plan import FlexKVForward, Pending, chunk_steps, compiled_forward
+from .plan import FlexKVForward, Pending, chunk_steps, compiled_forward, forward_columns, real_columns
 from .recurrent import check_recurrent_forward
 from .registration import release_compile_globals
 from .selection import Selection
@@ -404,7 +404,7 @@ class FlexKVCache(BranchingCache, CacheShim):
             )
         B, T = self._forward_shape(input_ids if input_ids is not None else inputs_embeds)
         rows = self._rows(B)
-        real = self._real_columns(attention_mask, B, T)
+        real = real_columns(attention_mask, B, T)
         lengths = [T] * B if real is None else [len(r) for r in real]
         written = [self.stream_length(sid) for sid in rows]
         self._check_forward_reach(rows, written, lengths, real, T)
@@ -429,7 +429,8 @@ class FlexKVCache(BranchingCache, CacheShim):
         self._ran_eagerly = False
         new = [sid for sid in rows if sid not in known]
         try:
-            gather, scatter, position_ids = self._forward_columns(real, written, T)
+            gather, scatter, position_ids = (None if x is None else self._to_device(x)
+                                             for x in forward_columns(real, written, T))
             state_slots = None
             if self._recurrent is not None:
                 slot_of = m.slot_of
@@ -465,30 +466,6 @@ class FlexKVCache(BranchingCache, CacheShim):
                     f"cache.select(stream_ids) before generate()" if self.selected.columns else ""))
         return B, T
 
-    @staticmethod
-    def _real_columns(attention_mask, B: int, T: int):
-        """Each row's token columns among the forward's last `T` (None: no padding), from a 2-D padding mask."""
-        if attention_mask is None:
-            return None
-        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-            raise ValueError(
-                "FlexKVCache takes a 2-D padding attention_mask [batch, columns] (ones: tokens, zeros: padding); "
-                f"got {type(attention_mask).__name__} of shape "
-                f"{tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else None}. "
-                "flexkv builds the attention pattern itself"
-            )
-        if attention_mask.shape[0] != B or attention_mask.shape[1] < T:
-            raise ValueError(
-                f"attention_mask shape {tuple(attention_mask.shape)} does not cover the forward's "
-                f"{B} rows x {T} tokens"
-            )
-        # The one device read of the integration: which of this forward's columns are padding
-        # (read as Python values: a nonzero entry is a token, as `.bool()` would say).
-        flags = attention_mask[:, -T:].tolist()
-        if all(all(r) for r in flags):
-            return None
-        return [[t for t, f in enumerate(r) if f] for r in flags]
-
     def _check_forward_reach(self, rows, written, lengths, real, T: int) -> None:
         """Refuse a forward past the model's learned absolute positions or a recurrent layer's rules; warn
         (once per cache) past its trained context."""
@@ -507,30 +484,6 @@ class FlexKVCache(BranchingCache, CacheShim):
         if self._recurrent is not None:
             check_recurrent_forward([s.index for s in self.layer_specs if s.recurrent], self._restarts, rows, written,
                                     real, T)
-
-    def _forward_columns(self, real, written, T: int) -> tuple:
-        """`(gather, scatter, position_ids)` on the device: where each row's tokens sit among its columns (None
-        without padding) and each column's stream position."""
-        B = len(written)
-        gather = scatter = None
-        if real is not None:
-            longest = max(len(r) for r in real)
-            g, s = [], []
-            for r in real:
-                g.append(r + [r[-1] if r else 0] * (longest - len(r)))
-                rank = {col: i for i, col in enumerate(r)}
-                s.append([rank.get(col, longest) for col in range(T)])
-            gather = self._to_device(g)
-            scatter = self._to_device(s)
-        pos = []
-        for b in range(B):
-            w = written[b]
-            if real is None:
-                pos.append(list(range(w, w + T)))
-            else:
-                rank = {col: i for i, col in enumerate(real[b])}
-                pos.append([w + rank.get(col, 0) for col in range(T)])
-        return gather, scatter, self._to_device(pos)
 
     def model_masks(self, attention_mask, forward: FlexKVForward):
         """The `attention_mask` a planned forward passes to the model.

@@ -17,7 +17,7 @@ import torch
 
 from ...step import BoundedKVStep, Segment, StreamPosition
 
-__all__ = ["FlexKVForward", "Pending", "chunk_steps", "compiled_forward"]
+__all__ = ["FlexKVForward", "Pending", "chunk_steps", "compiled_forward", "forward_columns", "real_columns"]
 
 _SOFTCAP_MODS: dict = {}
 
@@ -42,9 +42,8 @@ def compiled_forward(model) -> bool:
     (`_compiled_call`). A forward that may is given plans whose parts are made before the graph."""
     if torch.compiler.is_compiling():
         return True
-    return model is not None and any(
-        d.get("_compiled_call_impl") is not None or d.get("_compiled_call") is not None
-        or hasattr(d.get("forward"), "_torchdynamo_orig_callable") for d in _own_dicts(model))
+    return model is not None and (forward_compiled_by_hand(model) or any(
+        d.get("_compiled_call_impl") is not None or d.get("_compiled_call") is not None for d in _own_dicts(model)))
 
 
 def forward_compiled_by_hand(model) -> bool:
@@ -207,3 +206,48 @@ def chunk_steps(rows, written, lengths, chunk: int) -> list:
         )
         start += tokens
     return steps
+
+
+def real_columns(attention_mask, B: int, T: int):
+    """Each row's token columns among a forward's last `T` (None: no padding), from a 2-D padding mask."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        raise ValueError(
+            "FlexKVCache takes a 2-D padding attention_mask [batch, columns] (ones: tokens, zeros: padding); "
+            f"got {type(attention_mask).__name__} of shape "
+            f"{tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else None}. "
+            "flexkv builds the attention pattern itself"
+        )
+    if attention_mask.shape[0] != B or attention_mask.shape[1] < T:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} does not cover the forward's "
+            f"{B} rows x {T} tokens"
+        )
+    # The one device read of the integration: which of this forward's columns are padding
+    # (read as Python values: a nonzero entry is a token, as `.bool()` would say).
+    flags = attention_mask[:, -T:].tolist()
+    if all(all(r) for r in flags):
+        return None
+    return [[t for t, f in enumerate(r) if f] for r in flags]
+
+
+def forward_columns(real, written, T: int) -> tuple:
+    """`(gather, scatter, positions)` as host lists: where each row's tokens sit among its `T` columns (None
+    without padding, `real` None) and each column's stream position, the rows holding `written` tokens."""
+    gather = scatter = None
+    if real is not None:
+        longest = max(len(r) for r in real)
+        gather, scatter = [], []
+        for r in real:
+            gather.append(r + [r[-1] if r else 0] * (longest - len(r)))
+            rank = {col: i for i, col in enumerate(r)}
+            scatter.append([rank.get(col, longest) for col in range(T)])
+    pos = []
+    for b, w in enumerate(written):
+        if real is None:
+            pos.append(list(range(w, w + T)))
+        else:
+            rank = {col: i for i, col in enumerate(real[b])}
+            pos.append([w + rank.get(col, 0) for col in range(T)])
+    return gather, scatter, pos

@@ -55,7 +55,7 @@ from .options import check_engine, serving_positions, startup_line
 from .requests import own_retention_unserved
 from .rope import model_rotary, turned
 
-__all__ = ["FlexKVCPUBackend", "FlexKVCPUImpl", "sink_window_attention", "band_attention", "step_gather",
+__all__ = ["FlexKVCPUBackend", "FlexKVCPUImpl", "sink_window_attention", "band_attention", "band_plan", "step_gather",
            "turn_sinks", "decode_plan"]
 
 logger = init_logger("vllm.flexkv")  # under vLLM's logger, whose handler prints INFO
@@ -173,58 +173,69 @@ def sink_window_attention(query, key_cache, value_cache, block_table, query_star
 BAND_TILE = 256
 
 
+def band_plan(block_table, query_start_loc, seq_lens, sink: int, window: int, bs: int, rows=None) -> list:
+    """Where `band_attention` reads, the same for every layer of a step: one entry per tile of a request's
+    query tokens, `(t0, t1, sinks, sink_at, span_at, keep, reach, evicted)`: the tile's rows of the step, its
+    request's sinks and their (blocks, offsets) `[1, S]`, the span's (blocks, offsets) `[1, J]`, which span
+    entry each query keeps `[T, J]`, which sink each reads `[T, S]`, and each query's eviction count `[T]`
+    under its request's own (sink, window) (`rows`). Host tensors."""
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    own = rows.tolist() if rows is not None else None
+    out = []
+    for r in range(len(starts) - 1):
+        q0, q1 = starts[r], starts[r + 1]
+        s, w = own[r] if own is not None else (sink, window)
+        first = lens[r] - (q1 - q0)  # stream index of the request's first query token
+        sinks = min(s, lens[r])
+        i = torch.arange(sinks)
+        sink_at = (block_table[r, i // bs].to(torch.long)[None], (i % bs)[None])
+        for t0 in range(q0, q1, BAND_TILE):
+            t1 = min(q1, t0 + BAND_TILE)
+            p = torch.arange(first + t0 - q0, first + t1 - q0)  # [T] the queries' stream indices
+            lo = max(s, int(p[0]) - w)  # the span: window entries past the sinks
+            j = torch.arange(lo, max(lo, int(p[-1]) + 1))  # empty while the stream is within its sinks
+            span_at = (block_table[r, j // bs].to(torch.long)[None], (j % bs)[None])
+            keep = (j[None, :] >= p[:, None] - w) & (j[None, :] <= p[:, None])
+            reach = i[None, :] <= p[:, None]
+            out.append((t0, t1, sinks, sink_at, span_at, keep, reach, (p - s - w).clamp(min=0)))
+    return out
+
+
 def band_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, sink: int, window: int,
-                   scale: float, out, rotary=None, read_keys=_token_major, read_values=_token_major, rows=None) -> None:
+                   scale: float, out, rotary=None, read_keys=_token_major, read_values=_token_major, rows=None,
+                   plan=None) -> None:
     """What `sink_window_attention` computes, a request's consecutive query tokens at a time: a tile of `T`
     queries reads its request's sinks and one span of `window + T` entries (from the oldest window entry of
     its first query to its last query), gathered once for the tile, where the per-token gather reads
     `sink + window + 1` entries for every query. Each query keeps the span entries of its own window past
     the sinks (`query_window_attends`) and its sinks up to itself, in one softmax; with `rotary`, each
     query's sink keys are turned by its own eviction count (`turn_sinks`). For steps with prompt chunks.
-    Host tensors (vLLM's CPU metadata); arguments as `sink_window_attention`'s."""
+    Host tensors (vLLM's CPU metadata); arguments as `sink_window_attention`'s; `plan`: the step's
+    `band_plan` (made here when None; every layer of a step may share one)."""
     n, hq, d = query.shape
     h, bs = key_cache.shape[1], key_cache.shape[2]
     g = hq // h
-    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    own = rows.tolist() if rows is not None else None
-    for r in range(len(starts) - 1):
-        q0, q1 = starts[r], starts[r + 1]
-        if q1 <= q0:
-            continue
-        s, w = own[r] if own is not None else (sink, window)
-        first = lens[r] - (q1 - q0)  # stream index of the request's first query token
-        sinks = min(s, lens[r])
-        sink_k = sink_v = None
+    if plan is None:
+        plan = band_plan(block_table, query_start_loc, seq_lens, sink, window, bs, rows)
+    for t0, t1, sinks, sink_at, span_at, keep, reach, evicted in plan:
+        k = read_keys(key_cache, *span_at)[0].float().transpose(0, 1)  # [H, J, D]
+        v = read_values(value_cache, *span_at)[0].float().transpose(0, 1)
+        q = query[t0:t1].float().view(t1 - t0, h, g, d)
+        scores = torch.einsum("thgd,hjd->thgj", q, k) * scale
+        scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
         if sinks:
-            j = torch.arange(sinks)
-            at = (block_table[r, j // bs].to(torch.long)[None], (j % bs)[None])
-            sink_k = read_keys(key_cache, *at)[0].float().transpose(0, 1)  # [H, S, D]
-            sink_v = read_values(value_cache, *at)[0].float().transpose(0, 1)
-        for t0 in range(q0, q1, BAND_TILE):
-            t1 = min(q1, t0 + BAND_TILE)
-            p = torch.arange(first + t0 - q0, first + t1 - q0)  # [T] the queries' stream indices
-            lo = max(s, int(p[0]) - w)  # the span: window entries past the sinks
-            j = torch.arange(lo, max(lo, int(p[-1]) + 1))  # empty while the stream is within its sinks
-            at = (block_table[r, j // bs].to(torch.long)[None], (j % bs)[None])
-            k = read_keys(key_cache, *at)[0].float().transpose(0, 1)  # [H, J, D]
-            v = read_values(value_cache, *at)[0].float().transpose(0, 1)
-            q = query[t0:t1].float().view(t1 - t0, h, g, d)
-            scores = torch.einsum("thgd,hjd->thgj", q, k) * scale
-            keep = (j[None, :] >= p[:, None] - w) & (j[None, :] <= p[:, None])  # [T, J]
-            scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
-            if sinks:
-                ks = sink_k.expand(t1 - t0, -1, -1, -1)  # [T, H, S, D]
-                if rotary is not None:
-                    ks = turn_sinks(ks.clone(), sinks, (p - s - w).clamp(min=0), *rotary)
-                sink_scores = torch.einsum("thgd,thsd->thgs", q, ks) * scale
-                reach = torch.arange(sinks)[None, :] <= p[:, None]  # [T, S]
-                sink_scores = sink_scores.masked_fill(~reach[:, None, None, :], float("-inf"))
-                weights = torch.softmax(torch.cat((sink_scores, scores), -1), -1)
-                o = torch.einsum("thgs,hsd->thgd", weights[..., :sinks], sink_v) + \
-                    torch.einsum("thgj,hjd->thgd", weights[..., sinks:], v)
-            else:
-                o = torch.einsum("thgj,hjd->thgd", torch.softmax(scores, -1), v)
-            out[t0:t1] = o.reshape(t1 - t0, hq, d).to(out.dtype)
+            ks = read_keys(key_cache, *sink_at)[0].float().transpose(0, 1).expand(t1 - t0, -1, -1, -1)  # [T, H, S, D]
+            if rotary is not None:
+                ks = turn_sinks(ks.clone(), sinks, evicted, *rotary)
+            sink_scores = torch.einsum("thgd,thsd->thgs", q, ks) * scale
+            sink_scores = sink_scores.masked_fill(~reach[:, None, None, :], float("-inf"))
+            weights = torch.softmax(torch.cat((sink_scores, scores), -1), -1)
+            sink_v = read_values(value_cache, *sink_at)[0].float().transpose(0, 1)
+            o = torch.einsum("thgs,hsd->thgd", weights[..., :sinks], sink_v) + \
+                torch.einsum("thgj,hjd->thgd", weights[..., sinks:], v)
+        else:
+            o = torch.einsum("thgj,hjd->thgd", torch.softmax(scores, -1), v)
+        out[t0:t1] = o.reshape(t1 - t0, hq, d).to(out.dtype)
 
 
 class FlexKVCPUImpl(CPUAttentionBackendImpl):
@@ -314,10 +325,14 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
                 return output
         out = output[:n].view(n, self.num_heads, self.head_size)
         if attn_metadata.max_query_len > 1:  # prompt chunks: each request's queries a tile at a time
+            entry = ("band", pol.sink, pol.window, bs, rows is None)
+            if entry not in memo:  # the same for every layer of the step
+                memo[entry] = band_plan(attn_metadata.block_table, attn_metadata.query_start_loc,
+                                        attn_metadata.seq_lens, pol.sink, pol.window, bs, rows)
             band_attention(query[:n].view(n, self.num_heads, self.head_size), key_cache, value_cache,
                            attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens, pol.sink,
                            pol.window, self.scale, out, rotary=rotary, read_keys=self._readers[0],
-                           read_values=self._readers[1], rows=rows)
+                           read_values=self._readers[1], rows=rows, plan=memo[entry])
             return output
         # Every full-attention layer of the step reads the same places: found once, kept on the step's metadata.
         entry = (pol.sink, pol.window, bs, heads * self.head_size * 4, rows is None)
