@@ -34,7 +34,8 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from flexkv import BoundedKVConfig, SinkWindow  # noqa: E402
 from flexkv.cache.positions.masks import query_window_attends  # noqa: E402
-from flexkv.integrations.vllm.backend import band_attention, decode_plan, sink_window_attention, step_gather, turn_sinks  # noqa: E402
+from flexkv.integrations.vllm.backend import (FlexKVCPUImpl, band_attention, decode_plan, sink_window_attention,  # noqa: E402
+                                              step_gather, turn_sinks)
 from flexkv.integrations.vllm.metrics import request_counts  # noqa: E402
 from flexkv.integrations.vllm.spec import SinkWindowManager, SinkWindowSpec, block_bound, pool_line  # noqa: E402
 from flexkv.model.reference import attended_indices  # noqa: E402
@@ -54,6 +55,11 @@ def test_the_block_bound_is_the_sinks_blocks_plus_the_windows():
     assert block_bound(SinkWindow(0, 60), 32, 64) == 0 + 4 + 1
     assert spec().max_admission_blocks_per_request(max_in_flight_tokens=1, max_model_len=100_000) == 1 + 2 + 1
     assert spec().max_admission_blocks_per_request(max_in_flight_tokens=1, max_model_len=64) == 2
+    scratch = SinkWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                             sliding_window=WINDOW + 1, sink=SINK, scratch=2)
+    assert scratch.max_admission_blocks_per_request(max_in_flight_tokens=1, max_model_len=100_000) == 1 + 2 + 1 + 2
+    assert scratch.max_admission_blocks_per_request(max_in_flight_tokens=1, max_model_len=64) == 2 + 2
+    assert scratch.max_num_blocks_per_req(None, 64) == 2 + 2 and spec().max_num_blocks_per_req(None, 64) == 2
 
 
 @pytest.mark.parametrize("sink, window, chunk", [(4, 60, 1), (4, 60, 17), (0, 31, 5), (40, 33, 64), (32, 64, 32)])
@@ -86,6 +92,28 @@ def test_the_manager_frees_the_gap_on_vllms_block_pool(sink, window, chunk):
         freed_any |= any(b.is_null for b in table)
         n += chunk
     assert freed_any and peak <= bound, (peak, bound)
+    mgr.free("r")
+    assert pool.get_num_free_blocks() == free0
+
+
+def test_with_prefix_caching_the_manager_holds_two_scratch_blocks_past_the_stream():
+    """Prefix caching: at every decode step the request's table reaches two held blocks past the one its query
+    lands in, within the admission bound and the worker's table width, and the pool is whole at the end."""
+    pool = BlockPool(num_gpu_blocks=200, enable_caching=True, hash_block_size=BLOCK)
+    free0 = pool.get_num_free_blocks()
+    sp = SinkWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                        sliding_window=WINDOW + 1, sink=SINK, scratch=2)
+    mgr = SinkWindowManager(sp, block_pool=pool, enable_caching=True, kv_cache_group_id=0, scheduler_block_size=BLOCK)
+    max_len = 700
+    bound = sp.max_admission_blocks_per_request(max_in_flight_tokens=1, max_model_len=max_len)
+    width = sp.max_num_blocks_per_req(None, max_len)
+    for n in range(max_len):  # query at stream index n
+        mgr.remove_skipped_blocks("r", n)
+        assert mgr.get_num_blocks_to_allocate("r", n + 1, [], n, n, n + 1) == len(mgr.allocate_new_blocks("r", n + 1,
+                                                                                                      n + 1))
+        table = mgr.req_to_blocks["r"]
+        assert len(table) == n // BLOCK + 3 <= width and mgr.held_blocks("r") <= bound
+        assert not any(b.is_null for b in table[n // BLOCK + 1:])
     mgr.free("r")
     assert pool.get_num_free_blocks() == free0
 
@@ -231,12 +259,34 @@ def test_a_decode_step_copies_each_requests_sinks_just_below_its_window():
     11 - 7 = 4 >= 2, copies go to slots 4, 5), 9 (evicted 1: its copies would land on sink 1)."""
     table = torch.tensor([[3, 9, 0, 0], [5, 6, 7, 8], [1, 2, 4, 0]], dtype=torch.int32)
     assert decode_plan(table, torch.tensor([7, 12, 9]), 2, 5, 4) is None
-    rows, (blocks, offsets), targets, evicted = decode_plan(table[:2], torch.tensor([7, 12]), 2, 5, 4)
+    two = table[:2]
+    rows, (blocks, offsets), targets, evicted, kernel_table, copies = decode_plan(two, torch.tensor([7, 12]), 2, 5, 4)
     assert rows.tolist() == [1] and evicted.tolist() == [4]
     assert blocks.tolist() == [[5, 5]] and offsets.tolist() == [[0, 1]]  # sinks 0, 1 in the request's block 0
     assert targets.tolist() == [6 * 4 + 0, 6 * 4 + 1]  # stream slots 4, 5: its block 1 (physical 6)
-    rows, _, targets, _ = decode_plan(table[:2], torch.tensor([7, 12]), 0, 5, 4)  # no sinks: nothing to copy
-    assert rows.tolist() == [] and targets.tolist() == []
+    assert kernel_table is two and copies is None  # written in place: the kernel reads vLLM's table
+    plan = decode_plan(table[:2], torch.tensor([7, 12]), 0, 5, 4)  # no sinks: nothing to copy
+    assert plan.rows.tolist() == [] and plan.targets.tolist() == []
+
+
+def test_with_scratch_a_decode_step_writes_no_block_of_the_stream():
+    """Hand-worked, prefix caching's plan: sink 2, window 5, block 4, each request holding two scratch blocks
+    past the block its query lands in. Query 11 (row 0): window 6..10, copies to 4, 5, all in block 1 (physical
+    6): block 1 is copied into the first scratch (its block 3, physical 8) and read from there. Query 14 (row 1):
+    window 9..13, copies to 7, 8, across blocks 1 and 2: block 2 (physical 12) is copied into the first scratch
+    (block 4, physical 14), the second (block 5, physical 15) takes block 1's place."""
+    table = torch.tensor([[5, 6, 7, 8, 9, 0], [10, 11, 12, 13, 14, 15]], dtype=torch.int32)
+    plan = decode_plan(table, torch.tensor([12, 15]), 2, 5, 4, scratch=True)
+    assert plan.rows.tolist() == [0, 1] and plan.evicted.tolist() == [4, 7]
+    assert plan.copies[0].tolist() == [6, 12] and plan.copies[1].tolist() == [8, 14]
+    assert plan.table.tolist() == [[5, 6, 7, 8, 9, 0][:1] + [8, 7, 8, 9, 0], [10, 15, 14, 13, 14, 15]]
+    assert plan.targets.tolist() == [8 * 4 + 0, 8 * 4 + 1, 15 * 4 + 3, 14 * 4 + 0]
+    assert table.tolist() == [[5, 6, 7, 8, 9, 0], [10, 11, 12, 13, 14, 15]]  # vLLM's table is not touched
+    # every slot the kernel reads (4 .. 11 and 7 .. 14) is a scratch slot or a slot of the stream's blocks it does
+    # not write: the copies and sinks land in scratch blocks alone
+    stream_blocks = {5, 6, 7, 10, 11, 12, 13}
+    assert not {t // 4 for t in plan.targets.tolist()} & stream_blocks
+    assert not set(plan.copies[1].tolist()) & stream_blocks
 
 
 @pytest.mark.parametrize("neox", [True, False])
@@ -547,6 +597,16 @@ def test_prefix_caching_resumes_from_the_sinks_and_the_windows_tail(model_dir, r
         return out
 
     monkeypatch.setattr(BlockPool, "_maybe_evict_cached_block", evict)
+    # decode steps past eviction run vLLM's kernel, their sinks copied into scratch blocks (in place, the copies
+    # would land in the shared prompt's cached block 4 and the later requests would read them: this test fails)
+    scratch_steps = []
+    own_decode = FlexKVCPUImpl._decode_in_window
+
+    def decode(self, *args):
+        scratch_steps.append(args[-2].copies is not None)
+        return own_decode(self, *args)
+
+    monkeypatch.setattr(FlexKVCPUImpl, "_decode_in_window", decode)
     system, *tails = prompts_of([200, 3, 17, 40, 9, 70])
     other = prompts_of([1, 130])[1]
     first = run_and_check(llm, reference["cache"], [system + tails[0]], monkeypatch)
@@ -555,6 +615,7 @@ def test_prefix_caching_resumes_from_the_sinks_and_the_windows_tail(model_dir, r
     # a 200-token prompt resumes at 192 tokens (six whole blocks); the unrelated prompt hits nothing
     assert [out.num_cached_tokens for out in outs] == [192, 192, 192, 192, 0]
     assert sum(evicted) > 10  # cached blocks were evicted from the 40-block pool and their blocks reused
+    assert sum(scratch_steps) > 100
 
 
 def test_requests_keeping_less_than_the_engine_each_equal_the_contract_for_their_own(hf_model, model_dir,

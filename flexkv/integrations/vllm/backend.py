@@ -34,11 +34,15 @@ those slots, `spec.SinkWindowManager`). That is O(sink) work per request and lay
 own write. Until a request has evicted `sink` entries the copies would land on the sinks
 themselves, so such a step, and any step with a prompt chunk past eviction, takes the batched path.
 With prefix caching on, the slots below a window may lie in a block the prefix cache hands to other
-requests (a shared system prompt's tail), so nothing is copied there: decode steps past eviction take
-the batched path too.
+requests (a shared system prompt's tail), so those blocks are not written: the block holding the
+window's first entry is copied whole into a scratch block the request holds past its tokens, the
+sinks are written below the window there, and the kernel reads a block table with the scratch in its
+place (one block copy more per request and layer).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple, Optional
 
 import torch
 import vllm.envs as envs
@@ -56,7 +60,7 @@ from .requests import own_retention_unserved
 from .rope import model_rotary, turned
 
 __all__ = ["FlexKVCPUBackend", "FlexKVCPUImpl", "sink_window_attention", "band_attention", "band_plan", "step_gather",
-           "turn_sinks", "decode_plan"]
+           "turn_sinks", "decode_plan", "DecodePlan"]
 
 logger = init_logger("vllm.flexkv")  # under vLLM's logger, whose handler prints INFO
 _announced = set()
@@ -115,12 +119,35 @@ def turn_sinks(k, sinks: int, evicted, cos_sin, neox: bool):
     return k
 
 
-def decode_plan(block_table, seq_lens, sink: int, window: int, bs: int):
+class DecodePlan(NamedTuple):
+    """Where a decode step copies its requests' sinks (`decode_plan`); the same for every layer."""
+
+    #: `[R]` the requests that copy; `(blocks, offsets)` `[R, sink]` where each one's sinks are read
+    rows: torch.Tensor
+    sources: tuple
+    #: `[R * sink]` the physical slots the copies are written to, just below each query's window
+    targets: torch.Tensor
+    #: `[R]` how many entries each has evicted (its sinks are turned by that much under "cache" positions)
+    evicted: torch.Tensor
+    #: the block table the kernel reads: vLLM's, or a copy with scratch blocks in place of the blocks below
+    #: each window
+    table: torch.Tensor
+    #: `(sources, targets)` physical blocks copied whole before the sinks are written, or None
+    copies: Optional[tuple]
+
+
+def decode_plan(block_table, seq_lens, sink: int, window: int, bs: int, scratch: bool = False):
     """Where a decode step (one query per request, at stream index `seq_lens - 1`) copies its requests'
-    sinks, or None when some request has evicted fewer than `sink` entries but more than none (its
-    copies would overwrite its own sinks). Returns `(rows, sources, targets, evicted)`: the requests
-    that copy, the block `[R, S]` and offset `[R, S]` of each one's sinks, the physical slots `[R * S]`
-    just below its window, and how many entries each has evicted `[R]`. The same for every layer."""
+    sinks (`DecodePlan`), or None when some request has evicted fewer than `sink` entries but more than
+    none (its copies would overwrite its own sinks).
+
+    The copies go to the `sink` slots just below each query's window. Without `scratch` they are
+    written where they lie (blocks of evicted entries the manager keeps). With `scratch` (prefix
+    caching, where those blocks may be cached and read by other requests) nothing of the request's
+    own blocks is written: the block holding the window's first entry is copied whole into the
+    request's first scratch block (the one after the block its query lands in, `spec.SinkWindowManager`),
+    the slots below it (when the copies reach into the block before) are taken by the second scratch
+    block, and the kernel reads a block table with those in their places."""
     p = seq_lens.to(torch.long) - 1
     evicted = p - sink - window
     if sink and ((evicted > 0) & (evicted < sink)).any():
@@ -128,9 +155,20 @@ def decode_plan(block_table, seq_lens, sink: int, window: int, bs: int):
     rows = (evicted >= sink).nonzero().flatten() if sink else evicted[:0]
     i = torch.arange(sink)
     src = block_table[rows[:, None], i[None, :] // bs].to(torch.long), (i % bs).expand(len(rows), sink)
-    dst = (p[rows] - window - sink)[:, None] + i[None, :]
-    targets = (block_table[rows[:, None], dst // bs].to(torch.long) * bs + dst % bs).flatten()
-    return rows, src, targets, evicted[rows]
+    first = p[rows] - window  # each query's first window entry
+    dst = (first - sink)[:, None] + i[None, :]
+    table, copies = block_table, None
+    if scratch and len(rows):
+        last = p[rows] // bs  # the block the query lands in; the scratch blocks follow it
+        table = block_table.clone()
+        below = (first - 1) // bs
+        copies = (block_table[rows, below].to(torch.long), block_table[rows, last + 1].to(torch.long))
+        table[rows, below] = block_table[rows, last + 1]
+        lowest = (first - sink) // bs
+        straddle = lowest != below
+        table[rows[straddle], lowest[straddle]] = block_table[rows[straddle], last[straddle] + 2]
+    targets = (table[rows[:, None], dst // bs].to(torch.long) * bs + dst % bs).flatten()
+    return DecodePlan(rows, src, targets, evicted[rows], table, copies)
 
 
 def _token_major(cache, blocks, offsets):
@@ -272,10 +310,10 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
             #: "cache" or "stream" (options.serving_positions)
             self.positions = serving_positions(cfg)
             self.max_model_len = cfg.model_config.max_model_len
-            #: whether a decode step past eviction copies the sinks below the window for vLLM's kernel: not with
-            #: prefix caching, where the slots below a window may lie in a cached block other requests read
-            self.copies_sinks = not cfg.cache_config.enable_prefix_caching
-            line = startup_line(self.retention, self.positions, self.max_model_len, not self.copies_sinks,
+            #: blocks a request holds past its tokens for a decode step's sink copies: with prefix caching, where
+            #: the slots below a window may lie in a cached block other requests read (`decode_plan`)
+            self.scratch_blocks = 2 if cfg.cache_config.enable_prefix_caching else 0
+            line = startup_line(self.retention, self.positions, self.max_model_len, bool(self.scratch_blocks),
                                 own_retention_unserved(cfg, current_platform))
             if line not in _announced:
                 _announced.add(line)
@@ -315,10 +353,11 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
                 self._rotary = (rope.cos_sin_cache, rope.is_neox_style)
             rotary = self._rotary
         memo = attn_metadata.__dict__.setdefault("_flexkv", {})
-        if attn_metadata.max_query_len == 1 and self.copies_sinks and rows is None:
+        if attn_metadata.max_query_len == 1 and rows is None:
             entry = ("decode", pol.sink, pol.window, bs)
             if entry not in memo:
-                memo[entry] = decode_plan(attn_metadata.block_table, attn_metadata.seq_lens, pol.sink, pol.window, bs)
+                memo[entry] = decode_plan(attn_metadata.block_table, attn_metadata.seq_lens, pol.sink, pol.window, bs,
+                                          scratch=bool(self.scratch_blocks))
             if memo[entry] is not None:
                 self._decode_in_window(layer, query, key_cache, value_cache, attn_metadata, output, memo,
                                        memo[entry], rotary)
@@ -352,7 +391,10 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
                           rotary) -> None:
         """A decode step on vLLM's sliding-window kernel: the sinks copied below each query's window first."""
         pol = self.retention
-        rows, (src_blocks, src_offsets), targets, evicted = plan
+        rows, (src_blocks, src_offsets), targets, evicted, table, copies = plan
+        if copies is not None:  # the blocks below the windows, copied whole into the scratch blocks first
+            for cache in (key_cache, value_cache):
+                cache[copies[1]] = cache[copies[0]]
         if rows.numel():
             k = self._readers[0](key_cache, src_blocks, src_offsets)  # [R, S, H, D]
             v = self._readers[1](value_cache, src_blocks, src_offsets)
@@ -375,7 +417,7 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
         ops.cpu_attention_with_kv_cache(
             query=query[:n], key_cache=key_cache, value_cache=value_cache, output=output[:n],
             query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens, scale=self.scale,
-            causal=True, alibi_slopes=None, sliding_window=reach, block_table=attn_metadata.block_table,
+            causal=True, alibi_slopes=None, sliding_window=reach, block_table=table,
             softcap=0, scheduler_metadata=memo[entry], s_aux=None, k_scale=layer._k_scale_float,
             v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
 

@@ -98,7 +98,8 @@ def install() -> None:
         own_fields = {f.name for f in dataclasses.fields(spec)}
         carried = {f.name: getattr(spec, f.name) for f in dataclasses.fields(SinkWindowSpec)
                    if f.init and f.name in own_fields and f.name != "sliding_window"}
-        return SinkWindowSpec(**carried, sliding_window=pol.window + 1, sink=pol.sink)
+        return SinkWindowSpec(**carried, sliding_window=pol.window + 1, sink=pol.sink,
+                              scratch=getattr(impl, "scratch_blocks", 0))
 
     get_kv_cache_spec.__wrapped__ = own
     Attention.get_kv_cache_spec = get_kv_cache_spec

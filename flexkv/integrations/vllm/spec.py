@@ -6,6 +6,12 @@ query) is `sliding_window - 1`. The spec gives vLLM the per-request block bound 
 start-up pool sizing and its admission use; `SinkWindowManager` frees, as a request advances,
 every block that lies wholly between the sink blocks and the window, and hands back nothing
 else until the request ends.
+
+With prefix caching on, a request also holds `scratch` blocks (2) past the block its next token
+lands in: a decode step past eviction copies the first block its window touches there and writes
+the sinks below the window in the copy (`backend.decode_plan`), so no block the prefix cache may
+hand to another request is written. They are the request's own next blocks, not yet full and so
+never cached; the stream's own tokens overwrite them when it reaches them.
 """
 
 from __future__ import annotations
@@ -41,18 +47,19 @@ def pool_line(retention: SinkWindow, block_size: int, bound: int, pool_blocks: i
     return line
 
 
-def block_bound(retention: SinkWindow, block_size: int, tokens_in_flight: int) -> int:
+def block_bound(retention: SinkWindow, block_size: int, tokens_in_flight: int, scratch: int = 0) -> int:
     """The most blocks one request holds under `retention`, whatever its length:
-    `ceil(sink / B) + ceil((sink + window - 1 + tokens_in_flight) / B) + 1`.
+    `ceil(sink / B) + ceil((sink + window - 1 + tokens_in_flight) / B) + 1 + scratch`.
 
     A step writing `T` tokens from stream index `n` reads the sinks (the first `ceil(sink / B)`
     blocks) and `n - window .. n + T - 1`, `window + T` entries; the `sink` entries just below the
     window are kept too (a decode step copies the sinks there for vLLM's sliding-window kernel,
     `backend.FlexKVCPUImpl`). Those `sink + window + T` entries touch at most
-    `ceil((sink + window + T - 1) / B) + 1` blocks when they do not start at a block's edge.
+    `ceil((sink + window + T - 1) / B) + 1` blocks when they do not start at a block's edge. With
+    prefix caching the request holds `scratch` blocks more past its last token (`SinkWindowManager`).
     """
     sink = retention.sink
-    return cdiv(sink, block_size) + cdiv(sink + retention.window - 1 + tokens_in_flight, block_size) + 1
+    return cdiv(sink, block_size) + cdiv(sink + retention.window - 1 + tokens_in_flight, block_size) + 1 + scratch
 
 
 def freed_blocks(retention: SinkWindow, block_size: int, processed: int, caching: bool) -> tuple:
@@ -70,6 +77,8 @@ class SinkWindowSpec(SlidingWindowSpec):
     """A decoder layer under `SinkWindow(sink, sliding_window - 1)` with a per-query window."""
 
     sink: int = 0
+    #: blocks a request holds past its last token for a decode step's sink copies (prefix caching on), else 0
+    scratch: int = 0
 
     @property
     def retention(self) -> SinkWindow:
@@ -77,16 +86,23 @@ class SinkWindowSpec(SlidingWindowSpec):
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
         return min(block_bound(self.retention, self.block_size, max_in_flight_tokens),
-                   cdiv(max_model_len, self.block_size))
+                   cdiv(max_model_len, self.block_size)) + self.scratch
+
+    def max_num_blocks_per_req(self, vllm_config, max_len: int) -> int:
+        # the worker's block table row: the stream's blocks and the scratch past them
+        return cdiv(max_len, self.block_size) + self.scratch
 
     def is_uniform_with_collection(self, kv_cache_specs) -> bool:
         return all(isinstance(s, SinkWindowSpec) and s.sliding_window == self.sliding_window and s.sink == self.sink
-                   for s in kv_cache_specs.values())
+                   and s.scratch == self.scratch for s in kv_cache_specs.values())
 
 
 class SinkWindowManager(SlidingWindowManager):
     """Keeps a request's sink blocks and the blocks its next query's window (and the `sink` slots below it)
     touches; frees the rest.
+
+    With prefix caching (`scratch` in the spec), every allocation reaches `scratch` blocks past the
+    request's tokens (the decode step's sink copies go there, `backend.decode_plan`).
 
     Freed blocks become vLLM's null block in the request's block table (as the sliding-window
     manager does), so block indices keep meaning stream positions. With prefix caching on, every full
@@ -98,6 +114,8 @@ class SinkWindowManager(SlidingWindowManager):
     def __init__(self, kv_cache_spec: SinkWindowSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         self.retention = kv_cache_spec.retention
+        #: tokens allocated past what vLLM asks for: the scratch blocks
+        self.slack = kv_cache_spec.scratch * self.block_size
         # vLLM hands the manager the bound it admits with (the spec's, at its own tokens in flight)
         bound = getattr(self, "max_admission_blocks_per_request", None)
         if bound:
@@ -107,6 +125,12 @@ class SinkWindowManager(SlidingWindowManager):
             if line not in _announced:
                 _announced.add(line)
                 logger.info(line)
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, **kwargs) -> int:
+        return super().get_num_blocks_to_allocate(request_id, num_tokens + self.slack, *args, **kwargs)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, *args, **kwargs):
+        return super().allocate_new_blocks(request_id, num_tokens + self.slack, *args, **kwargs)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         # vLLM reads this as "the first N tokens are gone"; here the sinks stay, so no prefix is skipped.
