@@ -17,13 +17,20 @@ Each name with `+pc` appended (`stock+pc`, `cache+pc`, ...) is the same engine w
 on, as `vllm serve` starts by default; without it, prefix caching is off.
 
 A length at most `sink + window + 1 - 16` stays inside the window (nothing evicted); a longer one
-spends its steps past eviction. Printed: tokens/s per round, and each engine's median against the
-first engine's.
+spends its steps past eviction. With two lengths or more, a row `a..b` gives the rate of the tokens
+between two of them (`(b - a) / (t_b - t_a)`): decode alone, the prompt and the first steps taken out.
+`--concurrent` runs each length with that many requests at once too (distinct 16-token prompts; their
+tokens together over the batch's time). `--fresh` builds each engine of each round in a process of its
+own (the engines still take turns), so no engine inherits another's heap or threads.
+Printed: tokens/s per round, and each engine's median against the first engine's.
 """
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -50,6 +57,26 @@ def request_args(name: str, sink: int, window: int) -> dict:
     return {"extra_args": {"flexkv": {"sink": sink, "window": window}}} if name.partition("+")[0] == "own" else {}
 
 
+def run_engine(model: str, name: str, sink: int, window: int, lengths: list, concurrent: list) -> dict:
+    """`{(n, c): tokens/s}` of one engine built afresh: `c` requests of `n` tokens each, for every pair."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model, **engine_args(name, sink, window, 16 + max(lengths) + 1))
+    own = request_args(name, sink, window)
+    prompts = [{"prompt_token_ids": list(range(100 + 16 * i, 116 + 16 * i))} for i in range(max(concurrent))]
+    warm = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False, **own)
+    llm.generate(prompts[:1], warm, use_tqdm=False)
+    out = {}
+    for c in concurrent:
+        for n in lengths:
+            sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False, **own)
+            start = time.perf_counter()
+            llm.generate(prompts[:c], sp, use_tqdm=False)
+            out[n, c] = (time.perf_counter() - start, n * c)
+            print(f"{name:>10} {c:>3} x {n:>5} tokens: {n * c / out[n, c][0]:7.1f} tokens/s", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="a transformers folder with safetensors and config")
@@ -58,33 +85,52 @@ def main():
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--window", type=int, default=252)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--concurrent", type=int, nargs="+", default=[1], help="requests at once")
+    ap.add_argument("--fresh", action="store_true", help="each engine of each round in a process of its own")
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # one engine's run, its figures printed as JSON
     a = ap.parse_args()
-    from vllm import LLM, SamplingParams
+    lengths = sorted(a.generate)
+    if a.child:
+        got = run_engine(a.model, a.child, a.sink, a.window, lengths, a.concurrent)
+        print("RESULT " + json.dumps([[n, c, t, k] for (n, c), (t, k) in got.items()]), flush=True)
+        return
 
-    prompt = list(range(100, 116))
-    rates = {(n, e): [] for n in a.generate for e in a.engines}
+    times = {}
     for _ in range(a.rounds):
         for name in a.engines:
-            llm = LLM(a.model, **engine_args(name, a.sink, a.window, 16 + max(a.generate) + 1))
-            own = request_args(name, a.sink, a.window)
-            warm = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False, **own)
-            llm.generate([{"prompt_token_ids": prompt}], warm, use_tqdm=False)
-            for n in a.generate:
-                sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False, **own)
-                start = time.perf_counter()
-                llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
-                rates[n, name].append(n / (time.perf_counter() - start))
-                print(f"{name:>8} {n:>6} tokens: {rates[n, name][-1]:7.1f} tokens/s", flush=True)
-            del llm
+            if a.fresh:
+                cmd = [sys.executable, "-m", "benchmarks.vllm_speed", "--model", a.model, "--child", name,
+                       "--sink", str(a.sink), "--window", str(a.window), "--generate", *map(str, lengths),
+                       "--concurrent", *map(str, a.concurrent)]
+                text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+                line = next(x for x in text.splitlines() if x.startswith("RESULT "))
+                got = {(n, c): (t, k) for n, c, t, k in json.loads(line[len("RESULT "):])}
+                for (n, c), (t, k) in got.items():
+                    print(f"{name:>10} {c:>3} x {n:>5} tokens: {k / t:7.1f} tokens/s", flush=True)
+            else:
+                got = run_engine(a.model, name, a.sink, a.window, lengths, a.concurrent)
+            for key, value in got.items():
+                times.setdefault((name,) + key, []).append(value)
+
+    def rates(name, c, n0, n1):  # per round: tokens/s of lengths n1 (n0 None) or of the tokens between n0 and n1
+        out = []
+        for (t1, k1), *before in zip(times[name, n1, c], *([times[name, n0, c]] if n0 else [])):
+            t0, k0 = before[0] if before else (0.0, 0)
+            out.append((k1 - k0) / (t1 - t0))
+        return out
+
     base = a.engines[0]
-    print(f"\nsink {a.sink} + window {a.window}; median tokens/s over {a.rounds} rounds (ratio to {base})")
-    print("| tokens | " + " | ".join(a.engines) + " |")
-    print("|---|" + "---|" * len(a.engines))
-    for n in a.generate:
-        ref = statistics.median(rates[n, base])
-        cells = [f"{statistics.median(rates[n, e]):.1f} ({statistics.median(rates[n, e]) / ref:.2f}x)"
-                 for e in a.engines]
-        print(f"| {n} | " + " | ".join(cells) + " |")
+    print(f"\nsink {a.sink} + window {a.window}; median tokens/s over {a.rounds} rounds (ratio to {base})"
+          + ("; each engine in a fresh process" if a.fresh else ""))
+    print("| requests | tokens | " + " | ".join(a.engines) + " |")
+    print("|---|---|" + "---|" * len(a.engines))
+    spans = [(None, n) for n in lengths] + list(zip(lengths[:-1], lengths[1:]))
+    for c in a.concurrent:
+        for n0, n1 in spans:
+            ref = statistics.median(rates(base, c, n0, n1))
+            cells = [f"{statistics.median(rates(e, c, n0, n1)):.1f} ({statistics.median(rates(e, c, n0, n1)) / ref:.2f}x)"
+                     for e in a.engines]
+            print(f"| {c} | {n1 if n0 is None else f'{n0}..{n1}'} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from ...cache.positions.masks import query_window_attends
-from .cpu_layout import RegionReader, region_order, split_cache
+from .cpu_layout import RegionReader, element_index, region_order, split_cache
 from .options import check_engine, serving_positions, startup_line
 from .requests import own_retention_unserved
 from .rope import model_rotary, turned
@@ -171,6 +171,17 @@ def decode_plan(block_table, seq_lens, sink: int, window: int, bs: int, scratch:
     return DecodePlan(rows, src, targets, evicted[rows], table, copies)
 
 
+def decode_elements(plan: DecodePlan, orders, heads: int):
+    """`(src, dst)`: the elements a decode step's sink copies read, `[R, sink, 2, heads, head_size]` (each sink's
+    key and value), and the flat positions they are written to, alike, in a layer's cache flattened
+    (`cpu_layout.element_index`, through the region `orders`). The same for every layer of the step."""
+    blocks, offsets = plan.sources
+    bs = orders[0].shape[0]
+    dst = element_index(plan.targets // bs, plan.targets % bs, orders, heads).view((len(plan.rows),) + blocks.shape[1:]
+                                                                                    + (2, heads, -1))
+    return element_index(blocks, offsets, orders, heads), dst
+
+
 def _token_major(cache, blocks, offsets):
     return cache[blocks, :, offsets]
 
@@ -207,16 +218,48 @@ def sink_window_attention(query, key_cache, value_cache, block_table, query_star
         out[t0:t1] = o.reshape(t1 - t0, hq, d).to(out.dtype)
 
 
-#: query tokens of one request attended together by `band_attention`
-BAND_TILE = 256
+#: query tokens of one request attended together by `band_attention`: a tile's span (`window + T` keys) holds
+#: `window + 1` each query reads, so smaller tiles waste less of it; below 32 the calls cost more than they save
+BAND_TILE = 64
 
 
-def band_plan(block_table, query_start_loc, seq_lens, sink: int, window: int, bs: int, rows=None) -> list:
-    """Where `band_attention` reads, the same for every layer of a step: one entry per tile of a request's
-    query tokens, `(t0, t1, sinks, sink_at, span_at, keep, reach, evicted)`: the tile's rows of the step, its
-    request's sinks and their (blocks, offsets) `[1, S]`, the span's (blocks, offsets) `[1, J]`, which span
-    entry each query keeps `[T, J]`, which sink each reads `[T, S]`, and each query's eviction count `[T]`
-    under its request's own (sink, window) (`rows`). Host tensors."""
+class BandTile(NamedTuple):
+    """One tile of a request's query tokens (`band_plan`)."""
+
+    #: the tile's rows of the step, and its span as a slice of its request's span
+    t0: int
+    t1: int
+    j0: int
+    j1: int
+    #: `[T * group, j1 - j0]` 0 where a query (each repeated for its `group` query heads) reads a span entry,
+    #: `-inf` elsewhere
+    mask: torch.Tensor
+    #: `[T]` whether each query reads some span entry (one within its sinks reads none)
+    spans: torch.Tensor
+
+
+class BandRequest(NamedTuple):
+    """One request of a step with prompt chunks (`band_plan`): where its sinks and its span lie, and its tiles."""
+
+    #: the request's rows of the step
+    q0: int
+    q1: int
+    sinks: int
+    #: `(blocks, offsets)` `[1, S]` of the sinks and `[1, J]` of the span (the window entries past the sinks that
+    #: some query of the request reads, oldest first)
+    sink_at: tuple
+    span_at: tuple
+    #: `[Q, S]` which sink each query reads; `[Q]` each query's eviction count under the request's retention
+    reach: torch.Tensor
+    evicted: torch.Tensor
+    tiles: list
+
+
+def band_plan(block_table, query_start_loc, seq_lens, sink: int, window: int, bs: int, rows=None,
+              group: int = 1) -> list:
+    """Where `band_attention` reads, the same for every layer of a step: a `BandRequest` per request, its
+    query tokens in tiles of `BAND_TILE`, under each request's own (sink, window) (`rows`); `group` query
+    heads per KV head. Host tensors."""
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     own = rows.tolist() if rows is not None else None
     out = []
@@ -226,54 +269,75 @@ def band_plan(block_table, query_start_loc, seq_lens, sink: int, window: int, bs
         first = lens[r] - (q1 - q0)  # stream index of the request's first query token
         sinks = min(s, lens[r])
         i = torch.arange(sinks)
-        sink_at = (block_table[r, i // bs].to(torch.long)[None], (i % bs)[None])
+        lo = max(s, first - w)  # the request's span: window entries past the sinks, up to its last query
+        j = torch.arange(lo, max(lo, lens[r]))  # empty while the stream is within its sinks
+        tiles = []
         for t0 in range(q0, q1, BAND_TILE):
             t1 = min(q1, t0 + BAND_TILE)
             p = torch.arange(first + t0 - q0, first + t1 - q0)  # [T] the queries' stream indices
-            lo = max(s, int(p[0]) - w)  # the span: window entries past the sinks
-            j = torch.arange(lo, max(lo, int(p[-1]) + 1))  # empty while the stream is within its sinks
-            span_at = (block_table[r, j // bs].to(torch.long)[None], (j % bs)[None])
-            keep = (j[None, :] >= p[:, None] - w) & (j[None, :] <= p[:, None])
-            reach = i[None, :] <= p[:, None]
-            out.append((t0, t1, sinks, sink_at, span_at, keep, reach, (p - s - w).clamp(min=0)))
+            j0 = max(lo, int(p[0]) - w) - lo
+            j1 = max(j0, int(p[-1]) + 1 - lo)
+            jt = j[j0:j1]
+            keep = (jt[None, :] >= p[:, None] - w) & (jt[None, :] <= p[:, None])
+            mask = torch.zeros(keep.shape).masked_fill_(~keep, float("-inf")).repeat_interleave(group, dim=0)
+            tiles.append(BandTile(t0, t1, j0, j1, mask, keep.any(dim=1)))
+        p = torch.arange(first, lens[r])
+        out.append(BandRequest(q0, q1, sinks, (block_table[r, i // bs].to(torch.long)[None], (i % bs)[None]),
+                               (block_table[r, j // bs].to(torch.long)[None], (j % bs)[None]),
+                               i[None, :] <= p[:, None], (p - s - w).clamp(min=0), tiles))
     return out
+
+
+def _span_attention(q, k, v, mask, spans, scale):
+    """`(out [T, H, g, D], lse [T, H, g])`: the tile's queries `[T, H, g, D]` over span keys and values `[H, J, D]`
+    under `mask` (`BandTile.mask`), through PyTorch's CPU flash-attention kernel, which gives the log-sum-exp
+    the join with the sinks needs (`scaled_dot_product_attention` does not return it). A query that reads no
+    span entry (`spans` false) gets 0 and `-inf` (the kernel gives it 0 and 0)."""
+    T, H, g, D = q.shape
+    if k.shape[1] == 0:
+        return q.new_zeros(q.shape), q.new_full((T, H, g), float("-inf"))
+    rows = q.permute(1, 0, 2, 3).reshape(1, H, T * g, D)  # row t * g + i: query t, its i-th head of the group
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(rows, k[None], v[None], 0.0, False,
+                                                                          attn_mask=mask[None, None], scale=scale)[:2]
+    lse = lse.view(H, T, g).permute(1, 0, 2).masked_fill(~spans[:, None, None], float("-inf"))
+    return out.view(H, T, g, D).permute(1, 0, 2, 3), lse
 
 
 def band_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, sink: int, window: int,
                    scale: float, out, rotary=None, read_keys=_token_major, read_values=_token_major, rows=None,
                    plan=None) -> None:
-    """What `sink_window_attention` computes, a request's consecutive query tokens at a time: a tile of `T`
-    queries reads its request's sinks and one span of `window + T` entries (from the oldest window entry of
-    its first query to its last query), gathered once for the tile, where the per-token gather reads
-    `sink + window + 1` entries for every query. Each query keeps the span entries of its own window past
-    the sinks (`query_window_attends`) and its sinks up to itself, in one softmax; with `rotary`, each
-    query's sink keys are turned by its own eviction count (`turn_sinks`). For steps with prompt chunks.
+    """What `sink_window_attention` computes, a request's consecutive query tokens at a time: each request's
+    span (the window entries past the sinks its queries read) and sinks are gathered once per layer; a tile
+    of `T` queries attends its `window + T` entries of the span through one fused CPU attention call, each
+    query masked to its own window (`query_window_attends`); the request's queries attend their sinks in
+    torch (with `rotary`, each query's sink keys turned by its own eviction count, `turn_sinks`), and the
+    two parts are joined by their log-sum-exps into one softmax, in float32. For steps with prompt chunks.
     Host tensors (vLLM's CPU metadata); arguments as `sink_window_attention`'s; `plan`: the step's
     `band_plan` (made here when None; every layer of a step may share one)."""
     n, hq, d = query.shape
     h, bs = key_cache.shape[1], key_cache.shape[2]
     g = hq // h
     if plan is None:
-        plan = band_plan(block_table, query_start_loc, seq_lens, sink, window, bs, rows)
-    for t0, t1, sinks, sink_at, span_at, keep, reach, evicted in plan:
+        plan = band_plan(block_table, query_start_loc, seq_lens, sink, window, bs, rows, g)
+    for q0, q1, sinks, sink_at, span_at, reach, evicted, tiles in plan:
         k = read_keys(key_cache, *span_at)[0].float().transpose(0, 1)  # [H, J, D]
         v = read_values(value_cache, *span_at)[0].float().transpose(0, 1)
-        q = query[t0:t1].float().view(t1 - t0, h, g, d)
-        scores = torch.einsum("thgd,hjd->thgj", q, k) * scale
-        scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+        q = query[q0:q1].float().view(q1 - q0, h, g, d)
+        o, lse = torch.empty_like(q), q.new_empty(q.shape[:3])
+        for t0, t1, j0, j1, mask, spans in tiles:
+            o[t0 - q0:t1 - q0], lse[t0 - q0:t1 - q0] = _span_attention(q[t0 - q0:t1 - q0], k[:, j0:j1], v[:, j0:j1],
+                                                                       mask, spans, scale)
         if sinks:
-            ks = read_keys(key_cache, *sink_at)[0].float().transpose(0, 1).expand(t1 - t0, -1, -1, -1)  # [T, H, S, D]
+            ks = read_keys(key_cache, *sink_at)[0].float().transpose(0, 1).expand(q1 - q0, -1, -1, -1)  # [Q, H, S, D]
             if rotary is not None:
                 ks = turn_sinks(ks.clone(), sinks, evicted, *rotary)
-            sink_scores = torch.einsum("thgd,thsd->thgs", q, ks) * scale
-            sink_scores = sink_scores.masked_fill(~reach[:, None, None, :], float("-inf"))
-            weights = torch.softmax(torch.cat((sink_scores, scores), -1), -1)
+            scores = (torch.einsum("thgd,thsd->thgs", q, ks) * scale).masked_fill(~reach[:, None, None, :],
+                                                                                 float("-inf"))
+            total = torch.logaddexp(lse, torch.logsumexp(scores, -1))  # every query reads a key: finite
             sink_v = read_values(value_cache, *sink_at)[0].float().transpose(0, 1)
-            o = torch.einsum("thgs,hsd->thgd", weights[..., :sinks], sink_v) + \
-                torch.einsum("thgj,hjd->thgd", weights[..., sinks:], v)
-        else:
-            o = torch.einsum("thgj,hjd->thgd", torch.softmax(scores, -1), v)
-        out[t0:t1] = o.reshape(t1 - t0, hq, d).to(out.dtype)
+            o = o * torch.exp(lse - total)[..., None] + \
+                torch.einsum("thgs,hsd->thgd", torch.exp(scores - total[..., None]), sink_v)
+        out[q0:q1] = o.reshape(q1 - q0, hq, d).to(out.dtype)
 
 
 class FlexKVCPUImpl(CPUAttentionBackendImpl):
@@ -359,15 +423,15 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
                 memo[entry] = decode_plan(attn_metadata.block_table, attn_metadata.seq_lens, pol.sink, pol.window, bs,
                                           scratch=bool(self.scratch_blocks))
             if memo[entry] is not None:
-                self._decode_in_window(layer, query, key_cache, value_cache, attn_metadata, output, memo,
-                                       memo[entry], rotary)
+                self._decode_in_window(layer, query, kv_cache, attn_metadata, output, memo, memo[entry], rotary)
                 return output
         out = output[:n].view(n, self.num_heads, self.head_size)
         if attn_metadata.max_query_len > 1:  # prompt chunks: each request's queries a tile at a time
             entry = ("band", pol.sink, pol.window, bs, rows is None)
             if entry not in memo:  # the same for every layer of the step
                 memo[entry] = band_plan(attn_metadata.block_table, attn_metadata.query_start_loc,
-                                        attn_metadata.seq_lens, pol.sink, pol.window, bs, rows)
+                                        attn_metadata.seq_lens, pol.sink, pol.window, bs, rows,
+                                        self.num_heads // self.num_kv_heads)
             band_attention(query[:n].view(n, self.num_heads, self.head_size), key_cache, value_cache,
                            attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens, pol.sink,
                            pol.window, self.scale, out, rotary=rotary, read_keys=self._readers[0],
@@ -387,25 +451,26 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
                               read_values=self._readers[1])
         return output
 
-    def _decode_in_window(self, layer, query, key_cache, value_cache, attn_metadata, output, memo, plan,
-                          rotary) -> None:
+    def _decode_in_window(self, layer, query, kv_cache, attn_metadata, output, memo, plan, rotary) -> None:
         """A decode step on vLLM's sliding-window kernel: the sinks copied below each query's window first."""
-        pol = self.retention
-        rows, (src_blocks, src_offsets), targets, evicted, table, copies = plan
-        if copies is not None:  # the blocks below the windows, copied whole into the scratch blocks first
-            for cache in (key_cache, value_cache):
-                cache[copies[1]] = cache[copies[0]]
-        if rows.numel():
-            k = self._readers[0](key_cache, src_blocks, src_offsets)  # [R, S, H, D]
-            v = self._readers[1](value_cache, src_blocks, src_offsets)
+        key_cache, value_cache = split_cache(kv_cache)
+        heads = key_cache.shape[1]
+        entry = ("decode elements", id(plan))
+        if entry not in memo:  # the same elements in every layer's cache
+            src, dst = decode_elements(plan, tuple(r.order for r in self._readers), heads)
+            memo[entry] = (src.flatten(), src.shape, dst.flatten())
+        src, shape, dst = memo[entry]
+        if plan.copies is not None:  # the blocks below the windows, copied whole into the scratch blocks first
+            whole = kv_cache.view(kv_cache.shape[0], -1)
+            whole.index_copy_(0, plan.copies[1], whole.index_select(0, plan.copies[0]))
+        if plan.rows.numel():
+            flat = kv_cache.view(-1)
+            moved = flat.index_select(0, src).view(shape)  # [R, S, 2, H, D]: each sink's key and value
             if rotary is not None:
-                k = turn_sinks(k.float().transpose(1, 2), pol.sink, evicted, *rotary).transpose(1, 2)
-            heads = key_cache.shape[1]
-            ops.cpu_attn_reshape_and_cache(
-                k.reshape(-1, heads, self.head_size).to(key_cache.dtype).contiguous(),
-                v.reshape(-1, heads, self.head_size).contiguous(), key_cache, value_cache, targets, layer.isa,
-                k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
-        reach = pol.sink + pol.window + 1  # keys vLLM's window spans: the copied sinks, the window, the query
+                k = moved[:, :, 0].transpose(1, 2).float()  # [R, H, S, D]
+                moved[:, :, 0] = turned(k, plan.evicted, *rotary).transpose(1, 2).to(moved.dtype)
+            flat.index_copy_(0, dst, moved.flatten())
+        reach = self.retention.sink + self.retention.window + 1  # keys vLLM's window spans: sinks, window, query
         entry = ("scheduler", reach)
         if entry not in memo:
             memo[entry] = ops.cpu_attn_get_scheduler_metadata(
@@ -417,7 +482,7 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
         ops.cpu_attention_with_kv_cache(
             query=query[:n], key_cache=key_cache, value_cache=value_cache, output=output[:n],
             query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens, scale=self.scale,
-            causal=True, alibi_slopes=None, sliding_window=reach, block_table=table,
+            causal=True, alibi_slopes=None, sliding_window=reach, block_table=plan.table,
             softcap=0, scheduler_metadata=memo[entry], s_aux=None, k_scale=layer._k_scale_float,
             v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
 

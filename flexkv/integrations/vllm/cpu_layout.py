@@ -12,7 +12,9 @@ lands: it writes one block of keys and values whose elements are their own token
 own dimension index, and reads the cache back. The answer is a permutation `[block_size, head_size]`
 -> offset in the region, checked to cover every offset once. `RegionReader` then gathers keys or values
 through it: a plain view where the order is token-major or dimension-major (the common cases), one
-indexed gather otherwise.
+indexed gather otherwise. `element_index` names the elements of whole entries (key and value) in the
+layer's cache flattened, so a few entries are read or written with one `index_select` or `index_copy_`
+whatever the order.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import functools
 
 import torch
 
-__all__ = ["region_order", "RegionReader", "split_cache"]
+__all__ = ["region_order", "RegionReader", "split_cache", "element_index"]
 
 
 def split_cache(kv_cache):
@@ -29,6 +31,19 @@ def split_cache(kv_cache):
     (their regions in vLLM's order, not necessarily token-major)."""
     blocks, heads, bs, _ = kv_cache.shape
     return kv_cache.view(blocks, heads, 2 * bs, -1).chunk(2, dim=2)
+
+
+def element_index(blocks: torch.Tensor, offsets: torch.Tensor, orders, heads: int) -> torch.Tensor:
+    """`[..., 2, heads, head_size]` int64: where the key (`[..., 0]`) and value (`[..., 1]`) elements of the entries
+    at `blocks` and in-block `offsets` (both `[...]`) lie in a layer's cache `[blocks, heads, block_size, 2 *
+    head_size]` flattened, its regions in the `orders` (`(key_order, value_order)`, `region_order`'s)."""
+    order = torch.stack(tuple(orders))  # [2, block_size, head_size]
+    bs, d = order.shape[1:]
+    within = order[:, offsets].movedim(0, -2).unsqueeze(-2)  # [..., 2, 1, head_size]
+    kind = torch.arange(2).view(2, 1, 1)
+    head = torch.arange(heads).view(1, heads, 1)
+    region = (blocks.to(torch.long)[..., None, None, None] * heads + head) * 2 + kind  # [..., 2, heads, 1]
+    return region * (bs * d) + within
 
 
 @functools.lru_cache(maxsize=None)
