@@ -22,6 +22,8 @@ between two of them (`(b - a) / (t_b - t_a)`): decode alone, the prompt and the 
 `--concurrent` runs each length with that many requests at once too (distinct 16-token prompts; their
 tokens together over the batch's time). `--fresh` builds each engine of each round in a process of its
 own (the engines still take turns), so no engine inherits another's heap or threads.
+`--prefill N` times a prompt of `N` tokens besides (one token generated; prompt tokens/s, the prompt
+its own in each round so no prefix cache serves it).
 Printed: tokens/s per round, and each engine's median against the first engine's.
 """
 
@@ -57,11 +59,13 @@ def request_args(name: str, sink: int, window: int) -> dict:
     return {"extra_args": {"flexkv": {"sink": sink, "window": window}}} if name.partition("+")[0] == "own" else {}
 
 
-def run_engine(model: str, name: str, sink: int, window: int, lengths: list, concurrent: list) -> dict:
-    """`{(n, c): tokens/s}` of one engine built afresh: `c` requests of `n` tokens each, for every pair."""
+def run_engine(model: str, name: str, sink: int, window: int, lengths: list, concurrent: list,
+               prefill: int = 0, seed: int = 0) -> dict:
+    """`{(n, c): (seconds, tokens)}` of one engine built afresh: `c` requests of `n` tokens each, for every pair;
+    with `prefill`, `("prefill", 1)` too: one prompt of that many tokens (drawn with `seed`) to its first token."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model, **engine_args(name, sink, window, 16 + max(lengths) + 1))
+    llm = LLM(model, **engine_args(name, sink, window, max(16 + max(lengths), prefill) + 1))
     own = request_args(name, sink, window)
     prompts = [{"prompt_token_ids": list(range(100 + 16 * i, 116 + 16 * i))} for i in range(max(concurrent))]
     warm = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False, **own)
@@ -74,6 +78,16 @@ def run_engine(model: str, name: str, sink: int, window: int, lengths: list, con
             llm.generate(prompts[:c], sp, use_tqdm=False)
             out[n, c] = (time.perf_counter() - start, n * c)
             print(f"{name:>10} {c:>3} x {n:>5} tokens: {n * c / out[n, c][0]:7.1f} tokens/s", flush=True)
+    if prefill:
+        import random
+
+        rng = random.Random(seed)
+        prompt = {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(prefill)]}
+        sp = SamplingParams(max_tokens=1, temperature=0, detokenize=False, **own)
+        start = time.perf_counter()
+        llm.generate([prompt], sp, use_tqdm=False)
+        out["prefill", 1] = (time.perf_counter() - start, prefill)
+        print(f"{name:>10} prefill {prefill} tokens: {prefill / out['prefill', 1][0]:7.1f} tokens/s", flush=True)
     return out
 
 
@@ -87,28 +101,31 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrent", type=int, nargs="+", default=[1], help="requests at once")
     ap.add_argument("--fresh", action="store_true", help="each engine of each round in a process of its own")
+    ap.add_argument("--prefill", type=int, default=0, help="also time a prompt of this many tokens")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # one engine's run, its figures printed as JSON
+    ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     lengths = sorted(a.generate)
     if a.child:
-        got = run_engine(a.model, a.child, a.sink, a.window, lengths, a.concurrent)
+        got = run_engine(a.model, a.child, a.sink, a.window, lengths, a.concurrent, a.prefill, a.round)
         print("RESULT " + json.dumps([[n, c, t, k] for (n, c), (t, k) in got.items()]), flush=True)
         return
 
     times = {}
-    for _ in range(a.rounds):
+    for round_ in range(a.rounds):
         for name in a.engines:
             if a.fresh:
                 cmd = [sys.executable, "-m", "benchmarks.vllm_speed", "--model", a.model, "--child", name,
                        "--sink", str(a.sink), "--window", str(a.window), "--generate", *map(str, lengths),
-                       "--concurrent", *map(str, a.concurrent)]
+                       "--concurrent", *map(str, a.concurrent), "--prefill", str(a.prefill),
+                       "--round", str(round_)]
                 text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
                 line = next(x for x in text.splitlines() if x.startswith("RESULT "))
                 got = {(n, c): (t, k) for n, c, t, k in json.loads(line[len("RESULT "):])}
                 for (n, c), (t, k) in got.items():
                     print(f"{name:>10} {c:>3} x {n:>5} tokens: {k / t:7.1f} tokens/s", flush=True)
             else:
-                got = run_engine(a.model, name, a.sink, a.window, lengths, a.concurrent)
+                got = run_engine(a.model, name, a.sink, a.window, lengths, a.concurrent, a.prefill, round_)
             for key, value in got.items():
                 times.setdefault((name,) + key, []).append(value)
 
@@ -131,6 +148,11 @@ def main():
             cells = [f"{statistics.median(rates(e, c, n0, n1)):.1f} ({statistics.median(rates(e, c, n0, n1)) / ref:.2f}x)"
                      for e in a.engines]
             print(f"| {c} | {n1 if n0 is None else f'{n0}..{n1}'} | " + " | ".join(cells) + " |")
+    if a.prefill:
+        ref = statistics.median(rates(base, 1, None, "prefill"))
+        cells = [f"{statistics.median(rates(e, 1, None, 'prefill')):.1f} "
+                 f"({statistics.median(rates(e, 1, None, 'prefill')) / ref:.2f}x)" for e in a.engines]
+        print(f"| 1 | prefill {a.prefill} (prompt tokens/s) | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

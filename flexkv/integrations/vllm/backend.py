@@ -21,8 +21,9 @@ vLLM's kernel (below) runs one batched path over every request at once: each que
 `sink + window + 1` candidate keys through the block table (reading vLLM's layout,
 `cpu_layout.RegionReader`), keeps those `query_window_attends` (flexkv.cache.positions.masks) admits, and
 takes a softmax over them in float32. A step with prompt chunks past eviction (`band_attention`) takes
-each request's queries a tile of up to `BAND_TILE` at a time: the tile's `T` queries read the sinks and
-one span of `window + T` entries gathered once, each query masking the span to its own window (the
+each request's queries a tile of up to `BAND_TILE` at a time: the tile's `T` queries attend one span of
+`window + T` entries (gathered once per request) through PyTorch's fused CPU attention kernel, each
+query masked to its own window, and the sinks in torch, the two joined by their log-sum-exps (the
 per-token gather read `T * (sink + window + 1)` entries: on SmolLM2 with a window of 1,020, a served
 prompt ran at about 20 tokens/s that way).
 
