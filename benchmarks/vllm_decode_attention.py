@@ -89,10 +89,12 @@ def main(argv=None) -> None:
                                                           "batched")}
     calls = {
         "vLLM kernel": lambda: kernel(outs["vLLM kernel"], table),
-        "sinks in place": lambda: impl._decode_in_window(layer, q, kv_cache, meta, outs["sinks in place"],
-                                                         memos["sinks in place"], plans["sinks in place"], None),
-        "sinks in scratch": lambda: impl._decode_in_window(layer, q, kv_cache, meta, outs["sinks in scratch"],
-                                                           memos["sinks in scratch"], plans["sinks in scratch"], None),
+        "sinks in place": lambda: impl._decode_in_window(layer, q, kv_cache, key_cache, value_cache, meta,
+                                                         outs["sinks in place"], memos["sinks in place"],
+                                                         plans["sinks in place"], None),
+        "sinks in scratch": lambda: impl._decode_in_window(layer, q, kv_cache, key_cache, value_cache, meta,
+                                                           outs["sinks in scratch"], memos["sinks in scratch"],
+                                                           plans["sinks in scratch"], None),
         "batched": lambda: sink_window_attention(q, key_cache, value_cache, table, starts, seq, a.sink, a.window,
                                                  scale, outs["batched"], gather=gather, max_len=pos,
                                                  read_keys=impl._readers[0], read_values=impl._readers[1]),

@@ -403,10 +403,10 @@ def reference(hf_model):
     return {positions: reference_logits(hf_model, SINK, WINDOW, positions) for positions in ("cache", "stream")}
 
 
-def engine(model_dir, positions=None, enable_prefix_caching=False, **kw):
+def engine(model_dir, positions=None, enable_prefix_caching=False, enforce_eager=True, **kw):
     entry = {"sink": SINK, "window": WINDOW} | ({"positions": positions} if positions else {})
     return LLM(model_dir, skip_tokenizer_init=True, enable_prefix_caching=enable_prefix_caching, block_size=BLOCK,
-               dtype="float32", max_model_len=2048, enforce_eager=True, logprobs_mode="raw_logits", seed=0,
+               dtype="float32", max_model_len=2048, enforce_eager=enforce_eager, logprobs_mode="raw_logits", seed=0,
                additional_config={"flexkv": entry}, **kw)
 
 
@@ -514,6 +514,25 @@ def test_chunked_prefill_and_preemption_stay_exact(model_dir, reference, monkeyp
         assert sum(out.num_cached_tokens == 0 for out in outs) == 4  # nothing came back from a prefix cache
 
 
+@pytest.mark.parametrize("positions", [None, "stream"])
+def test_compiled_with_prefix_caching_every_batch_mix_equals_the_definition(model_dir, reference, monkeypatch,
+                                                                           positions):
+    """vLLM's defaults: the model compiled (not `enforce_eager`), prefix caching on, prompts fed in chunks. Two
+    batches, each a mix of texts: requests sharing a system prompt beside unrelated ones of other lengths, one
+    within the window, so steps hold decodes past eviction (vLLM's kernel, the sinks in scratch blocks), prompt
+    chunks past it and requests not yet evicting; then the same texts again, resumed from the prefix cache.
+    Every request's ids and logits are the definition's, in both position modes."""
+    llm = engine(model_dir, positions, enable_prefix_caching=True, enforce_eager=False, max_num_batched_tokens=64,
+                 max_num_seqs=6, enable_chunked_prefill=True)
+    assert llm.llm_engine.vllm_config.compilation_config.mode != 0  # compiled: vLLM's default
+    system, *rest = prompts_of([150, 7, 40, 33, 300, 12])
+    first = [system + rest[0], rest[2], system + rest[1], rest[3], rest[4][:20]]
+    run_and_check(llm, reference[positions or "cache"], first, monkeypatch)
+    again = run_and_check(llm, reference[positions or "cache"], [rest[3], system + rest[0], rest[4][:20] + rest[2]],
+                          monkeypatch)
+    assert again[0].num_cached_tokens > 0 and again[1].num_cached_tokens > 0
+
+
 def test_two_tensor_parallel_ranks_stay_exact_with_bounded_blocks(model_dir, reference, monkeypatch):
     """Tensor parallelism: two ranks (each its share of the heads and its own cache, one block manager for
     both) give the reference's ids and logits, each request within the block bound. vLLM's CPU build binds
@@ -585,7 +604,8 @@ def test_a_cache_hit_is_the_longest_prefix_whose_next_query_finds_what_it_reads(
 def test_prefix_caching_resumes_from_the_sinks_and_the_windows_tail(model_dir, reference, monkeypatch):
     """vLLM's default prefix caching: requests sharing a 200-token system prompt resume from its cached
     blocks (the sink block and the window's tail; the gap comes back as null blocks) and stay exact,
-    in a pool small enough that cached blocks are evicted and reused as requests come and go."""
+    in a pool small enough that cached blocks are evicted and reused as requests come and go; and a
+    request reaching max_model_len stays exact."""
     llm = engine(model_dir, enable_prefix_caching=True, max_num_batched_tokens=64, max_num_seqs=4,
                  num_gpu_blocks_override=40)
     evicted = []
@@ -616,6 +636,9 @@ def test_prefix_caching_resumes_from_the_sinks_and_the_windows_tail(model_dir, r
     assert [out.num_cached_tokens for out in outs] == [192, 192, 192, 192, 0]
     assert sum(evicted) > 10  # cached blocks were evicted from the 40-block pool and their blocks reused
     assert sum(scratch_steps) > 100
+    # a request running to max_model_len: its last steps' scratch blocks lie past the stream's last block
+    (last,) = run_and_check(llm, reference["cache"], prompts_of([2048 - GENERATE]), monkeypatch)
+    assert len(last.prompt_token_ids) + len(last.outputs[0].token_ids) == 2048
 
 
 def test_requests_keeping_less_than_the_engine_each_equal_the_contract_for_their_own(hf_model, model_dir,

@@ -424,7 +424,8 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
                 memo[entry] = decode_plan(attn_metadata.block_table, attn_metadata.seq_lens, pol.sink, pol.window, bs,
                                           scratch=bool(self.scratch_blocks))
             if memo[entry] is not None:
-                self._decode_in_window(layer, query, kv_cache, attn_metadata, output, memo, memo[entry], rotary)
+                self._decode_in_window(layer, query, kv_cache, key_cache, value_cache, attn_metadata, output, memo,
+                                       memo[entry], rotary)
                 return output
         out = output[:n].view(n, self.num_heads, self.head_size)
         if attn_metadata.max_query_len > 1:  # prompt chunks: each request's queries a tile at a time
@@ -452,9 +453,10 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
                               read_values=self._readers[1])
         return output
 
-    def _decode_in_window(self, layer, query, kv_cache, attn_metadata, output, memo, plan, rotary) -> None:
-        """A decode step on vLLM's sliding-window kernel: the sinks copied below each query's window first."""
-        key_cache, value_cache = split_cache(kv_cache)
+    def _decode_in_window(self, layer, query, kv_cache, key_cache, value_cache, attn_metadata, output, memo, plan,
+                          rotary) -> None:
+        """A decode step on vLLM's sliding-window kernel: the sinks copied below each query's window first
+        (`key_cache`, `value_cache`: `kv_cache`'s halves, `split_cache`)."""
         heads = key_cache.shape[1]
         entry = ("decode elements", id(plan))
         if entry not in memo:  # the same elements in every layer's cache
