@@ -34,8 +34,14 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from flexkv import BoundedKVConfig, SinkWindow  # noqa: E402
 from flexkv.cache.positions.masks import query_window_attends  # noqa: E402
-from flexkv.integrations.vllm.backend import (FlexKVCPUImpl, band_attention, decode_plan, sink_window_attention,  # noqa: E402
-                                              step_gather, turn_sinks)
+from flexkv.integrations.vllm.backend import (  # noqa: E402
+    FlexKVCPUImpl,
+    band_attention,
+    decode_plan,
+    sink_window_attention,
+    step_gather,
+    turn_sinks,
+)
 from flexkv.integrations.vllm.metrics import request_counts  # noqa: E402
 from flexkv.integrations.vllm.spec import SinkWindowManager, SinkWindowSpec, block_bound, pool_line  # noqa: E402
 from flexkv.model.reference import attended_indices  # noqa: E402
