@@ -40,7 +40,13 @@ def main(argv=None) -> None:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from flexkv import SinkWindow
-    from flexkv.integrations.vllm.backend import FlexKVCPUImpl, decode_plan, sink_window_attention, step_gather
+    from flexkv.integrations.vllm.backend import (
+        FlexKVCPUImpl,
+        decode_batch,
+        decode_plan,
+        sink_window_attention,
+        step_gather,
+    )
     from flexkv.integrations.vllm.cpu_layout import RegionReader, region_order, split_cache
 
     torch.set_num_threads(a.threads)
@@ -67,8 +73,7 @@ def main(argv=None) -> None:
     impl.scale, impl.kv_cache_dtype = scale, "auto"
     impl._readers = tuple(RegionReader(order) for order in region_order(isa, dtype, bs, d))
     layer = type("Layer", (), {"isa": isa, "_k_scale_float": 1.0, "_v_scale_float": 1.0})()
-    meta = type("Meta", (), {})()
-    meta.seq_lens, meta.query_start_loc, meta.num_actual_tokens, meta.block_table = seq, starts, R, table
+    batch = decode_batch(table, starts, seq)  # the whole step: every request decodes
 
     sched = ops.cpu_attn_get_scheduler_metadata(  # stock vLLM makes it once per step, in its metadata builder
         num_reqs=R, num_heads=h * g, num_kv_heads=h, head_dim=d, seq_lens=seq, dtype=dtype, query_start_loc=starts,
@@ -89,10 +94,10 @@ def main(argv=None) -> None:
                                                           "batched")}
     calls = {
         "vLLM kernel": lambda: kernel(outs["vLLM kernel"], table),
-        "sinks in place": lambda: impl._decode_in_window(layer, q, kv_cache, key_cache, value_cache, meta,
+        "sinks in place": lambda: impl._decode_in_window(layer, q, kv_cache, key_cache, value_cache, batch,
                                                          outs["sinks in place"], memos["sinks in place"],
                                                          plans["sinks in place"], None),
-        "sinks in scratch": lambda: impl._decode_in_window(layer, q, kv_cache, key_cache, value_cache, meta,
+        "sinks in scratch": lambda: impl._decode_in_window(layer, q, kv_cache, key_cache, value_cache, batch,
                                                            outs["sinks in scratch"], memos["sinks in scratch"],
                                                            plans["sinks in scratch"], None),
         "batched": lambda: sink_window_attention(q, key_cache, value_cache, table, starts, seq, a.sink, a.window,

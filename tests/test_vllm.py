@@ -37,6 +37,7 @@ from flexkv.cache.positions.masks import query_window_attends  # noqa: E402
 from flexkv.integrations.vllm.backend import (  # noqa: E402
     FlexKVCPUImpl,
     band_attention,
+    decode_batch,
     decode_plan,
     sink_window_attention,
     step_gather,
@@ -275,6 +276,17 @@ def test_a_decode_step_copies_each_requests_sinks_just_below_its_window():
     assert plan.rows.tolist() == [] and plan.targets.tolist() == []
 
 
+def test_a_step_mixing_decodes_with_chunks_hands_the_decodes_to_the_kernel_as_a_batch():
+    """Hand-worked: requests with 1, 5, 1 and 3 queries; the first and third are the decode batch."""
+    table = torch.arange(12, dtype=torch.int32).view(4, 3)
+    batch = decode_batch(table, torch.tensor([0, 1, 6, 7, 10], dtype=torch.int32),
+                         torch.tensor([40, 9, 70, 3], dtype=torch.int32))
+    assert batch.requests.tolist() == [0, 2] and batch.queries.tolist() == [0, 6] and not batch.whole
+    assert batch.seq_lens.tolist() == [40, 70] and batch.query_start_loc.tolist() == [0, 1, 2]
+    assert batch.block_table.tolist() == [[0, 1, 2], [6, 7, 8]]
+    assert decode_batch(table[:2], torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([4, 5])).whole
+
+
 def test_with_scratch_a_decode_step_writes_no_block_of_the_stream():
     """Hand-worked, prefix caching's plan: sink 2, window 5, block 4, each request holding two scratch blocks
     past the block its query lands in. Query 11 (row 0): window 6..10, copies to 4, 5, all in block 1 (physical
@@ -506,7 +518,8 @@ def static_layers(llm):
 @pytest.mark.parametrize("positions, prefix_caching", [(None, False), (None, True), ("stream", False),
                                                        ("stream", True)])
 def test_chunked_prefill_and_preemption_stay_exact(model_dir, reference, monkeypatch, positions, prefix_caching):
-    """Prompts longer than a step's 64 tokens are fed in chunks; twice, past the first eviction, vLLM's
+    """Prompts longer than a step's 64 tokens are fed in chunks (steps mixing them with other requests'
+    decodes attend the decodes on vLLM's kernel); twice, past the first eviction, vLLM's
     scheduler preempts its last running request (its own `_preempt_request`, as when the pool runs
     short: blocks freed, the request recomputed from its first token). Both position modes, with vLLM's
     prefix caching off and on (its default): a recomputed request may then resume from its own blocks."""
@@ -514,8 +527,16 @@ def test_chunked_prefill_and_preemption_stay_exact(model_dir, reference, monkeyp
                  max_num_seqs=4, enable_chunked_prefill=True)
     assert {layer.impl.positions for layer in static_layers(llm)} == {positions or "cache"}
     preempted = preempt_twice(monkeypatch, lambda request: request.request_id)
+    mixed = []  # decode batches of steps that also hold prompt chunks: on vLLM's kernel, the chunks on the tiled path
+    own_decode = FlexKVCPUImpl._decode_in_window
+
+    def decode(self, *args):
+        mixed.append(not args[5].whole)
+        return own_decode(self, *args)
+
+    monkeypatch.setattr(FlexKVCPUImpl, "_decode_in_window", decode)
     outs = run_and_check(llm, reference[positions or "cache"], prompts_of([200, 150, 90, 250]), monkeypatch)
-    assert len(preempted) == 2
+    assert len(preempted) == 2 and sum(mixed) > 0
     if not prefix_caching:
         assert sum(out.num_cached_tokens == 0 for out in outs) == 4  # nothing came back from a prefix cache
 

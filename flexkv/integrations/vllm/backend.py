@@ -61,7 +61,7 @@ from .requests import own_retention_unserved
 from .rope import model_rotary, turned
 
 __all__ = ["FlexKVCPUBackend", "FlexKVCPUImpl", "sink_window_attention", "band_attention", "band_plan", "step_gather",
-           "turn_sinks", "decode_plan", "DecodePlan"]
+           "turn_sinks", "decode_plan", "DecodePlan", "decode_batch", "DecodeBatch"]
 
 logger = init_logger("vllm.flexkv")  # under vLLM's logger, whose handler prints INFO
 _announced = set()
@@ -118,6 +118,30 @@ def turn_sinks(k, sinks: int, evicted, cos_sin, neox: bool):
         return k
     k[rows, :, :sinks] = turned(k[rows, :, :sinks], evicted[rows], cos_sin, neox)
     return k
+
+
+class DecodeBatch(NamedTuple):
+    """The one-query requests of a step as a batch of their own (`decode_batch`): vLLM's kernel attends them."""
+
+    #: `[D]` their indices among the step's requests, and their query rows of the step
+    requests: torch.Tensor
+    queries: torch.Tensor
+    #: vLLM's metadata of the batch: `[D]` stream lengths, `[D + 1]` query starts, `[D, blocks]` block table
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    block_table: torch.Tensor
+    #: whether it is the whole step (then `queries` are its first rows and nothing is gathered)
+    whole: bool
+
+
+def decode_batch(block_table, query_start_loc, seq_lens) -> DecodeBatch:
+    """The requests of a step that decode one token, as vLLM's kernel takes a batch (a step mixing them with
+    prompt chunks attends the chunks elsewhere)."""
+    counts = query_start_loc[1:] - query_start_loc[:-1]
+    one = (counts == 1).nonzero().flatten()
+    whole = len(one) == len(counts)
+    sub = torch.arange(len(one) + 1, dtype=query_start_loc.dtype)
+    return DecodeBatch(one, query_start_loc[one].to(torch.long), seq_lens[one], sub, block_table[one], whole)
 
 
 class DecodePlan(NamedTuple):
@@ -257,14 +281,16 @@ class BandRequest(NamedTuple):
 
 
 def band_plan(block_table, query_start_loc, seq_lens, sink: int, window: int, bs: int, rows=None,
-              group: int = 1) -> list:
-    """Where `band_attention` reads, the same for every layer of a step: a `BandRequest` per request, its
-    query tokens in tiles of `BAND_TILE`, under each request's own (sink, window) (`rows`); `group` query
-    heads per KV head. Host tensors."""
+              group: int = 1, skip=()) -> list:
+    """Where `band_attention` reads, the same for every layer of a step: a `BandRequest` per request (but those
+    in `skip`, attended elsewhere), its query tokens in tiles of `BAND_TILE`, under each request's own (sink,
+    window) (`rows`); `group` query heads per KV head. Host tensors."""
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     own = rows.tolist() if rows is not None else None
     out = []
     for r in range(len(starts) - 1):
+        if r in skip:
+            continue
         q0, q1 = starts[r], starts[r + 1]
         s, w = own[r] if own is not None else (sink, window)
         first = lens[r] - (q1 - q0)  # stream index of the request's first query token
@@ -418,22 +444,28 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
                 self._rotary = (rope.cos_sin_cache, rope.is_neox_style)
             rotary = self._rotary
         memo = attn_metadata.__dict__.setdefault("_flexkv", {})
-        if attn_metadata.max_query_len == 1 and rows is None:
+        skip = ()
+        if rows is None:  # the step's one-query requests on vLLM's sliding-window kernel, the sinks copied below
             entry = ("decode", pol.sink, pol.window, bs)
             if entry not in memo:
-                memo[entry] = decode_plan(attn_metadata.block_table, attn_metadata.seq_lens, pol.sink, pol.window, bs,
-                                          scratch=bool(self.scratch_blocks))
-            if memo[entry] is not None:
-                self._decode_in_window(layer, query, kv_cache, key_cache, value_cache, attn_metadata, output, memo,
-                                       memo[entry], rotary)
-                return output
+                batch = decode_batch(attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens)
+                plan = decode_plan(batch.block_table, batch.seq_lens, pol.sink, pol.window, bs,
+                                   scratch=bool(self.scratch_blocks)) if len(batch.requests) else None
+                memo[entry] = (batch, plan)
+            batch, plan = memo[entry]
+            if plan is not None:
+                self._decode_in_window(layer, query, kv_cache, key_cache, value_cache, batch, output, memo, plan,
+                                       rotary)
+                if batch.whole:
+                    return output
+                skip = set(batch.requests.tolist())
         out = output[:n].view(n, self.num_heads, self.head_size)
         if attn_metadata.max_query_len > 1:  # prompt chunks: each request's queries a tile at a time
             entry = ("band", pol.sink, pol.window, bs, rows is None)
             if entry not in memo:  # the same for every layer of the step
                 memo[entry] = band_plan(attn_metadata.block_table, attn_metadata.query_start_loc,
                                         attn_metadata.seq_lens, pol.sink, pol.window, bs, rows,
-                                        self.num_heads // self.num_kv_heads)
+                                        self.num_heads // self.num_kv_heads, skip)
             band_attention(query[:n].view(n, self.num_heads, self.head_size), key_cache, value_cache,
                            attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens, pol.sink,
                            pol.window, self.scale, out, rotary=rotary, read_keys=self._readers[0],
@@ -453,10 +485,10 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
                               read_values=self._readers[1])
         return output
 
-    def _decode_in_window(self, layer, query, kv_cache, key_cache, value_cache, attn_metadata, output, memo, plan,
+    def _decode_in_window(self, layer, query, kv_cache, key_cache, value_cache, batch, output, memo, plan,
                           rotary) -> None:
-        """A decode step on vLLM's sliding-window kernel: the sinks copied below each query's window first
-        (`key_cache`, `value_cache`: `kv_cache`'s halves, `split_cache`)."""
+        """The step's one-query requests (`batch`, a `DecodeBatch`) on vLLM's sliding-window kernel: the sinks
+        copied below each query's window first (`key_cache`, `value_cache`: `kv_cache`'s halves, `split_cache`)."""
         heads = key_cache.shape[1]
         entry = ("decode elements", id(plan))
         if entry not in memo:  # the same elements in every layer's cache
@@ -477,17 +509,23 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
         entry = ("scheduler", reach)
         if entry not in memo:
             memo[entry] = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=attn_metadata.seq_lens.shape[0], num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                head_dim=self.head_size, seq_lens=attn_metadata.seq_lens, dtype=query.dtype,
-                query_start_loc=attn_metadata.query_start_loc, causal=True, sliding_window_size=reach,
+                num_reqs=batch.seq_lens.shape[0], num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_size, seq_lens=batch.seq_lens, dtype=query.dtype,
+                query_start_loc=batch.query_start_loc, causal=True, sliding_window_size=reach,
                 isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype)
-        n = attn_metadata.num_actual_tokens
+        d = batch.seq_lens.shape[0]
+        if batch.whole:
+            q, out = query[:d], output[:d]
+        else:  # a step mixing decodes with prompt chunks: the decodes' rows gathered, attended, put back
+            q, out = query.index_select(0, batch.queries), output.new_empty((d,) + output.shape[1:])
         ops.cpu_attention_with_kv_cache(
-            query=query[:n], key_cache=key_cache, value_cache=value_cache, output=output[:n],
-            query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens, scale=self.scale,
+            query=q, key_cache=key_cache, value_cache=value_cache, output=out,
+            query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, scale=self.scale,
             causal=True, alibi_slopes=None, sliding_window=reach, block_table=plan.table,
             softcap=0, scheduler_metadata=memo[entry], s_aux=None, k_scale=layer._k_scale_float,
             v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
+        if not batch.whole:
+            output.index_copy_(0, batch.queries, out)
 
 
 class FlexKVCPUBackend(CPUAttentionBackend):
