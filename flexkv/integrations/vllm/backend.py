@@ -27,13 +27,14 @@ query masked to its own window, and the sinks in torch, the two joined by their 
 per-token gather read `T * (sink + window + 1)` entries: on SmolLM2 with a window of 1,020, a served
 prompt ran at about 20 tokens/s that way).
 
-A decode step past eviction (one query per request) goes to vLLM's own sliding-window kernel too,
-with a window of `sink + window + 1` keys: before it runs, each request's sink keys and values are
-copied (read from the sink slots, which nothing overwrites) into the `sink` slots just below its
-query's window, entries the retention has already evicted (`decode_plan`; the block manager keeps
-those slots, `spec.SinkWindowManager`). That is O(sink) work per request and layer, through vLLM's
-own write. Until a request has evicted `sink` entries the copies would land on the sinks
-themselves, so such a step, and any step with a prompt chunk past eviction, takes the batched path.
+The requests of a step that decode one token past eviction (the whole step, or beside prompt chunks:
+`decode_batch`) go to vLLM's own sliding-window kernel, with a window of `sink + window + 1` keys:
+before it runs, each request's sink keys and values are copied (read from the sink slots, which
+nothing overwrites) into the `sink` slots just below its query's window, entries the retention has
+already evicted (`decode_plan`; the block manager keeps those slots, `spec.SinkWindowManager`). That
+is O(sink) work per request and layer: one gather and one scatter over the layer's flat cache
+(`decode_elements`). Until a request has evicted `sink` entries the copies would land on the sinks
+themselves, so a step holding one takes the other paths.
 With prefix caching on, the slots below a window may lie in a block the prefix cache hands to other
 requests (a shared system prompt's tail), so those blocks are not written: the block holding the
 window's first entry is copied whole into a scratch block the request holds past its tokens, the
