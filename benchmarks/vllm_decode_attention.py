@@ -43,6 +43,7 @@ def main(argv=None) -> None:
     from flexkv.integrations.vllm.backend import (
         FlexKVCPUImpl,
         decode_batch,
+        decode_elements,
         decode_plan,
         sink_window_attention,
         step_gather,
@@ -88,6 +89,7 @@ def main(argv=None) -> None:
 
     plans = {name: decode_plan(table, seq, a.sink, a.window, bs, scratch=name == "sinks in scratch")
              for name in ("sinks in place", "sinks in scratch")}
+    moves = {name: decode_elements(plan, tuple(r.order for r in impl._readers), h) for name, plan in plans.items()}
     memos = {name: {} for name in plans}  # what the engine keeps per step for every layer (made on the first call)
     gather = step_gather(table, starts, seq, R, a.sink, a.window, bs, h * d * 4, pos)
     outs = {name: torch.zeros(R, h * g, d) for name in ("vLLM kernel", "sinks in place", "sinks in scratch",
@@ -96,10 +98,11 @@ def main(argv=None) -> None:
         "vLLM kernel": lambda: kernel(outs["vLLM kernel"], table),
         "sinks in place": lambda: impl._decode_in_window(layer, q, kv_cache, key_cache, value_cache, batch,
                                                          outs["sinks in place"], memos["sinks in place"],
-                                                         plans["sinks in place"], None),
+                                                         plans["sinks in place"], moves["sinks in place"], None),
         "sinks in scratch": lambda: impl._decode_in_window(layer, q, kv_cache, key_cache, value_cache, batch,
                                                            outs["sinks in scratch"], memos["sinks in scratch"],
-                                                           plans["sinks in scratch"], None),
+                                                           plans["sinks in scratch"], moves["sinks in scratch"],
+                                                           None),
         "batched": lambda: sink_window_attention(q, key_cache, value_cache, table, starts, seq, a.sink, a.window,
                                                  scale, outs["batched"], gather=gather, max_len=pos,
                                                  read_keys=impl._readers[0], read_values=impl._readers[1]),

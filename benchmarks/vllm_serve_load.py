@@ -45,6 +45,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -266,9 +267,12 @@ def main(argv: Optional[list] = None) -> list:
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--window", type=int, default=1020)
     ap.add_argument("--batched-tokens", type=int, default=None, help="vLLM's max_num_batched_tokens (default: vLLM's)")
-    ap.add_argument("--logs", default=".", help="folder for each server's log")
+    ap.add_argument("--logs", default=None, help="folder for each server's log (default: a new temporary folder)")
     ap.add_argument("--json", default=None, help="write the rows to this file")
     a = ap.parse_args(argv)
+    if a.logs is None:
+        a.logs = tempfile.mkdtemp(prefix="flexkv-serve-load-")
+    print(f"server logs in {a.logs}", flush=True)
     rows = []
     for mode in a.modes:
         try:

@@ -650,7 +650,7 @@ def test_prefix_caching_resumes_from_the_sinks_and_the_windows_tail(model_dir, r
     own_decode = FlexKVCPUImpl._decode_in_window
 
     def decode(self, *args):
-        scratch_steps.append(args[-2].copies is not None)
+        scratch_steps.append(args[8].copies is not None)  # the plan
         return own_decode(self, *args)
 
     monkeypatch.setattr(FlexKVCPUImpl, "_decode_in_window", decode)

@@ -60,9 +60,10 @@ from .cpu_layout import RegionReader, element_index, region_order, split_cache
 from .options import check_engine, serving_positions, startup_line
 from .requests import own_retention_unserved
 from .rope import model_rotary, turned
+from .spec import SCRATCH_BLOCKS
 
 __all__ = ["FlexKVCPUBackend", "FlexKVCPUImpl", "sink_window_attention", "band_attention", "band_plan", "step_gather",
-           "turn_sinks", "decode_plan", "DecodePlan", "decode_batch", "DecodeBatch"]
+           "turn_sinks", "decode_plan", "DecodePlan", "decode_batch", "DecodeBatch", "decode_elements"]
 
 logger = init_logger("vllm.flexkv")  # under vLLM's logger, whose handler prints INFO
 _announced = set()
@@ -404,7 +405,7 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
             self.max_model_len = cfg.model_config.max_model_len
             #: blocks a request holds past its tokens for a decode step's sink copies: with prefix caching, where
             #: the slots below a window may lie in a cached block other requests read (`decode_plan`)
-            self.scratch_blocks = 2 if cfg.cache_config.enable_prefix_caching else 0
+            self.scratch_blocks = SCRATCH_BLOCKS if cfg.cache_config.enable_prefix_caching else 0
             line = startup_line(self.retention, self.positions, self.max_model_len, bool(self.scratch_blocks),
                                 own_retention_unserved(cfg, current_platform))
             if line not in _announced:
@@ -452,11 +453,13 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
                 batch = decode_batch(attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens)
                 plan = decode_plan(batch.block_table, batch.seq_lens, pol.sink, pol.window, bs,
                                    scratch=bool(self.scratch_blocks)) if len(batch.requests) else None
-                memo[entry] = (batch, plan)
-            batch, plan = memo[entry]
+                # the elements the sink copies read and write: the same in every layer's cache
+                moves = None if plan is None else decode_elements(plan, tuple(r.order for r in self._readers), heads)
+                memo[entry] = (batch, plan, moves)
+            batch, plan, moves = memo[entry]
             if plan is not None:
                 self._decode_in_window(layer, query, kv_cache, key_cache, value_cache, batch, output, memo, plan,
-                                       rotary)
+                                       moves, rotary)
                 if batch.whole:
                     return output
                 skip = set(batch.requests.tolist())
@@ -486,26 +489,22 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
                               read_values=self._readers[1])
         return output
 
-    def _decode_in_window(self, layer, query, kv_cache, key_cache, value_cache, batch, output, memo, plan,
+    def _decode_in_window(self, layer, query, kv_cache, key_cache, value_cache, batch, output, memo, plan, moves,
                           rotary) -> None:
         """The step's one-query requests (`batch`, a `DecodeBatch`) on vLLM's sliding-window kernel: the sinks
-        copied below each query's window first (`key_cache`, `value_cache`: `kv_cache`'s halves, `split_cache`)."""
-        heads = key_cache.shape[1]
-        entry = ("decode elements", id(plan))
-        if entry not in memo:  # the same elements in every layer's cache
-            src, dst = decode_elements(plan, tuple(r.order for r in self._readers), heads)
-            memo[entry] = (src.flatten(), src.shape, dst.flatten())
-        src, shape, dst = memo[entry]
+        copied below each query's window first (`plan`, `moves`: `decode_plan`'s and `decode_elements`';
+        `key_cache`, `value_cache`: `kv_cache`'s halves, `split_cache`)."""
+        src, dst = moves
         if plan.copies is not None:  # the blocks below the windows, copied whole into the scratch blocks first
             whole = kv_cache.view(kv_cache.shape[0], -1)
             whole.index_copy_(0, plan.copies[1], whole.index_select(0, plan.copies[0]))
         if plan.rows.numel():
             flat = kv_cache.view(-1)
-            moved = flat.index_select(0, src).view(shape)  # [R, S, 2, H, D]: each sink's key and value
+            moved = flat.index_select(0, src.view(-1)).view(src.shape)  # [R, S, 2, H, D]: each sink's key, value
             if rotary is not None:
                 k = moved[:, :, 0].transpose(1, 2).float()  # [R, H, S, D]
                 moved[:, :, 0] = turned(k, plan.evicted, *rotary).transpose(1, 2).to(moved.dtype)
-            flat.index_copy_(0, dst, moved.flatten())
+            flat.index_copy_(0, dst.view(-1), moved.view(-1))
         reach = self.retention.sink + self.retention.window + 1  # keys vLLM's window spans: sinks, window, query
         entry = ("scheduler", reach)
         if entry not in memo:

@@ -151,8 +151,8 @@ def startup_line(retention: SinkWindow, positions: str, max_model_len: int, pref
     not, from `requests.own_retention_unserved`; "" where it may)."""
     s, w = retention.sink, retention.window
     kernel = ("prefix caching on: a prompt resumes from a cached prefix whose sink blocks and window tail are "
-              "cached; decode steps past eviction run vLLM's sliding-window kernel, the sinks copied into 2 "
-              "scratch blocks per request") if prefix_caching else \
+              "cached; decode steps past eviction run vLLM's sliding-window kernel, the sinks copied into "
+              "scratch blocks each request holds") if prefix_caching else \
         "decode steps past eviction run vLLM's sliding-window kernel"
     return (f"flexkv: sink {s} + window {w}: each query reads at most {s + w + 1} keys: its stream's first {s} "
             f"tokens, the {w} tokens before it, and itself (in vLLM's terms, sliding_window={w + 1} plus {s} "

@@ -7,7 +7,7 @@ start-up pool sizing and its admission use; `SinkWindowManager` frees, as a requ
 every block that lies wholly between the sink blocks and the window, and hands back nothing
 else until the request ends.
 
-With prefix caching on, a request also holds `scratch` blocks (2) past the block its next token
+With prefix caching on, a request also holds `SCRATCH_BLOCKS` (2) past the block its next token
 lands in: a decode step past eviction copies the first block its window touches there and writes
 the sinks below the window in the copy (`backend.decode_plan`), so no block the prefix cache may
 hand to another request is written. They are the request's own next blocks, not yet full and so
@@ -27,7 +27,12 @@ from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
 from ...config import SinkWindow
 
-__all__ = ["SinkWindowSpec", "SinkWindowManager", "block_bound", "freed_blocks", "pool_line"]
+__all__ = ["SinkWindowSpec", "SinkWindowManager", "block_bound", "freed_blocks", "pool_line", "SCRATCH_BLOCKS"]
+
+#: blocks a request holds past its last token with prefix caching: where a decode step's sink copies go (the
+#: first takes a copy of the block holding the window's first entry, the second the sink slots that reach
+#: into the block before it)
+SCRATCH_BLOCKS = 2
 
 logger = init_logger("vllm.flexkv")  # under vLLM's logger, whose handler prints INFO
 _announced = set()
@@ -47,19 +52,19 @@ def pool_line(retention: SinkWindow, block_size: int, bound: int, pool_blocks: i
     return line
 
 
-def block_bound(retention: SinkWindow, block_size: int, tokens_in_flight: int, scratch: int = 0) -> int:
+def block_bound(retention: SinkWindow, block_size: int, tokens_in_flight: int) -> int:
     """The most blocks one request holds under `retention`, whatever its length:
-    `ceil(sink / B) + ceil((sink + window - 1 + tokens_in_flight) / B) + 1 + scratch`.
+    `ceil(sink / B) + ceil((sink + window - 1 + tokens_in_flight) / B) + 1`.
 
     A step writing `T` tokens from stream index `n` reads the sinks (the first `ceil(sink / B)`
     blocks) and `n - window .. n + T - 1`, `window + T` entries; the `sink` entries just below the
     window are kept too (a decode step copies the sinks there for vLLM's sliding-window kernel,
     `backend.FlexKVCPUImpl`). Those `sink + window + T` entries touch at most
     `ceil((sink + window + T - 1) / B) + 1` blocks when they do not start at a block's edge. With
-    prefix caching the request holds `scratch` blocks more past its last token (`SinkWindowManager`).
+    prefix caching the request holds `SCRATCH_BLOCKS` more past its last token (`SinkWindowManager`).
     """
     sink = retention.sink
-    return cdiv(sink, block_size) + cdiv(sink + retention.window - 1 + tokens_in_flight, block_size) + 1 + scratch
+    return cdiv(sink, block_size) + cdiv(sink + retention.window - 1 + tokens_in_flight, block_size) + 1
 
 
 def freed_blocks(retention: SinkWindow, block_size: int, processed: int, caching: bool) -> tuple:
