@@ -33,10 +33,12 @@ from .paths.query_only import attend_query_only, check_query_only
 from .paths.recall import (
     MemoryIndex,
     MemoryTurns,
+    attend_joined,
     attend_with_window,
     check_recall_call,
     join_window,
     memory_part,
+    memory_select,
     memory_step,
 )
 from .paths.row_attention import device_geometry, mask_geometry, repeat_queries
@@ -290,7 +292,12 @@ class CacheGroup(StoreBuffers, nn.Module):
         H = kc.shape[1]
         g = Hq // H if route.pack_gqa else 1
         memo = {} if compiling else self._store.per_plan(plan)
-        memory = memory_part(self.memory_index, self.memory_turns, layer_idx, c, self.layout, q, kc, vc, scales, plan,
+        if route.path == "rows" and sm is None:  # window and chosen memory in one fused call
+            sel = memory_select(self.memory_index, self.memory_turns, layer_idx, c, q, kc, scales, plan, scale=scale)
+            window = plan.extras["recall_window"]  # made with the plan (`_recall_parts`), unpacked queries
+            return attend_joined(sel, self.memory_turns, layer_idx, c, plan, kc, vc, scales,
+                                 device_geometry(window) if compiling else window, q.dtype, c.max_retained + T, memo)
+        memory = memory_part(self.memory_index, self.memory_turns, layer_idx, c, q, kc, vc, scales, plan,
                              scale=scale, score_mod=score_mod, positions=positions)
         if route.path == "rows":
             window = plan.extras["recall_window"]  # made with the plan (`_recall_parts`), unpacked queries

@@ -45,8 +45,8 @@ from ..positions.rotary import apply_rotary
 from ..storage.quantized import dequantize
 from ..storage.slot_copy import SlotBuffer, plan_slot_rows
 
-__all__ = ["MemoryCall", "MemoryIndex", "MemoryStep", "MemoryTurns", "attend_with_window", "check_recall_call",
-           "join_window", "memory_part", "memory_step"]
+__all__ = ["MemoryCall", "MemoryIndex", "MemorySelection", "MemoryStep", "MemoryTurns", "attend_joined",
+           "attend_with_window", "check_recall_call", "join_window", "memory_part", "memory_select", "memory_step"]
 
 
 def check_recall_call(config: BoundedKVConfig, query_only, joined, relative: bool = False) -> None:
@@ -240,27 +240,35 @@ class MemoryStep(NamedTuple):
     #: `[N, 1, 1, T, 1]` 1 for each written query (a chunk's written queries choose together).
     writes: torch.Tensor
     #: `[N, NB]` candidate block numbers and their means' rows in a layer's index viewed as `[rows * blocks,
-    #: H, D]`; `[N, 1, NB]` which are in some written query's memory; `[N]` `t_mem`, the position memory is
+    #: H, D]`; `[N, 1, NB]` which are in no written query's memory; `[N]` `t_mem`, the position memory is
     #: read at (`memory_part`).
     cand: torch.Tensor
     cand_slots: torch.Tensor
-    valid: torch.Tensor
+    invalid: torch.Tensor
     t_mem: torch.Tensor
     #: `[N, 1, 1, T, 1]` each query's oldest memory block and first block not yet wholly out of its window.
     oldest: torch.Tensor
     whole: torch.Tensor
     #: `[N, H, L]` the tail's flat cells, `[N, 1, L]` its table rows, `[N, 1, 1, T, L]` which queries read
-    #: which tail entry.
+    #: which tail entry, and the same as an additive mask `[N, 1, T, L]` (0 or -inf, the work dtype).
     tail_flat: torch.Tensor
     tail_turn: torch.Tensor
     tail_reads: torch.Tensor
-    #: `[N, 1]` the first entry after the sinks; `[N, 1, 1, block]` the stream index of each entry of block
-    #: 0 and its table row (block `b`'s are `b * block` more and less); `[N, H, 1, 1]` where each KV head's
-    #: ring starts in the flattened layer tensor (a chosen entry `j` sits `j % ring_len` past it).
+    tail_bias: torch.Tensor
+    #: `[N, 1]` the first entry after the sinks.
     sink: torch.Tensor
-    entry0: torch.Tensor
-    turn0: torch.Tensor
-    ring_flat: torch.Tensor
+    #: Each candidate block's entries: `[N, 1, NB, block]` their stream indices, `[N, H, NB, block]` their
+    #: flat cells, `[N, 1, NB, block]` their table rows; `[N, 1, T, NB]` which query's memory holds each
+    #: candidate. A layer gathers its chosen blocks' from these.
+    cand_entries: torch.Tensor
+    cand_flat: torch.Tensor
+    cand_turn: torch.Tensor
+    cand_inside: torch.Tensor
+    #: Known on the host (not read when compiling: a flag read there would be a guard): every row writes a
+    #: token (`real`: each query reads at least itself), and also the step is one token a row and every
+    #: row's memory holds `top_k` blocks or more (`full`: every chosen block is live and read).
+    real: bool = False
+    full: bool = False
 
 
 def _window_starts(config: BoundedKVConfig, plan, T: int) -> torch.Tensor:
@@ -278,6 +286,22 @@ def _blocks_made(plan, bs: int) -> bool:
         if span and (n + span - sink) // bs > max((n - sink) // bs, 0):
             return True
     return False
+
+
+def _host_flags(config: BoundedKVConfig, plan, T: int) -> Tuple[bool, bool]:
+    """`(real, full)` of `MemoryStep`, from the plan's host table."""
+    if torch.compiler.is_compiling():
+        return False, False
+    recall = config.recall
+    real = all(plan.field("span", i) > 0 for i in range(plan.rows))
+    if not real or T != 1:
+        return real, False
+    for i in range(plan.rows):
+        n, sink = plan.field("n", i), plan.field("sink", i)
+        w = plan.field("lo", i) if config.query_window is None else max(sink, n - config.query_window)
+        if min((w - sink) // recall.block, recall.memory_blocks) < recall.top_k:
+            return real, False
+    return real, True
 
 
 def memory_step(index: MemoryIndex, turns: MemoryTurns, config: BoundedKVConfig, layout: Layout, plan, T: int,
@@ -314,7 +338,7 @@ def memory_step(index: MemoryIndex, turns: MemoryTurns, config: BoundedKVConfig,
     newest = torch.where(written, whole, 0).amax(dim=1, keepdim=True)  # [N, 1]: end of the step's blocks
     NB = MB + T // bs + 1
     cand = oldest[:, :1] + torch.arange(NB, device=dev).view(1, NB)  # [N, NB]
-    valid = ((cand < newest) & written.any(dim=1, keepdim=True)).view(N, 1, NB)
+    invalid = ((cand >= newest) | ~written.any(dim=1, keepdim=True)).view(N, 1, NB)
     t_mem = w[:, :1] - 1  # [N, 1]: just before the first query's first window entry
 
     # The tail (shared by the KV heads): entries out of the window whose block is not yet whole.
@@ -324,15 +348,20 @@ def memory_step(index: MemoryIndex, turns: MemoryTurns, config: BoundedKVConfig,
     tail_turn = (t_mem - j_tail + turns.offset).clamp(0, turns.length - 1).view(N, 1, L)
     jq = j_tail.view(N, 1, 1, 1, L)
     tail_reads = (jq >= (sink + whole * bs).view(N, 1, 1, T, 1)) & (jq < w.view(N, 1, 1, T, 1))
-    e = torch.arange(bs, device=dev).view(1, 1, 1, bs)
+    tail_bias = torch.where(tail_reads, torch.zeros((), dtype=work, device=dev), float("-inf")).view(N, 1, T, L)
     live_row = plan.ring_base.long().view(N, 1, 1, 1) >= 0  # padding rows carry a negative ring base
-    ring_flat = head_base + torch.where(live_row, plan.ring_base.long().view(N, 1, 1, 1), 0)
+    ring_flat = head_base + torch.where(live_row, plan.ring_base.long().view(N, 1, 1, 1), 0)  # [N, H, 1, 1]
     cand_rows = rows.view(N, 1) * index.blocks + torch.remainder(cand, index.blocks)
+    entries = sink.view(N, 1, 1, 1) + cand.view(N, 1, NB, 1) * bs + torch.arange(bs, device=dev).view(1, 1, 1, bs)
+    cand_flat = ring_flat + torch.remainder(entries, ring)  # an entry `j` sits `j % ring_len` past its ring's start
+    cand_turn = (t_mem.view(N, 1, 1, 1) - entries + turns.offset).clamp(0, turns.length - 1)
+    blk = cand.view(N, 1, 1, NB)
+    cand_inside = (blk >= oldest.view(N, 1, T, 1)) & (blk < whole.view(N, 1, T, 1))
     return MemoryStep(
         rows, made_rows, made_slots, made_flat, any_made, j_made.view(N, C * bs),
-        written.to(work).view(N, 1, 1, T, 1), cand, cand_rows, valid, t_mem.view(N),
-        oldest.view(N, 1, 1, T, 1), whole.view(N, 1, 1, T, 1), tail_flat, tail_turn, tail_reads, sink,
-        sink.view(N, 1, 1, 1) + e, (t_mem.view(N, 1, 1, 1) - sink.view(N, 1, 1, 1) - e + turns.offset), ring_flat)
+        written.to(work).view(N, 1, 1, T, 1), cand, cand_rows, invalid, t_mem.view(N),
+        oldest.view(N, 1, 1, T, 1), whole.view(N, 1, 1, T, 1), tail_flat, tail_turn, tail_reads, tail_bias, sink,
+        entries, cand_flat, cand_turn, cand_inside, *_host_flags(config, plan, T))
 
 
 def _swap(x: torch.Tensor, rope_layout: str) -> torch.Tensor:
@@ -360,12 +389,71 @@ class MemoryCall(NamedTuple):
     queries: torch.Tensor
 
 
+class MemorySelection(NamedTuple):
+    """One layer's memory blocks chosen for a step, and where their entries sit (`memory_select`)."""
+
+    #: `[N, H, g, T, D]` the scaled queries in the work dtype.
+    queries: torch.Tensor
+    #: `[N, H, k]` each chosen block's place among the step's candidates (`MemoryStep.cand`), and whether
+    #: it is a block of the row's memory (a row with fewer candidates chooses some that are not).
+    order: torch.Tensor
+    live: torch.Tensor
+    #: `[N, H, k * bs]` the chosen entries' flat cells and their turn table rows (None: memory read at stream
+    #: positions).
+    flat: torch.Tensor
+    turn: Optional[torch.Tensor]
+
+    def gathered(self, per_candidate: torch.Tensor) -> torch.Tensor:
+        """`[N, H, k * bs]`: the chosen blocks' rows of `per_candidate` `[N, 1 or H, NB, bs]`."""
+        N, H, k = self.order.shape
+        bs = per_candidate.shape[3]
+        idx = self.order.unsqueeze(-1).expand(N, H, k, bs)
+        return per_candidate.expand(N, H, -1, bs).gather(2, idx).view(N, H, k * bs)
+
+    def reads(self, step: "MemoryStep", windowed: bool) -> torch.Tensor:
+        """`[N, H, T or 1, k]`: which query reads which chosen block (a live block inside its own memory;
+        under one window start per step (`windowed` False) every candidate is inside every query's)."""
+        N, H, k = self.order.shape
+        live = self.live.view(N, H, 1, k)
+        if not windowed:
+            return live
+        inside = step.cand_inside
+        T = inside.shape[2]
+        return live & inside.expand(N, H, T, -1).gather(3, self.order.view(N, H, 1, k).expand(N, H, T, k))
+
+
+def memory_select(index: MemoryIndex, turns: MemoryTurns, layer: int, config: BoundedKVConfig, q: torch.Tensor,
+                  kc: torch.Tensor, scales, plan, *, scale: float) -> MemorySelection:
+    """Choose layer `layer`'s memory blocks for the step (`MemorySelection`). Writes the step's whole blocks'
+    means into `index` first. Arguments as `memory_part`'s."""
+    bs, k_top = config.recall.block, config.recall.top_k
+    N, Hq, T, D = q.shape
+    H = kc.shape[1]
+    work = _work(q.dtype)
+    tables = turns.tables(layer)
+    step = plan.extras["recall"]  # made with the plan (`memory_step`)
+    means = index.means(layer)
+
+    # The step's whole blocks' means, each turned back to position 0 (compiled: every step, no guard on it).
+    if torch.compiler.is_compiling() or step.made:
+        keys = _read(kc, None if scales is None else scales[0], step.made_flat, work, q.dtype)  # [N, H, C * bs, D]
+        if tables is not None:
+            keys = turns.turn_at(tables[2], keys, -step.made_entries)
+        C = keys.shape[2] // bs
+        means.index_put_((step.made_rows, step.made_slots), keys.view(N, H, C, bs, -1).mean(dim=3).transpose(1, 2))
+
+    qw = (q.to(work) * scale).view(N, H, Hq // H, T, D)  # scaled: the ranking is the same
+    order, live = _choose(step, means, qw, turns, tables, plan.extras["recall_turns"], k_top)
+    sel = MemorySelection(qw, order, live, None, None)
+    return sel._replace(flat=sel.gathered(step.cand_flat),
+                        turn=None if tables is None else sel.gathered(step.cand_turn))
+
+
 def memory_part(
     index: MemoryIndex,
     turns: MemoryTurns,
     layer: int,
     config: BoundedKVConfig,
-    layout: Layout,
     q: torch.Tensor,
     kc: torch.Tensor,
     vc: torch.Tensor,
@@ -396,55 +484,86 @@ def memory_part(
     work = _work(q.dtype)
     ks, vs = (None, None) if scales is None else scales
     tables = turns.tables(layer)
-    step = plan.extras["recall"]  # made with the plan (`memory_step`)
-    means = index.means(layer)
-
-    # The step's whole blocks' means, each turned back to position 0 (compiled: every step, no guard on it).
-    if torch.compiler.is_compiling() or step.made:
-        keys = _read(kc, ks, step.made_flat, work, q.dtype)  # [N, H, C * bs, D]
-        if tables is not None:
-            keys = turns.turn_at(tables[2], keys, -step.made_entries)
-        C = keys.shape[2] // bs
-        means.index_put_((step.made_rows, step.made_slots), keys.view(N, H, C, bs, -1).mean(dim=3).transpose(1, 2))
-
-    qw = (q.to(work) * scale).view(N, H, g, T, D)  # scaled: the ranking is the same
-    chosen, live = _choose(step, means, qw, turns, tables, plan.extras["recall_turns"], k_top)
-
-    # The chosen blocks' entries (per KV head), then the tail's.
-    shift = (chosen * bs).unsqueeze(-1)  # [N, H, k, 1]
-    j_sel = shift + step.entry0  # [N, H, k, bs]: stream indices
-    flat = torch.cat([(step.ring_flat + torch.remainder(j_sel, layout.ring_len)).view(N, H, k_top * bs),
-                      step.tail_flat], dim=2)  # [N, H, E]
+    step = plan.extras["recall"]
+    sel = memory_select(index, turns, layer, config, q, kc, scales, plan, scale=scale)
+    qw = sel.queries
+    flat = torch.cat([sel.flat, step.tail_flat], dim=2)  # [N, H, E]
     keys = _read(kc, ks, flat, work, q.dtype)
     values = _read(vc, vs, flat, work, q.dtype)
     if tables is not None:
-        turn = torch.cat([(step.turn0 - shift).view(N, H, k_top * bs), step.tail_turn.expand(N, H, -1)], dim=2)
-        keys = _turn(keys, tables, turn.clamp_(0, turns.length - 1), (N, H, flat.shape[2]))
+        turn = torch.cat([sel.turn, step.tail_turn.expand(N, H, -1)], dim=2)
+        keys = _turn(keys, tables, turn, (N, H, flat.shape[2]))
 
     scores = (qw.reshape(N, H, g * T, D) @ keys.transpose(2, 3)).view(N, H, g, T, -1)
     if score_mod is not None:
-        jq = torch.cat([j_sel.view(N, H, k_top * bs), _tail_entries(step, bs, T).expand(N, H, -1)],
+        jq = torch.cat([sel.gathered(step.cand_entries), _tail_entries(step, bs, T).expand(N, H, -1)],
                        dim=2).view(N, H, 1, 1, -1)
         scores = _scored(score_mod, scores, jq, plan, config, step, N, H, g, T, Hq, positions, tables is not None,
                          work)
-    # Which query reads which entry: a live chosen block inside its own memory (under one window start per
-    # step every candidate is: they are the step's), a tail entry inside its own tail.
-    sel = scores[..., :k_top * bs].view(N, H, g, T, k_top, bs)
-    if config.query_window is None:
-        sel.masked_fill_(~live.view(N, H, 1, 1, k_top, 1), float("-inf"))
-    else:
-        blk = chosen.view(N, H, 1, 1, k_top, 1)
-        inside = (blk >= step.oldest.view(N, 1, 1, T, 1, 1)) & (blk < step.whole.view(N, 1, 1, T, 1, 1))
-        sel.masked_fill_(~(inside & live.view(N, H, 1, 1, k_top, 1)), float("-inf"))
+    # Which query reads which entry: a live chosen block inside its own memory, a tail entry inside its own tail.
+    reads = sel.reads(step, config.query_window is not None)  # [N, H, T or 1, k]
+    sel_scores = scores[..., :k_top * bs].view(N, H, g, T, k_top, bs)
+    sel_scores.masked_fill_(~reads.view(N, H, 1, -1, k_top, 1), float("-inf"))
     scores[..., k_top * bs:].masked_fill_(~step.tail_reads, float("-inf"))
     return MemoryCall(scores, values, qw)
 
 
+def attend_joined(sel: MemorySelection, turns: MemoryTurns, layer: int, config: BoundedKVConfig, plan,
+                  kc: torch.Tensor, vc: torch.Tensor, scales: Optional[Tuple[torch.Tensor, torch.Tensor]], geo,
+                  dtype: torch.dtype, width: int, memo: dict) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The window's cells, as the rows path gathers them (`geo`: its `RowGeometry` of the step, unpacked
+    queries), and the chosen memory entries read in one gather and attended in one call of PyTorch's fused
+    CPU attention kernel (which gives the log-sum-exp): `(out [N, Hq, T, Dv] in `dtype`, lse [N, Hq, T])`.
+    For a step with no `score_mod`; `attend_with_window` takes one. `width`: the most cells a row of this
+    step reads (`max_retained + T`). `memo`: where the step's layers share the window's cells and mask."""
+    qw = sel.queries
+    N, H, g, T, D = qw.shape
+    ks, vs = (None, None) if scales is None else scales
+    work = qw.dtype
+    W = min(width, geo.cells.shape[-1])
+    # Compiled, `memo` is a fresh dict: no `id()` in the graph (a new one would recompile it every step).
+    key = "recall_joined" if torch.compiler.is_compiling() else ("recall_joined", id(geo))
+    shared = memo.get(key)
+    if shared is None or shared[0] is not geo:
+        flat = (torch.arange(H, device=qw.device) * kc.shape[2]).view(1, H, 1) + geo.cells[:, :W].reshape(N, 1, W)
+        shared = memo[key] = (geo, flat, geo.bias[..., :W].to(work).expand(N, H, T, W), ~geo.row_reads, None)
+    _, wflat, wbias, silent, _ = shared
+    step = plan.extras["recall"]
+    flat = torch.cat([wflat, sel.flat, step.tail_flat], dim=2)  # [N, H, W + E]
+    keys = _read(kc, ks, flat, work, dtype)
+    values = _read(vc, vs, flat, work, dtype)
+    if sel.turn is not None:
+        mem = keys[:, :, W:]
+        turn = torch.cat([sel.turn, step.tail_turn.expand(N, H, -1)], dim=2)
+        mem.copy_(_turn(mem, turns.tables(layer), turn, tuple(mem.shape[:3])))
+    # The additive mask: the window's, each chosen block's (0 or -inf for all its entries), the tail's.
+    k_top, bs = sel.order.shape[2], config.recall.block
+    compiling = torch.compiler.is_compiling()  # then the host flags are not read (each would be a guard)
+    if not compiling and step.full:  # every chosen block read: one mask for the step's layers
+        bias = shared[4]
+        if bias is None:
+            bias = torch.cat([wbias[:, :1], torch.zeros(N, 1, T, k_top * bs, dtype=work, device=wbias.device),
+                              step.tail_bias], dim=-1)
+            memo[key] = shared[:4] + (bias,)
+    else:
+        reads = sel.reads(step, config.query_window is not None)  # [N, H, T or 1, k]
+        blocks = torch.where(reads, torch.zeros((), dtype=work, device=reads.device), float("-inf"))
+        blocks = blocks.unsqueeze(-1).expand(N, H, reads.shape[2], k_top, bs).reshape(N, H, -1, k_top * bs)
+        bias = torch.cat([wbias, blocks.expand(N, H, T, -1), step.tail_bias.expand(N, H, T, -1)], dim=-1)
+    if T > 1 and g > 1:  # packed query i * T + t reads as query t (under `full` T is 1)
+        bias = bias.unsqueeze(2).expand(N, H, g, T, -1).reshape(N, H, g * T, -1)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qw.reshape(N, H, g * T, D), keys, values, 0.0, False, attn_mask=bias, scale=1.0)[:2]
+    if compiling or not (geo.all_read or step.real):  # the kernel gives a query reading nothing 0 and 0
+        lse = lse.view(N, H, g, T).masked_fill(silent.view(N, 1, 1, -1), float("-inf"))
+    return out.view(N, H * g, T, -1).to(dtype), lse.reshape(N, H * g, T)
+
+
 def _choose(step: MemoryStep, means: torch.Tensor, qw: torch.Tensor, turns: MemoryTurns, tables, turn_matrices: dict,
             k_top: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """`(chosen, live)`, each `[N, H, k]`: the `k` candidate blocks whose means score highest against the row's
-    written queries summed over the step and the KV head's group (a stable sort: ties to the lower block),
-    and whether each is a block of the memory (a row with fewer candidates chooses some that are not)."""
+    """`(order, live)`, each `[N, H, k]`: the places among the step's candidates of the `k` blocks whose means
+    score highest against the row's written queries summed over the step and the KV head's group (a stable
+    sort: ties to the lower block), and whether each is a block of the memory."""
     N, H = qw.shape[:2]
     NB = step.cand.shape[1]
     reps = means.view(-1, H, qw.shape[-1]).index_select(0, step.cand_slots.view(-1)).view(N, NB, H, -1)  # at 0
@@ -455,10 +574,9 @@ def _choose(step: MemoryStep, means: torch.Tensor, qw: torch.Tensor, turns: Memo
         if turn is None:  # a rotation set after the step was planned
             turn = turns.turn_matrices(step.t_mem.neg())[tables[2]]
         qsum = torch.bmm(qsum, turn)
-    score = torch.einsum("nhd,nbhd->nhb", qsum, reps).masked_fill(~step.valid, float("-inf"))
+    score = (reps * qsum.unsqueeze(1)).sum(dim=-1).transpose(1, 2).masked_fill(step.invalid, float("-inf"))
     ranked, order = torch.sort(score, dim=-1, descending=True, stable=True)
-    live = torch.isfinite(ranked[..., :k_top])
-    return step.cand.view(N, 1, NB).expand(N, H, NB).gather(2, order[..., :k_top]), live
+    return order[..., :k_top], ranked[..., :k_top] > float("-inf")  # a score is finite, or not in the memory
 
 
 def join_window(window: Tuple[torch.Tensor, torch.Tensor], memory: MemoryCall) -> Tuple[torch.Tensor, torch.Tensor]:
