@@ -284,15 +284,16 @@ class CacheGroup(StoreBuffers, nn.Module):
     def _attend_recall(self, layer_idx, q, kc, vc, scales, plan, route, path, sm, scale, score_mod, positions, relative,
                        compiling):
         """`(out, lse)` of a `Recall` layer's call: its memory part (`flexkv.cache.paths.recall.memory_part`) and
-        its window in one softmax. On the rows path the window's cells are gathered into the memory's softmax
-        (`attend_with_window`: one pass); through FlexAttention the window is attended with its log-sum-exp
-        and joined (`join_window`)."""
+        its window in one softmax. On the rows path the window's cells are gathered with the chosen memory
+        entries, on the CPU into one call of its fused attention kernel (`attend_joined`), elsewhere or with a
+        `score_mod` into the memory's softmax (`attend_with_window`); through FlexAttention the window is
+        attended with its log-sum-exp and joined (`join_window`)."""
         c = self.config
         N, Hq, T, D = q.shape
         H = kc.shape[1]
         g = Hq // H if route.pack_gqa else 1
         memo = {} if compiling else self._store.per_plan(plan)
-        if route.path == "rows" and sm is None:  # window and chosen memory in one fused call
+        if route.path == "rows" and sm is None and q.device.type == "cpu":  # one fused CPU kernel call
             sel = memory_select(self.memory_index, self.memory_turns, layer_idx, c, q, kc, scales, plan, scale=scale)
             window = plan.extras["recall_window"]  # made with the plan (`_recall_parts`), unpacked queries
             return attend_joined(sel, self.memory_turns, layer_idx, c, plan, kc, vc, scales,

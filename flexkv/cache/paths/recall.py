@@ -4,9 +4,11 @@ A `flexkv.config.Recall` cache keeps `memory + block - 1` more cells in every
 slot's ring, so the entries that left the window stay in the slot. The
 window part (sinks, window, the step's own tokens) is attended by the
 cache's usual paths; this module attends the memory part in the same
-softmax (exact: the two key sets are disjoint): on the rows path with the
-window's gathered cells (`attend_with_window`), through FlexAttention by
-joining the window's log-sum-exp (`join_window`).
+softmax (exact: the two key sets are disjoint): on the rows path gathered
+with the window's cells, on the CPU into one call of PyTorch's fused
+attention kernel (`attend_joined`), else into one softmax in torch
+(`attend_with_window`, which also takes a `score_mod`); through
+FlexAttention by joining the window's log-sum-exp (`join_window`).
 
 Blocks are `block` stream entries counted from the first entry after the
 sinks. `MemoryIndex` keeps, per layer and slot row, the mean key of each
@@ -532,10 +534,13 @@ def attend_joined(sel: MemorySelection, turns: MemoryTurns, layer: int, config: 
     flat = torch.cat([wflat, sel.flat, step.tail_flat], dim=2)  # [N, H, W + E]
     keys = _read(kc, ks, flat, work, dtype)
     values = _read(vc, vs, flat, work, dtype)
-    if sel.turn is not None:
+    if sel.turn is not None:  # the memory's keys turned where they lie
+        table, rope_layout, _ = turns.tables(layer)
         mem = keys[:, :, W:]
         turn = torch.cat([sel.turn, step.tail_turn.expand(N, H, -1)], dim=2)
-        mem.copy_(_turn(mem, turns.tables(layer), turn, tuple(mem.shape[:3])))
+        cs = table.index_select(0, turn.view(-1)).view(tuple(mem.shape[:3]) + table.shape[1:])
+        swapped = _swap(mem, rope_layout)
+        mem.mul_(cs[..., 0, :]).addcmul_(swapped, cs[..., 1, :])
     # The additive mask: the window's, each chosen block's (0 or -inf for all its entries), the tail's.
     k_top, bs = sel.order.shape[2], config.recall.block
     compiling = torch.compiler.is_compiling()  # then the host flags are not read (each would be a guard)
