@@ -259,12 +259,11 @@ class MemoryStep(NamedTuple):
     tail_bias: torch.Tensor
     #: `[N, 1]` the first entry after the sinks.
     sink: torch.Tensor
-    #: Each candidate block's entries: `[N, 1, NB, block]` their stream indices, `[N, H, NB, block]` their
-    #: flat cells, `[N, 1, NB, block]` their table rows; `[N, 1, T, NB]` which query's memory holds each
-    #: candidate. A layer gathers its chosen blocks' from these.
+    #: Each candidate block's entries: `[N, 1, NB, block]` their stream indices, `[N, H, 2, NB, block]` their
+    #: flat cells (`[:, :, 0]`) and table rows (`[:, :, 1]`); `[N, 1, T, NB]` which query's memory holds
+    #: each candidate. A layer gathers its chosen blocks' from these.
     cand_entries: torch.Tensor
-    cand_flat: torch.Tensor
-    cand_turn: torch.Tensor
+    cand_cells: torch.Tensor
     cand_inside: torch.Tensor
     #: Known on the host (not read when compiling: a flag read there would be a guard): every row writes a
     #: token (`real`: each query reads at least itself), and also the step is one token a row and every
@@ -357,13 +356,14 @@ def memory_step(index: MemoryIndex, turns: MemoryTurns, config: BoundedKVConfig,
     entries = sink.view(N, 1, 1, 1) + cand.view(N, 1, NB, 1) * bs + torch.arange(bs, device=dev).view(1, 1, 1, bs)
     cand_flat = ring_flat + torch.remainder(entries, ring)  # an entry `j` sits `j % ring_len` past its ring's start
     cand_turn = (t_mem.view(N, 1, 1, 1) - entries + turns.offset).clamp(0, turns.length - 1)
+    cand_cells = torch.stack([cand_flat, cand_turn.expand(N, H, NB, bs)], dim=2)
     blk = cand.view(N, 1, 1, NB)
     cand_inside = (blk >= oldest.view(N, 1, T, 1)) & (blk < whole.view(N, 1, T, 1))
     return MemoryStep(
         rows, made_rows, made_slots, made_flat, any_made, j_made.view(N, C * bs),
         written.to(work).view(N, 1, 1, T, 1), cand, cand_rows, invalid, t_mem.view(N),
         oldest.view(N, 1, 1, T, 1), whole.view(N, 1, 1, T, 1), tail_flat, tail_turn, tail_reads, tail_bias, sink,
-        entries, cand_flat, cand_turn, cand_inside, *_host_flags(config, plan, T))
+        entries, cand_cells, cand_inside, *_host_flags(config, plan, T))
 
 
 def _swap(x: torch.Tensor, rope_layout: str) -> torch.Tensor:
@@ -409,8 +409,7 @@ class MemorySelection(NamedTuple):
         """`[N, H, k * bs]`: the chosen blocks' rows of `per_candidate` `[N, 1 or H, NB, bs]`."""
         N, H, k = self.order.shape
         bs = per_candidate.shape[3]
-        idx = self.order.unsqueeze(-1).expand(N, H, k, bs)
-        return per_candidate.expand(N, H, -1, bs).gather(2, idx).view(N, H, k * bs)
+        return per_candidate.expand(N, H, -1, bs).gather(2, self.order.unsqueeze(-1).expand(N, H, k, bs)).view(N, H, -1)
 
     def reads(self, step: "MemoryStep", windowed: bool) -> torch.Tensor:
         """`[N, H, T or 1, k]`: which query reads which chosen block (a live block inside its own memory;
@@ -446,9 +445,10 @@ def memory_select(index: MemoryIndex, turns: MemoryTurns, layer: int, config: Bo
 
     qw = (q.to(work) * scale).view(N, H, Hq // H, T, D)  # scaled: the ranking is the same
     order, live = _choose(step, means, qw, turns, tables, plan.extras["recall_turns"], k_top)
-    sel = MemorySelection(qw, order, live, None, None)
-    return sel._replace(flat=sel.gathered(step.cand_flat),
-                        turn=None if tables is None else sel.gathered(step.cand_turn))
+    N, H, k = order.shape
+    cells = step.cand_cells.gather(3, order.view(N, H, 1, k, 1).expand(N, H, 2, k, bs))  # [N, H, 2, k, bs]
+    return MemorySelection(qw, order, live, cells[:, :, 0].reshape(N, H, k * bs),
+                           None if tables is None else cells[:, :, 1].reshape(N, H, k * bs))
 
 
 def memory_part(
