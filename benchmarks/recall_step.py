@@ -9,7 +9,6 @@ the compiled FlexAttention kernel returns no log-sum-exp and the merge
 with the memory needs one (the window is then gathered: the rows path).
 
     python -m benchmarks.recall_step --streams 32 --threads 1
-    python -m benchmarks.recall_step --streams 8 --threads 1 --flex  # and Recall's window on FlexAttention
 """
 
 from __future__ import annotations
@@ -20,16 +19,14 @@ import time
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Recall, Segment, SinkWindow, StreamPosition
-from flexkv.cache.paths.attention_options import AttentionOptions
 
 L, H, D, HQ = 4, 8, 64, 32
 
 
-def step_ms(retention, streams: int, fill: int, steps: int, lse: bool = False, compiled: bool = True,
-            path: str = "auto") -> float:
+def step_ms(retention, streams: int, fill: int, steps: int, lse: bool = False, compiled: bool = True) -> float:
     cfg = BoundedKVConfig(num_layers=L, num_heads=H, head_dim=D, rows_per_request=1, max_source_len=0,
                           max_sources=0, retention=retention, max_slots=streams, max_step_tokens=64)
-    m = BoundedKVManager(cfg, "cpu", options=AttentionOptions.for_cache(cfg, "cpu", path=path))
+    m = BoundedKVManager(cfg, "cpu")
     ids = [f"r{j}" for j in range(streams)]
     written = 0
     with torch.no_grad():
@@ -78,8 +75,6 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--memory", type=int, default=2048)
     p.add_argument("--eager", action="store_true", help="time the step uncompiled")
-    p.add_argument("--flex", action="store_true",
-                   help="also time Recall with path='flex' (its window through FlexAttention, the memory joined)")
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args(argv)
     if args.threads:
@@ -90,10 +85,6 @@ def main(argv=None) -> int:
                             (f"Recall(4, 1020, {args.memory})", Recall(4, 1020, args.memory), False)):
         print(f"{label}: {step_ms(ret, lse=lse, **kw):.1f} ms per {L}-layer decode step of {args.streams} streams",
               flush=True)
-    if args.flex:
-        ms = step_ms(Recall(4, 1020, args.memory), path="flex", **kw)
-        print(f"Recall(4, 1020, {args.memory}), path='flex': {ms:.1f} ms per {L}-layer decode step of "
-              f"{args.streams} streams", flush=True)
     return 0
 
 

@@ -224,3 +224,18 @@ def test_calls_the_memory_does_not_serve_are_refused_before_anything_is_written(
     with pytest.raises(ValueError, match="query_only queries are not served under Recall"):
         manager.attend(0, q, k, v, plan, query_only=torch.randn(1, 2, 2, 8))
     assert all(torch.equal(a, b.tensor) for a, b in zip(before, manager.slot_buffers()))
+
+
+def test_a_forced_flex_path_compiled_on_the_cpu_is_refused_by_name():
+    """The compiled CPU FlexAttention kernel returns no log-sum-exp, which the memory's join needs: a forced
+    path='flex' is refused there before the step's write (under "auto" such steps take the rows path)."""
+    cfg = small_config(retention=RECALL, max_step_tokens=1)
+    manager = BoundedKVManager(cfg, "cpu", options=AttentionOptions.for_cache(cfg, "cpu", path="flex"))
+    step = BoundedKVStep((Segment("a", 1),), {"a": StreamPosition(0, 0)}, tokens=1)
+    manager.admit(step)
+    plan = manager.plan(step)
+    q, k, v = (torch.randn(1, 2, 1, 8) for _ in range(3))
+    before = [b.tensor.clone() for b in manager.slot_buffers()]
+    with pytest.raises(Exception, match=r"path='flex' compiled on the CPU for a call that needs a log-sum-exp"):
+        torch.compile(lambda q, k, v, plan: manager.attend(0, q, k, v, plan), fullgraph=True)(q, k, v, plan)
+    assert all(torch.equal(a, b.tensor) for a, b in zip(before, manager.slot_buffers()))

@@ -114,7 +114,8 @@ TORCH_WORKAROUNDS = {
     "CPU_NO_LSE": TorchWorkaround(
         "cpu", ((2, 13), None),
         "the compiled CPU FlexAttention kernel returns no log-sum-exp",
-        "learned sinks take the rows path on the CPU under path='auto'"),
+        "learned sinks, return_lse and Recall take the rows path on the CPU under path='auto'; a forced "
+        "path='flex' compiled there is refused by name"),
     "FINALLY_AFTER_HOP": TorchWorkaround(
         "any", ((2, 13), (2, 13)),
         "a compiled frame that sets a global, runs a higher-order op (FlexAttention, torch.cond) and clears the "
@@ -262,6 +263,11 @@ class AttentionOptions:
                 f"or 'rows' (the rows path is exact at any block size)")
         if sinks and device_type == "cpu" and self.path == "auto":
             path = "rows"  # CPU_NO_LSE
+        if compiled and path == "flex" and sinks and applies("CPU_NO_LSE", device_type):
+            raise ValueError(
+                f"path='flex' compiled on the CPU for a call that needs a log-sum-exp (return_lse, learned sinks, "
+                f"a Recall memory or values read as stored): torch {torch.__version__}'s compiled CPU FlexAttention "
+                f"kernel returns none; use path='auto' or 'rows' (the rows path returns it)")
         pack = group > 1 and (self.pack_gqa or path == "rows")
         if path == "flex" and compiled and self.share_flex_kernel and not score_mod and not sinks:
             path = "region"
