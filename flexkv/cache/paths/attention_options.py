@@ -112,7 +112,7 @@ TORCH_WORKAROUNDS = {
         "the CPU template names kernel arguments by their storage, merging views of one table",
         "inside the shared region each block list is made a buffer of its own (`clamp_min(0)`)"),
     "CPU_NO_LSE": TorchWorkaround(
-        "cpu", ((2, 13), None),
+        "cpu", ((2, 11), None),
         "the compiled CPU FlexAttention kernel returns no log-sum-exp",
         "learned sinks, return_lse and Recall take the rows path on the CPU under path='auto'; a forced "
         "path='flex' compiled there is refused by name"),

@@ -75,7 +75,8 @@ class MemoryIndex(nn.Module):
     def __init__(self, config: BoundedKVConfig, layout: Layout, device: torch.device):
         super().__init__()
         recall = config.recall
-        self.block = recall.block
+        # Plain ints for the traced step: torch 2.11's compiler cannot read `Recall`'s fields inside a graph.
+        self.block, self.top_k = recall.block, recall.top_k
         self.blocks = -(-layout.ring_len // recall.block) + 1
         self.rows = config.max_slots * config.rows_per_request
         self.rows_per_request = config.rows_per_request
@@ -427,7 +428,7 @@ def memory_select(index: MemoryIndex, turns: MemoryTurns, layer: int, config: Bo
                   kc: torch.Tensor, scales, plan, *, scale: float) -> MemorySelection:
     """Choose layer `layer`'s memory blocks for the step (`MemorySelection`). Writes the step's whole blocks'
     means into `index` first. Arguments as `memory_part`'s."""
-    bs, k_top = config.recall.block, config.recall.top_k
+    bs, k_top = index.block, index.top_k
     N, Hq, T, D = q.shape
     H = kc.shape[1]
     work = _work(q.dtype)
@@ -478,8 +479,7 @@ def memory_part(
     stream positions, or with `positions="cache"` in-cache ones (a memory entry then sits
     `q_pos - p + t_mem` for a query at stream index `p`).
     """
-    recall = config.recall
-    bs, k_top = recall.block, recall.top_k
+    bs, k_top = index.block, index.top_k
     N, Hq, T, D = q.shape
     H = kc.shape[1]
     g = Hq // H
@@ -542,7 +542,7 @@ def attend_joined(sel: MemorySelection, turns: MemoryTurns, layer: int, config: 
         swapped = _swap(mem, rope_layout)
         mem.mul_(cs[..., 0, :]).addcmul_(swapped, cs[..., 1, :])
     # The additive mask: the window's, each chosen block's (0 or -inf for all its entries), the tail's.
-    k_top, bs = sel.order.shape[2], config.recall.block
+    k_top, bs = sel.order.shape[2], step.cand_entries.shape[3]
     compiling = torch.compiler.is_compiling()  # then the host flags are not read (each would be a guard)
     if not compiling and step.full:  # every chosen block read: one mask for the step's layers
         bias = shared[4]
