@@ -294,7 +294,7 @@ class CacheGroup(StoreBuffers, nn.Module):
         g = Hq // H if route.pack_gqa else 1
         memo = {} if compiling else self._store.per_plan(plan)
         if route.path == "rows" and sm is None and q.device.type == "cpu":  # one fused CPU kernel call
-            sel = memory_select(self.memory_index, self.memory_turns, layer_idx, c, q, kc, scales, plan, scale=scale)
+            sel = memory_select(self.memory_index, self.memory_turns, layer_idx, q, kc, scales, plan, scale=scale)
             window = plan.extras["recall_window"]  # made with the plan (`_recall_parts`), unpacked queries
             return attend_joined(sel, self.memory_turns, layer_idx, c, plan, kc, vc, scales,
                                  device_geometry(window) if compiling else window, q.dtype, c.max_retained + T, memo)

@@ -424,8 +424,8 @@ class MemorySelection(NamedTuple):
         return live & inside.expand(N, H, T, -1).gather(3, self.order.view(N, H, 1, k).expand(N, H, T, k))
 
 
-def memory_select(index: MemoryIndex, turns: MemoryTurns, layer: int, config: BoundedKVConfig, q: torch.Tensor,
-                  kc: torch.Tensor, scales, plan, *, scale: float) -> MemorySelection:
+def memory_select(index: MemoryIndex, turns: MemoryTurns, layer: int, q: torch.Tensor, kc: torch.Tensor, scales, plan,
+                  *, scale: float) -> MemorySelection:
     """Choose layer `layer`'s memory blocks for the step (`MemorySelection`). Writes the step's whole blocks'
     means into `index` first. Arguments as `memory_part`'s."""
     bs, k_top = index.block, index.top_k
@@ -487,7 +487,7 @@ def memory_part(
     ks, vs = (None, None) if scales is None else scales
     tables = turns.tables(layer)
     step = plan.extras["recall"]
-    sel = memory_select(index, turns, layer, config, q, kc, scales, plan, scale=scale)
+    sel = memory_select(index, turns, layer, q, kc, scales, plan, scale=scale)
     qw = sel.queries
     flat = torch.cat([sel.flat, step.tail_flat], dim=2)  # [N, H, E]
     keys = _read(kc, ks, flat, work, q.dtype)
