@@ -30,17 +30,8 @@ from .path_choice import AttentionPaths, PathCall
 from .paths.attention_options import AttentionOptions
 from .paths.joint_path import KeyPart, check_joined
 from .paths.query_only import attend_query_only, check_query_only
-from .paths.recall import (
-    MemoryIndex,
-    MemoryTurns,
-    attend_joined,
-    attend_with_window,
-    check_recall_call,
-    join_window,
-    memory_part,
-    memory_select,
-    memory_step,
-)
+from .paths.recall import MemoryIndex, MemoryTurns, check_recall_call, memory_select, memory_step
+from .paths.recall_attention import attend_joined, attend_with_window, join_window, memory_part
 from .paths.row_attention import device_geometry, mask_geometry, repeat_queries
 from .paths.sinks import apply_learned_sinks, check_sinks
 from .positions.masks import POSITION_MODES, make_score_mod, store_mask_mod
@@ -283,7 +274,7 @@ class CacheGroup(StoreBuffers, nn.Module):
 
     def _attend_recall(self, layer_idx, q, kc, vc, scales, plan, route, path, sm, scale, score_mod, positions, relative,
                        compiling):
-        """`(out, lse)` of a `Recall` layer's call: its memory part (`flexkv.cache.paths.recall.memory_part`) and
+        """`(out, lse)` of a `Recall` layer's call: its memory part (`flexkv.cache.paths.recall_attention.memory_part`) and
         its window in one softmax. On the rows path the window's cells are gathered with the chosen memory
         entries, on the CPU into one call of its fused attention kernel (`attend_joined`), elsewhere or with a
         `score_mod` into the memory's softmax (`attend_with_window`); through FlexAttention the window is

@@ -3,12 +3,10 @@
 A `flexkv.config.Recall` cache keeps `memory + block - 1` more cells in every
 slot's ring, so the entries that left the window stay in the slot. The
 window part (sinks, window, the step's own tokens) is attended by the
-cache's usual paths; this module attends the memory part in the same
-softmax (exact: the two key sets are disjoint): on the rows path gathered
-with the window's cells, on the CPU into one call of PyTorch's fused
-attention kernel (`attend_joined`), else into one softmax in torch
-(`attend_with_window`, which also takes a `score_mod`); through
-FlexAttention by joining the window's log-sum-exp (`join_window`).
+cache's usual paths; the memory part joins them in the same softmax
+(exact: the two key sets are disjoint). This module keeps the memory and
+chooses what a step reads of it (`memory_select`);
+`flexkv.cache.paths.recall_attention` attends the choice with the window.
 
 Blocks are `block` stream entries counted from the first entry after the
 sinks. `MemoryIndex` keeps, per layer and slot row, the mean key of each
@@ -31,12 +29,12 @@ nor recompiles as memories fill):
    is not yet whole, fewer than `block` per query) gathered from the ring,
    keys turned to their read position from a table (`MemoryTurns`), each
    query masked to its own memory, attended in float32 (float64 for a
-   float64 cache) with the user's `score_mod`.
+   float64 cache) with the user's `score_mod` (`recall_attention`).
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -47,8 +45,8 @@ from ..positions.rotary import apply_rotary
 from ..storage.quantized import dequantize
 from ..storage.slot_copy import SlotBuffer, plan_slot_rows
 
-__all__ = ["MemoryCall", "MemoryIndex", "MemorySelection", "MemoryStep", "MemoryTurns", "attend_joined",
-           "attend_with_window", "check_recall_call", "join_window", "memory_part", "memory_select", "memory_step"]
+__all__ = ["MemoryIndex", "MemorySelection", "MemoryStep", "MemoryTurns", "check_recall_call", "memory_select",
+           "memory_step", "read_cells", "window_starts", "work_dtype"]
 
 
 def check_recall_call(config: BoundedKVConfig, query_only, joined, relative: bool = False) -> None:
@@ -64,7 +62,8 @@ def check_recall_call(config: BoundedKVConfig, query_only, joined, relative: boo
                          f"return_lse=True and flexkv.merge_attention instead")
 
 
-def _work(dtype: torch.dtype) -> torch.dtype:
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the memory part computes in for a cache of `dtype`."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -84,7 +83,7 @@ class MemoryIndex(nn.Module):
         shape = (self.rows + 1, self.blocks, config.num_heads, config.head_dim)
         for layer in range(config.num_layers):
             # Cache state, not model weights: kept out of a model's state_dict.
-            self.register_buffer(f"means_{layer}", torch.zeros(shape, dtype=_work(config.dtype), device=device),
+            self.register_buffer(f"means_{layer}", torch.zeros(shape, dtype=work_dtype(config.dtype), device=device),
                                  persistent=False)
 
     def means(self, layer: int) -> torch.Tensor:
@@ -139,8 +138,8 @@ def _rows(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).index_select(0, flat)
 
 
-def _read(kc: torch.Tensor, scale: Optional[torch.Tensor], flat: torch.Tensor, work: torch.dtype,
-          dtype: torch.dtype) -> torch.Tensor:
+def read_cells(kc: torch.Tensor, scale: Optional[torch.Tensor], flat: torch.Tensor, work: torch.dtype,
+               dtype: torch.dtype) -> torch.Tensor:
     """Rows `flat` (`[N, H, L]`, head `h`'s cell `c` as `h * S + c`) of a layer tensor `[1, H, S, D]`,
     dequantized into the cache's `dtype`, then widened to `work`: `[N, H, L, D]`. Read as whole rows of
     the flattened `[H * S, D]` tensor (`index_select`: several times faster on the CPU than indexing by a
@@ -173,7 +172,7 @@ class MemoryTurns(nn.Module):
         recall = config.recall
         self.offset = config.max_step_tokens + recall.block + 1
         self.length = self.offset + config.memory_capacity + 2 * recall.block + 1
-        self.work = _work(config.dtype)
+        self.work = work_dtype(config.dtype)
         self.device = device
         self._kinds: list = []  # the (layout, angle dtype, frequencies) of each table
         self._rotaries: list = []  # a rotary of each kind (for the turns of unbounded stream indices)
@@ -273,7 +272,7 @@ class MemoryStep(NamedTuple):
     full: bool = False
 
 
-def _window_starts(config: BoundedKVConfig, plan, T: int) -> torch.Tensor:
+def window_starts(config: BoundedKVConfig, plan, T: int) -> torch.Tensor:
     """`[N, T]`: the first window entry of each query (its memory ends there)."""
     n, sink = plan.n.long().view(-1, 1), plan.sink.long().view(-1, 1)
     if config.query_window is not None:
@@ -333,7 +332,7 @@ def memory_step(index: MemoryIndex, turns: MemoryTurns, config: BoundedKVConfig,
     any_made = torch.compiler.is_compiling() or _blocks_made(plan, bs)
 
     # Each query's memory: the blocks wholly out of its window, the newest MB of them.
-    w = _window_starts(config, plan, T)  # [N, T]
+    w = window_starts(config, plan, T)  # [N, T]
     whole = torch.div(w - sink, bs, rounding_mode="floor")
     oldest = (whole - MB).clamp_min(0)
     written = torch.arange(T, device=dev).view(1, T) < span
@@ -365,31 +364,6 @@ def memory_step(index: MemoryIndex, turns: MemoryTurns, config: BoundedKVConfig,
         written.to(work).view(N, 1, 1, T, 1), cand, cand_rows, invalid, t_mem.view(N),
         oldest.view(N, 1, 1, T, 1), whole.view(N, 1, 1, T, 1), tail_flat, tail_turn, tail_reads, tail_bias, sink,
         entries, cand_cells, cand_inside, *_host_flags(config, plan, T))
-
-
-def _swap(x: torch.Tensor, rope_layout: str) -> torch.Tensor:
-    """Each rotated pair's two dimensions exchanged (`(i, i + D/2)` for ``"half"``, `(2i, 2i + 1)` else)."""
-    if rope_layout == "interleaved":
-        return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    return x.roll(x.shape[-1] // 2, dims=-1)
-
-
-def _turn(x: torch.Tensor, tables, rows: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """`x` turned by the table rows `rows` (read as `shape + (2, D)`, broadcast over `x`)."""
-    table, rope_layout, _ = tables
-    cs = table.index_select(0, rows.reshape(-1)).view(shape + table.shape[1:])
-    return x * cs[..., 0, :] + _swap(x, rope_layout) * cs[..., 1, :]
-
-
-class MemoryCall(NamedTuple):
-    """One layer's memory part as both of its finishes take it (`memory_part`)."""
-
-    #: `[N, H, g, T, E]` each query's scores over its row's memory entries (scaled, `score_mod` applied,
-    #: `-inf` where it does not read one) and `[N, H, E, Dv]` their values, in the work dtype.
-    scores: torch.Tensor
-    values: torch.Tensor
-    #: `[N, H, g, T, D]` the scaled queries in the work dtype.
-    queries: torch.Tensor
 
 
 class MemorySelection(NamedTuple):
@@ -431,14 +405,14 @@ def memory_select(index: MemoryIndex, turns: MemoryTurns, layer: int, q: torch.T
     bs, k_top = index.block, index.top_k
     N, Hq, T, D = q.shape
     H = kc.shape[1]
-    work = _work(q.dtype)
+    work = work_dtype(q.dtype)
     tables = turns.tables(layer)
     step = plan.extras["recall"]  # made with the plan (`memory_step`)
     means = index.means(layer)
 
     # The step's whole blocks' means, each turned back to position 0 (compiled: every step, no guard on it).
     if torch.compiler.is_compiling() or step.made:
-        keys = _read(kc, None if scales is None else scales[0], step.made_flat, work, q.dtype)  # [N, H, C * bs, D]
+        keys = read_cells(kc, None if scales is None else scales[0], step.made_flat, work, q.dtype)  # [N, H, C * bs, D]
         if tables is not None:
             keys = turns.turn_at(tables[2], keys, -step.made_entries)
         C = keys.shape[2] // bs
@@ -450,118 +424,6 @@ def memory_select(index: MemoryIndex, turns: MemoryTurns, layer: int, q: torch.T
     cells = step.cand_cells.gather(3, order.view(N, H, 1, k, 1).expand(N, H, 2, k, bs))  # [N, H, 2, k, bs]
     return MemorySelection(qw, order, live, cells[:, :, 0].reshape(N, H, k * bs),
                            None if tables is None else cells[:, :, 1].reshape(N, H, k * bs))
-
-
-def memory_part(
-    index: MemoryIndex,
-    turns: MemoryTurns,
-    layer: int,
-    config: BoundedKVConfig,
-    q: torch.Tensor,
-    kc: torch.Tensor,
-    vc: torch.Tensor,
-    scales: Optional[Tuple[torch.Tensor, torch.Tensor]],
-    plan,
-    *,
-    scale: float,
-    score_mod: Optional[Callable] = None,
-    positions: str = "stream",
-) -> MemoryCall:
-    """The memory part of a `Recall` layer's attention (`MemoryCall`). Writes the step's whole blocks into
-    `index` first.
-
-    `q`: the step's queries `[N, Hq, T, D]`, as `attend` got them (unscaled). `kc`, `vc`: the layer's
-    key and value tensors `[1, H, S, *]` after the step's write; `scales` their per-cell scales when
-    quantized. `turns`: the layer's table when its keys carry in-cache positions (memory read at the
-    position before the step's first window entry), else memory is read at its stream index. `plan`:
-    the group's plan, carrying what its layers share (`plan.extras["recall"]`, a `MemoryStep`, and
-    `["recall_turns"]`, `MemoryTurns.turn_matrices`). `score_mod(score, b, h, q_pos, kv_pos)` gets
-    stream positions, or with `positions="cache"` in-cache ones (a memory entry then sits
-    `q_pos - p + t_mem` for a query at stream index `p`).
-    """
-    bs, k_top = index.block, index.top_k
-    N, Hq, T, D = q.shape
-    H = kc.shape[1]
-    g = Hq // H
-    work = _work(q.dtype)
-    ks, vs = (None, None) if scales is None else scales
-    tables = turns.tables(layer)
-    step = plan.extras["recall"]
-    sel = memory_select(index, turns, layer, q, kc, scales, plan, scale=scale)
-    qw = sel.queries
-    flat = torch.cat([sel.flat, step.tail_flat], dim=2)  # [N, H, E]
-    keys = _read(kc, ks, flat, work, q.dtype)
-    values = _read(vc, vs, flat, work, q.dtype)
-    if tables is not None:
-        turn = torch.cat([sel.turn, step.tail_turn.expand(N, H, -1)], dim=2)
-        keys = _turn(keys, tables, turn, (N, H, flat.shape[2]))
-
-    scores = (qw.reshape(N, H, g * T, D) @ keys.transpose(2, 3)).view(N, H, g, T, -1)
-    if score_mod is not None:
-        jq = torch.cat([sel.gathered(step.cand_entries), _tail_entries(step, bs, T).expand(N, H, -1)],
-                       dim=2).view(N, H, 1, 1, -1)
-        scores = _scored(score_mod, scores, jq, plan, config, step, N, H, g, T, Hq, positions, tables is not None,
-                         work)
-    # Which query reads which entry: a live chosen block inside its own memory, a tail entry inside its own tail.
-    reads = sel.reads(step, config.query_window is not None)  # [N, H, T or 1, k]
-    sel_scores = scores[..., :k_top * bs].view(N, H, g, T, k_top, bs)
-    sel_scores.masked_fill_(~reads.view(N, H, 1, -1, k_top, 1), float("-inf"))
-    scores[..., k_top * bs:].masked_fill_(~step.tail_reads, float("-inf"))
-    return MemoryCall(scores, values, qw)
-
-
-def attend_joined(sel: MemorySelection, turns: MemoryTurns, layer: int, config: BoundedKVConfig, plan,
-                  kc: torch.Tensor, vc: torch.Tensor, scales: Optional[Tuple[torch.Tensor, torch.Tensor]], geo,
-                  dtype: torch.dtype, width: int, memo: dict) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The window's cells, as the rows path gathers them (`geo`: its `RowGeometry` of the step, unpacked
-    queries), and the chosen memory entries read in one gather and attended in one call of PyTorch's fused
-    CPU attention kernel (which gives the log-sum-exp): `(out [N, Hq, T, Dv] in `dtype`, lse [N, Hq, T])`.
-    For a step with no `score_mod`; `attend_with_window` takes one. `width`: the most cells a row of this
-    step reads (`max_retained + T`). `memo`: where the step's layers share the window's cells and mask."""
-    qw = sel.queries
-    N, H, g, T, D = qw.shape
-    ks, vs = (None, None) if scales is None else scales
-    work = qw.dtype
-    W = min(width, geo.cells.shape[-1])
-    # Compiled, `memo` is a fresh dict: no `id()` in the graph (a new one would recompile it every step).
-    key = "recall_joined" if torch.compiler.is_compiling() else ("recall_joined", id(geo))
-    shared = memo.get(key)
-    if shared is None or shared[0] is not geo:
-        flat = (torch.arange(H, device=qw.device) * kc.shape[2]).view(1, H, 1) + geo.cells[:, :W].reshape(N, 1, W)
-        shared = memo[key] = (geo, flat, geo.bias[..., :W].to(work).expand(N, H, T, W), ~geo.row_reads, None)
-    _, wflat, wbias, silent, _ = shared
-    step = plan.extras["recall"]
-    flat = torch.cat([wflat, sel.flat, step.tail_flat], dim=2)  # [N, H, W + E]
-    keys = _read(kc, ks, flat, work, dtype)
-    values = _read(vc, vs, flat, work, dtype)
-    if sel.turn is not None:  # the memory's keys turned where they lie
-        table, rope_layout, _ = turns.tables(layer)
-        mem = keys[:, :, W:]
-        turn = torch.cat([sel.turn, step.tail_turn.expand(N, H, -1)], dim=2)
-        cs = table.index_select(0, turn.view(-1)).view(tuple(mem.shape[:3]) + table.shape[1:])
-        swapped = _swap(mem, rope_layout)
-        mem.mul_(cs[..., 0, :]).addcmul_(swapped, cs[..., 1, :])
-    # The additive mask: the window's, each chosen block's (0 or -inf for all its entries), the tail's.
-    k_top, bs = sel.order.shape[2], step.cand_entries.shape[3]
-    compiling = torch.compiler.is_compiling()  # then the host flags are not read (each would be a guard)
-    if not compiling and step.full:  # every chosen block read: one mask for the step's layers
-        bias = shared[4]
-        if bias is None:
-            bias = torch.cat([wbias[:, :1], torch.zeros(N, 1, T, k_top * bs, dtype=work, device=wbias.device),
-                              step.tail_bias], dim=-1)
-            memo[key] = shared[:4] + (bias,)
-    else:
-        reads = sel.reads(step, config.query_window is not None)  # [N, H, T or 1, k]
-        blocks = torch.where(reads, torch.zeros((), dtype=work, device=reads.device), float("-inf"))
-        blocks = blocks.unsqueeze(-1).expand(N, H, reads.shape[2], k_top, bs).reshape(N, H, -1, k_top * bs)
-        bias = torch.cat([wbias, blocks.expand(N, H, T, -1), step.tail_bias.expand(N, H, T, -1)], dim=-1)
-    if T > 1 and g > 1:  # packed query i * T + t reads as query t (under `full` T is 1)
-        bias = bias.unsqueeze(2).expand(N, H, g, T, -1).reshape(N, H, g * T, -1)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qw.reshape(N, H, g * T, D), keys, values, 0.0, False, attn_mask=bias, scale=1.0)[:2]
-    if compiling or not (geo.all_read or step.real):  # the kernel gives a query reading nothing 0 and 0
-        lse = lse.view(N, H, g, T).masked_fill(silent.view(N, 1, 1, -1), float("-inf"))
-    return out.view(N, H * g, T, -1).to(dtype), lse.reshape(N, H * g, T)
 
 
 def _choose(step: MemoryStep, means: torch.Tensor, qw: torch.Tensor, turns: MemoryTurns, tables, turn_matrices: dict,
@@ -582,83 +444,3 @@ def _choose(step: MemoryStep, means: torch.Tensor, qw: torch.Tensor, turns: Memo
     score = (reps * qsum.unsqueeze(1)).sum(dim=-1).transpose(1, 2).masked_fill(step.invalid, float("-inf"))
     ranked, order = torch.sort(score, dim=-1, descending=True, stable=True)
     return order[..., :k_top], ranked[..., :k_top] > float("-inf")  # a score is finite, or not in the memory
-
-
-def join_window(window: Tuple[torch.Tensor, torch.Tensor], memory: MemoryCall) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The window part `window = (out [N, Hq, T, Dv], lse [N, Hq, T])` (a path's result with its
-    log-sum-exp, `-inf` or NaN where a query read nothing) and the memory part in one softmax: `(out,
-    lse)` alike (exact: the key sets are disjoint)."""
-    out_w, lse_w = window
-    scores, values = memory.scores, memory.values
-    N, H, g, T, _ = scores.shape
-    lse_w = torch.nan_to_num(lse_w.reshape(N, H, g, T).to(scores.dtype), nan=float("-inf"), neginf=float("-inf"))
-    lse = torch.logaddexp(lse_w, torch.logsumexp(scores, dim=-1))
-    at = torch.where(torch.isneginf(lse), 0.0, lse)
-    mem = torch.exp(scores - at.unsqueeze(-1)).view(N, H, g * T, -1) @ values  # [N, H, g * T, Dv]
-    out = torch.exp(lse_w - at).view(N, H, g * T, 1) * out_w.reshape(N, H, g * T, -1).to(mem.dtype) + mem
-    return out.view(N, H * g, T, -1).to(out_w.dtype), lse.reshape(N, H * g, T)
-
-
-def attend_with_window(memory: MemoryCall, kc: torch.Tensor, vc: torch.Tensor,
-                       scales: Optional[Tuple[torch.Tensor, torch.Tensor]], geo, window_score_mod: Optional[Callable],
-                       dtype: torch.dtype, width: int, memo: dict) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The window's cells, as the rows path gathers them (`geo`: its `RowGeometry` of the step, packed
-    queries), and the memory part in one softmax: `(out [N, Hq, T, Dv] in `dtype`, lse [N, Hq, T])`.
-    One pass where the rows path and a join would make two: the window's own softmax, its log-sum-exp
-    and the join are not formed. `window_score_mod`: the step's `score_mod` as the rows path takes it
-    (layer-tensor cells, packed queries), or None. `width`: the most cells a row of this step reads
-    (`max_retained + T`): a gathered row holds them first, so the rest of it is not read. `memo`: where
-    the step's layers share the window's cells and mask (`memory_part`'s)."""
-    scores_m, values_m, qw = memory
-    N, H, g, T, D = qw.shape
-    ks, vs = (None, None) if scales is None else scales
-    work = qw.dtype
-    W = min(width, geo.cells.shape[-1])
-    cells = geo.cells[:, :W]
-    # Compiled, `memo` is a fresh dict: no `id()` in the graph (a new one would recompile it every step).
-    key = "recall_window" if torch.compiler.is_compiling() else ("recall_window", id(geo))
-    shared = memo.get(key)
-    if shared is None or shared[0] is not geo:
-        flat = (torch.arange(H, device=qw.device) * kc.shape[2]).view(1, H, 1) + cells.reshape(N, 1, W)
-        shared = memo[key] = (geo, flat, geo.bias[..., :W].to(work))
-    _, flat, bias = shared
-    q = qw.reshape(N, H, g * T, D)
-    scores = q @ _read(kc, ks, flat, work, dtype).transpose(2, 3)  # [N, H, g * T, W]
-    if window_score_mod is not None:
-        q_idx = torch.arange(g * T, device=q.device).view(1, 1, -1, 1)
-        heads = torch.arange(H, device=q.device).view(1, H, 1, 1)
-        scores = window_score_mod(scores, geo.batch_rows.view(N, 1, 1, 1), heads, q_idx,
-                                  cells.reshape(N, 1, 1, W)).to(work)
-    scores = torch.cat([scores + bias, scores_m.view(N, H, g * T, -1)], dim=-1)
-    top = scores.amax(dim=-1, keepdim=True)
-    top = torch.where(torch.isneginf(top), 0.0, top)
-    p = torch.exp(scores - top)
-    total = p.sum(dim=-1, keepdim=True)
-    out = p[..., :W] @ _read(vc, vs, flat, work, dtype) + p[..., W:] @ values_m
-    out = out / total.clamp_min(torch.finfo(work).tiny)
-    return out.view(N, H * g, T, -1).to(dtype), (torch.log(total) + top).view(N, H * g, T)
-
-
-def _tail_entries(step: MemoryStep, bs: int, T: int) -> torch.Tensor:
-    """`[N, 1, L]`: the tail's stream indices."""
-    N = step.sink.shape[0]
-    L = bs + T
-    first = step.sink.view(N, 1) + step.whole.view(N, T)[:, :1] * bs
-    return (first + torch.arange(L, device=first.device).view(1, L)).view(N, 1, L)
-
-
-def _scored(score_mod, scores, jq, plan, config, step, N, H, g, T, Hq, positions, turned, work):
-    """`score_mod` applied to the memory part's scores `[N, H, g, T, E]` at its positions (`memory_part`)."""
-    dev = scores.device
-    n = plan.n.long().view(N, 1, 1, 1, 1)
-    p = n + torch.arange(T, device=dev).view(1, 1, 1, T, 1)
-    kv_pos, q_pos = jq, p
-    if positions == "cache":
-        s = step.sink.view(N, 1, 1, 1, 1)
-        w = _window_starts(config, plan, T).view(N, 1, 1, T, 1)
-        q_pos = torch.where(p < s, p, p - (w - s))  # entries before each query's window, past the sinks
-        t_mem = w[:, :, :, :1] - 1
-        kv_pos = q_pos - p + (t_mem if turned else jq)
-    bidx = torch.arange(N, device=dev).view(N, 1, 1, 1, 1)
-    h = torch.arange(Hq, device=dev).view(1, H, g, 1, 1)
-    return score_mod(scores, bidx, h, q_pos, kv_pos).to(work)

@@ -446,7 +446,7 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
                 self._rotary = (rope.cos_sin_cache, rope.is_neox_style)
             rotary = self._rotary
         memo = attn_metadata.__dict__.setdefault("_flexkv", {})
-        skip = ()
+        decoded = None  # the step's requests attended below, when the step also holds prompt chunks
         if rows is None:  # the step's one-query requests on vLLM's sliding-window kernel, the sinks copied below
             entry = ("decode", pol.sink, pol.window, bs)
             if entry not in memo:
@@ -462,14 +462,15 @@ class FlexKVCPUImpl(CPUAttentionBackendImpl):
                                        moves, rotary)
                 if batch.whole:
                     return output
-                skip = set(batch.requests.tolist())
+                decoded = batch
         out = output[:n].view(n, self.num_heads, self.head_size)
         if attn_metadata.max_query_len > 1:  # prompt chunks: each request's queries a tile at a time
             entry = ("band", pol.sink, pol.window, bs, rows is None)
             if entry not in memo:  # the same for every layer of the step
                 memo[entry] = band_plan(attn_metadata.block_table, attn_metadata.query_start_loc,
                                         attn_metadata.seq_lens, pol.sink, pol.window, bs, rows,
-                                        self.num_heads // self.num_kv_heads, skip)
+                                        self.num_heads // self.num_kv_heads,
+                                        () if decoded is None else set(decoded.requests.tolist()))
             band_attention(query[:n].view(n, self.num_heads, self.head_size), key_cache, value_cache,
                            attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens, pol.sink,
                            pol.window, self.scale, out, rotary=rotary, read_keys=self._readers[0],
