@@ -44,8 +44,9 @@ def step_ms(retention, streams: int, fill: int, steps: int, lse: bool = False, c
     def decode(qs, ks, vs, plan):
         outs = []
         for layer in range(L):
-            o = m.attend(layer, qs[layer], ks[layer], vs[layer], plan, return_lse=lse)
-            outs.append(o[0] if lse else o)
+            attend = m.attend_lse if lse else m.attend
+            o = attend(layer, qs[layer], ks[layer], vs[layer], plan)
+            outs.append(o.out if lse else o)
         return outs
 
     fn = torch.compile(decode, fullgraph=True) if compiled else decode

@@ -15,7 +15,7 @@ the model's own memory, and attends once (the joint path,
 
 - the frames (`SinkWindow(0, L)`, `U` tokens a step): the segment's frames
   are the step's own queries; the look-ahead and the summary are query-only
-  queries (`query_only=`), which read what the segment's frames read and
+  queries (`attend_joined(..., query_only=)`), which read what the segment's frames read and
   write nothing;
 - the bank (`SinkWindow(0, M, window_includes_step=True)`, one token a
   step): each segment writes the entry the layer received one segment
@@ -139,10 +139,11 @@ class FlexkvEmformer:
             # keys (recomputed every segment) read by all; the segment's frames the step's own queries,
             # the look-ahead and the summary query-only (indices U .. U + R): one softmax.
             in_bank = bank.write_part(li, bk, bv)
-            own, extra = frames.attend(
-                li, q[:, :, R:R + U], k_all[:, :, R:R + U], v_all[:, :, R:R + U], scale=att.scaling,
-                query_only=torch.cat([q[:, :, :R], q[:, :, R + U:]], 2),
-                joined=(in_bank.for_queries(range(U + R)), KeyPart(k_all[:, :, :R], v_all[:, :, :R])))
+            att_out = frames.attend_joined(
+                li, q[:, :, R:R + U], k_all[:, :, R:R + U], v_all[:, :, R:R + U],
+                (in_bank.for_queries(range(U + R)), KeyPart(k_all[:, :, :R], v_all[:, :, :R])),
+                query_only=torch.cat([q[:, :, :R], q[:, :, R + U:]], 2), scale=att.scaling).out
+            own, extra = att_out[:, :, :U], att_out[:, :, U:]  # the segment's frames, then the query-only ones
             result = att.out_proj(self._frames(torch.cat([extra[:, :, :R], own, extra[:, :, R:]], 2)))
             rc_output, out_mems = result[:R + U], result[R + U:]
             out_mems = torch.tanh(out_mems) if att.tanh_on_mem else torch.clamp(out_mems, min=-10, max=10)

@@ -53,6 +53,7 @@ _PUBLIC = {
     "UncachedHistory": "model.uncached",
     "merge_attention": "cache.paths.merge",
     "KeyPart": "cache.paths.joint_path",
+    "Attended": "cache.attend_modes",
     "RecompileError": "compiling",
     "RecompileWarning": "compiling",
     # the caches

@@ -10,6 +10,7 @@ import torch
 
 from configs import small_config
 from flexkv import BoundedKVManager, BoundedKVStep, Segment, SinkWindow, StreamPosition
+from flexkv.cache.attend_modes import Attended
 from flexkv.cache.paths.joint_path import KeyPart
 from flexkv.cache.paths.merge import merge_attention
 from flexkv.model.attendance import AttendanceError
@@ -51,8 +52,8 @@ def test_the_worked_example_one_softmax_over_cells_and_a_joined_key():
     q = torch.randn(1, 1, 2, 4, generator=g)
     kj, vj = torch.randn(1, 1, 1, 4, generator=g), torch.randn(1, 1, 1, 4, generator=g)
     got = run(cache, step_of({"a": 2}, {"a": 6}, 2),
-              lambda p: cache.attend(0, q, keys[6:].view(1, 1, 2, 4), values[6:].view(1, 1, 2, 4), p,
-                                     joined=(KeyPart(kj, vj),)))
+              lambda p: cache.attend_joined(0, q, keys[6:].view(1, 1, 2, 4), values[6:].view(1, 1, 2, 4), p,
+                                            (KeyPart(kj, vj),)).out)
     read = [0, 4, 5, 6, 7]
     k_all = torch.cat([keys[read], kj.view(1, 4)]).double()
     v_all = torch.cat([values[read], vj.view(1, 4)]).double()
@@ -73,15 +74,26 @@ def step_inputs(g, N: int, Q: int = 2, K: int = 4, T: int = 3) -> tuple:
     return q, q2, k, v, torch.randn(N, 2, K, 4, generator=g), torch.randn(N, 2, K, 4, generator=g)
 
 
+def joint(res) -> Attended:
+    """A call's result over its own and query-only queries as one `Attended`: a cache's is one; the
+    reference's `((out, lse), (query-only out, lse))` is joined along the queries."""
+    if isinstance(res, Attended):
+        return res
+    (o, lo), (o2, lo2) = res
+    return Attended(torch.cat([o, o2], 2), torch.cat([lo, lo2], 2))
+
+
+def halves(res: Attended, T: int) -> tuple:
+    """`((out, lse), (query-only out, lse))`: an `Attended` split after the step's `T` queries."""
+    return (res.out[:, :, :T], res.lse[:, :, :T]), (res.out[:, :, T:], res.lse[:, :, T:])
+
+
 def assert_matches(got, want, where: str) -> None:
-    """`((out, lse), (query-only out, lse))` of a call equal `want`'s (the float64 reference's, or another
-    cache's), to float32 rounding."""
-    (o, lo), (o2, lo2) = got
-    (w, lw), (w2, lw2) = want
-    torch.testing.assert_close(torch.cat([o, o2], 2).double(), torch.cat([w, w2], 2).double(), rtol=1e-5, atol=1e-5,
-                               msg=where)
-    torch.testing.assert_close(torch.cat([lo, lo2], 2).double(), torch.cat([lw, lw2], 2).double(), rtol=1e-5,
-                               atol=1e-5, msg=f"{where} lse")
+    """A call's result (`joint`) equals `want`'s (the float64 reference's, or another cache's), to float32
+    rounding."""
+    (o, lo), (w, lw) = joint(got), joint(want)
+    torch.testing.assert_close(o.double(), w.double(), rtol=1e-5, atol=1e-5, msg=where)
+    torch.testing.assert_close(lo.double(), lw.double(), rtol=1e-5, atol=1e-5, msg=f"{where} lse")
 
 
 def _parts(g, N, H, D):
@@ -107,8 +119,8 @@ def test_equals_the_float64_reference_over_steps_with_gqa_query_only_and_padding
         cache.admit(step)
         plan = cache.plan(step)
         for layer in range(2):
-            (o, lo), (o2, lo2) = cache.attend(layer, q, k, v, plan, query_only=q2, joined=parts, return_lse=True,
-                                              sinks=sinks)
+            (o, lo), (o2, lo2) = halves(cache.attend_joined(layer, q, k, v, plan, parts, query_only=q2, sinks=sinks),
+                                        3)
             (w, lw), (w2, lw2) = ref.attend(layer, q, k, v, step, query_only=q2, joined=parts, return_lse=True,
                                             sinks=sinks)
             for name, a, b in (("own", o, w), ("query-only", o2, w2)):
@@ -137,7 +149,7 @@ def test_a_batch_of_every_slot_or_fewer_equals_the_reference(slots):
         q, q2, k, v, kj, vj = step_inputs(g, 2)
         parts = (KeyPart(kj, vj, torch.rand(2, 4, generator=g) > 0.5, range(2, 5)),)
         cache.admit(step)
-        assert_matches(cache.attend(0, q, k, v, cache.plan(step), query_only=q2, joined=parts, return_lse=True),
+        assert_matches(cache.attend_joined(0, q, k, v, cache.plan(step), parts, query_only=q2),
                        ref.attend(0, q, k, v, step, query_only=q2, joined=parts, return_lse=True), f"step {s}")
         cache.commit(step)
         ref.commit(step)
@@ -147,9 +159,9 @@ def test_a_batch_of_every_slot_or_fewer_equals_the_reference(slots):
 def test_a_padding_row_reads_nothing_not_even_joined_keys(gqa_cache):
     g = torch.Generator().manual_seed(2)
     parts = _parts(g, 2, 2, 4)
-    (o, lse), (o2, lse2) = run(gqa_cache, step_of({"a": 3, None: 0}, {"a": 0}, 3), lambda p: gqa_cache.attend(
-        0, torch.randn(2, 4, 3, 4), torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4), p,
-        query_only=torch.randn(2, 4, 2, 4), joined=parts, return_lse=True))
+    (o, lse), (o2, lse2) = halves(run(gqa_cache, step_of({"a": 3, None: 0}, {"a": 0}, 3), lambda p: gqa_cache.attend_joined(
+        0, torch.randn(2, 4, 3, 4), torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4), p, parts,
+        query_only=torch.randn(2, 4, 2, 4))), 3)
     assert torch.all(o[1] == 0) and torch.all(o2[1] == 0)
     assert torch.all(lse[1] == float("-inf")) and torch.all(lse2[1] == float("-inf"))
     assert torch.isfinite(lse[0]).all()
@@ -165,10 +177,10 @@ def test_equals_separate_calls_merged_by_log_sum_exp(gqa_cache):
         q, q2, k, v, kj, vj = step_inputs(g, 2, K=5)
 
         def both(p):
-            joint = cache.attend(0, q, k, v, p, query_only=q2, joined=(KeyPart(kj, vj),), return_lse=True)
-            alone = cache.attend(0, q, k, v, p, query_only=q2, return_lse=True)
+            both = cache.attend_joined(0, q, k, v, p, (KeyPart(kj, vj),), query_only=q2)
+            alone = cache.attend_query_only(0, q, k, v, p, q2)
             cache.attend(1, q, k, v, p)
-            return joint, alone
+            return halves(both, 3), halves(alone, 3)
 
         ((o, lo), (o2, lo2)), ((a, la), (a2, la2)) = run(cache, step, both)
         qa = torch.cat([q, q2], 2) * 0.5
@@ -199,10 +211,10 @@ def test_a_part_no_query_reads_leaves_the_caches_own_attention(changes):
                        torch.zeros(2, 3, dtype=torch.bool))
 
         def both(p):
-            joint = cache.attend(0, q, k, v, p, query_only=q2, joined=(none,), return_lse=True)
-            own = cache.attend(0, q, k, v, p, query_only=q2, return_lse=True)
+            both = cache.attend_joined(0, q, k, v, p, (none,), query_only=q2)
+            own = cache.attend_query_only(0, q, k, v, p, q2)
             cache.attend(1, q, k, v, p)
-            return joint, own
+            return halves(both, 3), halves(own, 3)
 
         got, want = run(cache, step, both)
         for (a, la), (b, lb), name in zip(got, want, ("own", "query-only")):
@@ -227,7 +239,7 @@ def test_write_part_hands_the_newest_tokens_cells_to_another_caches_softmax():
         steps = {"frames": step_of({"a": 2}, {"a": 2 * s}, 2), "bank": step_of({"a": 1}, {"a": s}, 1)}
         with context.stepping(steps):
             part = context["bank"].write_part(0, ek, ev)
-            got = context["frames"].attend(0, q, k, v, joined=(part,))
+            got = context["frames"].attend_joined(0, q, k, v, (part,)).out
         fk += list(k[0, 0])
         fv += list(v[0, 0])
         bk.append(ek.view(4))
@@ -251,7 +263,7 @@ def test_a_bank_layer_never_written_fails_the_steps_attendance_check():
         with context.stepping(steps):
             for layer in range(2):
                 joined = (context["bank"].write_part(layer, e, e),) if layer == 0 else None
-                context["frames"].attend(layer, x, x, x, joined=joined)
+                context["frames"].attend_joined(layer, x, x, x, joined)
     assert "a" not in frames.requests and "a" not in bank.requests  # the failed step took nothing
     with pytest.raises(ValueError, match="no step"):
         MultiStepContext({"frames": frames, "bank": bank})["bank"].write_part(0, e, e)
@@ -260,11 +272,11 @@ def test_a_bank_layer_never_written_fails_the_steps_attendance_check():
 @pytest.mark.parametrize("bad, match", [
     (lambda k: KeyPart(k, k), "must be a non-empty sequence of KeyPart"),
     (lambda k: [], "must be a non-empty sequence of KeyPart"),
-    (lambda k: (KeyPart(k[:, :1], k[:, :1]),), r"joined\[0\]\.k shape expected \(2, 2, 3, 4\)"),
-    (lambda k: (KeyPart(k.double(), k.double()),), r"joined\[0\]\.k must be torch.float32"),
-    (lambda k: (KeyPart(k, k, torch.ones(2, 3)),), r"joined\[0\]\.valid must be a bool tensor \[N=2, K=3\]"),
-    (lambda k: (KeyPart(k, k, None, range(0, 9)),), r"joined\[0\]\.queries must be a non-empty range"),
-    (lambda k: ((k, k),), r"joined\[0\] must be a KeyPart"),
+    (lambda k: (KeyPart(k[:, :1], k[:, :1]),), r"parts\[0\]\.k shape expected \(2, 2, 3, 4\)"),
+    (lambda k: (KeyPart(k.double(), k.double()),), r"parts\[0\]\.k must be torch.float32"),
+    (lambda k: (KeyPart(k, k, torch.ones(2, 3)),), r"parts\[0\]\.valid must be a bool tensor \[N=2, K=3\]"),
+    (lambda k: (KeyPart(k, k, None, range(0, 9)),), r"parts\[0\]\.queries must be a non-empty range"),
+    (lambda k: ((k, k),), r"parts\[0\] must be a KeyPart"),
 ], ids=["bare-part", "empty", "heads", "dtype", "valid", "queries", "tuple"])
 def test_a_bad_part_is_refused_by_name_and_writes_nothing(gqa_cache, bad, match):
     cache = gqa_cache
@@ -274,17 +286,22 @@ def test_a_bad_part_is_refused_by_name_and_writes_nothing(gqa_cache, bad, match)
     before = [t.clone() for t in cache.store.layer_kv(0)]
     x = torch.randn(2, 2, 3, 4)
     with pytest.raises(ValueError, match=match):
-        cache.attend(0, torch.randn(2, 4, 3, 4), x, x, plan, joined=bad(x))
+        cache.attend_joined(0, torch.randn(2, 4, 3, 4), x, x, plan, bad(x))
     assert all(torch.equal(a, b) for a, b in zip(before, cache.store.layer_kv(0)))
 
 
 def test_a_score_mod_with_joined_keys_is_refused(gqa_cache):
+    """`attend_joined` takes no `score_mod` (a joined key has no position in the cache); the check below it
+    refuses one that reaches the path anyway."""
     step = step_of({"a": 3}, {"a": 0}, 3)
     gqa_cache.admit(step)
     x = torch.randn(1, 2, 3, 4)
+    with pytest.raises(TypeError, match="score_mod"):
+        gqa_cache.attend_joined(0, torch.randn(1, 4, 3, 4), x, x, gqa_cache.plan(step), (KeyPart(x, x),),
+                                score_mod=lambda s, b, h, q, k: s)
     with pytest.raises(ValueError, match="joined keys take no score_mod"):
-        gqa_cache.attend(0, torch.randn(1, 4, 3, 4), x, x, gqa_cache.plan(step), score_mod=lambda s, b, h, q, k: s,
-                         joined=(KeyPart(x, x),))
+        gqa_cache._attend(0, torch.randn(1, 4, 3, 4), x, x, gqa_cache.plan(step), score_mod=lambda s, b, h, q, k: s,
+                          want_lse=True, joined=(KeyPart(x, x),))
 
 
 def test_compiled_with_fullgraph_it_equals_the_reference_and_never_recompiles(gqa_cache):
@@ -296,8 +313,7 @@ def test_compiled_with_fullgraph_it_equals_the_reference_and_never_recompiles(gq
 
     @torch.compile(fullgraph=True)
     def layer(q, k, v, plan, q2, kj, vj, valid):
-        return cache.attend(0, q, k, v, plan, query_only=q2, joined=(KeyPart(kj, vj, valid, range(1, 4)),),
-                            return_lse=True)
+        return cache.attend_joined(0, q, k, v, plan, (KeyPart(kj, vj, valid, range(1, 4)),), query_only=q2)
 
     g = torch.Generator().manual_seed(6)
     written = {"a": 0, "b": 0}
@@ -340,8 +356,8 @@ def test_a_bank_and_frames_stack_streams_as_on_its_uncached_twin():
                 got = []
                 for layer in range(2):
                     bank = stack["bank"].write_part(layer, ek, ev)
-                    got.append(stack["frames"].attend(layer, q, k, v, query_only=q2, return_lse=True,
-                                                      joined=(bank.for_queries(range(3)), KeyPart(kj, vj))))
+                    got.append(halves(stack["frames"].attend_joined(
+                        layer, q, k, v, (bank.for_queries(range(3)), KeyPart(kj, vj)), query_only=q2), 2))
                 outs.append(got)
         for layer, ((o, lo), (o2, lo2)) in enumerate(outs[0]):
             (w, lw), (w2, lw2) = outs[1][layer]
@@ -373,7 +389,7 @@ def test_a_segment_interrupted_after_a_bank_write_changes_nothing_and_runs_again
                 bank = stack["bank"].write_part(layer, e, e)
                 if interrupt:
                     raise KeyboardInterrupt
-                outs.append(stack["frames"].attend(layer, q, k, v, query_only=q2, joined=(bank, KeyPart(kj, vj))))
+                outs.append(stack["frames"].attend_joined(layer, q, k, v, (bank, KeyPart(kj, vj)), query_only=q2).out)
         return outs
 
     for s in range(4):
@@ -384,8 +400,8 @@ def test_a_segment_interrupted_after_a_bank_write_changes_nothing_and_runs_again
                 cache = stacks[0][name].cache
                 assert [cache.written(r) for r in ("a", "b")] == [stacks[1][name].cache.written(r) for r in ("a", "b")]
         got, want = segment(stacks[0], s), segment(stacks[1], s)
-        for layer, ((o, o2), (w, w2)) in enumerate(zip(got, want)):
-            torch.testing.assert_close(torch.cat([o, o2], 2), torch.cat([w, w2], 2), rtol=0, atol=0,
+        for layer, (o, w) in enumerate(zip(got, want)):
+            torch.testing.assert_close(o, w, rtol=0, atol=0,
                                        msg=f"segment {s} layer {layer}")
 
 
@@ -411,7 +427,7 @@ def test_a_grouped_cache_routes_joined_keys_and_parts_to_the_layers_group():
             if cache is wide:
                 cache.attend(0, q, k, v, plan)
             part = cache.write_part(layer, k, v, plan)
-            outs.append((cache.attend(layer, q, k, v, plan, query_only=q2, joined=parts, return_lse=True), part))
+            outs.append((cache.attend_joined(layer, q, k, v, plan, parts, query_only=q2), part))
             cache.commit(step)
         (got, got_part), (want, want_part) = outs
         assert_matches(got, want, f"step {s}")

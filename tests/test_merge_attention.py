@@ -1,4 +1,4 @@
-"""Keys of several caches in one softmax: `attend(..., return_lse=True)`, query-only queries and
+"""Keys of several caches in one softmax: `attend_lse`, query-only queries and
 `flexkv.cache.paths.merge.merge_attention`.
 
 The oracle for a cache's log-sum-exp and its query-only queries is the dense
@@ -107,10 +107,11 @@ def test_log_sum_exp_and_query_only_queries_match_the_reference(case, front):
         cache.admit(step)
         q, k, v = (torch.randn(2, h, T, D, generator=g) for h in (HQ, H, H))
         q2 = torch.randn(2, HQ, 2, D, generator=g)
-        kw = dict(sinks=sinks if s % 2 else None, return_lse=True, query_only=q2)
-        (out, lse), (out2, lse2) = cache.attend(0, q, k, v, cache.plan(step), **kw)
+        kw = dict(sinks=sinks if s % 2 else None)
+        out, lse = cache.attend_query_only(0, q, k, v, cache.plan(step), q2, **kw)
+        (out, out2), (lse, lse2) = out.split([T, 2], dim=2), lse.split([T, 2], dim=2)
         (want, want_lse), (want2, want_lse2) = ref.attend(0, q, round_trip(k, cfg.slot_dtype), round_trip(v, cfg.slot_dtype),
-                                                         step, **kw)
+                                                         step, return_lse=True, query_only=q2, **kw)
         for r, n in spans.items():
             b = list(spans).index(r)
             where = f"{case}/{front} step {s} request {r}"
@@ -135,8 +136,8 @@ def test_a_query_only_query_attends_as_the_newest_own_token_would():
         step = BoundedKVStep((Segment("a", 3),), {"a": StreamPosition(0, written)}, tokens=3)
         m.admit(step)
         q, k, v = (torch.randn(1, h, 3, D, generator=g) for h in (HQ, H, H))
-        out, out2 = m.attend(0, q, k, v, m.plan(step), query_only=q[:, :, 2:].clone())
-        torch.testing.assert_close(out2[:, :, 0], out[:, :, 2], rtol=0, atol=1e-6)
+        out = m.attend_query_only(0, q, k, v, m.plan(step), q[:, :, 2:].clone()).out  # the step's 3, then the copy
+        torch.testing.assert_close(out[:, :, 3], out[:, :, 2], rtol=0, atol=1e-6)
         assert not torch.allclose(out[:, :, 0], out[:, :, 2])  # the first token reads less
         m.commit(step)
         written += 3
@@ -151,9 +152,9 @@ def test_bad_query_only_queries_are_refused_before_anything_is_written():
     q, k, v = torch.ones(1, HQ, 1, D), torch.ones(1, H, 1, D), torch.ones(1, H, 1, D)
     before = m.k_cache_0.clone()
     with pytest.raises(ValueError, match=r"query_only must be \[N=1, heads=4, Q>=1, head_dim=8\] like q"):
-        m.attend(0, q, k, v, plan, query_only=torch.ones(1, H, 2, D))
+        m.attend_query_only(0, q, k, v, plan, torch.ones(1, H, 2, D))
     with pytest.raises(ValueError, match="query_only must have q's dtype"):
-        m.attend(0, q, k, v, plan, query_only=torch.ones(1, HQ, 2, D, dtype=torch.float64))
+        m.attend_query_only(0, q, k, v, plan, torch.ones(1, HQ, 2, D, dtype=torch.float64))
     assert torch.equal(m.k_cache_0, before)
 
 
@@ -184,18 +185,19 @@ def test_a_segment_and_a_bank_of_segment_summaries_attend_as_one_softmax():
         bank.admit(bstep)
         bk, bv = proj(summary_out[None], wk, H), proj(summary_out[None], wv, H)
         q_frames = proj(x, wq, HQ)  # [C, HQ, D]
-        _, (bank_out, bank_lse) = bank.attend(
+        both = bank.attend_query_only(
             0, torch.zeros(1, HQ, 1, D), bk.transpose(0, 1)[None].float(), bv.transpose(0, 1)[None].float(),
-            bank.plan(bstep), return_lse=True, query_only=q_frames.transpose(0, 1)[None].float())
+            bank.plan(bstep), q_frames.transpose(0, 1)[None].float())
+        bank_out, bank_lse = both.out[:, :, 1:], both.lse[:, :, 1:]  # after the bank step's own query
         bank.commit(bstep)
         fstep = BoundedKVStep((Segment("a", C),), {"a": StreamPosition(0, s * C)}, tokens=C)
         frames.admit(fstep)
         k, v = proj(x, wk, H), proj(x, wv, H)
         q_sum = proj(x.mean(0, keepdim=True), wq, HQ)
-        (own_out, own_lse), (sum_out, _) = frames.attend(
+        both = frames.attend_query_only(
             0, q_frames.transpose(0, 1)[None].float(), k.transpose(0, 1)[None].float(),
-            v.transpose(0, 1)[None].float(), frames.plan(fstep), return_lse=True,
-            query_only=q_sum.transpose(0, 1)[None].float())
+            v.transpose(0, 1)[None].float(), frames.plan(fstep), q_sum.transpose(0, 1)[None].float())
+        own_out, own_lse, sum_out = both.out[:, :, :C], both.lse[:, :, :C], both.out[:, :, C:]
         frames.commit(fstep)
         out, _ = merge_attention((own_out, own_lse), (bank_out, bank_lse))
         # The rule written out over the whole history (head 0; every head is the same here).
@@ -221,7 +223,7 @@ def test_compiled_log_sum_exp_and_query_only_match_the_reference_without_recompi
     ref = ReferenceCache(cfg)
 
     def layer(q, k, v, q2, plan):
-        return m.attend(0, q, k, v, plan, return_lse=True, query_only=q2)
+        return m.attend_query_only(0, q, k, v, plan, q2)
 
     compiled = torch.compile(layer, fullgraph=True)
     torch._dynamo.reset()
@@ -234,7 +236,8 @@ def test_compiled_log_sum_exp_and_query_only_match_the_reference_without_recompi
         q, k, v = (torch.randn(2, h, 1, D, generator=g) for h in (HQ, H, H))
         q2 = torch.randn(2, HQ, 3, D, generator=g)
         with torch._dynamo.config.patch(error_on_recompile=s > 0):
-            (out, lse), (out2, lse2) = compiled(q, k, v, q2, m.plan(step))
+            out, lse = compiled(q, k, v, q2, m.plan(step))
+        (out, out2), (lse, lse2) = out.split([1, 3], dim=2), lse.split([1, 3], dim=2)
         (want, want_lse), (want2, want_lse2) = ref.attend(0, q, k, v, step, return_lse=True, query_only=q2)
         for got, exp, name in ((out, want, "out"), (lse, want_lse, "lse"), (out2, want2, "query-only"),
                                (lse2, want_lse2, "query-only lse")):

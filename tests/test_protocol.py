@@ -61,12 +61,19 @@ def test_each_cache_has_the_protocols_signatures(name):
         assert hasattr(cache, member), f"{name} has no {member}"
 
 
-def test_the_attend_signature_spells_out_every_keyword():
-    """No `**kwargs`: a keyword a cache does not know is an error at the call, not swallowed."""
-    kinds = {p.kind for p in inspect.signature(StreamCache.attend).parameters.values()}
-    assert inspect.Parameter.VAR_KEYWORD not in kinds
-    assert [n for n, kind, _ in parameters(StreamCache.attend) if kind == "KEYWORD_ONLY"] == [
-        "scale", "score_mod", "positions", "sinks", "return_lse", "query_only", "joined"]
+def test_the_attend_modes_spell_out_every_keyword():
+    """No `**kwargs`: a keyword a cache does not know is an error at the call, not swallowed; each mode is a
+    method of its own with one result type (no mode flags)."""
+    want = {
+        "attend": ["scale", "score_mod", "positions", "sinks"],
+        "attend_lse": ["scale", "score_mod", "positions", "sinks"],
+        "attend_query_only": ["scale", "score_mod", "positions", "sinks"],
+        "attend_joined": ["query_only", "scale", "sinks"],
+    }
+    for member, keywords in want.items():
+        kinds = {p.kind for p in inspect.signature(getattr(StreamCache, member)).parameters.values()}
+        assert inspect.Parameter.VAR_KEYWORD not in kinds
+        assert [n for n, kind, _ in parameters(getattr(StreamCache, member)) if kind == "KEYWORD_ONLY"] == keywords
 
 
 def test_a_cache_missing_a_member_is_named():

@@ -222,7 +222,7 @@ def test_calls_the_memory_does_not_serve_are_refused_before_anything_is_written(
     q, k, v = (torch.randn(1, 2, 1, 8) for _ in range(3))
     before = [b.tensor.clone() for b in manager.slot_buffers()]
     with pytest.raises(ValueError, match="query_only queries are not served under Recall"):
-        manager.attend(0, q, k, v, plan, query_only=torch.randn(1, 2, 2, 8))
+        manager.attend_query_only(0, q, k, v, plan, torch.randn(1, 2, 2, 8))
     assert all(torch.equal(a, b.tensor) for a, b in zip(before, manager.slot_buffers()))
 
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..config import BoundedKVConfig, check_layer_index
 from ..step import BoundedKVStep
+from .attend_modes import Attended, AttendModes
 from .host.layout import Layout
 from .host.planner import BoundedPlan, build_plan
 from .path_choice import AttentionPaths, PathCall
@@ -56,7 +57,7 @@ class StoreBuffers:
             raise
 
 
-class CacheGroup(StoreBuffers, nn.Module):
+class CacheGroup(AttendModes, StoreBuffers, nn.Module):
     """One layer group's device state and attention (module docstring).
 
     Args:
@@ -195,41 +196,29 @@ class CacheGroup(StoreBuffers, nn.Module):
         eagerly (`AttentionOptions.path_for`)."""
         return self.paths.path_for(tokens, compiled)
 
-    def attend(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        plan: BoundedPlan,
-        *,
-        scale: Optional[float] = None,
-        score_mod: Optional[Callable] = None,
-        positions: str = "stream",
-        sinks: Optional[torch.Tensor] = None,
-        return_lse: bool = False,
-        query_only: Optional[torch.Tensor] = None,
-        joined: Optional[Sequence[KeyPart]] = None,
-    ) -> torch.Tensor:
-        """Write the step's tokens into layer `layer_idx` and attend over what each row may read.
+    def _attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BoundedPlan, *,
+                scale: Optional[float] = None, score_mod: Optional[Callable] = None, positions: str = "stream",
+                sinks: Optional[torch.Tensor] = None, want_lse: bool = False,
+                query_only: Optional[torch.Tensor] = None, joined: Optional[Sequence[KeyPart]] = None):
+        """Write the step's tokens into layer `layer_idx` and attend over what each row may read (the modes:
+        `flexkv.cache.attend_modes`).
 
         `q`: `[N, Hq, T, D]` (`Hq` a multiple of `num_heads`), `k`: `[N, num_heads, T, D]`, `v`:
         `[N, num_heads, T, Dv]` (`D = head_dim`, `Dv = value_head_dim`) with `N =
-        len(step.segments) * rows_per_request`. Returns `[N, Hq, T, Dv]`. `score_mod(score, b, h,
-        q_pos, kv_pos)` gets stream positions (`positions="stream"`) or in-cache positions
-        (`positions="cache"`). One attention path per call (`flexkv.cache.path_choice`: the rows path or
-        one FlexAttention call), chosen by `options.route`; traceable by
+        len(step.segments) * rows_per_request`. Returns `[N, Hq, T, Dv]`, or with `want_lse` an `Attended`
+        over every query. `score_mod(score, b, h, q_pos, kv_pos)` gets stream positions (`positions="stream"`)
+        or in-cache positions (`positions="cache"`). One attention path per call (`flexkv.cache.path_choice`:
+        the rows path or one FlexAttention call), chosen by `options.route`; traceable by
         `torch.compile(fullgraph=True)`. `sinks`: learned sink logits `[Hq]` (`flexkv.cache.paths.sinks`),
-        served from the same call's log-sum-exp. `return_lse`: `(out, lse)`, each query's natural-log
-        sum of exp of its scores `[N, Hq, T]` (at least float32; the sink logit included; -inf where
-        a query reads nothing), so that attention over this cache and over another set of keys can
-        be merged into one softmax exactly (`flexkv.cache.paths.merge.merge_attention`); on the CPU it
-        takes the rows path under `path="auto"`, as sinks do (`CPU_NO_LSE`). `query_only`: queries
-        `[N, Hq, Q, D]` that write nothing and attend what each row's newest own token attends
-        (`flexkv.cache.paths.query_only`); the call then returns `(out, query_only_out)`, each an
-        `(out, lse)` pair with `return_lse`. `joined`: `KeyPart`s (keys and values kept elsewhere:
-        another cache's `write_part`, keys recomputed every step) that join every query's softmax
-        (`flexkv.cache.paths.joint_path`; no `score_mod` then).
+        served from the same call's log-sum-exp. `want_lse`: each query's natural-log sum of exp of its scores
+        `[N, Hq, T]` (at least float32; the sink logit included; -inf where a query reads nothing), so that
+        attention over this cache and over another set of keys can be merged into one softmax exactly
+        (`flexkv.cache.paths.merge.merge_attention`); on the CPU it takes the rows path under `path="auto"`, as
+        sinks do (`CPU_NO_LSE`). `query_only`: queries `[N, Hq, Q, D]` that write nothing and attend what each
+        row's newest own token attends (`flexkv.cache.paths.query_only`), appended after the step's `T` in the
+        result (only with `want_lse`). `joined`: `KeyPart`s (keys and values kept elsewhere: another cache's
+        `write_part`, keys recomputed every step) that join every query's softmax
+        (`flexkv.cache.paths.joint_path`; no `score_mod` then; only with `want_lse`).
         """
         self._check_attend(layer_idx, q, k, v, plan)
         relative = self._check_extras(q, score_mod, positions, sinks, query_only)
@@ -239,21 +228,16 @@ class CacheGroup(StoreBuffers, nn.Module):
         H, c, compiling = k.shape[1], self.config, torch.compiler.is_compiling()
         if c.recall is not None:
             check_recall_call(c, query_only, joined, relative)
-        want_lse = sinks is not None or return_lse or c.recall is not None  # the call needs a log-sum-exp
-        route, path = self.paths.choose(T, Hq // H, compiling, score_mod is not None, want_lse, joined is not None)
+        need_lse = sinks is not None or want_lse or c.recall is not None  # the call needs a log-sum-exp
+        route, path = self.paths.choose(T, Hq // H, compiling, score_mod is not None, need_lse, joined is not None)
         kc, vc = self._store.write(layer_idx, k, v, plan)  # after the choice, which may refuse the call
         ks, vs = self._store.layer_scales(layer_idx)
         scales = None if ks is None else (ks, vs)
         scale = D ** -0.5 if scale is None else scale
         if joined is not None:  # own and query-only queries in one softmax with the joined keys
-            out, lse = path(PathCall(layer_idx, q, kc, vc, scales, plan, route, None, want_lse, False, compiling,
+            out, lse = path(PathCall(layer_idx, q, kc, vc, scales, plan, route, None, need_lse, False, compiling,
                                      query_only, joined, scale))
-            res = _epilogue(out, lse, sinks, return_lse)
-            return res if query_only is None else _split(res, T)
-        if query_only is not None:
-            extra = attend_query_only(self.paths.rows, query_only, kc, vc, plan, scale=scale, score_mod=score_mod,
-                                      positions=positions, sinks=sinks, want_lse=return_lse, scales=scales)
-            extra = extra if return_lse else extra[0]
+            return _epilogue(out, lse, sinks, True)
         g = Hq // H if route.pack_gqa else 1
         # A relative-position table is read at the query's own token (`RelativePositionScores.at`).
         sm = None if score_mod is None else make_score_mod(
@@ -267,10 +251,14 @@ class CacheGroup(StoreBuffers, nn.Module):
             # product is a fresh buffer. Packed, query head h * g + i sits at rows i * T .. i * T + T - 1 of KV
             # head h: the same [N, Hq, T] view serves the output and its log-sum-exp.
             qs = (q.reshape(N, H, g * T, D) if route.pack_gqa else q) * scale
-            out, lse = path(PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, want_lse, relative, compiling))
+            out, lse = path(PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, need_lse, relative, compiling))
             out = out.view(N, Hq, T, v.shape[3])
-        own = _epilogue(out, lse, sinks, return_lse)
-        return own if query_only is None else (own, extra)
+        own = _epilogue(out, lse, sinks, want_lse)
+        if query_only is None:
+            return own
+        extra = attend_query_only(self.paths.rows, query_only, kc, vc, plan, scale=scale, score_mod=score_mod,
+                                  positions=positions, sinks=sinks, want_lse=True, scales=scales)
+        return Attended(torch.cat([own[0], extra[0]], dim=2), torch.cat([own[1], extra[1]], dim=2))
 
     def _attend_recall(self, layer_idx, q, kc, vc, scales, plan, route, path, sm, scale, score_mod, positions, relative,
                        compiling):
@@ -318,7 +306,7 @@ class CacheGroup(StoreBuffers, nn.Module):
 
     def write_part(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan: BoundedPlan) -> KeyPart:
         """Write the step's tokens into layer `layer_idx` as `attend` does, and return the cells each row's
-        newest own token reads as a `KeyPart` that another cache's `attend(..., joined=...)` reads in
+        newest own token reads as a `KeyPart` that another cache's `attend_joined` reads in
         its softmax (`flexkv.cache.paths.joint_path`): the layer's attention for this step, computed there.
         `k`, `v` as in `attend`."""
         self._check_attend(layer_idx, k, k, v, plan)
@@ -365,15 +353,6 @@ class CacheGroup(StoreBuffers, nn.Module):
             )
 
 
-def _split(res, T: int) -> tuple:
-    """A joint call's result over its own and query-only queries, `out` or `(out, lse)`, split at query `T`
-    into `(own, query_only)`."""
-    if isinstance(res, tuple):
-        out, lse = res
-        return (out[:, :, :T], lse[:, :, :T]), (out[:, :, T:], lse[:, :, T:])
-    return res[:, :, :T], res[:, :, T:]
-
-
 def _epilogue(out: torch.Tensor, lse, sinks, return_lse: bool):
     """A call's output `[N, Hq, T, Dv]` with learned `sinks` joined (from its log-sum-exp `lse`), and the
     log-sum-exp `[N, Hq, T]` beside it with `return_lse` (the sink logit included)."""
@@ -384,4 +363,4 @@ def _epilogue(out: torch.Tensor, lse, sinks, return_lse: bool):
             out = apply_learned_sinks(out, lse, sinks)
             if return_lse:
                 lse = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, Hq, 1))
-    return (out, lse) if return_lse else out
+    return Attended(out, lse) if return_lse else out

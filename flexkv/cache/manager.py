@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..config import BoundedKVConfig, check_config, check_layer_index, resolve_device
+from .attend_modes import AttendModes
 from .cache_group import CacheGroup, StoreBuffers
 from .groups import GroupedPlan, GroupRotation, as_layer_groups, layer_group_configs
 from .host.lifecycle import StreamLifecycle
@@ -70,7 +71,7 @@ class _MovedToOptions:
         raise self._moved()
 
 
-class BoundedKVManager(StreamLifecycle, StoreBuffers, nn.Module):
+class BoundedKVManager(AttendModes, StreamLifecycle, StoreBuffers, nn.Module):
     """A bounded sink + window KV cache for `config.max_slots` requests (docs/contract.md section 5).
 
     Args:
@@ -272,37 +273,26 @@ class BoundedKVManager(StreamLifecycle, StoreBuffers, nn.Module):
         cache, compiled or eagerly (`AttentionOptions.path_for`)."""
         return self._only_group("path_for").path_for(tokens, compiled)
 
-    def attend(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        plan,
-        *,
-        scale: Optional[float] = None,
-        score_mod: Optional[Callable] = None,
-        positions: str = "stream",
-        sinks: Optional[torch.Tensor] = None,
-        return_lse: bool = False,
-        query_only: Optional[torch.Tensor] = None,
-        joined: Optional[Sequence[KeyPart]] = None,
-    ) -> torch.Tensor:
+    def _attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan, *,
+                scale: Optional[float] = None, score_mod: Optional[Callable] = None, positions: str = "stream",
+                sinks: Optional[torch.Tensor] = None, want_lse: bool = False,
+                query_only: Optional[torch.Tensor] = None, joined: Optional[Sequence[KeyPart]] = None):
         """Write the step's tokens into model layer `layer_idx` and attend over what each row may read,
-        in the layer's group with the group's plan (`flexkv.cache.cache_group.CacheGroup.attend`, where
-        the arguments are described). `plan` is this cache's `plan(step)`."""
+        in the layer's group with the group's plan (`flexkv.cache.cache_group.CacheGroup._attend`, where
+        the arguments are described; the modes: `flexkv.cache.attend_modes`). `plan` is this cache's
+        `plan(step)`."""
         if self._one:  # the group checks the layer index and the plan itself
             group, i, group_plan = self._groups[0], layer_idx, plan
         else:
             group, i, group_plan = self._in_group("attend", layer_idx, plan)
         if self._check_heads is not None:
             self._check_heads(group, q, k, v)
-        return group.attend(i, q, k, v, group_plan, scale=scale, score_mod=score_mod, positions=positions,
-                            sinks=sinks, return_lse=return_lse, query_only=query_only, joined=joined)
+        return group._attend(i, q, k, v, group_plan, scale=scale, score_mod=score_mod, positions=positions,
+                             sinks=sinks, want_lse=want_lse, query_only=query_only, joined=joined)
 
     def write_part(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan) -> KeyPart:
         """Write the step's tokens into model layer `layer_idx` as `attend` does, and return the cells each
-        row's newest own token reads as a `KeyPart` another cache's `attend(..., joined=...)` reads in its
+        row's newest own token reads as a `KeyPart` another cache's `attend_joined` reads in its
         softmax (`CacheGroup.write_part`)."""
         group, i, group_plan = self._in_group("write_part", layer_idx, plan)
         if self._check_heads is not None:

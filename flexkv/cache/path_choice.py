@@ -25,7 +25,7 @@ choice lives above both rather than inside `paths`.
   is built;
 - `flex_path.FlexPath`: one FlexAttention call (inline, or the region every compiled layer shares);
 - `float8_path.Float8FlexPath`: FlexPath reading float8 cells as stored, for compiled CUDA kernels;
-- `joint_path.JointPath`: a call with keys joined from elsewhere (`attend(..., joined=...)`): the
+- `joint_path.JointPath`: a call with keys joined from elsewhere (`attend_joined`): the
   row's cells, the joined keys and the query-only queries in one softmax.
 
 Otherwise query-only queries (`flexkv.cache.paths.query_only`) are one more

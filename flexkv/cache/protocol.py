@@ -31,6 +31,7 @@ import torch
 
 from ..config import BoundedKVConfig
 from ..step import BoundedKVStep, StreamPosition
+from .attend_modes import Attended
 from .host.slots import Admission
 from .paths.joint_path import KeyPart
 
@@ -77,8 +78,20 @@ class StreamCache(Protocol):
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, *,
                scale: Optional[float] = None, score_mod: Optional[Callable] = None, positions: str = "stream",
-               sinks: Optional[torch.Tensor] = None, return_lse: bool = False,
-               query_only: Optional[torch.Tensor] = None, joined: Optional[Sequence[KeyPart]] = None) -> torch.Tensor: ...
+               sinks: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+
+    def attend_lse(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any, *,
+                   scale: Optional[float] = None, score_mod: Optional[Callable] = None, positions: str = "stream",
+                   sinks: Optional[torch.Tensor] = None) -> Attended: ...
+
+    def attend_query_only(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any,
+                          query_only: torch.Tensor, *, scale: Optional[float] = None,
+                          score_mod: Optional[Callable] = None, positions: str = "stream",
+                          sinks: Optional[torch.Tensor] = None) -> Attended: ...
+
+    def attend_joined(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any,
+                      parts: Sequence[KeyPart], *, query_only: Optional[torch.Tensor] = None,
+                      scale: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> Attended: ...
 
     def commit(self, step: BoundedKVStep) -> None: ...
 

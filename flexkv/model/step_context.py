@@ -342,7 +342,9 @@ class StepContext:
         the cache's `attend(layer_idx, q, k, v, plan, **kwargs)` (with `layers=`, of the cache layer model
         layer `layer_idx` attends). Calling the context does the same: `context(layer_idx, q, k, v)` (over
         named caches, `context[name](layer_idx, q, k, v)`). `plan`: the bound plan by default; a step
-        begun in chunks passes each chunk's (`plans[i]`), once per chunk."""
+        begun in chunks passes each chunk's (`plans[i]`), once per chunk. `attend_lse`,
+        `attend_query_only` and `attend_joined` are the cache's other modes (`flexkv.cache.attend_modes`),
+        taken alike."""
         bound = self.plan if plan is None else plan
         if bound is None or bound.__class__ is tuple or not self._one:
             bound = self._plan_for("attend", plan)  # raises what is wrong: no step, chunks, several caches
@@ -350,11 +352,37 @@ class StepContext:
         return self.cache.attend(layer_idx if self._layers is None else self._cache_layer(layer_idx), q, k, v, bound,
                                  **kwargs)
 
+    def _mode(self, what: str, layer_idx: int, plan: Any):
+        """`(the cache's method what, its layer, the plan)` for a call of `what`, counted as the layer's."""
+        bound = self._plan_for(what, plan)
+        layer = self._cache_layer(layer_idx)
+        self.attendance.attended(layer_idx)
+        return getattr(self.cache, what), layer, bound
+
+    def attend_lse(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: Any = None,
+                   **kwargs):
+        """The cache's `attend_lse` (an `Attended`), as `attend`."""
+        fn, layer, bound = self._mode("attend_lse", layer_idx, plan)
+        return fn(layer, q, k, v, bound, **kwargs)
+
+    def attend_query_only(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          query_only: torch.Tensor, *, plan: Any = None, **kwargs):
+        """The cache's `attend_query_only` (an `Attended` over the step's and the query-only queries), as
+        `attend`."""
+        fn, layer, bound = self._mode("attend_query_only", layer_idx, plan)
+        return fn(layer, q, k, v, bound, query_only, **kwargs)
+
+    def attend_joined(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts, *,
+                      plan: Any = None, **kwargs):
+        """The cache's `attend_joined` (an `Attended`), as `attend`."""
+        fn, layer, bound = self._mode("attend_joined", layer_idx, plan)
+        return fn(layer, q, k, v, bound, parts, **kwargs)
+
     __call__ = attend
 
     def write_part(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
         """The bound step's keys written into layer `layer_idx`, and the cells each row's newest own token
-        reads, as a `flexkv.cache.paths.joint_path.KeyPart` that another cache's `attend(..., joined=...)`
+        reads, as a `flexkv.cache.paths.joint_path.KeyPart` that another cache's `attend_joined`
         reads in its softmax: the cache's `write_part(layer_idx, k, v, plan)`, counted for the step's
         attendance check as the layer's attention."""
         plan = self._plan_for("write_part", None)

@@ -38,6 +38,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ..cache.attend_modes import Attended, AttendModes
 from ..cache.groups import as_layer_groups, layer_group_configs
 from ..cache.host.lifecycle import StoreHooks, StreamLifecycle
 from ..cache.host.slots import SlotTable
@@ -140,7 +141,7 @@ class HistoryStore(StoreHooks):
         self.ref.remove_private_source(request_id)
 
 
-class UncachedHistory(StreamLifecycle):
+class UncachedHistory(AttendModes, StreamLifecycle):
     """Every key and value of every stream, for `config`'s model shape (float64, on the CPU).
 
     Args:
@@ -263,7 +264,7 @@ class UncachedHistory(StreamLifecycle):
         self._rotary[layer_idx] = (rotary, mode)
         return _Rotation(self, layer_idx, rotary, mode, rotated_inputs)
 
-    def attend(
+    def _attend(
         self,
         layer_idx: int,
         q: torch.Tensor,
@@ -275,17 +276,17 @@ class UncachedHistory(StreamLifecycle):
         score_mod: Optional[Callable] = None,
         positions: str = "stream",
         sinks: Optional[torch.Tensor] = None,
-        return_lse: bool = False,
+        want_lse: bool = False,
         query_only: Optional[torch.Tensor] = None,
         joined: Optional[Sequence[KeyPart]] = None,
-    ) -> torch.Tensor:
+    ):
         """Attention of the planned step for `layer_idx` over the whole history, masked by the layer's
-        retention (docs/contract.md section 2).
+        retention (docs/contract.md section 2); the modes are `flexkv.cache.attend_modes`'s.
 
         `plan` is what `plan(step)` returned (a `BoundedKVStep` is taken too).
         `positions` chooses what `score_mod` receives; `sinks` are learned
-        sink logits `[Hq]`, `return_lse`, `query_only` and `joined` as in `BoundedKVManager.attend`. Queries and keys
-        are rotated as `rotation(layer_idx, rotary, mode)` recorded for the
+        sink logits `[Hq]`, `want_lse`, `query_only` and `joined` as in `BoundedKVManager._attend`. Queries and
+        keys are rotated as `rotation(layer_idx, rotary, mode)` recorded for the
         layer (not at all if it was never called).
         """
         step = plan.step if isinstance(plan, UncachedPlan) else plan
@@ -300,13 +301,11 @@ class UncachedHistory(StreamLifecycle):
         sd = self._configs[g].slot_dtype
         k, v = round_trip(k, sd), round_trip(v, sd)  # quantized slots: what the bounded cache reads back
         out = self._history[g].attend(local, q, k, v, step, scale=scale, score_mod=score_mod, positions=positions,
-                                      sinks=sinks, rotary=rotary, rope_positions=rope_positions, return_lse=return_lse,
+                                      sinks=sinks, rotary=rotary, rope_positions=rope_positions, return_lse=want_lse,
                                       query_only=query_only, joined=joined)
-
-        def back(res):
-            if not return_lse:
-                return res.to(dtype=q.dtype, device=q.device)
-            return (res[0].to(dtype=q.dtype, device=q.device),
-                    res[1].to(dtype=torch.promote_types(q.dtype, torch.float32), device=q.device))
-
-        return back(out) if query_only is None else (back(out[0]), back(out[1]))
+        if not want_lse:
+            return out.to(dtype=q.dtype, device=q.device)
+        if query_only is not None:  # the step's queries, then the query-only ones
+            out = tuple(torch.cat([a, b], dim=2) for a, b in zip(*out))
+        return Attended(out[0].to(dtype=q.dtype, device=q.device),
+                        out[1].to(dtype=torch.promote_types(q.dtype, torch.float32), device=q.device))

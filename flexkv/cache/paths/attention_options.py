@@ -114,7 +114,7 @@ TORCH_WORKAROUNDS = {
     "CPU_NO_LSE": TorchWorkaround(
         "cpu", ((2, 11), None),
         "the compiled CPU FlexAttention kernel returns no log-sum-exp",
-        "learned sinks, return_lse and Recall take the rows path on the CPU under path='auto'; a forced "
+        "learned sinks, attend_lse and Recall take the rows path on the CPU under path='auto'; a forced "
         "path='flex' compiled there is refused by name"),
     "FINALLY_AFTER_HOP": TorchWorkaround(
         "any", ((2, 13), (2, 13)),
@@ -265,7 +265,7 @@ class AttentionOptions:
             path = "rows"  # CPU_NO_LSE
         if compiled and path == "flex" and sinks and applies("CPU_NO_LSE", device_type):
             raise ValueError(
-                f"path='flex' compiled on the CPU for a call that needs a log-sum-exp (return_lse, learned sinks, "
+                f"path='flex' compiled on the CPU for a call that needs a log-sum-exp (attend_lse, learned sinks, "
                 f"a Recall memory or values read as stored): torch {torch.__version__}'s compiled CPU FlexAttention "
                 f"kernel returns none; use path='auto' or 'rows' (the rows path returns it)")
         pack = group > 1 and (self.pack_gqa or path == "rows")

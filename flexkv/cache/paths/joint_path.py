@@ -9,8 +9,9 @@ another (one entry a step, its own retention), the look-ahead plain tensors,
 and each layer is one call:
 
     bank_part = bank.write_part(layer, k_entry, v_entry, bank_plan)     # the bank's write, its cells
-    own, extra = frames.attend(layer, q_seg, k_seg, v_seg, plan, query_only=q_more,
-                               joined=(bank_part.for_queries(range(U + R)), KeyPart(k_ahead, v_ahead)))
+    out, lse = frames.attend_joined(layer, q_seg, k_seg, v_seg, plan,
+                                    (bank_part.for_queries(range(U + R)), KeyPart(k_ahead, v_ahead)),
+                                    query_only=q_more)
 
 The call's queries are its `T` own queries, then its `Q` query-only queries
 (`flexkv.cache.paths.query_only`), `T + Q` in all. Each query's softmax runs over:
@@ -63,7 +64,7 @@ __all__ = ["KeyPart", "JointPath", "check_joined", "joint_attention", "cells_par
 
 
 class KeyPart(NamedTuple):
-    """Keys and values that join an `attend` call's softmax (`attend(..., joined=(part, ...))`).
+    """Keys and values that join an `attend` call's softmax (`attend_joined(..., (part, ...))`).
 
     `k`: `[N, H, K, head_dim]`, `v`: `[N, H, K, value_head_dim]` (the cache's heads, dtype and
     device; `N` the call's rows). `valid`: `[N, K]` bool, which of a row's keys exist (None: all).
@@ -106,33 +107,33 @@ def check_joined(joined, q: torch.Tensor, query_only: Optional[torch.Tensor], co
         else:
             return joined
     if isinstance(joined, KeyPart) or not isinstance(joined, Sequence) or not joined:
-        raise ValueError(f"attend: joined must be a non-empty sequence of KeyPart, got {type(joined).__name__}; "
-                         f"pass joined=(part,) for one part")
+        raise ValueError(f"attend_joined: parts must be a non-empty sequence of KeyPart, got {type(joined).__name__}; "
+                         f"pass (part,) for one part")
     for i, p in enumerate(joined):
         if not isinstance(p, KeyPart):
-            raise ValueError(f"attend: joined[{i}] must be a KeyPart(k, v, valid=None, queries=None), "
+            raise ValueError(f"attend_joined: parts[{i}] must be a KeyPart(k, v, valid=None, queries=None), "
                              f"got {type(p).__name__}")
         for name, t, width in (("k", p.k, config.head_dim), ("v", p.v, config.value_head_dim)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                raise ValueError(f"attend: joined[{i}].{name} must be a 4-D tensor [N, heads, K, dim], got "
+                raise ValueError(f"attend_joined: parts[{i}].{name} must be a 4-D tensor [N, heads, K, dim], got "
                                  f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
             want = (N, config.num_heads, p.k.shape[2], width)
             if tuple(t.shape) != want:
-                raise ValueError(f"attend: joined[{i}].{name} shape expected {want} (rows, num_heads, the part's "
+                raise ValueError(f"attend_joined: parts[{i}].{name} shape expected {want} (rows, num_heads, the part's "
                                  f"keys, {'head_dim' if name == 'k' else 'value_head_dim'}), got {tuple(t.shape)}")
             if t.dtype != config.dtype or t.device != device:
-                raise ValueError(f"attend: joined[{i}].{name} must be {config.dtype} on {device} like the cache, "
+                raise ValueError(f"attend_joined: parts[{i}].{name} must be {config.dtype} on {device} like the cache, "
                                  f"got {t.dtype} on {t.device}")
         if p.valid is not None and (not isinstance(p.valid, torch.Tensor) or p.valid.dtype != torch.bool
                                     or tuple(p.valid.shape) != (N, p.k.shape[2]) or p.valid.device != device):
-            raise ValueError(f"attend: joined[{i}].valid must be a bool tensor [N={N}, K={p.k.shape[2]}] on "
+            raise ValueError(f"attend_joined: parts[{i}].valid must be a bool tensor [N={N}, K={p.k.shape[2]}] on "
                              f"{device} (which keys of each row exist) or None, got "
                              f"{getattr(p.valid, 'dtype', type(p.valid).__name__)} "
                              f"{tuple(getattr(p.valid, 'shape', ()))}")
         r = p.queries
         if r is not None and (not isinstance(r, range) or r.step != 1 or r.start < 0 or r.stop > n_q
                               or r.start >= r.stop):
-            raise ValueError(f"attend: joined[{i}].queries must be a non-empty range(a, b) within the call's "
+            raise ValueError(f"attend_joined: parts[{i}].queries must be a non-empty range(a, b) within the call's "
                              f"{n_q} queries (its own, then its query-only ones) or None (all), got {r!r}")
     return tuple(joined)
 

@@ -5,7 +5,7 @@ gets
 
     out = (Z_A * o_A + Z_B * o_B) / (Z_A + Z_B),   Z_X = sum_{j in X} exp(s_j)
 
-where `o_X` is its attention over `X` alone. `attend(..., return_lse=True)`
+where `o_X` is its attention over `X` alone. `attend_lse(...)`
 gives `lse_X = log Z_X` with each output, so a model whose queries read
 entries of two caches (a segment's left context in one and a bank of
 segment summaries in another, each with its own retention) attends them
@@ -28,7 +28,7 @@ __all__ = ["merge_attention"]
 def merge_attention(*parts: Tuple[torch.Tensor, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """`(out [..., Q, Dv], lse [..., Q])` of one softmax over the union of the parts' disjoint key sets.
 
-    Each part is `(out, lse)` as `attend(..., return_lse=True)` returns it: outputs of one shape and
+    Each part is `(out, lse)` as `attend_lse(...)` returns it: outputs of one shape and
     dtype, log-sum-exps of that shape less the last axis. The weights are formed in at least float32;
     the output keeps the parts' dtype and the log-sum-exp is at least float32. Traceable by
     `torch.compile(fullgraph=True)`.
@@ -37,7 +37,7 @@ def merge_attention(*parts: Tuple[torch.Tensor, torch.Tensor]) -> Tuple[torch.Te
         raise ValueError("merge_attention: give at least one (out, lse) pair")
     for i, part in enumerate(parts):
         if not (isinstance(part, tuple) and len(part) == 2):
-            raise ValueError(f"merge_attention: part {i} must be an (out, lse) pair as attend(..., return_lse=True) "
+            raise ValueError(f"merge_attention: part {i} must be an (out, lse) pair as attend_lse(...) "
                              f"returns it, got {type(part).__name__}")
     out0 = parts[0][0]
     for i, (out, lse) in enumerate(parts):

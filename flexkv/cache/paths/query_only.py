@@ -4,7 +4,7 @@ Some streaming models ask a question of the cache that is not one of the
 step's own tokens: an Emformer-style encoder forms a summary of each segment
 whose query attends the segment and its left context, and whose output
 becomes a memory entry elsewhere, but which is never a key of the segment's
-cache itself. `attend(..., query_only=q2)` serves such queries in the same
+cache itself. `attend_query_only(..., q2)` serves such queries in the same
 call as the step's own tokens, so they always see the step's writes:
 
 - each query of `q2` (`[N, Hq, Q, D]`, any `Q`) attends exactly the cells the
@@ -16,7 +16,7 @@ call as the step's own tokens, so they always see the step's writes:
   join the step's;
 - it runs on the rows path (`flexkv.cache.paths.rows_path`), eager or compiled,
   whatever path the step's own queries take; the output is `[N, Hq, Q, Dv]`
-  (with `return_lse`, its log-sum-exp `[N, Hq, Q]` too).
+  with its log-sum-exp `[N, Hq, Q]`, after the step's own queries'.
 
 Nothing is written for them and the plan is the step's: a query-only query
 costs one more rows-path attention over the row's cells.

@@ -59,7 +59,7 @@ def check_recall_call(config: BoundedKVConfig, query_only, joined, relative: boo
                          f"selection is not defined); attend them with a SinkWindow cache")
     if joined is not None:
         raise ValueError(f"attend: joined keys are not served under {config.recall!r}; merge the parts by "
-                         f"return_lse=True and flexkv.merge_attention instead")
+                         f"attend_lse and flexkv.merge_attention instead")
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
