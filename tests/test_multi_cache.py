@@ -443,13 +443,14 @@ def test_fork_reset_rollback_and_finish_apply_to_every_cache():
 
 
 def test_one_session_class_runs_one_cache_or_named_ones():
-    """`StreamSession({name: cache})` is the session over named caches (`MultiCacheSession` only spells its
-    arguments): the same steps, lifecycle and results; a one-cache session is its one-entry case."""
+    """`StreamSession({name: cache})` builds the session over named caches, a `MultiCacheSession` (the shape
+    chosen once, by class): the same steps, lifecycle and results; a one-cache session is its one-entry
+    case inside."""
     from flexkv import StreamSession
 
-    assert issubclass(MultiCacheSession, StreamSession)
-    assert set(MultiCacheSession.__dict__) <= {"__init__", "__doc__", "__module__", "__qualname__"}
     a, b = StreamSession(bounded(), compile=False, token_sizes=TOKEN_SIZES), session()
+    assert type(a) is type(b) is MultiCacheSession and isinstance(a, StreamSession)
+    assert type(StreamSession(SLOW, compile=False)) is StreamSession
     assert type(a.context) is type(b.context) and a.token_sizes == b.token_sizes == TOKEN_SIZES
     for s in (a, b):
         s.start("p", sources={"slow": (0, 0)})
@@ -614,12 +615,13 @@ def test_a_multi_step_context_refuses_a_commit_that_skipped_a_layer_naming_the_c
 
 
 def test_one_context_class_steps_one_cache_or_several_named_ones():
-    """`StepContext({name: cache})` is the step object over named caches (`MultiStepContext` adds nothing to
-    it): each name's one-cache context, driven through it, gives what that context gives stepped alone."""
-    assert issubclass(MultiStepContext, StepContext) and MultiStepContext.__dict__.keys() <= {"__module__",
-                                                                                            "__doc__", "__qualname__"}
+    """`StepContext({name: cache})` is the step object over named caches, a `MultiStepContext` (the shape chosen
+    once, by class): each name's one-cache context, driven through it, gives what that context gives stepped
+    alone."""
     caches, alone = bounded(), bounded()
     named, one = StepContext(caches), {name: StepContext(c) for name, c in alone.items()}
+    assert type(named) is MultiStepContext and isinstance(named, StepContext)
+    assert all(type(c) is StepContext for c in one.values())
     assert isinstance(named["slow"], StepContext) and one["slow"][None] is one["slow"] and list(named) == ["slow", "fast"]
     x = feeds({"a": 2}, 0)["a"]
     x = {name: t.unsqueeze(0) for name, t in x.items()}
@@ -637,7 +639,7 @@ def test_one_context_class_steps_one_cache_or_several_named_ones():
         for name in CONFIGS:
             assert torch.equal(got[name], want[name]), name
     assert {n: c.written("a") for n, c in caches.items()} == {"slow": 6, "fast": 12}
-    with pytest.raises(ValueError, match=r"StepContext.attend: this context steps the caches \['slow', 'fast'\]; call "
+    with pytest.raises(ValueError, match=r"MultiStepContext.attend: this context steps the caches \['slow', 'fast'\]; call "
                                          r"it on one of them, context\[name\].attend"):
         named(0, *qkv(x["slow"], 0))
     with pytest.raises(ValueError, match=r"context\[name\].attention"):

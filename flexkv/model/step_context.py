@@ -33,11 +33,13 @@ Passing the plan as an argument makes it a graph input explicitly.
 
 A model that keeps several caches (two attention stacks at different
 frame rates) steps them with one context over named caches,
-`StepContext({"slow": cache_25, "fast": cache_50})`: the same class, whose
-`begin`, `bind` and `stepping` take mappings of name -> step or plan, and
-whose `context[name]` is the one-cache context that cache's layers are
-built on (`flexkv.model.multi_context` says what a step over several caches
-guarantees; `MultiStepContext` is that spelling's name). A forward of a long
+`StepContext({"slow": cache_25, "fast": cache_50})`, which builds a
+`MultiStepContext`: its `begin`, `bind` and `stepping` take mappings of name
+-> step or plan, and its `context[name]` is the one-cache context that
+cache's layers are built on (`flexkv.model.multi_context` says what a step
+over several caches guarantees). Each shape is a class of its own, chosen
+once when the context is built; a one-cache context is the one-entry case
+inside (`contexts` is `{None: self}`), unwrapped at its surface. A forward of a long
 prompt is one step in chunks (`begin` takes the chunk steps; each layer
 attends once per chunk), and a model whose layers share keys maps its layers
 onto the cache's (`StepContext(cache, layers=...)`).
@@ -50,7 +52,6 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optio
 
 import torch
 
-from ..cache.host.slots import SlotsExhausted
 from ..cache.host.transaction import StepTransaction
 from ..cache.protocol import check_cache
 from ..config import check_layer_index, is_int
@@ -124,7 +125,7 @@ class StepContext:
     the layers read: the one place a cache's current plan lives (caches keep
     none; every `attend` is given it).
 
-    `StepContext({name: cache, ...})`: several named caches stepped as one
+    `StepContext({name: cache, ...})`: several named caches stepped as one, a `MultiStepContext`
     (`flexkv.model.multi_context` says what that guarantees). Then `begin`,
     `bind` and `stepping` take and return mappings of name -> step or plan,
     and `context[name]` is the one-cache context of that cache, what the layers
@@ -139,9 +140,32 @@ class StepContext:
     attended exactly once (`flexkv.model.attendance`).
     """
 
+    def __new__(cls, caches=None, *args, **kwargs):
+        # `StepContext({name: cache, ...})` is the context over named caches (`MultiStepContext`): one class per
+        # shape, chosen here once, so no method asks which shape it serves.
+        if cls is StepContext and isinstance(caches, Mapping):
+            from .multi_context import MultiStepContext
+
+            return super().__new__(MultiStepContext)
+        return super().__new__(cls)
+
     def __init__(self, caches, *, layers: Optional[Sequence[Optional[int]]] = None):
-        self._one = not isinstance(caches, Mapping)
         kind = type(self).__name__
+        self._init_step_state(kind)
+        self.cache = check_cache(caches, kind)
+        if layers is None:
+            #: attend calls per cache layer in the current step; the commit check refuses a step that did
+            #: not attend every layer exactly once (`flexkv.model.attendance`)
+            self.attendance: Optional[AttendanceRecord] = AttendanceRecord(self.cache.config.num_layers)
+        else:
+            self._layers = layer_map(layers, self.cache.config.num_layers, kind)
+            self._attending = tuple(i for i, c in enumerate(self._layers) if c is not None)
+            self.attendance = AttendanceRecord(len(self._layers), "attention layer")
+        #: name -> one-cache context; a one-cache context is its own one entry
+        self.contexts: Dict[Hashable, StepContext] = {None: self}
+
+    def _init_step_state(self, kind: str) -> None:
+        """What every context keeps of the step, before its caches are set."""
         #: The step begun last (`flexkv.cache.host.transaction.StepTransaction`), None before the first.
         self.transaction: Optional[StepTransaction] = None
         #: The plan the layers read (a one-cache context; None on a named one, whose plans live in `context[name]`,
@@ -154,39 +178,6 @@ class StepContext:
         #: model layer -> the cache layer it attends (None: the identity), and the model layers that attend one
         self._layers: Optional[tuple] = None
         self._attending: Optional[tuple] = None
-        if self._one:
-            self.cache = check_cache(caches, kind)
-            if layers is None:
-                #: attend calls per cache layer in the current step; the commit check refuses a step that did
-                #: not attend every layer exactly once (`flexkv.model.attendance`)
-                self.attendance: Optional[AttendanceRecord] = AttendanceRecord(self.cache.config.num_layers)
-            else:
-                self._layers = layer_map(layers, self.cache.config.num_layers, kind)
-                self._attending = tuple(i for i, c in enumerate(self._layers) if c is not None)
-                self.attendance = AttendanceRecord(len(self._layers), "attention layer")
-            #: name -> one-cache context; a one-cache context is its own one entry
-            self.contexts: Dict[Hashable, StepContext] = {None: self}
-            return
-        if layers is not None:
-            raise ValueError(f"{kind}: layers= maps a model's layers onto one cache's; over named caches give each "
-                             f"cache's own StepContext(cache, layers=...) as its value")
-        if not caches:
-            raise ValueError(f"{kind} needs a cache or a non-empty mapping of name -> cache (or one-cache "
-                             f"StepContext), got {caches!r}")
-        self.cache, self.attendance = None, None
-        contexts: Dict[Hashable, StepContext] = {}
-        for name, c in caches.items():
-            if isinstance(c, StepContext) and not c._one:
-                raise ValueError(f"{kind}: {name!r} is a context over several caches; give its caches one name each")
-            ctx = c if isinstance(c, StepContext) else StepContext(c)
-            same = next((n for n, o in contexts.items() if o.cache is ctx.cache), None)
-            if same is not None:
-                raise ValueError(
-                    f"{kind}: caches {same!r} and {name!r} are the same cache object; each name needs a "
-                    f"cache of its own (two names over one cache would write every step to it twice)"
-                )
-            contexts[name] = ctx
-        self.contexts = contexts
 
     # ------------------------------------------------------------- the caches
 
@@ -231,10 +222,8 @@ class StepContext:
         return {name: ctx.plan for name, ctx in self.contexts.items()}
 
     def _the_cache(self, what: str) -> None:
-        """Refuse `what` on a context over several caches (it belongs to one of them)."""
-        if not self._one:
-            raise ValueError(f"{type(self).__name__}.{what}: this context steps the caches {list(self.contexts)}; "
-                             f"call it on one of them, context[name].{what}")
+        """Refuse `what` on a context over several caches (it belongs to one of them); a one-cache context
+        serves it."""
 
     @property
     def config(self):
@@ -289,11 +278,7 @@ class StepContext:
         if any(c.transaction is not None and c.transaction.is_open for c in (self, *self.contexts.values())):
             raise ValueError(f"{where}: the step begun last is still open; commit() it after its forward, or "
                              f"abort() it if the forward failed")
-        if self._one:
-            steps = {None: chunks_of(step, where) if isinstance(step, (tuple, list)) else step}
-        else:
-            self.check_steps(step, where)
-            steps = step
+        steps = self._named_steps(step, where)
         txn = StepTransaction(next(iter(self.contexts.values())).cache) if transaction is None else transaction
         plans: Dict[Hashable, Any] = {}
         name = None
@@ -308,33 +293,35 @@ class StepContext:
                     plans[name] = (first, *(txn.plan(c, ctx.cache, eager_only=eager_only) for c in chunks[1:]))
                 else:
                     plans[name] = first
-        except SlotsExhausted as exc:
-            txn.abort()
-            if self._one:
-                raise
-            raise SlotsExhausted(f"{where}: cache {name!r} has no free slot for the step's new requests ({exc}); "
-                                 f"the step was admitted in no cache") from exc
         except BaseException as exc:
             txn.abort()
-            if self._one:
-                raise
-            raise named_error(exc, name, where) from None
+            self._refused(exc, name, where)
+            raise
         for name, ctx in self.contexts.items():
             ctx.transaction, ctx.step, ctx.plan = txn, steps[name], plans[name]
             ctx.attendance.start(len(plans[name]) if isinstance(plans[name], tuple) else 1)
         self.transaction, self._where = txn, f"{type(self).__name__}.commit"
         # The step's one attendance check, before anything commits: every declared layer of every cache once.
         txn.add_commit_check(lambda _txn: self.check_attendance(self._where))
-        return plans[None] if self._one else plans
+        return self._surface(plans)
+
+    # The shape's own part of `begin` (a context over named caches overrides them).
+    def _named_steps(self, step, where: str) -> dict:
+        """The step as name -> step: a one-cache context's one step (or its chunks), named None."""
+        return {None: chunks_of(step, where) if isinstance(step, (tuple, list)) else step}
+
+    def _refused(self, exc: BaseException, name, where: str) -> None:
+        """An error a cache raised in `begin` (the step already taken back): raise it as the caller should see
+        it, or return to raise it as it is (one cache: as it is)."""
+
+    def _surface(self, per_cache: dict):
+        """A name -> value mapping as this context's caller takes it: a one-cache context's one value."""
+        return per_cache[None]
 
     def bind(self, plan) -> None:
         """Make `plan` the one the layers read (name -> plan over named caches); call it inside a
         compiled step, on its argument."""
-        if self._one:
-            self.plan = plan
-        else:
-            for name, ctx in self.contexts.items():
-                ctx.plan = plan[name]
+        self.plan = plan
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: Any = None,
                **kwargs) -> torch.Tensor:
@@ -346,8 +333,8 @@ class StepContext:
         `attend_query_only` and `attend_joined` are the cache's other modes (`flexkv.cache.attend_modes`),
         taken alike."""
         bound = self.plan if plan is None else plan
-        if bound is None or bound.__class__ is tuple or not self._one:
-            bound = self._plan_for("attend", plan)  # raises what is wrong: no step, chunks, several caches
+        if bound is None or bound.__class__ is tuple:
+            bound = self._plan_for("attend", plan)  # raises what is wrong: no step, chunks
         self.attendance.attended(layer_idx)
         return self.cache.attend(layer_idx if self._layers is None else self._cache_layer(layer_idx), q, k, v, bound,
                                  **kwargs)
@@ -395,8 +382,7 @@ class StepContext:
     def _plan_for(self, what: str, plan: Any) -> Any:
         """The plan a call of `what` reads: `plan` when given, else the bound one (a single step's); raises
         on a context over several caches (the call belongs to one of them) and where no plan is bound."""
-        if not self._one:
-            self._the_cache(what)
+        self._the_cache(what)
         if plan is not None:
             return plan
         if self.plan is None:
@@ -444,12 +430,7 @@ class StepContext:
         """Raise `flexkv.model.attendance.AttendanceError` unless the bound step attended every declared
         layer of every cache exactly once (the first cache that fails is named, over named caches).
         The step's commit check; `where` says who commits (default `<class>.commit`)."""
-        where = where or f"{type(self).__name__}.commit"
-        if self._one:
-            self.attendance.check(where, self._attending)
-            return
-        for name, ctx in self.contexts.items():
-            ctx.attendance.check(f"{where} (cache {name!r})", ctx._attending)
+        self.attendance.check(where or f"{type(self).__name__}.commit", self._attending)
 
     def commit(self, where: Optional[str] = None) -> None:
         """Commit the step begun last in every cache: its transaction's commit checks first (the
@@ -504,6 +485,4 @@ class StepContext:
         self.cache.remove_request(request_id)
 
     def __repr__(self):
-        if self._one:
-            return f"{type(self).__name__}({type(self.cache).__name__})"
-        return f"{type(self).__name__}({', '.join(f'{n!r}: {type(c.cache).__name__}' for n, c in self.contexts.items())})"
+        return f"{type(self).__name__}({type(self.cache).__name__})"

@@ -84,8 +84,8 @@ thread-safe and not re-entrant: an operation called while another runs
 A model that keeps several caches in one step (two attention stacks at
 different frame rates, each with a cache of its own) runs through the same
 session over a mapping of named caches, `StreamSession({"slow": ...,
-"fast": ...})`, or `MultiCacheSession` (`flexkv.session.multi_cache`), the
-same class spelled for that use: each request feeding every cache its own
+"fast": ...})`, which builds a `MultiCacheSession` (`flexkv.session.multi_cache`,
+the subclass holding what differs at the surface): each request feeding every cache its own
 tokens, and every operation applied to every cache or to none. Its sources
 live in one cache each: `add_source(cache_name, keys, values)`, and
 `start(request_id, sources={cache_name: (source, source_len)})`.

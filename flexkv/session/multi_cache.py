@@ -66,14 +66,18 @@ queueing (`when_full`), compiling once per bucket (`compile=True`: every
 `(B, T of each cache)` at warm-up; a later compile warns with the guard
 that failed) and the one-operation-at-a-time rule are `StreamSession`'s:
 `MultiCacheSession` is `StreamSession` over named caches
-(`StreamSession({"slow": config_25, "fast": config_50})` is the same
-session), spelled with the arguments of that use; it adds nothing to it.
+(`StreamSession({"slow": config_25, "fast": config_50})` builds one), and
+holds only what differs at the surface.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
+from ..cache.host.slots import SlotsExhausted
+from ..config import is_int
+from ..model.step_context import named_error, naming_errors
+from .feeds import parse_feeds
 from .stream_session import StreamSession
 
 __all__ = ["MultiCacheSession"]
@@ -105,7 +109,13 @@ class MultiCacheSession(StreamSession):
             keeps its default.
         when_full, compile, initial_state: as `StreamSession`.
         block_size: FlexAttention's KV block size of the caches built from configs.
+
+    What differs from a one-cache session is this class's, once: its surface takes and answers
+    per cache (`_surface` keeps the mapping), errors name their cache, source calls take the cache's
+    name first, and `rollback` takes tokens per cache.
     """
+
+    _ONE = False
 
     def __init__(
         self,
@@ -118,6 +128,44 @@ class MultiCacheSession(StreamSession):
         compile: bool = True,
         initial_state: Optional[Callable[..., Any]] = None,
         block_size: Optional[int] = None,
+        groups=None,
     ):
-        super().__init__(caches, device, batch_sizes=batch_sizes, token_sizes=token_sizes, when_full=when_full,
-                         compile=compile, initial_state=initial_state, block_size=block_size)
+        super().__init__(caches, device, groups=groups, batch_sizes=batch_sizes, token_sizes=token_sizes,
+                         when_full=when_full, compile=compile, initial_state=initial_state, block_size=block_size)
+
+    @property
+    def cache(self):
+        raise AttributeError(f"a {type(self).__name__} over named caches {list(self.caches)} has no one cache; "
+                             f"use caches[name]")
+
+    def _surface(self, per_cache: dict):
+        return per_cache
+
+    def _naming(self, name, where: Optional[str] = None):
+        return naming_errors(name, where or type(self).__name__)
+
+    def _in_cache(self, name, phrase: str) -> str:
+        return phrase.format(name)
+
+    def _refused(self, exc: BaseException, name, request_id) -> None:
+        if isinstance(exc, SlotsExhausted):
+            raise SlotsExhausted(
+                f"cache {name!r} has no free slot for request {request_id!r} ({exc}); it is admitted in no cache"
+            ) from exc
+        raise named_error(exc, name, type(self).__name__) from None
+
+    def _rollback_counts(self, tokens) -> dict:
+        if not isinstance(tokens, Mapping) or set(tokens) != set(self.caches):
+            raise ValueError(
+                f"rollback: tokens must map every cache name {list(self.caches)} to the tokens to take back "
+                f"from it (0 for none; each cache has its own step lengths), got {tokens!r}"
+            )
+        counts = dict(tokens)
+        bad = next((n for n, k in counts.items() if not is_int(k) or k < 0), None)
+        if bad is not None:
+            raise ValueError(f"rollback: tokens[{bad!r}] must be an int >= 0, got {counts[bad]!r}")
+        return counts
+
+    def _templates(self, example) -> dict:
+        parsed = parse_feeds({None: example}, self._token_sizes, False)[None]
+        return {name: (f.leaves, f.spec, f.per_request) for name, f in parsed.items()}

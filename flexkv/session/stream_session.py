@@ -1,8 +1,10 @@
 """`StreamSession`: the step loop over one cache or several named ones (see `flexkv.session`).
 
-One class: a session over one cache is the one-entry case of a session over
-named caches (the one cache is named None inside). The spellings differ in
-what crosses the door: a one-cache session's requests feed tensors and
+Inside, a session over one cache is the one-entry case of a session over
+named caches (the one cache is named None); what crosses the door differs,
+and that difference is a class, chosen once when the session is built
+(`StreamSession({...})` builds a `MultiCacheSession`), whose few methods
+(`_surface`, `_naming`, `_refused`, ...) no step asks about again: a one-cache session's requests feed tensors and
 declare `source=`, `source_len=`; one over named caches (`StreamSession({
 "slow": ..., "fast": ...})`, or `MultiCacheSession`) takes a feed per cache,
 `sources={name: (source, source_len)}`, source calls that name their cache
@@ -28,11 +30,8 @@ from typing import Any, Callable, Dict, Hashable, Mapping, Optional, Sequence, T
 
 import torch
 
-from ..cache.host.slots import SlotsExhausted
 from ..cache.host.transaction import StepTransaction
-from ..config import is_int
-from ..model.multi_context import MultiStepContext
-from ..model.step_context import StepContext, named_error, naming_errors
+from ..model.step_context import StepContext
 from ..step import BoundedKVStep, Segment, StreamPosition
 from .feeds import Chunk, feed_leaves, map_tensors, pad_by_lane, parse_feeds, unflatten
 from .lanes import WHEN_FULL, Lanes, OneAtATime, Waiting, declarations, session_caches, source_call
@@ -91,6 +90,18 @@ class StreamSession:
         block_size: FlexAttention's KV block size of a cache built from a config.
     """
 
+    #: A one-cache session's surface: its one cache's values unwrapped (`_surface`), feeds of that cache's
+    #: tokens, source calls without a cache name. `MultiCacheSession` (what `StreamSession({...})` builds) is
+    #: the session over named caches: the shape is the class, chosen once.
+    _ONE = True
+
+    def __new__(cls, cache=None, *args, **kwargs):
+        if cls is StreamSession and isinstance(cache, Mapping):
+            from .multi_cache import MultiCacheSession
+
+            return super().__new__(MultiCacheSession)
+        return super().__new__(cls)
+
     def __init__(
         self,
         cache,
@@ -105,7 +116,9 @@ class StreamSession:
         block_size: Optional[int] = None,
     ):
         kind = type(self).__name__
-        self._one = one = not isinstance(cache, Mapping)
+        if isinstance(cache, Mapping) != (not self._ONE):
+            raise ValueError(f"{kind} takes {'one cache' if self._ONE else 'a mapping of name -> cache'}, got "
+                             f"{type(cache).__name__}; StreamSession(...) takes either")
         caches, sizes = session_caches(kind, cache, device, groups, block_size, token_sizes, compile)
         if initial_state is not None and not callable(initial_state):
             raise ValueError(f"initial_state must be a callable returning a new request's state, got {initial_state!r}")
@@ -115,10 +128,10 @@ class StreamSession:
         self.compile, self.initial_state = compile, initial_state
         self._new_state = None if initial_state is None else state_factory(initial_state)
         #: The step context the model's layers read the step from (`fn`'s `attn`).
-        self.context = StepContext(caches[ONE]) if one else MultiStepContext(caches)
+        self.context = StepContext(self._surface(caches))  # over named caches a `MultiStepContext`
         self._steps = CompiledSteps(self.context, compile, initial_state is not None, kind)
         self._token_sizes: Dict[Hashable, Tuple[int, ...]] = sizes  # name -> the cache's token buckets
-        self.token_sizes = sizes[ONE] if one else dict(sizes)
+        self.token_sizes = self._surface(dict(sizes))
         # Per cache: whether padding a row's tokens would be attended (a per-step window in some layer
         # attends every token of the step; a causal one never reads a token after the query).
         self._fill_tokens = {name: any(c.layer_config(i).query_window is None and not c.layer_config(i).causal_step
@@ -131,9 +144,6 @@ class StreamSession:
     @property
     def cache(self):
         """The session's one cache (over named caches, `caches[name]`)."""
-        if not self._one:
-            raise AttributeError(f"a {type(self).__name__} over named caches {list(self.caches)} has no one cache; "
-                                 f"use caches[name]")
         return self.caches[ONE]
 
     @property
@@ -168,7 +178,7 @@ class StreamSession:
         name -> tokens)."""
         self._lanes.get(request_id)
         written = {name: c.written(request_id) for name, c in self.caches.items()}
-        return written[ONE] if self._one else written
+        return self._surface(written)
 
     def sources(self, request_id: Hashable):
         """The `(source, source_len)` a started or waiting request declared (`(0, 0)`: no source; over
@@ -177,16 +187,45 @@ class StreamSession:
         if w is None:
             self._lanes.get(request_id)
         decls = dict(w.decl) if w is not None else self._declared(request_id)
-        return decls[ONE] if self._one else decls
+        return self._surface(decls)
 
     def _declared(self, request_id) -> Dict[Hashable, Tuple[int, int]]:
         """Cache name -> the `(source, source_len)` a started request's stream holds in that cache."""
         return {name: (pos.source, pos.source_len)
                 for name, pos in ((name, c.position(request_id)) for name, c in self.caches.items())}
 
+    # ------------------------------------------------ what differs with the shape (overridden over named caches)
+
+    def _surface(self, per_cache: dict):
+        """A name -> value mapping as this session's caller takes it: its one cache's value."""
+        return per_cache[ONE]
+
     def _naming(self, name, where: Optional[str] = None):
         """Over named caches, an error raised inside by cache `name` names it, after `where` (`named_error`)."""
-        return contextlib.nullcontext() if self._one else naming_errors(name, where or type(self).__name__)
+        return contextlib.nullcontext()
+
+    def _in_cache(self, name, phrase: str) -> str:
+        """`phrase` naming cache `name` (formatted with it) in a message; empty for the one cache."""
+        return ""
+
+    def _refused(self, exc: BaseException, name, request_id) -> None:
+        """An error cache `name` raised admitting `request_id`: raise it as the caller should see it, or return
+        to raise it as it is (one cache: as it is)."""
+
+    def _source_call(self, what: str, args: tuple):
+        return source_call(type(self).__name__, self._ONE, self.caches, what, args)
+
+    def _declarations(self, what: str, base, source, source_len, sources):
+        return declarations(type(self).__name__, what, self._ONE, base, source, source_len, sources)
+
+    def _rollback_counts(self, tokens) -> dict:
+        """name -> tokens to take back, from `rollback`'s `tokens`."""
+        return {ONE: tokens}
+
+    def _templates(self, example) -> dict:
+        """name -> `(leaves, spec, per_request)` of `warmup`'s example feed."""
+        inputs = example.inputs if isinstance(example, Chunk) else example
+        return {ONE: feed_leaves(inputs, "warmup's example")}
 
     # ----------------------------------------------------------- sources
 
@@ -195,7 +234,7 @@ class StreamSession:
         returns its index. Over named caches `add_source(cache_name, keys, values)`: in that cache (keys
         and values shaped for its layers and heads), the index there."""
         with self._exclusive("add_source"):
-            name, cache, (keys, values) = source_call(type(self).__name__, self._one, self.caches, "add_source", args)
+            name, cache, (keys, values) = self._source_call("add_source", args)
             with self._naming(name, f"{type(self).__name__}.add_source"):
                 index = cache.add_source(keys, values)
             self._admit_waiting()  # a waiting request may have been blocked on this source place
@@ -205,13 +244,13 @@ class StreamSession:
         """`remove_source(index)` (over named caches `remove_source(cache_name, index)`): unregister a shared
         source; refused while a request reads it, or waits to."""
         with self._exclusive("remove_source"):
-            name, cache, (index,) = source_call(type(self).__name__, self._one, self.caches, "remove_source", args)
+            name, cache, (index,) = self._source_call("remove_source", args)
             readers = [w.request_id for w in self._lanes.queue.values()
                        if w.decl[name][0] == index and index != -1 and w.decl[name][1]]
             if readers:
                 raise ValueError(
-                    f"{'' if self._one else type(self).__name__ + '.'}remove_source: source {index}"
-                    f"{'' if self._one else f' of cache {name!r}'} is declared by waiting requests {readers}; "
+                    f"{self._in_cache(name, type(self).__name__ + '.')}remove_source: source {index}"
+                    f"{self._in_cache(name, ' of cache {!r}')} is declared by waiting requests {readers}; "
                     f"finish() them or reset() them to another source first"
                 )
             with self._naming(name):
@@ -222,7 +261,7 @@ class StreamSession:
         `request_id` a prefix of its own (see `BoundedKVManager.add_private_source`); then start it on
         it (`source=-1`). It is freed when the request finishes; a reset keeps it."""
         with self._exclusive("add_private_source"):
-            name, cache, (request_id, keys, values) = source_call(type(self).__name__, self._one, self.caches, "add_private_source", args)
+            name, cache, (request_id, keys, values) = self._source_call("add_private_source", args)
             with self._naming(name):
                 return cache.add_private_source(request_id, keys, values)
 
@@ -230,12 +269,12 @@ class StreamSession:
         """`remove_private_source(request_id)` (over named caches with `cache_name` first): free
         `request_id`'s private source; refused while its stream reads it, or waits to."""
         with self._exclusive("remove_private_source"):
-            name, cache, (request_id,) = source_call(type(self).__name__, self._one, self.caches, "remove_private_source", args)
+            name, cache, (request_id,) = self._source_call("remove_private_source", args)
             w = self._lanes.waiting(request_id)
             if w is not None and w.decl[name][0] == -1 and w.decl[name][1]:
                 raise ValueError(
-                    f"{'' if self._one else type(self).__name__ + '.'}remove_private_source: waiting request "
-                    f"{request_id!r} is declared on it{'' if self._one else f' in cache {name!r}'} (source=-1, "
+                    f"{self._in_cache(name, type(self).__name__ + '.')}remove_private_source: waiting request "
+                    f"{request_id!r} is declared on it{self._in_cache(name, ' in cache {!r}')} (source=-1, "
                     f"source_len={w.decl[name][1]}); finish() it or reset() it to another source first"
                 )
             with self._naming(name):
@@ -260,16 +299,9 @@ class StreamSession:
             step = BoundedKVStep((Segment(request_id, 0),), {request_id: StreamPosition(source_len, 0, source)})
             try:
                 transaction.admit(step, c)
-            except SlotsExhausted as exc:
-                if self._one:
-                    raise
-                raise SlotsExhausted(
-                    f"cache {name!r} has no free slot for request {request_id!r} ({exc}); it is admitted in no cache"
-                ) from exc
             except Exception as exc:
-                if self._one:
-                    raise
-                raise named_error(exc, name, type(self).__name__) from None
+                self._refused(exc, name, request_id)
+                raise
         self._lanes.take(request_id, lambda lane: _Request(lane, state), transaction)
 
     def _admit_now(self, request_id, decls) -> None:
@@ -318,7 +350,7 @@ class StreamSession:
         starts or waits; errors change nothing.
         """
         with self._exclusive("start"):
-            decls = declarations(type(self).__name__, "start", self._one, self._empty_decl, source, source_len, sources)
+            decls = self._declarations("start", self._empty_decl, source, source_len, sources)
             if self._lanes.known(request_id):
                 raise ValueError(f"request {request_id!r} is already started; finish() or reset() it")
             self._check_start(request_id, decls)
@@ -366,7 +398,7 @@ class StreamSession:
             if w is None:
                 self._lanes.get(request_id)
             base = w.decl if w is not None else self._declared(request_id)
-            decls = declarations(type(self).__name__, "reset", self._one, base, source, source_len, sources)
+            decls = self._declarations("reset", base, source, source_len, sources)
             if w is not None:
                 self._check_start(request_id, decls)
                 w.decl, w.blocked = decls, None
@@ -418,18 +450,7 @@ class StreamSession:
         """
         with self._exclusive("rollback"):
             req = self._lanes.get(request_id)
-            if self._one:
-                counts = {ONE: tokens}
-            elif not isinstance(tokens, Mapping) or set(tokens) != set(self.caches):
-                raise ValueError(
-                    f"rollback: tokens must map every cache name {list(self.caches)} to the tokens to take back "
-                    f"from it (0 for none; each cache has its own step lengths), got {tokens!r}"
-                )
-            else:
-                counts = dict(tokens)
-                bad = next((n for n, k in counts.items() if not is_int(k) or k < 0), None)
-                if bad is not None:
-                    raise ValueError(f"rollback: tokens[{bad!r}] must be an int >= 0, got {counts[bad]!r}")
+            counts = self._rollback_counts(tokens)
             for name, c in self.caches.items():
                 with self._naming(name, f"{type(self).__name__}.rollback"):
                     c.check_rollback(request_id, counts[name])
@@ -455,7 +476,7 @@ class StreamSession:
             kind, lanes = type(self).__name__, self._lanes
             if not callable(fn):
                 raise ValueError(f"fn must be a callable fn(attn, inputs), got {fn!r}")
-            parsed = parse_feeds(feeds, self._token_sizes, self._one)  # request -> cache name -> Feed
+            parsed = parse_feeds(feeds, self._token_sizes, self._ONE)  # request -> cache name -> Feed
             self._recheck_blocked(parsed)
             new = lanes.new(parsed)
             for rid in new:
@@ -464,7 +485,7 @@ class StreamSession:
             if not running:
                 for rid in deferred:
                     lanes.enqueue(Waiting(rid, dict(self._empty_decl)))
-                return step_result(self._one, None, {}, {}, {}, None, waiting, 0.0)
+                return step_result(self._ONE, None, {}, {}, {}, None, waiting, 0.0)
             # Each cache's T: the smallest of its token sizes that holds every running request's feed.
             Ts = {}
             for name, sizes in self._token_sizes.items():
@@ -472,14 +493,14 @@ class StreamSession:
                 short = [r for r in running if parsed[r][name].tokens != T] if self._fill_tokens[name] else []
                 if short:
                     raise ValueError(
-                        f"request {short[0]!r} feeds {'' if self._one else f'cache {name!r} '}"
+                        f"request {short[0]!r} feeds {self._in_cache(name, 'cache {!r} ')}"
                         f"{parsed[short[0]][name].tokens} tokens in a step of T={T}; with a per-step window every "
                         f"query attends all T tokens of its row, so padding would be attended. Feed T tokens "
                         f"(Chunk(inputs, span=k) writes only k), step it separately, or add its length to "
-                        f"token_sizes{'' if self._one else f'[{name!r}]'}"
+                        f"token_sizes{self._in_cache(name, '[{!r}]')}"
                     )
             lane_of, B = lanes.place(running, starting)
-            what = f"B={B}, T={Ts[ONE] if self._one else Ts}"
+            what = f"B={B}, T={self._surface(Ts)}"
             first = parsed[running[0]]
             if self.compile and (step_key(fn), B, tuple(Ts.values())) not in self._steps.warm:
                 self._warm_up(fn, {name: (f.leaves, f.spec, f.per_request) for name, f in first.items()})
@@ -504,14 +525,14 @@ class StreamSession:
                         segments.append(Segment(rid, parsed[rid][name].span))
                         positions[rid] = c.position(rid)  # a request this step starts was admitted just now
                     steps[name] = BoundedKVStep(tuple(segments), positions, tokens=Ts[name])
-                plans = self.context.begin(steps[ONE] if self._one else steps, transaction)
+                plans = self.context.begin(self._surface(steps), transaction)
                 plan_s = time.perf_counter() - t0
                 inputs = {name: unflatten(f.spec, pad_by_lane({lane_of[r]: parsed[r][name].leaves for r in running},
                                                               f.leaves, B, Ts[name], f.per_request))
                           for name, f in first.items()}
                 run = self._steps.runner(fn)
                 with torch.no_grad(), self._steps.watch(fn, what):
-                    args = (plans, inputs[ONE] if self._one else inputs)
+                    args = (plans, self._surface(inputs))
                     if self._new_state is None:
                         outputs, kept = run(*args), {}
                     else:
@@ -524,7 +545,7 @@ class StreamSession:
                 raise
             for rid, state in kept.items():  # plain assignments, after the commit
                 lanes.records[rid].state = state
-            return step_result(self._one, outputs, {rid: lane_of[rid] for rid in running},
+            return step_result(self._ONE, outputs, {rid: lane_of[rid] for rid in running},
                                {rid: {n: f.tokens for n, f in parsed[rid].items()} for rid in running}, steps, plans,
                                waiting, plan_s)
 
@@ -548,11 +569,10 @@ class StreamSession:
         """A request a step starts: on empty streams, so not one given a private source in any cache."""
         private = [name for name, c in self.caches.items() if request_id in c.private_sources]
         if private:
-            where, how = ("", "source=-1, source_len=...") if self._one else (
-                f" in cache {private[0]!r}", f"sources={{{private[0]!r}: (-1, source_len)}}")
-            raise ValueError(f"request {request_id!r} has a private source{where} but was never started: "
-                             f"start({request_id!r}, {how}) it (a step starts new requests on "
-                             f"{'an empty stream' if self._one else 'empty streams'} with no source)")
+            how = self._in_cache(private[0], "sources={{{!r}: (-1, source_len)}}") or "source=-1, source_len=..."
+            raise ValueError(f"request {request_id!r} has a private source{self._in_cache(private[0], ' in cache {!r}')} "
+                             f"but was never started: start({request_id!r}, {how}) it (a step starts new requests "
+                             f"{self._in_cache(None, 'on empty streams') or 'on an empty stream'} with no source)")
         self._check_start(request_id, self._empty_decl)
 
     def warmup(self, fn: Callable, example) -> float:
@@ -565,11 +585,7 @@ class StreamSession:
         time it meets `fn` when `compile=True`.
         """
         with self._exclusive("warmup"):
-            if self._one:
-                inputs = example.inputs if isinstance(example, Chunk) else example
-                return self._warm_up(fn, {ONE: feed_leaves(inputs, "warmup's example")})
-            parsed = parse_feeds({None: example}, self._token_sizes, False)[None]
-            return self._warm_up(fn, {name: (f.leaves, f.spec, f.per_request) for name, f in parsed.items()})
+            return self._warm_up(fn, self._templates(example))
 
     def _warm_up(self, fn, templates) -> float:
         """Run `fn`'s step on padding alone for every bucket; `templates`: name -> (leaves, spec, per_request)
@@ -583,12 +599,12 @@ class StreamSession:
             for Ts in itertools.product(*(self._token_sizes[n] for n in names)):
                 steps = {n: BoundedKVStep(tuple(Segment(None, 0) for _ in range(B)), {}, tokens=T)
                          for n, T in zip(names, Ts)}
-                T_of = Ts[0] if self._one else dict(zip(names, Ts))
+                T_of = self._surface(dict(zip(names, Ts)))
                 where = f"{type(self).__name__} warm-up of the model step (B={B}, T={T_of})"
-                with self.context.stepping(steps[ONE] if self._one else steps, where) as plans:
+                with self.context.stepping(self._surface(steps), where) as plans:
                     inputs = {n: unflatten(templates[n][1], pad_by_lane({}, templates[n][0], B, T, templates[n][2]))
                               for n, T in zip(names, Ts)}
-                    args = (plans, inputs[ONE] if self._one else inputs)
+                    args = (plans, self._surface(inputs))
                     with torch.no_grad():
                         if padding_state is None:
                             run(*args)
