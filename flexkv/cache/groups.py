@@ -23,11 +23,12 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..config import BoundedKVConfig, Retention, SinkWindow, check_config, is_int
+from ..config import BoundedKVConfig, Retention, SinkWindow, check_config, check_layer_index, is_int
 from ..step import BoundedKVStep
 from .host.planner import BoundedPlan
+from .host.sources import split_source
 
-__all__ = ["LayerGroup", "GroupedPlan", "GroupRotation", "layer_group_configs", "per_layer_groups", "as_layer_groups"]
+__all__ = ["LayerGroup", "GroupedPlan", "GroupRotation", "GroupRouting", "OneGroup", "layer_group_configs", "per_layer_groups", "as_layer_groups"]
 
 
 @dataclass(frozen=True)
@@ -247,3 +248,79 @@ class GroupRotation(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, plan: "GroupedPlan"):
         return self.rotation(q, k, plan.plans[self.group])
+
+
+class OneGroup:
+    """How a one-group cache reaches its group (`GroupRouting`): its plans and rotations are the group's
+    own, a model layer is the group's layer of the same index, and every source is the group's whole."""
+
+    def __init__(self, groups: Sequence, num_layers: int):
+        self.group = groups[0]
+        self.num_layers = num_layers
+
+    def only(self, what: str):
+        return self.group
+
+    def plan(self, plans: list):
+        return plans[0]
+
+    def rotation(self, g: int, rotation: nn.Module) -> nn.Module:
+        return rotation
+
+    def first_plan(self, plan) -> BoundedPlan:
+        return plan
+
+    def layer_plan(self, route: tuple, layer_idx: int, plan) -> BoundedPlan:
+        return plan
+
+    def in_group(self, what: str, route: tuple, layer_idx: int, plan) -> tuple:
+        return self.group, check_layer_index(layer_idx, self.num_layers), plan
+
+    def source_shares(self, what: str, config: BoundedKVConfig, layer_groups, keys, values) -> list:
+        return [(keys, values)]
+
+
+class GroupRouting:
+    """How a cache of several layer groups reaches them: a `GroupedPlan` per step (one plan per group), a
+    `GroupRotation` per rotated layer, each model layer routed to its group's layer, and all-layer
+    sources split into each group's share. `OneGroup` is the one-group case; a `BoundedKVManager`
+    takes one of the two when it is built, so no call asks how many groups there are."""
+
+    def __init__(self, groups: Sequence, num_layers: int):
+        self.groups = tuple(groups)
+        self.num_layers = num_layers
+
+    def only(self, what: str):
+        raise ValueError(
+            f"BoundedKVManager.{what}: this cache has {len(self.groups)} layer groups, each with its own {what}; "
+            f"read cache.cache_groups[g].{what} (cache.group_of(layer) gives a layer's group)")
+
+    def plan(self, plans: list) -> GroupedPlan:
+        return GroupedPlan(plans)
+
+    def rotation(self, g: int, rotation: nn.Module) -> nn.Module:
+        return GroupRotation(g, rotation)
+
+    def _check(self, what: str, plan) -> None:
+        if not isinstance(plan, GroupedPlan) or len(plan) != len(self.groups):
+            raise ValueError(
+                f"{what} needs this cache's GroupedPlan (one plan per group, {len(self.groups)} groups): "
+                f"pass plan=cache.plan(step), got {plan!r}"
+            )
+
+    def first_plan(self, plan) -> BoundedPlan:
+        if not isinstance(plan, GroupedPlan):
+            raise ValueError(
+                f"stream_positions needs this cache's GroupedPlan (cache.plan(step)), got {type(plan).__name__}")
+        return plan.plans[0]
+
+    def layer_plan(self, route: tuple, layer_idx: int, plan) -> BoundedPlan:
+        return plan.plans[route[check_layer_index(layer_idx, self.num_layers)][0]]
+
+    def in_group(self, what: str, route: tuple, layer_idx: int, plan) -> tuple:
+        self._check(what, plan)
+        g, i = route[check_layer_index(layer_idx, self.num_layers)]
+        return self.groups[g], i, plan.plans[g]
+
+    def source_shares(self, what: str, config: BoundedKVConfig, layer_groups, keys, values) -> list:
+        return split_source(what, config, layer_groups, [g.config for g in self.groups], keys, values)

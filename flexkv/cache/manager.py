@@ -37,10 +37,9 @@ from torch import nn
 from ..config import BoundedKVConfig, check_config, check_layer_index, resolve_device
 from .attend_modes import AttendModes
 from .cache_group import CacheGroup, StoreBuffers
-from .groups import GroupedPlan, GroupRotation, as_layer_groups, layer_group_configs
+from .groups import GroupRouting, OneGroup, as_layer_groups, layer_group_configs
 from .host.lifecycle import StreamLifecycle
 from .host.slots import SlotsExhausted, SlotTable, SourcesExhausted
-from .host.sources import split_source
 from .paths.attention_options import AttentionOptions
 from .paths.joint_path import KeyPart
 from .storage import slot_copy
@@ -135,9 +134,10 @@ class BoundedKVManager(AttendModes, StreamLifecycle, StoreBuffers, nn.Module):
         self._groups = tuple(built)
         self._route = route
         self._stores = tuple(g.store for g in built)
-        #: One group: plans are its `BoundedPlan`s; several: `GroupedPlan`s.
-        self._one = len(built) == 1
-        object.__setattr__(self, "_store", built[0].store if self._one else None)
+        #: How a call reaches its group, chosen once (`flexkv.cache.groups`): one group's plans are its
+        #: `BoundedPlan`s; several groups' are `GroupedPlan`s.
+        self._routing = (OneGroup if len(built) == 1 else GroupRouting)(built, config.num_layers)
+        object.__setattr__(self, "_store", built[0].store if len(built) == 1 else None)
 
     def _build_group(self, config: BoundedKVConfig, options: AttentionOptions, block_size, store) -> CacheGroup:
         """Group `config`'s `CacheGroup` (`ShardedKVManager` builds its rank's share)."""
@@ -154,11 +154,7 @@ class BoundedKVManager(AttendModes, StreamLifecycle, StoreBuffers, nn.Module):
 
     def _only_group(self, what: str) -> CacheGroup:
         """The one group of a one-group cache; with several, a `ValueError` saying where `what` lives."""
-        if self._one:
-            return self._groups[0]
-        raise ValueError(
-            f"BoundedKVManager.{what}: this cache has {len(self._groups)} layer groups, each with its own {what}; "
-            f"read cache.cache_groups[g].{what} (cache.group_of(layer) gives a layer's group)")
+        return self._routing.only(what)
 
     @property
     def store(self) -> LayerStore:
@@ -186,7 +182,7 @@ class BoundedKVManager(AttendModes, StreamLifecycle, StoreBuffers, nn.Module):
 
     def group_plan(self, layer_idx: int, plan):
         """The plan model layer `layer_idx`'s group reads, from this cache's `plan` (its `BoundedPlan`)."""
-        return plan if self._one else plan.plans[self.group_of(layer_idx)[0]]
+        return self._routing.layer_plan(self._route, layer_idx, plan)
 
     @property
     def memory_bytes(self) -> int:
@@ -227,17 +223,12 @@ class BoundedKVManager(AttendModes, StreamLifecycle, StoreBuffers, nn.Module):
         `check_step` on the host before planning (`flexkv.model.step_context.StepContext` does)."""
         g, i = self.group_of(layer_idx)
         rotation = self._groups[g].rotation(i, rotary, mode, rotated_inputs=rotated_inputs)
-        return rotation if self._one else GroupRotation(g, rotation)
+        return self._routing.rotation(g, rotation)
 
     def stream_positions(self, plan, tokens: Optional[int] = None) -> torch.Tensor:
         """Stream index of each of the step's own tokens, `[N, T]` int64 on the device (contract
         section 2; the same in every group; padding rows count from 0). Traceable: no host sync."""
-        if not self._one:
-            if not isinstance(plan, GroupedPlan):
-                raise ValueError(
-                    f"stream_positions needs this cache's GroupedPlan (cache.plan(step)), got {type(plan).__name__}")
-            plan = plan.plans[0]
-        return self._groups[0].stream_positions(plan, tokens)
+        return self._groups[0].stream_positions(self._routing.first_plan(plan), tokens)
 
     # -------------------------------------------------------------- lifecycle
     # `StreamLifecycle` (flexkv.cache.host.lifecycle) writes the members once, over the one table and
@@ -247,14 +238,11 @@ class BoundedKVManager(AttendModes, StreamLifecycle, StoreBuffers, nn.Module):
     def _plan_step(self, step, slots, private, eager_only):
         """One plan per group, from one read of the table."""
         plans = [g.plan_from(step, slots, private, eager_only) for g in self._groups]
-        return plans[0] if self._one else GroupedPlan(plans)
+        return self._routing.plan(plans)
 
     def _source_shares(self, what: str, keys, values):
         """Each group's store with its share of all-layer source tensors, checked by that store."""
-        if self._one:
-            shares = [(keys, values)]
-        else:
-            shares = split_source(what, self.config, self.groups, [g.config for g in self._groups], keys, values)
+        shares = self._routing.source_shares(what, self.config, self.groups, keys, values)
         checked = [(s, *s.source_tensors(what, k, v)) for s, (k, v) in zip(self._stores, shares)]
         return [(s, k, v) for s, k, v, _ in checked], checked[0][3]
 
@@ -281,10 +269,7 @@ class BoundedKVManager(AttendModes, StreamLifecycle, StoreBuffers, nn.Module):
         in the layer's group with the group's plan (`flexkv.cache.cache_group.CacheGroup._attend`, where
         the arguments are described; the modes: `flexkv.cache.attend_modes`). `plan` is this cache's
         `plan(step)`."""
-        if self._one:  # the group checks the layer index and the plan itself
-            group, i, group_plan = self._groups[0], layer_idx, plan
-        else:
-            group, i, group_plan = self._in_group("attend", layer_idx, plan)
+        group, i, group_plan = self._routing.in_group("attend", self._route, layer_idx, plan)
         if self._check_heads is not None:
             self._check_heads(group, q, k, v)
         return group._attend(i, q, k, v, group_plan, scale=scale, score_mod=score_mod, positions=positions,
@@ -294,7 +279,7 @@ class BoundedKVManager(AttendModes, StreamLifecycle, StoreBuffers, nn.Module):
         """Write the step's tokens into model layer `layer_idx` as `attend` does, and return the cells each
         row's newest own token reads as a `KeyPart` another cache's `attend_joined` reads in its
         softmax (`CacheGroup.write_part`)."""
-        group, i, group_plan = self._in_group("write_part", layer_idx, plan)
+        group, i, group_plan = self._routing.in_group("write_part", self._route, layer_idx, plan)
         if self._check_heads is not None:
             self._check_heads(group, k, k, v)
         return group.write_part(i, k, v, group_plan)
@@ -303,20 +288,8 @@ class BoundedKVManager(AttendModes, StreamLifecycle, StoreBuffers, nn.Module):
     #: `ShardedKVManager`'s: a rank takes its share).
     _check_heads: Optional[Callable] = None
 
-    def _in_group(self, what: str, layer_idx: int, plan) -> tuple:
-        """`(group, layer in the group, group's plan)` of model layer `layer_idx` under `plan`."""
-        if self._one:
-            return self._groups[0], check_layer_index(layer_idx, self.config.num_layers), plan
-        if not isinstance(plan, GroupedPlan) or len(plan) != len(self._groups):
-            raise ValueError(
-                f"{what} needs this cache's GroupedPlan (one plan per group, {len(self._groups)} groups): "
-                f"pass plan=cache.plan(step), got {plan!r}"
-            )
-        g, i = self.group_of(layer_idx)
-        return self._groups[g], i, plan.plans[g]
-
     def extra_repr(self) -> str:
-        if self._one:
+        if len(self._groups) == 1:
             return ""
         parts = []
         for lg, g in zip(self.groups, self._groups):

@@ -53,7 +53,7 @@ from .step_context import StepContext, named_error
 __all__ = ["MultiStepContext", "named_error"]
 
 
-class MultiStepContext(StepContext):
+class MultiStepContext(StepContext, named_shape=True):
     """`StepContext` over named caches (module docstring; `StepContext({...})` builds one): `multi[name]` is
     each cache's one-cache `StepContext`. What differs from a one-cache context is here, once: `begin`,
     `bind` and `stepping` take and return mappings of name -> step or plan, an error a cache raises

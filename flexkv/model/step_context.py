@@ -140,13 +140,20 @@ class StepContext:
     attended exactly once (`flexkv.model.attendance`).
     """
 
-    def __new__(cls, caches=None, *args, **kwargs):
-        # `StepContext({name: cache, ...})` is the context over named caches (`MultiStepContext`): one class per
-        # shape, chosen here once, so no method asks which shape it serves.
-        if cls is StepContext and isinstance(caches, Mapping):
-            from .multi_context import MultiStepContext
+    #: The class of a context over named caches (`flexkv.model.multi_context.MultiStepContext`, which names
+    #: itself so when it is defined: `flexkv.model` imports it).
+    _named_shape: Optional[type] = None
 
-            return super().__new__(MultiStepContext)
+    def __init_subclass__(cls, named_shape: bool = False, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if named_shape:
+            StepContext._named_shape = cls
+
+    def __new__(cls, caches=None, *args, **kwargs):
+        # `StepContext({name: cache, ...})` is the context over named caches: one class per shape, chosen here
+        # once, so no method asks which shape it serves.
+        if cls is StepContext and isinstance(caches, Mapping):
+            return super().__new__(StepContext._named_shape)
         return super().__new__(cls)
 
     def __init__(self, caches, *, layers: Optional[Sequence[Optional[int]]] = None):

@@ -83,7 +83,7 @@ from .stream_session import StreamSession
 __all__ = ["MultiCacheSession"]
 
 
-class MultiCacheSession(StreamSession):
+class MultiCacheSession(StreamSession, named_shape=True):
     """`StreamSession` over named caches stepped as one (see the module docstring).
 
     Sources live in one cache each: `add_source(cache_name, keys, values)`

@@ -95,11 +95,18 @@ class StreamSession:
     #: the session over named caches: the shape is the class, chosen once.
     _ONE = True
 
+    #: The class of a session over named caches (`flexkv.session.multi_cache.MultiCacheSession`, which names
+    #: itself so when it is defined: `flexkv.session` imports it).
+    _named_shape: Optional[type] = None
+
+    def __init_subclass__(cls, named_shape: bool = False, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if named_shape:
+            StreamSession._named_shape = cls
+
     def __new__(cls, cache=None, *args, **kwargs):
         if cls is StreamSession and isinstance(cache, Mapping):
-            from .multi_cache import MultiCacheSession
-
-            return super().__new__(MultiCacheSession)
+            return super().__new__(StreamSession._named_shape)
         return super().__new__(cls)
 
     def __init__(
