@@ -445,7 +445,7 @@ def test_model_layer_types_are_read_or_refused():
     cache = FlexKVCache(model, None, sliding_retention=SinkWindow(2, 5), block_size=16)
     assert [r["retention"] for r in cache.memory_report()] == [SinkWindow(2, 5)]
     with pytest.raises(ValueError, match="layer 0 passes sliding_window=7 to its attention"):
-        cache._check_layer(0, 7, None)
+        cache.check_layer(0, 7, None)
 
 
 def test_a_layer_spec_names_its_value_width_value_head_dim():

@@ -483,10 +483,10 @@ def test_ctrl_c_in_a_hand_written_decode_loop_is_undone_by_the_next_forward():
                         handle.remove()
                     lengths = [cache.stream_length(s) for s in (0, 1)]
                     # The interrupted forward is still pending (nothing ran its end) ...
-                    assert cache._pending is not None and model.config._attn_implementation == "flexkv"
+                    assert cache.pending_forward is not None and model.config._attn_implementation == "flexkv"
                     # ... until the next forward: here one without the cache, which runs the model's own attention.
                     model(input_ids=ids)
-                    assert cache._pending is None and model.config._attn_implementation == "sdpa"
+                    assert cache.pending_forward is None and model.config._attn_implementation == "sdpa"
                     assert [cache.stream_length(s) for s in (0, 1)] == lengths
                 logits = model(input_ids=tok, cache=cache).logits[:, -1]
                 out.append(logits)

@@ -49,7 +49,7 @@ class BranchingCache:
         return self.manager.slot_of(stream_id)
 
     def _branching(self, what: str) -> None:
-        self._recover()
+        self.recover_forward()
         self._no_pending(what)
 
     # ------------------------------------------------------------ flexkv names
@@ -225,8 +225,8 @@ def _snapshot(cache) -> dict:
 
 def _restore(cache, before: dict, saved: tuple, exc: BaseException) -> None:
     """Return every stream to its length before the call; say on `exc` which could not be."""
-    cache._recover()
-    if cache._pending is not None:
+    cache.recover_forward()
+    if cache.pending_forward is not None:
         cache.rollback()
     stuck = []
     for sid in list(cache.manager.requests):

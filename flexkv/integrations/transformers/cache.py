@@ -295,14 +295,14 @@ class FlexKVCache(BranchingCache, CacheShim):
             raise ValueError(f"select(): stream ids must be distinct, got {list(ids)}")
         if any(i is None for i in ids):
             raise ValueError("select(): None is not a valid stream id")
-        self._recover()
+        self.recover_forward()
         self._no_pending("select()")
         self.selected.select(ids)
         return self
 
     def finish(self, stream_id: Hashable) -> None:
         """End a stream: forget it and free its slot (`StreamSession.finish` for one batch row)."""
-        self._recover()
+        self.recover_forward()
         self._no_pending("finish()")
         if stream_id not in self.manager.requests:
             raise ValueError(f"finish(): no stream {stream_id!r}; the cache holds {list(self.manager.requests)}")
@@ -323,7 +323,34 @@ class FlexKVCache(BranchingCache, CacheShim):
         model = self._model()
         return None if model is None else getattr(model, "_flexkv_state", None)
 
-    def _recover(self) -> None:
+    # ------------------------------------------- what the door's hooks and steps read of the cache
+
+    @property
+    def pending_forward(self) -> Optional[Pending]:
+        """The forward `prepare` planned and no `commit` or `rollback` has ended yet (None between forwards)."""
+        return self._pending
+
+    @property
+    def cache_positions(self):
+        """The in-cache rotary positions the cache serves (`cache_positions.CachePositions`), or None (stream
+        positions)."""
+        return self._rotary
+
+    @property
+    def bound_model(self):
+        """The model the cache was built for, or None once it is gone (the cache holds it weakly)."""
+        return self._model()
+
+    @property
+    def recurrent_states(self):
+        """The recurrent layers' states (`recurrent.RecurrentStates`), or None for a model without any."""
+        return self._recurrent
+
+    def note_eager_attention(self) -> None:
+        """A layer of the forward ran eagerly: the next forward's plans may be made for eager calls only."""
+        self._ran_eagerly = True
+
+    def recover_forward(self) -> None:
         """Roll back a forward the model's hooks planned and never ended (interrupted)."""
         state = self._model_state
         if state is not None and state.running is not None and state.running.cache is self:
@@ -353,7 +380,7 @@ class FlexKVCache(BranchingCache, CacheShim):
 
     # ------------------------------------------------------------- planning
 
-    def _check_layer(self, layer_idx: int, sliding_window, softcap) -> None:
+    def check_layer(self, layer_idx: int, sliding_window, softcap) -> None:
         """Host check, per layer and forward: what the model asks for is what the cache serves."""
         if not self.layer_specs[layer_idx].attends:
             raise ValueError(
@@ -394,7 +421,7 @@ class FlexKVCache(BranchingCache, CacheShim):
         streams have not advanced. The model's hooks do all of this for
         you; call it yourself only for a bare `model.forward`.
         """
-        self._recover()
+        self.recover_forward()
         self._no_pending("prepare()")
         state = self._model_state
         if state is None:

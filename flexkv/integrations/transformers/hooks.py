@@ -155,7 +155,7 @@ class ModelState:
         if fwd is None:
             return False
         cache = fwd.cache
-        if cache._pending is not None and cache._pending.forward is fwd:
+        if cache.pending_forward is not None and cache.pending_forward.forward is fwd:
             cache.rollback()
         return True
 
@@ -233,7 +233,7 @@ def _end_forward(state: ModelState, module, fwd, result):
         state.running = None
     state.static_shapes(False)
     cache = fwd.cache
-    if cache._pending is None or cache._pending.forward is not fwd:
+    if cache.pending_forward is None or cache.pending_forward.forward is not fwd:
         return None
     if result is None:
         cache.rollback()
@@ -344,7 +344,7 @@ def _assistant_cache(model, kwargs):
         return None, None
     assistant = kwargs.get("assistant_model")
     state = getattr(assistant, "_flexkv_state", None)
-    if not isinstance(cache, CacheShim) or state is None or cache._model() is not assistant:
+    if not isinstance(cache, CacheShim) or state is None or cache.bound_model is not assistant:
         raise ValueError(
             "generate(assistant_cache=...) takes a FlexKVCache built for the assistant_model "
             "(FlexKVCache(assistant_model, retention, max_rollback=...)), given with assistant_model="
@@ -379,7 +379,7 @@ def _guarded_generate(state: ModelState, model, generate, *args, **kwargs):
         raise ValueError(
             "FlexKVCache does not support generate() in assisted generation mode for this model: assisted "
             "decoding and prompt lookup take back rejected draft tokens, but the model's recurrent layers "
-            f"{list(cache._recurrent.layers)} keep a state that cannot be taken back"
+            f"{list(cache.recurrent_states.layers)} keep a state that cannot be taken back"
         )
     _check_compile_config(model, kwargs.get("compile_config", config.compile_config), config)
     # A stream continued with only new tokens first attends the token generate() returned last (turns.py).

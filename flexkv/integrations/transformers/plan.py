@@ -90,7 +90,7 @@ class FlexKVForward:
         #: `[B, T]` the stream position of each column
         self.position_ids = position_ids
         #: "cache" positions: rewrites the sink cells per layer (`CachePositions`)
-        self.rotary = cache._rotary
+        self.rotary = cache.cache_positions
         #: per chunk, whether its queries share one eviction count ("cache" positions; else each query reads
         #: the sinks at its own offset, `CachePositions.attend_per_query`)
         self.rotary_shared = tuple(True if self.rotary is None else self.rotary.shares_eviction(s) for s in steps)
@@ -142,9 +142,9 @@ class FlexKVForward:
         """Attend model layer `layer_idx` for the whole forward: `q [B, Hq, T, D]`, `k [B, Hkv, T, D]`,
         `v [B, Hkv, T, Dv]` in, `[B, Hq, T, Dv]` out. Each chunk is one call of the context's `attend`
         (which counts it for the forward's attendance check)."""
-        self.cache._check_layer(layer_idx, sliding_window, softcap)
+        self.cache.check_layer(layer_idx, sliding_window, softcap)
         if not torch.compiler.is_compiling():
-            self.cache._ran_eagerly = True  # the next forward's plans may be for eager calls only
+            self.cache.note_eager_attention()
         kv = self.kv_layer[layer_idx]
         score_mod = None if softcap is None else softcap_mod(softcap)
         if self.gather is not None:
