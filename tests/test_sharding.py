@@ -13,7 +13,7 @@ import torch
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, LayerGroup, Segment, SinkWindow, StreamPosition
 from flexkv.model.uncached import UncachedHistory
 from flexkv.serving import BoundedKVResource, BoundedKVSpec, EngineResourceInfo
-from flexkv.serving.distributed import HeadShard, ShardedKVManager, plan_digest, resolve_rank
+from flexkv.serving.distributed import HeadShard, ShardedKVManager, ShardStores, plan_digest, resolve_rank
 
 
 def small_config(num_heads=4, **kw) -> BoundedKVConfig:
@@ -189,6 +189,38 @@ def test_attend_wants_this_rank_query_heads():
     with pytest.raises(ValueError, match=r"attend: k has all 4 KV heads; rank 1 of 2 takes only its 2"):
         m.attend(0, torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 8), v, plan)
     assert m.attend(0, torch.randn(2, 4, 1, 8), k, v, plan).shape == (2, 4, 1, 8)
+
+
+def test_a_plain_cache_built_with_the_shard_store_factory_is_that_ranks_cache():
+    """Tensor parallelism is a store factory: `BoundedKVManager(config, store=ShardStores(shard))` keeps the
+    rank's heads of every group, slices full-head sources, refuses every head in `attend`, and attends as the
+    rank of `ShardedKVManager` does (which adds only the rank's lookup and the consistency check)."""
+    cfg = small_config()
+    groups = (LayerGroup((0,), SinkWindow(2, 4)), LayerGroup((1,), SinkWindow(0, 3)))
+    plain = BoundedKVManager(cfg, groups=groups, block_size=16,
+                             store=ShardStores(HeadShard(4, 1, 2, num_query_heads=8)))
+    sharded = ShardedKVManager(cfg, groups=groups, rank=1, world_size=2, num_query_heads=8, block_size=16)
+    assert plain.config.num_heads == 2 and [g.config.num_heads for g in plain.cache_groups] == [2, 2]
+    keys, values = torch.randn(2, 2, 4, 5, 8), torch.randn(2, 2, 4, 5, 8)
+    for m in (plain, sharded):
+        m.add_source(keys, values)  # every head given: each keeps heads 2..3
+    for name, buf in plain.named_buffers():
+        assert torch.equal(buf, dict(sharded.named_buffers())[name]), name
+    g = torch.Generator().manual_seed(3)
+    for n in range(4):
+        step = BoundedKVStep((Segment("a", 2),), {"a": StreamPosition(0, 2 * n)}, tokens=2)
+        q = torch.randn(2, 4, 2, 8, generator=g)
+        kv = [torch.randn(2, 2, 2, 8, generator=g) for _ in range(4)]
+        outs = []
+        for m in (plain, sharded):
+            m.admit(step)
+            plan = m.plan(step)
+            outs.append([m.attend(0, q, kv[0], kv[1], plan), m.attend(1, q, kv[2], kv[3], plan)])
+            m.commit(step)
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"attend: k has all 4 KV heads; rank 1 of 2 takes only its 2"):
+        plain.attend(0, q, torch.randn(2, 4, 2, 8), torch.randn(2, 4, 2, 8), plain.plan(step))
 
 
 # ------------------------------------------------------------------ the engine seam

@@ -94,7 +94,10 @@ class BoundedKVManager(AttendModes, StreamLifecycle, StoreBuffers, nn.Module):
             `AttentionOptions.for_cache(config, device)`.
         store: builds each group's device store, `store(config, device, layout)` returning a
             `flexkv.cache.storage.store.LayerStore` of the group's config; None (the default) builds
-            a `LayerStore`.
+            a `LayerStore`. A factory that keeps part of each group's heads also has
+            `group_config(config)` (the group's config as kept: the cache's `config` and every
+            group's then read so) and `check_heads(group, q, k, v)` (run before each `attend`):
+            tensor parallelism is such a factory (`flexkv.serving.distributed.ShardStores`).
 
     `cache_groups[g]` is group `g`'s `flexkv.cache.cache_group.CacheGroup` (its layer `i` is model
     layer `groups[g].layers[i]`). A one-group cache's `store`, `layout`, `paths` and `options` are its
@@ -122,12 +125,18 @@ class BoundedKVManager(AttendModes, StreamLifecycle, StoreBuffers, nn.Module):
             raise ValueError(f"store must be a callable (config, device, layout) -> LayerStore, or None, got {store!r}")
         layer_groups, configs, route = layer_group_configs(
             config, None if groups is None else as_layer_groups(config, groups))
+        share = getattr(store, "group_config", None)  # a store factory keeping part of each group's heads
+        if share is not None:  # (a tensor-parallel rank's, `flexkv.serving.distributed.ShardStores`)
+            configs = tuple(share(c) for c in configs)
+            self.config = share(config)
+        #: A check of `attend`'s heads before the group's own, `check(group, q, k, v)` (the store factory's).
+        self._check_heads = getattr(store, "check_heads", None)
         #: The `LayerGroup`s: which layers keep which part of every stream.
         self.groups = layer_groups
         #: Host bookkeeping: slots, requests, source places (`flexkv.cache.host.slots`), under its lock.
         self.slots = SlotTable(config)
         self._lock = self.slots.lock
-        built = [self._build_group(c, options, block_size, store) for c in configs]
+        built = [CacheGroup(c, self.device, options, block_size=block_size, store=store) for c in configs]
         #: One `CacheGroup` per layer group: its config, layout, store and attention paths.
         self.cache_groups = nn.ModuleList(built)
         # Host-side access without nn.ModuleList's indexing cost (it runs on every step and layer).
@@ -138,10 +147,6 @@ class BoundedKVManager(AttendModes, StreamLifecycle, StoreBuffers, nn.Module):
         #: `BoundedPlan`s; several groups' are `GroupedPlan`s.
         self._routing = (OneGroup if len(built) == 1 else GroupRouting)(built, config.num_layers)
         object.__setattr__(self, "_store", built[0].store if len(built) == 1 else None)
-
-    def _build_group(self, config: BoundedKVConfig, options: AttentionOptions, block_size, store) -> CacheGroup:
-        """Group `config`'s `CacheGroup` (`ShardedKVManager` builds its rank's share)."""
-        return CacheGroup(config, self.device, options, block_size=block_size, store=store)
 
     # Former knobs, now `options` fields: setting one raises and says how to pass it.
     pack_gqa = _MovedToOptions()
@@ -283,10 +288,6 @@ class BoundedKVManager(AttendModes, StreamLifecycle, StoreBuffers, nn.Module):
         if self._check_heads is not None:
             self._check_heads(group, k, k, v)
         return group.write_part(i, k, v, group_plan)
-
-    #: A check of `attend`'s heads before the group's own, `check(group, q, k, v)` (None: none;
-    #: `ShardedKVManager`'s: a rank takes its share).
-    _check_heads: Optional[Callable] = None
 
     def extra_repr(self) -> str:
         if len(self._groups) == 1:

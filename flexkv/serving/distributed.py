@@ -4,9 +4,11 @@ In tensor-parallel attention every rank computes the queries, keys and
 values of a contiguous block of heads (a column-parallel QKV projection),
 attends over them, and the ranks combine their partial outputs after the
 output projection. A rank's cache is therefore an ordinary
-`BoundedKVManager` whose config has `num_heads // world_size` heads:
-`ShardedKVManager` is exactly that, plus slicing of full-head sources and an
-optional consistency check.
+`BoundedKVManager` whose config has `num_heads // world_size` heads, built
+with a store factory that keeps the rank's heads (`BoundedKVManager(config,
+device, store=ShardStores(HeadShard(...)))`): `ShardedKVManager` is exactly
+that (with the rank read from a process group), plus an optional
+consistency check.
 
 Nothing in the host planner looks at heads, so the slot table and every plan
 are the same on every rank as long as every rank makes the same calls in the
@@ -46,14 +48,13 @@ from typing import Any, Hashable, Optional
 
 import torch
 
-from ..cache.cache_group import CacheGroup
 from ..cache.groups import GroupedPlan
 from ..cache.host.planner import BoundedPlan
 from ..cache.manager import BoundedKVManager
 from ..cache.storage.store import LayerStore
 from ..config import BoundedKVConfig, check_config, is_int
 
-__all__ = ["HeadShard", "ShardedKVManager", "ShardStore", "resolve_rank", "all_gather_heads", "plan_digest"]
+__all__ = ["HeadShard", "ShardedKVManager", "ShardStore", "ShardStores", "resolve_rank", "all_gather_heads", "plan_digest"]
 
 
 
@@ -244,6 +245,53 @@ class ShardStore(LayerStore):
         return super().source_tensors(what, *picked)
 
 
+class ShardStores:
+    """The store factory of a tensor-parallel rank: `BoundedKVManager(config, device, store=ShardStores(shard))`
+    is rank `shard.rank`'s cache, each layer group keeping this rank's share of its KV heads.
+
+    A store factory that keeps part of each group's heads tells the cache so (`group_config`: the group's
+    config with this rank's heads, what the group is built with and `attend` checks), builds each group's
+    store (`ShardStore`, which also slices sources given with every head), and checks that `attend` gets
+    this rank's heads (`check_heads`). `shard` splits the model's own heads; a layer group with another
+    head count is split alike (its `HeadShard` from `group_shard`)."""
+
+    def __init__(self, shard: HeadShard):
+        self.shard = shard
+
+    def group_shard(self, num_heads: int) -> HeadShard:
+        """The split of a layer group with `num_heads` KV heads (the model's query heads checked only for
+        the model's own head count)."""
+        s = self.shard
+        return HeadShard(num_heads, s.rank, s.world_size, s.num_query_heads if num_heads == s.num_heads else None)
+
+    def group_config(self, config: BoundedKVConfig) -> BoundedKVConfig:
+        """A group's config (every head) as this rank keeps it."""
+        return config.replace(num_heads=self.group_shard(config.num_heads).local_heads)
+
+    def __call__(self, config: BoundedKVConfig, device, layout) -> "ShardStore":
+        """The store of a group whose config `group_config` made (this rank's heads)."""
+        return ShardStore(config, device, layout, self.group_shard(config.num_heads * self.shard.world_size))
+
+    def check_heads(self, group, q, k, v) -> None:
+        """Refuse an `attend` call given every head where this rank takes its share."""
+        shard = group.store.shard
+        full, local = shard.num_heads, shard.local_heads
+        for name, t in (("k", k), ("v", v)):
+            if full != local and isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[1] == full:
+                raise ValueError(
+                    f"attend: {name} has all {full} KV heads; rank {shard.rank} of {shard.world_size} takes only "
+                    f"its {local} (slice them with manager.shard.kv({name}), or project only this rank's heads)"
+                )
+        Hq = shard.num_query_heads
+        if Hq is not None and isinstance(q, torch.Tensor) and q.dim() == 4:
+            want = Hq // shard.world_size
+            if q.shape[1] != want:
+                raise ValueError(
+                    f"attend: q has {q.shape[1]} heads; rank {shard.rank} of {shard.world_size} takes its "
+                    f"{want} of the model's {Hq} query heads (slice them with manager.shard.query(q))"
+                )
+
+
 class ShardedKVManager(BoundedKVManager):
     """This rank's share of a tensor-parallel bounded KV cache: a `BoundedKVManager` whose every layer
     group holds this rank's heads.
@@ -289,25 +337,13 @@ class ShardedKVManager(BoundedKVManager):
         if not isinstance(check_plans, bool):
             raise ValueError(f"check_plans must be a bool, got {check_plans!r}")
         rank, world_size = resolve_rank(process_group, rank, world_size)
-        shard = HeadShard(config.num_heads, rank, world_size, num_query_heads)
-        # Read by `_build_group` while the base class builds the groups.
-        object.__setattr__(self, "shard", shard)
-        super().__init__(config, device, groups=groups, block_size=block_size)
+        stores = ShardStores(HeadShard(config.num_heads, rank, world_size, num_query_heads))
+        super().__init__(config, device, groups=groups, block_size=block_size, store=stores)
+        #: Which of the model's heads this rank keeps (`HeadShard`).
+        self.shard = stores.shard
         self.full_config = config
-        self.config = config.replace(num_heads=shard.local_heads)
         self.process_group = process_group
         self.check_plans = check_plans
-
-    def _build_group(self, config: BoundedKVConfig, options, block_size, store) -> CacheGroup:
-        """The group's share of this rank: its config with the rank's heads, a store that keeps the rank's
-        heads of each source (`ShardStore`), and its `HeadShard` as the group's `shard`."""
-        full = self.shard
-        shard = HeadShard(config.num_heads, full.rank, full.world_size,
-                          full.num_query_heads if config.num_heads == full.num_heads else None)
-        group = CacheGroup(config.replace(num_heads=shard.local_heads), self.device, options, block_size=block_size,
-                           store=lambda cfg, dev, layout: ShardStore(cfg, dev, layout, shard))
-        object.__setattr__(group, "shard", shard)
-        return group
 
     @property
     def rank(self) -> int:
@@ -336,24 +372,6 @@ class ShardedKVManager(BoundedKVManager):
         if self.check_plans:
             self.check_in_sync(plan)
         return plan
-
-    def _check_heads(self, group, q, k, v) -> None:
-        shard = group.shard
-        full, local = shard.num_heads, shard.local_heads
-        for name, t in (("k", k), ("v", v)):
-            if full != local and isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[1] == full:
-                raise ValueError(
-                    f"attend: {name} has all {full} KV heads; rank {self.rank} of {self.world_size} takes only its "
-                    f"{local} (slice them with manager.shard.kv({name}), or project only this rank's heads)"
-                )
-        Hq = shard.num_query_heads
-        if Hq is not None and isinstance(q, torch.Tensor) and q.dim() == 4:
-            want = Hq // self.world_size
-            if q.shape[1] != want:
-                raise ValueError(
-                    f"attend: q has {q.shape[1]} heads; rank {self.rank} of {self.world_size} takes its "
-                    f"{want} of the model's {Hq} query heads (slice them with manager.shard.query(q))"
-                )
 
     # ------------------------------------------------------------ consistency
 
