@@ -280,6 +280,17 @@ class BoundedKVManager(AttendModes, StreamLifecycle, StoreBuffers, nn.Module):
         return group._attend(i, q, k, v, group_plan, scale=scale, score_mod=score_mod, positions=positions,
                              sinks=sinks, want_lse=want_lse, query_only=query_only, joined=joined)
 
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan, *,
+               scale: Optional[float] = None, score_mod: Optional[Callable] = None, positions: str = "stream",
+               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`AttendModes.attend`, routed here straight to the group (the call every layer makes: one frame
+        fewer between a model and its kernel)."""
+        group, i, group_plan = self._routing.in_group("attend", self._route, layer_idx, plan)
+        if self._check_heads is not None:
+            self._check_heads(group, q, k, v)
+        return group._attend(i, q, k, v, group_plan, scale=scale, score_mod=score_mod, positions=positions,
+                             sinks=sinks)
+
     def write_part(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, plan) -> KeyPart:
         """Write the step's tokens into model layer `layer_idx` as `attend` does, and return the cells each
         row's newest own token reads as a `KeyPart` another cache's `attend_joined` reads in its
