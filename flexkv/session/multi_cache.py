@@ -78,6 +78,8 @@ from ..cache.host.slots import SlotsExhausted
 from ..config import is_int
 from ..model.step_context import named_error, naming_errors
 from .feeds import parse_feeds
+from .lanes import declarations, source_call
+from .result import step_result
 from .stream_session import StreamSession
 
 __all__ = ["MultiCacheSession"]
@@ -115,8 +117,6 @@ class MultiCacheSession(StreamSession, named_shape=True):
     name first, and `rollback` takes tokens per cache.
     """
 
-    _ONE = False
-
     def __init__(
         self,
         caches: Mapping[Hashable, Any],
@@ -138,8 +138,25 @@ class MultiCacheSession(StreamSession, named_shape=True):
         raise AttributeError(f"a {type(self).__name__} over named caches {list(self.caches)} has no one cache; "
                              f"use caches[name]")
 
+    def _check_shape(self, cache) -> None:
+        if not isinstance(cache, Mapping):
+            raise ValueError(f"{type(self).__name__} takes a mapping of name -> cache, got {type(cache).__name__}; "
+                             f"a session over one cache is StreamSession(cache)")
+
     def _surface(self, per_cache: dict):
         return per_cache
+
+    def _parse_feeds(self, feeds):
+        return parse_feeds(feeds, self._token_sizes, False)
+
+    def _result(self, *args):
+        return step_result(False, *args)
+
+    def _source_call(self, what: str, args: tuple):
+        return source_call(type(self).__name__, False, self.caches, what, args)
+
+    def _declarations(self, what: str, base, source, source_len, sources):
+        return declarations(type(self).__name__, what, False, base, source, source_len, sources)
 
     def _naming(self, name, where: Optional[str] = None):
         return naming_errors(name, where or type(self).__name__)

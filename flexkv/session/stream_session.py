@@ -90,11 +90,6 @@ class StreamSession:
         block_size: FlexAttention's KV block size of a cache built from a config.
     """
 
-    #: A one-cache session's surface: its one cache's values unwrapped (`_surface`), feeds of that cache's
-    #: tokens, source calls without a cache name. `MultiCacheSession` (what `StreamSession({...})` builds) is
-    #: the session over named caches: the shape is the class, chosen once.
-    _ONE = True
-
     #: The class of a session over named caches (`flexkv.session.multi_cache.MultiCacheSession`, which names
     #: itself so when it is defined: `flexkv.session` imports it).
     _named_shape: Optional[type] = None
@@ -123,9 +118,7 @@ class StreamSession:
         block_size: Optional[int] = None,
     ):
         kind = type(self).__name__
-        if isinstance(cache, Mapping) != (not self._ONE):
-            raise ValueError(f"{kind} takes {'one cache' if self._ONE else 'a mapping of name -> cache'}, got "
-                             f"{type(cache).__name__}; StreamSession(...) takes either")
+        self._check_shape(cache)
         caches, sizes = session_caches(kind, cache, device, groups, block_size, token_sizes, compile)
         if initial_state is not None and not callable(initial_state):
             raise ValueError(f"initial_state must be a callable returning a new request's state, got {initial_state!r}")
@@ -203,9 +196,25 @@ class StreamSession:
 
     # ------------------------------------------------ what differs with the shape (overridden over named caches)
 
+    # A one-cache session's surface: its one cache's values unwrapped (`_surface`), feeds of that cache's
+    # tokens, source calls without a cache name. `MultiCacheSession` (what `StreamSession({...})` builds) is the
+    # session over named caches and overrides these: the shape is the class, chosen once.
+
+    def _check_shape(self, cache) -> None:
+        if isinstance(cache, Mapping):
+            raise ValueError(f"{type(self).__name__} takes one cache, got a mapping; StreamSession(...) takes either")
+
     def _surface(self, per_cache: dict):
         """A name -> value mapping as this session's caller takes it: its one cache's value."""
         return per_cache[ONE]
+
+    def _parse_feeds(self, feeds):
+        """request -> cache name -> `Feed` of a step's `feeds`."""
+        return parse_feeds(feeds, self._token_sizes, True)
+
+    def _result(self, *args):
+        """The step's result (`flexkv.session.result.step_result`'s arguments after the shape)."""
+        return step_result(True, *args)
 
     def _naming(self, name, where: Optional[str] = None):
         """Over named caches, an error raised inside by cache `name` names it, after `where` (`named_error`)."""
@@ -220,10 +229,10 @@ class StreamSession:
         to raise it as it is (one cache: as it is)."""
 
     def _source_call(self, what: str, args: tuple):
-        return source_call(type(self).__name__, self._ONE, self.caches, what, args)
+        return source_call(type(self).__name__, True, self.caches, what, args)
 
     def _declarations(self, what: str, base, source, source_len, sources):
-        return declarations(type(self).__name__, what, self._ONE, base, source, source_len, sources)
+        return declarations(type(self).__name__, what, True, base, source, source_len, sources)
 
     def _rollback_counts(self, tokens) -> dict:
         """name -> tokens to take back, from `rollback`'s `tokens`."""
@@ -483,7 +492,7 @@ class StreamSession:
             kind, lanes = type(self).__name__, self._lanes
             if not callable(fn):
                 raise ValueError(f"fn must be a callable fn(attn, inputs), got {fn!r}")
-            parsed = parse_feeds(feeds, self._token_sizes, self._ONE)  # request -> cache name -> Feed
+            parsed = self._parse_feeds(feeds)  # request -> cache name -> Feed
             self._recheck_blocked(parsed)
             new = lanes.new(parsed)
             for rid in new:
@@ -492,7 +501,7 @@ class StreamSession:
             if not running:
                 for rid in deferred:
                     lanes.enqueue(Waiting(rid, dict(self._empty_decl)))
-                return step_result(self._ONE, None, {}, {}, {}, None, waiting, 0.0)
+                return self._result(None, {}, {}, {}, None, waiting, 0.0)
             # Each cache's T: the smallest of its token sizes that holds every running request's feed.
             Ts = {}
             for name, sizes in self._token_sizes.items():
@@ -552,7 +561,7 @@ class StreamSession:
                 raise
             for rid, state in kept.items():  # plain assignments, after the commit
                 lanes.records[rid].state = state
-            return step_result(self._ONE, outputs, {rid: lane_of[rid] for rid in running},
+            return self._result(outputs, {rid: lane_of[rid] for rid in running},
                                {rid: {n: f.tokens for n, f in parsed[rid].items()} for rid in running}, steps, plans,
                                waiting, plan_s)
 
