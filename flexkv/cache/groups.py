@@ -274,7 +274,7 @@ class OneGroup:
         return plan
 
     def in_group(self, what: str, route: tuple, layer_idx: int, plan) -> tuple:
-        return self.group, check_layer_index(layer_idx, self.num_layers), plan
+        return self.group, layer_idx, plan  # the group checks the layer index and the plan itself
 
     def source_shares(self, what: str, config: BoundedKVConfig, layer_groups, keys, values) -> list:
         return [(keys, values)]
