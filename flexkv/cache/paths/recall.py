@@ -42,11 +42,11 @@ from torch import nn
 from ...config import BoundedKVConfig
 from ..host.layout import Layout
 from ..positions.rotary import apply_rotary
-from ..storage.quantized import dequantize
+from ..storage.cell_rows import read_cells
 from ..storage.slot_copy import SlotBuffer, plan_slot_rows
 
 __all__ = ["MemoryIndex", "MemorySelection", "MemoryStep", "MemoryTurns", "check_recall_call", "memory_select",
-           "memory_step", "read_cells", "window_starts", "work_dtype"]
+           "memory_step", "window_starts", "work_dtype"]
 
 
 def check_recall_call(config: BoundedKVConfig, query_only, joined, relative: bool = False) -> None:
@@ -115,42 +115,6 @@ def _cells(plan, j: torch.Tensor, ring: int, T: int, S: int) -> torch.Tensor:
     held = (j >= plan.sink.long().view(view)) & (j < end) & (j >= end - ring)
     cells = plan.ring_base.long().view(view) + torch.remainder(j, ring)
     return torch.where(held, cells, 0).clamp(0, S - 1)
-
-
-@torch.library.custom_op("flexkv::gather_head_cells", mutates_args=())
-def gather_head_cells(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """Rows `flat` of layer tensor `x` (`[1, H, S, width]`) viewed as `[H * S, width]` (row `h * S + cell`
-    is head `h`'s cell): `[len(flat), width]`. One op opaque to a compiled graph: inductor calls
-    `index_select` as it is (a row copy) instead of generating a slower gather loop for it."""
-    return x.reshape(-1, x.shape[-1]).index_select(0, flat)
-
-
-@gather_head_cells.register_fake
-def _(x, flat):
-    return x.new_empty(flat.shape[0], x.shape[-1])
-
-
-def _rows(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """`gather_head_cells(x, flat)`; eagerly `index_select` itself (a custom op's eager dispatch costs more than
-    the copy)."""
-    if torch.compiler.is_compiling():
-        return gather_head_cells(x, flat)
-    return x.reshape(-1, x.shape[-1]).index_select(0, flat)
-
-
-def read_cells(kc: torch.Tensor, scale: Optional[torch.Tensor], flat: torch.Tensor, work: torch.dtype,
-               dtype: torch.dtype) -> torch.Tensor:
-    """Rows `flat` (`[N, H, L]`, head `h`'s cell `c` as `h * S + c`) of a layer tensor `[1, H, S, D]`,
-    dequantized into the cache's `dtype`, then widened to `work`: `[N, H, L, D]`. Read as whole rows of
-    the flattened `[H * S, D]` tensor (`index_select`: several times faster on the CPU than indexing by a
-    head and a cell tensor)."""
-    N, H, L = flat.shape
-    flat = flat.reshape(-1)
-    out = _rows(kc, flat).view(N, H, L, -1)
-    if scale is None:
-        return out.to(work)
-    # As every path reads a quantized cell back (`quantized.dequantize`), then widened.
-    return dequantize(out, _rows(scale, flat).view(N, H, L, 1), dtype).to(work)
 
 
 class MemoryTurns(nn.Module):

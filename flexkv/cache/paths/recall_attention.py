@@ -19,16 +19,8 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 
 from ...config import BoundedKVConfig
-from .recall import (
-    MemoryIndex,
-    MemorySelection,
-    MemoryStep,
-    MemoryTurns,
-    memory_select,
-    read_cells,
-    window_starts,
-    work_dtype,
-)
+from ..storage.cell_rows import read_cells
+from .recall import MemoryIndex, MemorySelection, MemoryStep, MemoryTurns, memory_select, window_starts, work_dtype
 
 __all__ = ["MemoryCall", "attend_joined", "attend_with_window", "join_window", "memory_part"]
 
