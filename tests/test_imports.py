@@ -231,7 +231,8 @@ def cache_rule_breaks(graph: dict) -> list:
 def test_every_cache_module_sits_in_a_role():
     """`flexkv/cache/` holds the caches themselves at its top, everything else in a role's sub-package."""
     top = sorted(n for n in MODULES if n.startswith("flexkv.cache.") and n.count(".") == 2)
-    assert top == sorted(["flexkv.cache.attend_modes", "flexkv.cache.cache_group", "flexkv.cache.groups", "flexkv.cache.manager", "flexkv.cache.protocol",
+    assert top == sorted(["flexkv.cache.attend_modes", "flexkv.cache.cache_group", "flexkv.cache.groups",
+                          "flexkv.cache.manager", "flexkv.cache.protocol",
                           "flexkv.cache.path_choice", *(f"flexkv.cache.{role}" for role in CACHE_ROLES)])
 
 

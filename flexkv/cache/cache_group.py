@@ -253,7 +253,7 @@ class CacheGroup(AttendModes, StoreBuffers, nn.Module):
             qs = (q.reshape(N, H, g * T, D) if route.pack_gqa else q) * scale
             out, lse = path(PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, need_lse, relative, compiling))
             out = out.view(N, Hq, T, v.shape[3])
-        own = _epilogue(out, lse, sinks, want_lse)
+        own = _epilogue(out, lse, sinks, want_lse or query_only is not None)
         if query_only is None:
             return own
         extra = attend_query_only(self.paths.rows, query_only, kc, vc, plan, scale=scale, score_mod=score_mod,
@@ -262,7 +262,8 @@ class CacheGroup(AttendModes, StoreBuffers, nn.Module):
 
     def _attend_recall(self, layer_idx, q, kc, vc, scales, plan, route, path, sm, scale, score_mod, positions, relative,
                        compiling):
-        """`(out, lse)` of a `Recall` layer's call: its memory part (`flexkv.cache.paths.recall_attention.memory_part`) and
+        """`(out, lse)` of a `Recall` layer's call: its memory part
+        (`flexkv.cache.paths.recall_attention.memory_part`) and
         its window in one softmax. On the rows path the window's cells are gathered with the chosen memory
         entries, on the CPU into one call of its fused attention kernel (`attend_joined`), elsewhere or with a
         `score_mod` into the memory's softmax (`attend_with_window`); through FlexAttention the window is

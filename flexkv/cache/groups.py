@@ -28,7 +28,8 @@ from ..step import BoundedKVStep
 from .host.planner import BoundedPlan
 from .host.sources import split_source
 
-__all__ = ["LayerGroup", "GroupedPlan", "GroupRotation", "GroupRouting", "OneGroup", "layer_group_configs", "per_layer_groups", "as_layer_groups"]
+__all__ = ["LayerGroup", "GroupedPlan", "GroupRotation", "GroupRouting", "OneGroup", "layer_group_configs",
+           "per_layer_groups", "as_layer_groups"]
 
 
 @dataclass(frozen=True)
@@ -254,9 +255,8 @@ class OneGroup:
     """How a one-group cache reaches its group (`GroupRouting`): its plans and rotations are the group's
     own, a model layer is the group's layer of the same index, and every source is the group's whole."""
 
-    def __init__(self, groups: Sequence, num_layers: int):
+    def __init__(self, groups: Sequence, route: tuple):
         self.group = groups[0]
-        self.num_layers = num_layers
 
     def only(self, what: str):
         return self.group
@@ -270,10 +270,10 @@ class OneGroup:
     def first_plan(self, plan) -> BoundedPlan:
         return plan
 
-    def layer_plan(self, route: tuple, layer_idx: int, plan) -> BoundedPlan:
+    def layer_plan(self, layer_idx: int, plan) -> BoundedPlan:
         return plan
 
-    def in_group(self, what: str, route: tuple, layer_idx: int, plan) -> tuple:
+    def in_group(self, what: str, layer_idx: int, plan) -> tuple:
         return self.group, layer_idx, plan  # the group checks the layer index and the plan itself
 
     def source_shares(self, what: str, config: BoundedKVConfig, layer_groups, keys, values) -> list:
@@ -286,9 +286,9 @@ class GroupRouting:
     sources split into each group's share. `OneGroup` is the one-group case; a `BoundedKVManager`
     takes one of the two when it is built, so no call asks how many groups there are."""
 
-    def __init__(self, groups: Sequence, num_layers: int):
+    def __init__(self, groups: Sequence, route: tuple):
         self.groups = tuple(groups)
-        self.num_layers = num_layers
+        self.route = route  # model layer -> (group, layer in the group)
 
     def only(self, what: str):
         raise ValueError(
@@ -314,12 +314,12 @@ class GroupRouting:
                 f"stream_positions needs this cache's GroupedPlan (cache.plan(step)), got {type(plan).__name__}")
         return plan.plans[0]
 
-    def layer_plan(self, route: tuple, layer_idx: int, plan) -> BoundedPlan:
-        return plan.plans[route[check_layer_index(layer_idx, self.num_layers)][0]]
+    def layer_plan(self, layer_idx: int, plan) -> BoundedPlan:
+        return plan.plans[self.route[check_layer_index(layer_idx, len(self.route))][0]]
 
-    def in_group(self, what: str, route: tuple, layer_idx: int, plan) -> tuple:
+    def in_group(self, what: str, layer_idx: int, plan) -> tuple:
         self._check(what, plan)
-        g, i = route[check_layer_index(layer_idx, self.num_layers)]
+        g, i = self.route[check_layer_index(layer_idx, len(self.route))]
         return self.groups[g], i, plan.plans[g]
 
     def source_shares(self, what: str, config: BoundedKVConfig, layer_groups, keys, values) -> list:

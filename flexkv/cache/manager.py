@@ -145,7 +145,7 @@ class BoundedKVManager(AttendModes, StreamLifecycle, StoreBuffers, nn.Module):
         self._stores = tuple(g.store for g in built)
         #: How a call reaches its group, chosen once (`flexkv.cache.groups`): one group's plans are its
         #: `BoundedPlan`s; several groups' are `GroupedPlan`s.
-        self._routing = (OneGroup if len(built) == 1 else GroupRouting)(built, config.num_layers)
+        self._routing = (OneGroup if len(built) == 1 else GroupRouting)(built, route)
         object.__setattr__(self, "_store", built[0].store if len(built) == 1 else None)
 
     # Former knobs, now `options` fields: setting one raises and says how to pass it.
@@ -187,7 +187,7 @@ class BoundedKVManager(AttendModes, StreamLifecycle, StoreBuffers, nn.Module):
 
     def group_plan(self, layer_idx: int, plan):
         """The plan model layer `layer_idx`'s group reads, from this cache's `plan` (its `BoundedPlan`)."""
-        return self._routing.layer_plan(self._route, layer_idx, plan)
+        return self._routing.layer_plan(layer_idx, plan)
 
     @property
     def memory_bytes(self) -> int:
@@ -274,9 +274,7 @@ class BoundedKVManager(AttendModes, StreamLifecycle, StoreBuffers, nn.Module):
         in the layer's group with the group's plan (`flexkv.cache.cache_group.CacheGroup._attend`, where
         the arguments are described; the modes: `flexkv.cache.attend_modes`). `plan` is this cache's
         `plan(step)`."""
-        group, i, group_plan = self._routing.in_group("attend", self._route, layer_idx, plan)
-        if self._check_heads is not None:
-            self._check_heads(group, q, k, v)
+        group, i, group_plan = self._group_call("attend", layer_idx, q, k, v, plan)
         return group._attend(i, q, k, v, group_plan, scale=scale, score_mod=score_mod, positions=positions,
                              sinks=sinks, want_lse=want_lse, query_only=query_only, joined=joined)
 
@@ -285,9 +283,7 @@ class BoundedKVManager(AttendModes, StreamLifecycle, StoreBuffers, nn.Module):
                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`AttendModes.attend`, routed here straight to the group (the call every layer makes: one frame
         fewer between a model and its kernel)."""
-        group, i, group_plan = self._routing.in_group("attend", self._route, layer_idx, plan)
-        if self._check_heads is not None:
-            self._check_heads(group, q, k, v)
+        group, i, group_plan = self._group_call("attend", layer_idx, q, k, v, plan)
         return group._attend(i, q, k, v, group_plan, scale=scale, score_mod=score_mod, positions=positions,
                              sinks=sinks)
 
@@ -295,10 +291,16 @@ class BoundedKVManager(AttendModes, StreamLifecycle, StoreBuffers, nn.Module):
         """Write the step's tokens into model layer `layer_idx` as `attend` does, and return the cells each
         row's newest own token reads as a `KeyPart` another cache's `attend_joined` reads in its
         softmax (`CacheGroup.write_part`)."""
-        group, i, group_plan = self._routing.in_group("write_part", self._route, layer_idx, plan)
-        if self._check_heads is not None:
-            self._check_heads(group, k, k, v)
+        group, i, group_plan = self._group_call("write_part", layer_idx, k, k, v, plan)
         return group.write_part(i, k, v, group_plan)
+
+    def _group_call(self, what: str, layer_idx: int, q, k, v, plan) -> tuple:
+        """`(group, layer in the group, the group's plan)` a call of `what` on model layer `layer_idx` goes to,
+        its heads checked by the store factory's `check_heads` when it has one."""
+        group, i, group_plan = self._routing.in_group(what, layer_idx, plan)
+        if self._check_heads is not None:
+            self._check_heads(group, q, k, v)
+        return group, i, group_plan
 
     def extra_repr(self) -> str:
         if len(self._groups) == 1:

@@ -125,4 +125,5 @@ class MultiStepContext(StepContext, named_shape=True):
             ctx.attendance.check(f"{where} (cache {name!r})", ctx._attending)
 
     def __repr__(self):
-        return f"{type(self).__name__}({', '.join(f'{n!r}: {type(c.cache).__name__}' for n, c in self.contexts.items())})"
+        named = ", ".join(f"{n!r}: {type(c.cache).__name__}" for n, c in self.contexts.items())
+        return f"{type(self).__name__}({named})"

@@ -54,7 +54,8 @@ from ..cache.manager import BoundedKVManager
 from ..cache.storage.store import LayerStore
 from ..config import BoundedKVConfig, check_config, is_int
 
-__all__ = ["HeadShard", "ShardedKVManager", "ShardStore", "ShardStores", "resolve_rank", "all_gather_heads", "plan_digest"]
+__all__ = ["HeadShard", "ShardedKVManager", "ShardStore", "ShardStores", "resolve_rank", "all_gather_heads",
+           "plan_digest"]
 
 
 

@@ -1,11 +1,11 @@
 """`StreamSession`: the step loop over one cache or several named ones (see `flexkv.session`).
 
 Inside, a session over one cache is the one-entry case of a session over
-named caches (the one cache is named None); what crosses the door differs,
-and that difference is a class, chosen once when the session is built
-(`StreamSession({...})` builds a `MultiCacheSession`), whose few methods
-(`_surface`, `_naming`, `_refused`, ...) no step asks about again: a one-cache session's requests feed tensors and
-declare `source=`, `source_len=`; one over named caches (`StreamSession({
+named caches (the one cache is named None). What crosses the door differs,
+and that difference is a class chosen once when the session is built
+(`StreamSession({...})` builds a `MultiCacheSession`, which overrides a few
+methods: `_surface`, `_naming`, `_refused`, ...). A one-cache session's
+requests feed tensors and declare `source=`, `source_len=`; one over named caches (`StreamSession({
 "slow": ..., "fast": ...})`, or `MultiCacheSession`) takes a feed per cache,
 `sources={name: (source, source_len)}`, source calls that name their cache
 first, and answers per cache.
@@ -586,7 +586,8 @@ class StreamSession:
         private = [name for name, c in self.caches.items() if request_id in c.private_sources]
         if private:
             how = self._in_cache(private[0], "sources={{{!r}: (-1, source_len)}}") or "source=-1, source_len=..."
-            raise ValueError(f"request {request_id!r} has a private source{self._in_cache(private[0], ' in cache {!r}')} "
+            where = self._in_cache(private[0], " in cache {!r}")
+            raise ValueError(f"request {request_id!r} has a private source{where} "
                              f"but was never started: start({request_id!r}, {how}) it (a step starts new requests "
                              f"{self._in_cache(None, 'on empty streams') or 'on an empty stream'} with no source)")
         self._check_start(request_id, self._empty_decl)

@@ -168,7 +168,8 @@ class CachePositions:
                 score = score_mod(score, b, h, q_pos, kv_pos)
             return torch.where(kv_pos < S, float("-inf"), score)
 
-        out, lse = context.attend_lse(model_layer, q, k, v, plan=plan, scale=scale, score_mod=without_sinks, sinks=sinks)
+        out, lse = context.attend_lse(model_layer, q, k, v, plan=plan, scale=scale, score_mod=without_sinks,
+                                      sinks=sinks)
         # A query that reads only sinks (a stream's first tokens, batched beside a stream past its window) has
         # every score of this part at -inf: whatever the path made of it (-inf or NaN), it contributes nothing.
         dead = ~torch.isfinite(lse)
