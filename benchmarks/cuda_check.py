@@ -225,8 +225,9 @@ class Stream:
 
     def __init__(self, name: str, cfg: BoundedKVConfig, device, *, q_heads: int, tokens: int, segments: int,
                  block_size: int, seed: int, churn: float = 0.2, score_mod=None, positions: str = "stream",
-                 compiled: bool = True, sinks: bool = False, full_blocks: bool = False):
-        options = AttentionOptions.for_cache(cfg, device, full_blocks=True) if full_blocks else None
+                 compiled: bool = True, sinks: bool = False, full_blocks: bool = False, path: str = "auto"):
+        options = AttentionOptions.for_cache(cfg, device, path=path, full_blocks=True) if full_blocks else \
+            AttentionOptions.for_cache(cfg, device, path=path)
         m = BoundedKVManager(cfg, torch.device(device), block_size=block_size, options=options)
         if full_blocks:
             # Every step planned with full blocks, whatever the batch (CUDA's default turns them off
@@ -305,12 +306,19 @@ def workload_specs(cuda: bool) -> list:
          BoundedKVConfig(num_layers=1, num_heads=2, head_dim=D, rows_per_request=1, max_source_len=0,
                          retention=SinkWindow(4, 3 * win), max_step_tokens=33, max_slots=4),
          dict(q_heads=8, tokens=33, segments=3, block_size=blk[2], sinks=True), max(steps // 2, 6), both),
-        # A memory of what left the window: FlexAttention's window with its log-sum-exp joined with the top
-        # blocks chosen on the device; streams long enough to fill and wrap the memory.
+        # A memory of what left the window, its top blocks chosen on the device; streams long enough to fill and
+        # wrap the memory. Without a score_mod, one FlexAttention call reads the window in place and the chosen
+        # entries copied next to it (`recall_region`: one bound per row and head, or under a per-query window
+        # each query's own entries); with one, the window's log-sum-exp is joined with the memory part.
         ("recall-chunk-gqa4",
          BoundedKVConfig(num_layers=2 if cuda else 1, num_heads=2, head_dim=D, rows_per_request=1, max_source_len=0,
                          retention=Recall(2, win // 2, 8 * (win // 4), win // 4, 2), max_step_tokens=8, max_slots=4),
          dict(q_heads=8, tokens=8, segments=3, block_size=blk[1], churn=0.02), steps * 2, both),
+        ("recall-query-window-chunk-gqa4",
+         BoundedKVConfig(num_layers=1, num_heads=2, head_dim=D, rows_per_request=1, max_source_len=0,
+                         retention=Recall(2, win // 2, 8 * (win // 4), win // 4, 2), query_window=win // 2,
+                         max_step_tokens=4, max_slots=4),
+         dict(q_heads=8, tokens=4, segments=3, block_size=blk[1], churn=0.02), steps * 3, both),
         ("recall-decode-gqa4-cache-positions",
          BoundedKVConfig(num_layers=1, num_heads=2, head_dim=D, rows_per_request=1, max_source_len=0,
                          retention=Recall(4, win, 4 * 8, 8, 2), max_step_tokens=1, max_slots=4),

@@ -4,9 +4,12 @@
 heads, sink 4 + window 1020) with `--streams` streams at `--fill` tokens
 each (filled in 64-token chunks), then `--steps` decode steps of every
 stream through one compiled function per cache; prints the median step.
-The second line is what a `Recall` step's window costs on the CPU, where
-the compiled FlexAttention kernel returns no log-sum-exp and the merge
-with the memory needs one (the window is then gathered: the rows path).
+The second line is what a step that needs a log-sum-exp costs on the CPU
+(the compiled FlexAttention kernel returns none: the rows path, the window
+gathered). `Recall` runs twice: the path flexkv picks (compiled on the CPU:
+one FlexAttention call over the window in place and the chosen memory
+copied next to it) and the rows path (`path="rows"`: the window and the
+memory gathered into one fused CPU attention call).
 
     python -m benchmarks.recall_step --streams 32 --threads 1
 """
@@ -19,14 +22,16 @@ import time
 import torch
 
 from flexkv import BoundedKVConfig, BoundedKVManager, BoundedKVStep, Recall, Segment, SinkWindow, StreamPosition
+from flexkv.cache.paths.attention_options import AttentionOptions
 
 L, H, D, HQ = 4, 8, 64, 32
 
 
-def step_ms(retention, streams: int, fill: int, steps: int, lse: bool = False, compiled: bool = True) -> float:
+def step_ms(retention, streams: int, fill: int, steps: int, lse: bool = False, compiled: bool = True,
+            path: str = "auto") -> float:
     cfg = BoundedKVConfig(num_layers=L, num_heads=H, head_dim=D, rows_per_request=1, max_source_len=0,
                           max_sources=0, retention=retention, max_slots=streams, max_step_tokens=64)
-    m = BoundedKVManager(cfg, "cpu")
+    m = BoundedKVManager(cfg, "cpu", options=AttentionOptions.for_cache(cfg, "cpu", path=path))
     ids = [f"r{j}" for j in range(streams)]
     written = 0
     with torch.no_grad():
@@ -81,11 +86,13 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     kw = dict(streams=args.streams, fill=args.fill, steps=args.steps, compiled=not args.eager)
-    for label, ret, lse in (("SinkWindow(4, 1020)", SinkWindow(4, 1020), False),
-                            ("SinkWindow(4, 1020), log-sum-exp asked", SinkWindow(4, 1020), True),
-                            (f"Recall(4, 1020, {args.memory})", Recall(4, 1020, args.memory), False)):
-        print(f"{label}: {step_ms(ret, lse=lse, **kw):.1f} ms per {L}-layer decode step of {args.streams} streams",
-              flush=True)
+    recall = Recall(4, 1020, args.memory)
+    for label, ret, lse, path in (("SinkWindow(4, 1020)", SinkWindow(4, 1020), False, "auto"),
+                                  ("SinkWindow(4, 1020), log-sum-exp asked", SinkWindow(4, 1020), True, "auto"),
+                                  (f"{recall}", recall, False, "auto"),
+                                  (f"{recall}, path='rows'", recall, False, "rows")):
+        ms = step_ms(ret, lse=lse, path=path, **kw)
+        print(f"{label}: {ms:.1f} ms per {L}-layer decode step of {args.streams} streams", flush=True)
     return 0
 
 

@@ -83,11 +83,14 @@ def test_learned_sinks_workloads_match_reference(name):
     assert res["ok"] and res["rel_err"] < 1e-5, res
 
 
-@pytest.mark.parametrize("name", ["recall-chunk", "recall-decode"])
-def test_recall_workloads_fill_their_memories_and_match_reference(name):
-    """The CPU twin of the GPU check's `Recall` rows: streams long enough that memories fill and wrap."""
+@pytest.mark.parametrize("name, path", [("recall-chunk", "auto"), ("recall-chunk", "flex"), ("recall-query-window", "flex"),
+                                        ("recall-decode", "auto"), ("recall-decode", "flex")])
+def test_recall_workloads_fill_their_memories_and_match_reference(name, path):
+    """The CPU twin of the GPU check's `Recall` rows: streams long enough that memories fill and wrap, on the
+    rows path and through eager FlexAttention (the memory copied next to the window, or joined with a
+    score_mod), as the GPU runs them."""
     name, cfg, kw, steps, _ = _spec(name)
-    res = run_workload(name, cfg, kw, steps, "cpu", torch.float32, compiled=False)
+    res = run_workload(name, cfg, dict(kw, path=path), steps, "cpu", torch.float32, compiled=False)
     assert res["ok"] and res["rel_err"] < 1e-5, res
     r = cfg.retention
     assert steps * kw["tokens"] > r.sink + r.window + r.memory  # the check is long enough to wrap a memory

@@ -201,13 +201,36 @@ def test_compiled_steps_equal_the_reference_without_recompiling_as_memories_fill
         assert max(s[2] for s in work.state.values()) > 2 + 6 + 8 + 3
 
 
-def test_the_flex_path_and_the_rows_path_read_the_window_alike():
-    cfg = small_config(retention=RECALL, max_step_tokens=1, dtype=torch.float64)
+@pytest.mark.parametrize("query_window, tokens, pack_gqa", [
+    (None, 1, True), (None, 3, False), (6, 1, False), (6, 3, True),
+])
+def test_the_flex_path_reads_the_chosen_memory_in_its_one_call(query_window, tokens, pack_gqa):
+    """FlexAttention (eager: it evaluates the mask on every cell) with the chosen entries copied into the
+    row's region: random workloads equal the reference, GQA packed into the query axis or not."""
+    cfg = small_config(retention=RECALL, query_window=query_window, max_step_tokens=tokens, dtype=torch.float64)
+    options = AttentionOptions.for_cache(cfg, "cpu", path="flex", pack_gqa=pack_gqa)
+    manager = BoundedKVManager(cfg, "cpu", options=options, block_size=4)
+    assert manager.layout.recall_rows == cfg.max_slots + 1
+    work = RandomWorkload(cfg, q_heads=4, segments=3, seed=6 + tokens, manager=manager, tolerance=1e-9, churn=0.05)
+    for _ in range(60):
+        work.step()
+    assert max(s[2] for s in work.state.values()) > 2 + 6 + 8 + 3
+
+
+def test_the_region_is_allocated_only_where_flexattention_reads_a_memory():
+    """The region is counted in `memory_bytes` (whole KV blocks per slot row and one for padding rows) and
+    exists only where some step can take FlexAttention; the rows path alone needs none."""
+    cfg = small_config(retention=RECALL, max_step_tokens=3)
+    sizes = {}
     for path in ("flex", "rows"):
-        manager = BoundedKVManager(cfg, "cpu", options=AttentionOptions.for_cache(cfg, "cpu", path=path))
-        work = RandomWorkload(cfg, q_heads=2, segments=3, seed=6, manager=manager, tolerance=1e-9)
-        for _ in range(30):
-            work.step()
+        m = BoundedKVManager(cfg, "cpu", options=AttentionOptions.for_cache(cfg, "cpu", path=path), block_size=4)
+        sizes[path] = (m.memory_bytes, m.layout)
+    flex, rows = sizes["flex"][1], sizes["rows"][1]
+    assert rows.recall_rows == 0 and flex.recall_rows == cfg.max_slots + 1
+    assert flex.recall_row_len == 12  # top_k + 1 blocks of 2 and 3 step tokens: 9 cells, in blocks of 4
+    cell = cfg.head_dim * cfg.dtype.itemsize * cfg.num_heads * 2 * cfg.num_layers  # keys and values
+    grown = (flex.total_len - rows.total_len) * cell
+    assert sizes["flex"][0] - sizes["rows"][0] == grown >= flex.recall_rows * flex.recall_row_len * cell
 
 
 # ------------------------------------------------------------------ what it refuses
@@ -226,16 +249,36 @@ def test_calls_the_memory_does_not_serve_are_refused_before_anything_is_written(
     assert all(torch.equal(a, b.tensor) for a, b in zip(before, manager.slot_buffers()))
 
 
-def test_a_forced_flex_path_compiled_on_the_cpu_is_refused_by_name():
-    """The compiled CPU FlexAttention kernel returns no log-sum-exp, which the memory's join needs: a forced
-    path='flex' is refused there before the step's write (under "auto" such steps take the rows path)."""
-    cfg = small_config(retention=RECALL, max_step_tokens=1)
-    manager = BoundedKVManager(cfg, "cpu", options=AttentionOptions.for_cache(cfg, "cpu", path="flex"))
-    step = BoundedKVStep((Segment("a", 1),), {"a": StreamPosition(0, 0)}, tokens=1)
+def test_a_forced_flex_path_compiled_on_the_cpu_serves_the_memory_and_refuses_a_log_sum_exp_by_name():
+    """Compiled on the CPU, FlexAttention reads the chosen memory in its one call (the kernel returns no
+    log-sum-exp, which the region does not need): equal to the reference, one graph as memories fill. A
+    call that asks for the log-sum-exp is refused by name there, before the step writes."""
+    from torch._dynamo.utils import counters
+
+    cfg = small_config(retention=RECALL, query_window=6, max_step_tokens=1)
+    manager = BoundedKVManager(cfg, "cpu", options=AttentionOptions.for_cache(cfg, "cpu", path="flex"), block_size=16)
+
+    def model_step(qs, ks, vs, plan):
+        return [manager.attend(layer, qs[layer], ks[layer], vs[layer], plan) for layer in range(cfg.num_layers)]
+
+    compiled = torch.compile(model_step, fullgraph=True)
+    work = RandomWorkload(cfg, q_heads=4, segments=3, seed=8, manager=manager, fixed_tokens=1, churn=0.03,
+                          attend=lambda m, plan, qs, ks, vs: compiled(qs, ks, vs, plan), tolerance=1e-4)
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    work.step()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(40):
+            work.step()
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert max(s[2] for s in work.state.values()) > 2 + 6 + 8 + 3
+
+    manager = BoundedKVManager(cfg, "cpu", options=AttentionOptions.for_cache(cfg, "cpu", path="flex"), block_size=16)
+    step = BoundedKVStep((Segment("z", 1),), {"z": StreamPosition(0, 0)}, tokens=1)
     manager.admit(step)
     plan = manager.plan(step)
     q, k, v = (torch.randn(1, 2, 1, 8) for _ in range(3))
     before = [b.tensor.clone() for b in manager.slot_buffers()]
     with pytest.raises(Exception, match=r"path='flex' compiled on the CPU for a call that needs a log-sum-exp"):
-        torch.compile(lambda q, k, v, plan: manager.attend(0, q, k, v, plan), fullgraph=True)(q, k, v, plan)
+        torch.compile(lambda q, k, v, plan: manager.attend_lse(0, q, k, v, plan), fullgraph=True)(q, k, v, plan)
     assert all(torch.equal(a, b.tensor) for a, b in zip(before, manager.slot_buffers()))

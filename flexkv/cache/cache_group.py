@@ -29,10 +29,12 @@ from .host.layout import Layout
 from .host.planner import BoundedPlan, build_plan
 from .path_choice import AttentionPaths, PathCall
 from .paths.attention_options import AttentionOptions
+from .paths.flex_path import apart_from_kernel
 from .paths.joint_path import KeyPart, check_joined
 from .paths.query_only import attend_query_only, check_query_only
 from .paths.recall import MemoryIndex, MemoryTurns, check_recall_call, memory_select, memory_step
 from .paths.recall_attention import attend_joined, attend_with_window, join_window, memory_part
+from .paths.recall_region import attend_in_region
 from .paths.row_attention import device_geometry, mask_geometry, repeat_queries
 from .paths.sinks import apply_learned_sinks, check_sinks
 from .positions.masks import POSITION_MODES, make_score_mod, store_mask_mod
@@ -75,6 +77,8 @@ class CacheGroup(AttendModes, StoreBuffers, nn.Module):
         self.config = config
         self.device = device
         self.layout = Layout.for_config(config, block_size, device.type)
+        if config.recall is not None and options.reaches_flex(device.type, config, self.layout):
+            self.layout = self.layout.with_recall_region(config)  # the memory FlexAttention reads (recall_region)
         built = LayerStore(config, device, self.layout) if store is None else store(config, device, self.layout)
         if not isinstance(built, LayerStore) or built.config != config or built.layout != self.layout:
             raise ValueError(f"store(config, device, layout) must return a flexkv.cache.storage.store.LayerStore "
@@ -228,7 +232,11 @@ class CacheGroup(AttendModes, StoreBuffers, nn.Module):
         H, c, compiling = k.shape[1], self.config, torch.compiler.is_compiling()
         if c.recall is not None:
             check_recall_call(c, query_only, joined, relative)
-        need_lse = sinks is not None or want_lse or c.recall is not None  # the call needs a log-sum-exp
+        # The call needs a log-sum-exp: for itself, its sinks, or a Recall memory joined to FlexAttention's window
+        # (`join_window`: with a score_mod, or values the kernel reads as stored); else a Recall memory is read
+        # in the window's softmax (`recall_region`, `attend_joined`).
+        in_region = c.recall is not None and score_mod is None and not any(self.paths.flex.reads_cells(compiling))
+        need_lse = sinks is not None or want_lse or (c.recall is not None and not in_region)
         route, path = self.paths.choose(T, Hq // H, compiling, score_mod is not None, need_lse, joined is not None)
         kc, vc = self._store.write(layer_idx, k, v, plan)  # after the choice, which may refuse the call
         ks, vs = self._store.layer_scales(layer_idx)
@@ -245,7 +253,7 @@ class CacheGroup(AttendModes, StoreBuffers, nn.Module):
             c.query_window, group=g, query_index=relative)
         if c.recall is not None:  # the memory part in the same softmax (flexkv.cache.paths.recall)
             out, lse = self._attend_recall(layer_idx, q, kc, vc, scales, plan, route, path, sm, scale, score_mod,
-                                           positions, relative, compiling)
+                                           positions, relative, compiling, need_lse)
         else:
             # The scale is applied to q here rather than inside the call (TORCH_WORKAROUNDS["Q_VIEW"]): the
             # product is a fresh buffer. Packed, query head h * g + i sits at rows i * T .. i * T + T - 1 of KV
@@ -261,17 +269,20 @@ class CacheGroup(AttendModes, StoreBuffers, nn.Module):
         return Attended(torch.cat([own[0], extra[0]], dim=2), torch.cat([own[1], extra[1]], dim=2))
 
     def _attend_recall(self, layer_idx, q, kc, vc, scales, plan, route, path, sm, scale, score_mod, positions, relative,
-                       compiling):
-        """`(out, lse)` of a `Recall` layer's call: its memory part
-        (`flexkv.cache.paths.recall_attention.memory_part`) and
-        its window in one softmax. On the rows path the window's cells are gathered with the chosen memory
-        entries, on the CPU into one call of its fused attention kernel (`attend_joined`), elsewhere or with a
-        `score_mod` into the memory's softmax (`attend_with_window`); through FlexAttention the window is
-        attended with its log-sum-exp and joined (`join_window`)."""
+                       compiling, need_lse):
+        """`(out, lse)` of a `Recall` layer's call: its memory part and its window in one softmax. On the rows
+        path the window's cells are gathered with the chosen memory entries, on the CPU into one call of its
+        fused attention kernel (`attend_joined`), elsewhere or with a `score_mod` into the memory's softmax
+        (`attend_with_window`). Through FlexAttention the chosen entries are copied next to the window and read
+        in its one call (`recall_region`); with a `score_mod` (or values read as stored) the window is
+        attended with its log-sum-exp and the memory part joined (`join_window`). `need_lse`: whether the
+        call returns its log-sum-exp (the region's call only forms it when asked)."""
         c = self.config
         N, Hq, T, D = q.shape
         H = kc.shape[1]
         g = Hq // H if route.pack_gqa else 1
+        if route.path != "rows" and sm is None and not any(self.paths.flex.reads_cells(compiling)):
+            return self._attend_in_region(layer_idx, q, kc, vc, scales, plan, route, scale, compiling, need_lse)
         memo = {} if compiling else self._store.per_plan(plan)
         if route.path == "rows" and sm is None and q.device.type == "cpu":  # one fused CPU kernel call
             sel = memory_select(self.memory_index, self.memory_turns, layer_idx, q, kc, scales, plan, scale=scale)
@@ -287,6 +298,25 @@ class CacheGroup(AttendModes, StoreBuffers, nn.Module):
         qs = (q.reshape(N, H, g * T, D) if route.pack_gqa else q) * scale  # a fresh buffer (Q_VIEW, above)
         out, lse = path(PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, True, relative, compiling))
         return join_window((out.view(N, Hq, T, -1), lse), memory)
+
+    def _attend_in_region(self, layer_idx, q, kc, vc, scales, plan, route, scale, compiling, need_lse):
+        """A `Recall` layer through one FlexAttention call over its window and its chosen memory
+        (`flexkv.cache.paths.recall_region`)."""
+        if not self.layout.recall_rows:
+            raise RuntimeError("a Recall step took FlexAttention, but the cache's layout holds no memory region "
+                               "(AttentionOptions.reaches_flex said no step would)")
+        N, Hq, T, D = q.shape
+        H = kc.shape[1]
+        flex = self.paths.flex
+        sel = memory_select(self.memory_index, self.memory_turns, layer_idx, q, kc, scales, plan, scale=scale)
+        kf, vf = (kc, vc) if scales is None else flex.dequantized_layer(kc, scales[0], vc, scales[1], q.dtype)
+        qs = (q.reshape(N, H, Hq // H * T, D) if route.pack_gqa else q) * scale  # a fresh buffer (Q_VIEW)
+        out, lse = attend_in_region(sel, self.memory_turns, layer_idx, self.config, self.layout, plan,
+                                    (kc, vc, scales), (kf, vf), qs, route.pack_gqa,
+                                    store_mask_mod(self._store, plan, T, route.pack_gqa), flex.kernel_options(qs, H),
+                                    self.device.type, compiling, need_lse)
+        out = apart_from_kernel(out) if route.barrier else out
+        return out.view(N, Hq, T, -1), None if lse is None else lse.reshape(N, Hq, T)
 
     def _check_extras(self, q, score_mod, positions, sinks, query_only) -> bool:
         """Check `attend`'s optional arguments; returns whether `score_mod` is a relative-position table."""

@@ -16,7 +16,11 @@ it holds, in order:
 3. a scratch area of `max_step_tokens` cells that padding rows write into
    and nobody reads (none when the config allows no padding segments,
    `BoundedKVConfig.padding_segments=False`);
-4. padding up to a whole number of KV blocks.
+4. under a `Recall` retention whose steps can take FlexAttention, from the
+   next KV block on, one region per slot row (and one for padding rows) of
+   whole KV blocks that a step fills, per layer, with the memory entries it
+   reads, turned to their read position (`with_recall_region`);
+5. padding up to a whole number of KV blocks.
 
 Within a slot row, a written stream entry `j` (`j >= source_len`) lives at
 sink cell `j - source_len` if `j < ring_start = max(sink, source_len)`,
@@ -26,7 +30,7 @@ host; nothing here touches a tensor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 from ...config import BoundedKVConfig, is_int
@@ -136,6 +140,10 @@ class Layout:
     scratch_len: int
     #: Ring cells that hold a `Recall` retention's memory (entries that left the window), 0 without one.
     memory_len: int = 0
+    #: A `Recall` step's memory reads through FlexAttention: `recall_rows` regions of `recall_row_len` cells
+    #: (whole KV blocks) from `recall_base` on, one per slot row and one for padding rows; 0 without them.
+    recall_rows: int = 0
+    recall_row_len: int = 0
 
     @classmethod
     def for_config(cls, config: BoundedKVConfig, block_size: Optional[int] = None,
@@ -175,12 +183,27 @@ class Layout:
         return self.slots_base + self.max_slots * self.rows_per_request * self.slot_row_len
 
     @property
+    def recall_base(self) -> int:
+        """First cell of the `Recall` regions: the first KV block after the scratch cells."""
+        return _ceil_div(self.scratch_base + self.scratch_len, self.block_size) * self.block_size
+
+    def with_recall_region(self, config: BoundedKVConfig) -> "Layout":
+        """This layout with a region per slot row (and one for padding rows) that holds what a `Recall` step
+        reads of its memory: `top_k` blocks and the tail (`block + max_step_tokens` entries at most)."""
+        recall = config.recall
+        cells = (recall.top_k + 1) * recall.block + config.max_step_tokens
+        return replace(self, recall_rows=config.max_slots * config.rows_per_request + 1,
+                       recall_row_len=_ceil_div(cells, self.block_size) * self.block_size)
+
+    @property
     def total_len(self) -> int:
         """`S`: cells per layer tensor, rounded up to whole KV blocks."""
         return self.num_blocks * self.block_size
 
     @property
     def num_blocks(self) -> int:
+        if self.recall_rows:
+            return (self.recall_base + self.recall_rows * self.recall_row_len) // self.block_size
         return _ceil_div(self.scratch_base + self.scratch_len, self.block_size)
 
     @property

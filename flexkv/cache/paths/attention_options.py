@@ -58,6 +58,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ...compiling import TORCH_VERSION
+from ..host.layout import cpu_kernel_block_exact
 from .kernel_sharing import SHARED_KERNEL_TORCH, shares_flex_kernel
 
 __all__ = ["AttentionOptions", "Route", "TorchWorkaround", "TORCH_WORKAROUNDS", "ATTENTION_PATHS",
@@ -114,8 +115,14 @@ TORCH_WORKAROUNDS = {
     "CPU_NO_LSE": TorchWorkaround(
         "cpu", ((2, 11), None),
         "the compiled CPU FlexAttention kernel returns no log-sum-exp",
-        "learned sinks, attend_lse and Recall take the rows path on the CPU under path='auto'; a forced "
-        "path='flex' compiled there is refused by name"),
+        "learned sinks, attend_lse and a Recall memory joined by log-sum-exp (with a score_mod) take the rows "
+        "path on the CPU under path='auto'; a forced path='flex' compiled there is refused by name"),
+    "CPU_MASK_CAPTURES": TorchWorkaround(
+        "cpu", ((2, 13), None),
+        "the CPU FlexAttention lowering does not realize a tensor the mask_mod captures when the graph computes it "
+        "('Cannot Append Choice: Pointwise', then NoValidChoicesError); the CUDA lowering realizes them",
+        "a captured tensor computed in the graph ends in `torch.cat`, which inductor's CPU lowering always "
+        "realizes (`recall_region`), or is made with the plan, outside the graph"),
     "FINALLY_AFTER_HOP": TorchWorkaround(
         "any", ((2, 13), (2, 13)),
         "a compiled frame that sets a global, runs a higher-order op (FlexAttention, torch.cond) and clears the "
@@ -248,6 +255,13 @@ class AttentionOptions:
         else:
             rows = self.path == "rows"
         return "rows" if rows else "flex"
+
+    def reaches_flex(self, device_type: str, config, layout) -> bool:
+        """Whether some step of a cache of `config` laid out as `layout` takes FlexAttention, eagerly or
+        compiled (`path_for`, before the cache's paths exist: what its layout must hold for them)."""
+        exact = device_type != "cpu" or cpu_kernel_block_exact(layout.block_size)
+        return any(self.path_for(device_type, tokens, compiled, config.dtype, quantized=config.slot_dtype is not None,
+                                 flex_exact=exact) == "flex" for tokens in (1, 2) for compiled in (False, True))
 
     def route(self, device_type: str, tokens: int, group: int, compiled: bool, *, dtype=None,
               flex_exact: bool = True, score_mod: bool = False, sinks: bool = False,

@@ -16,8 +16,9 @@ kernel reads, on the device side, reading nothing back.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
+import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
@@ -30,13 +31,15 @@ __all__ = ["flex_call", "flex_layer", "plan_block_mask"]
 
 
 def plan_block_mask(layout: Layout, device_type: str, plan, q_len: int, mask_mod: Callable,
-                    own_buffers: bool = False) -> BlockMask:
+                    own_buffers: bool = False, extra_blocks: Optional[torch.Tensor] = None) -> BlockMask:
     """`plan`'s block lists as FlexAttention's block mask for a query of `q_len` rows.
 
     `own_buffers`: the lists are views of one tensor inside the graph (`PlanView`); each is
     then made a buffer of its own (`clamp_min(0)` leaves counts and block indices as they are;
     a clone would be removed as a no-op), since inductor's CPU template names kernel arguments
     by their storage and would merge them (`TORCH_WORKAROUNDS["STORAGE_NAMES"]`).
+    `extra_blocks`: `[N, E]` more partly masked blocks each row visits (made on the device, none of
+    them in the row's plan: a `Recall` row's memory region), listed after its own.
     """
     N = plan.rows
     nq = layout.q_blocks(q_len)
@@ -44,6 +47,12 @@ def plan_block_mask(layout: Layout, device_type: str, plan, q_len: int, mask_mod
         plan.kv_num_blocks, plan.kv_indices, plan.full_kv_num_blocks, plan.full_kv_indices)
     if own_buffers:
         kv_num, kv_idx, full_num, full_idx = (x.clamp_min(0) for x in (kv_num, kv_idx, full_num, full_idx))
+    if extra_blocks is not None:
+        E = extra_blocks.shape[1]
+        at = kv_num.view(N, 1).long() + torch.arange(E, device=kv_idx.device).view(1, E)
+        kv_idx = F.pad(kv_idx.view(N, -1), (0, E)).scatter(1, at, extra_blocks.to(kv_idx.dtype))
+        kv_idx = kv_idx[:, :layout.num_blocks].view(N, 1, 1, -1)
+        kv_num = kv_num + E
     if device_type == "cpu" and kv_idx.shape[3] < layout.num_blocks:
         # The CPU kernel wants block lists as wide as the layer tensor (it reads only the first
         # kv_num_blocks of each); the plan stays compact and is widened here, on the device side

@@ -46,7 +46,7 @@ from ..storage.cell_rows import read_cells
 from ..storage.slot_copy import SlotBuffer, plan_slot_rows
 
 __all__ = ["MemoryIndex", "MemorySelection", "MemoryStep", "MemoryTurns", "check_recall_call", "memory_select",
-           "memory_step", "window_starts", "work_dtype"]
+           "memory_step", "turn_rows_", "window_starts", "work_dtype"]
 
 
 def check_recall_call(config: BoundedKVConfig, query_only, joined, relative: bool = False) -> None:
@@ -115,6 +115,22 @@ def _cells(plan, j: torch.Tensor, ring: int, T: int, S: int) -> torch.Tensor:
     held = (j >= plan.sink.long().view(view)) & (j < end) & (j >= end - ring)
     cells = plan.ring_base.long().view(view) + torch.remainder(j, ring)
     return torch.where(held, cells, 0).clamp(0, S - 1)
+
+
+def _swap(x: torch.Tensor, rope_layout: str) -> torch.Tensor:
+    """Each rotated pair's two dimensions exchanged (`(i, i + D/2)` for ``"half"``, `(2i, 2i + 1)` else)."""
+    if rope_layout == "interleaved":
+        return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return x.roll(x.shape[-1] // 2, dims=-1)
+
+
+def turn_rows_(x: torch.Tensor, tables, rows: torch.Tensor) -> torch.Tensor:
+    """`x` `[N, H, E, D]` (a buffer of its own, or a view into one) turned in place by the rows `rows` `[N, H, E]`
+    of a layer's table (`tables`: `MemoryTurns.tables`); returns `x`."""
+    table, rope_layout, _ = tables
+    cs = table.index_select(0, rows.reshape(-1)).view(tuple(x.shape[:3]) + table.shape[1:])
+    swapped = _swap(x, rope_layout)
+    return x.mul_(cs[..., 0, :]).addcmul_(swapped, cs[..., 1, :])
 
 
 class MemoryTurns(nn.Module):
@@ -229,6 +245,9 @@ class MemoryStep(NamedTuple):
     cand_entries: torch.Tensor
     cand_cells: torch.Tensor
     cand_inside: torch.Tensor
+    #: `[N]` the first cell of each row's region the memory is copied into for FlexAttention
+    #: (`flexkv.cache.paths.recall_region`; `Layout.with_recall_region`), 0 where the layout holds none.
+    region: torch.Tensor
     #: Known on the host (not read when compiling: a flag read there would be a guard): every row writes a
     #: token (`real`: each query reads at least itself), and also the step is one token a row and every
     #: row's memory holds `top_k` blocks or more (`full`: every chosen block is live and read).
@@ -327,7 +346,8 @@ def memory_step(index: MemoryIndex, turns: MemoryTurns, config: BoundedKVConfig,
         rows, made_rows, made_slots, made_flat, any_made, j_made.view(N, C * bs),
         written.to(work).view(N, 1, 1, T, 1), cand, cand_rows, invalid, t_mem.view(N),
         oldest.view(N, 1, 1, T, 1), whole.view(N, 1, 1, T, 1), tail_flat, tail_turn, tail_reads, tail_bias, sink,
-        entries, cand_cells, cand_inside, *_host_flags(config, plan, T))
+        entries, cand_cells, cand_inside, layout.recall_base * (layout.recall_rows > 0) + rows * layout.recall_row_len,
+        *_host_flags(config, plan, T))
 
 
 class MemorySelection(NamedTuple):

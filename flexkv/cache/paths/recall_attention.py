@@ -20,25 +20,10 @@ import torch
 
 from ...config import BoundedKVConfig
 from ..storage.cell_rows import read_cells
+from . import recall
 from .recall import MemoryIndex, MemorySelection, MemoryStep, MemoryTurns, memory_select, window_starts, work_dtype
 
 __all__ = ["MemoryCall", "attend_joined", "attend_with_window", "join_window", "memory_part"]
-
-
-def _swap(x: torch.Tensor, rope_layout: str) -> torch.Tensor:
-    """Each rotated pair's two dimensions exchanged (`(i, i + D/2)` for ``"half"``, `(2i, 2i + 1)` else)."""
-    if rope_layout == "interleaved":
-        return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    return x.roll(x.shape[-1] // 2, dims=-1)
-
-
-def _turn_(x: torch.Tensor, tables, rows: torch.Tensor) -> torch.Tensor:
-    """`x` `[N, H, E, D]` (a buffer of its own, or a view into one) turned in place by the table rows `rows`
-    `[N, H, E]`; returns `x`."""
-    table, rope_layout, _ = tables
-    cs = table.index_select(0, rows.reshape(-1)).view(tuple(x.shape[:3]) + table.shape[1:])
-    swapped = _swap(x, rope_layout)
-    return x.mul_(cs[..., 0, :]).addcmul_(swapped, cs[..., 1, :])
 
 
 def _window_part(geo, H: int, S: int, width: int, work: torch.dtype, memo: dict):
@@ -109,7 +94,7 @@ def memory_part(
     keys = read_cells(kc, ks, flat, work, q.dtype)
     values = read_cells(vc, vs, flat, work, q.dtype)
     if tables is not None:
-        _turn_(keys, tables, torch.cat([sel.turn, step.tail_turn.expand(N, H, -1)], dim=2))
+        recall.turn_rows_(keys, tables, torch.cat([sel.turn, step.tail_turn.expand(N, H, -1)], dim=2))
 
     scores = (qw.reshape(N, H, g * T, D) @ keys.transpose(2, 3)).view(N, H, g, T, -1)
     if score_mod is not None:
@@ -143,7 +128,7 @@ def attend_joined(sel: MemorySelection, turns: MemoryTurns, layer: int, config: 
     keys = read_cells(kc, ks, flat, work, dtype)
     values = read_cells(vc, vs, flat, work, dtype)
     if sel.turn is not None:  # the memory's keys turned where they lie
-        _turn_(keys[:, :, W:], turns.tables(layer), torch.cat([sel.turn, step.tail_turn.expand(N, H, -1)], dim=2))
+        recall.turn_rows_(keys[:, :, W:], turns.tables(layer), torch.cat([sel.turn, step.tail_turn.expand(N, H, -1)], dim=2))
     # The additive mask: the window's, each chosen block's (0 or -inf for all its entries), the tail's.
     k_top, bs = sel.order.shape[2], step.cand_entries.shape[3]
     compiling = torch.compiler.is_compiling()  # then the host flags are not read (each would be a guard)

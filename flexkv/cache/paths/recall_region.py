@@ -1,0 +1,119 @@
+"""A `Recall` layer in one FlexAttention call: the chosen memory copied, turned, next to the window.
+
+FlexAttention scores each key where it lies with one query per head, so a
+key must already carry the rotation it is read at. The window's keys do (a
+window entry is read at its own position in both position systems), memory
+entries do not under in-cache positions: each is read at the position just
+before the step's first window entry (docs/contract.md section 2). So, per
+layer and step, on the device:
+
+1. `memory_select` chooses each row's blocks (the means scored against the
+   step's queries, as on every path);
+2. the chosen blocks' and the tail's keys and values are copied into the
+   row's region of the layer tensor (`Layout.with_recall_region`: whole KV
+   blocks after the scratch cells, one region per slot row and one for
+   padding rows), keys turned to their read position on the way
+   (`turn_rows_`);
+3. the plan's block lists gain the row's region blocks (`plan_block_mask`'s
+   `extra_blocks`: a block mask built on the device from the selection), and
+   the mask admits a region entry to exactly the queries the selection says
+   read it (its block chosen and inside the query's memory, or in its tail);
+4. one FlexAttention call reads sinks and window in place and the region:
+   the memory is in the window's softmax, no log-sum-exp is joined, so the
+   compiled CPU kernel (which returns none) serves it too.
+
+The region is scratch, rewritten by every layer of every step before it is
+read: forks, rollbacks and resets never touch it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from ...config import BoundedKVConfig
+from ..host.layout import Layout
+from ..storage.cell_rows import read_cells
+from .flex_call import flex_call, plan_block_mask
+from .recall import MemorySelection, MemoryTurns, turn_rows_
+
+__all__ = ["attend_in_region"]
+
+
+def attend_in_region(sel: MemorySelection, turns: MemoryTurns, layer: int, config: BoundedKVConfig, layout: Layout,
+                     plan, cells: Tuple[torch.Tensor, torch.Tensor, Optional[tuple]],
+                     flex: Tuple[torch.Tensor, torch.Tensor], qs: torch.Tensor, pack: bool, window_mask: Callable,
+                     kernel_options: dict, device_type: str, own_buffers: bool,
+                     lse: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`(out, log-sum-exp or None)` of a `Recall` layer through FlexAttention, for a call without a `score_mod`.
+
+    `cells`: the layer's key and value tensors as stored and their scales (None unless quantized), read for
+    the memory entries; `flex`: the tensors the kernel reads (the same, or their dequantized copies), into
+    whose region the entries are written. `qs`: the scaled queries as the call lays them out (`[N, H, g *
+    T, D]` packed, else `[N, Hq, T, D]`); `window_mask`: the step's retention `mask_mod` over those
+    queries. `lse`: whether the call returns its log-sum-exp.
+    """
+    kc, vc, scales = cells
+    kf, vf = flex
+    ks, vs = (None, None) if scales is None else scales
+    step = plan.extras["recall"]
+    N, H, g, T, D = sel.queries.shape
+    S, R = kf.shape[2], layout.recall_row_len
+    dev = qs.device
+    work = sel.queries.dtype
+
+    # The chosen blocks' entries, then the tail's: E entries a row, copied into its region.
+    flat = torch.cat([sel.flat, step.tail_flat], dim=2)  # [N, H, E]
+    E = flat.shape[2]
+    keys = read_cells(kc, ks, flat, work, kf.dtype)
+    values = read_cells(vc, vs, flat, work, kf.dtype)
+    if sel.turn is not None:  # read at the position before the step's first window entry
+        turn_rows_(keys, turns.tables(layer), torch.cat([sel.turn, step.tail_turn.expand(N, H, -1)], dim=2))
+    start = step.region  # [N]: each row's region (made with the plan: CPU_MASK_CAPTURES)
+    reads = sel.reads(step, config.query_window is not None)  # [N, H, T or 1, k]: which query reads which block
+    k, bs = reads.shape[3], step.cand_entries.shape[3]
+    blocks = reads.unsqueeze(-1).expand(N, H, reads.shape[2], k, bs).reshape(N, H, -1, k * bs)
+    live = plan.ring_base.view(N, 1, 1, 1) >= 0  # padding rows read nothing
+    heads = (torch.arange(H, device=dev) * S).view(1, H, 1) + start.view(N, 1, 1)
+    cells = torch.arange(E, device=dev).view(1, 1, E)
+    if T == 1 or config.query_window is None:
+        # Every query of a row reads the same entries: those go first in its region (a stable partition on the
+        # device), and the mask is one bound per row and head.
+        read = torch.cat([blocks[:, :, 0], step.tail_reads.view(N, 1, T, -1)[:, :, 0].expand(N, H, -1)],
+                         dim=-1) & live.view(N, 1, 1)  # [N, H, E]
+        before = torch.cumsum(read, dim=-1)
+        count = before[..., -1:]
+        place = torch.where(read, before - 1, count + cells - before)
+        end = _realized(start.view(N, 1) + count.view(N, H))  # [N, H + 1]
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            head = h if pack else h // g
+            return window_mask(b, h, q_idx, kv_idx) | ((kv_idx >= start[b]) & (kv_idx < end[b, head]))
+    else:
+        # A chunk under a per-query window: each query has its own memory and tail.
+        place = cells
+        allow = torch.cat([blocks.expand(N, H, T, k * bs) & live,
+                           step.tail_reads.view(N, 1, T, -1).expand(N, H, T, -1) & live,
+                           torch.zeros(N, H, T, R - E, dtype=torch.bool, device=dev)], dim=-1)  # a cat (see _realized)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            e = kv_idx - start[b]
+            mine = (e >= 0) & (e < R)
+            t, head = (q_idx % T, h) if pack else (q_idx, h // g)
+            return window_mask(b, h, q_idx, kv_idx) | (mine & allow[b, head, t, e.clamp(0, R - 1)])
+    dest = (heads + place).reshape(-1)
+    kf.view(-1, kf.shape[3]).index_copy_(0, dest, keys.reshape(-1, kf.shape[3]).to(kf.dtype))
+    vf.view(-1, vf.shape[3]).index_copy_(0, dest, values.reshape(-1, vf.shape[3]).to(vf.dtype))
+
+    visited = -(-E // layout.block_size)  # the region's blocks this step fills
+    extra = (start // layout.block_size).view(N, 1) + torch.arange(visited, device=dev).view(1, visited)
+    block_mask = plan_block_mask(layout, device_type, plan, qs.shape[2], mask_mod, own_buffers=own_buffers,
+                                 extra_blocks=extra)
+    return flex_call(qs, kf, vf, block_mask, kernel_options, lse=lse)
+
+
+def _realized(x: torch.Tensor) -> torch.Tensor:
+    """`x` with one more column that nothing reads, made by `torch.cat`: inductor's CPU lowering realizes a cat
+    (an elementwise result a `mask_mod` captures it would not: CPU_MASK_CAPTURES)."""
+    return torch.cat([x, x[..., :1]], dim=-1)
