@@ -231,6 +231,10 @@ def test_the_region_is_allocated_only_where_flexattention_reads_a_memory():
     cell = cfg.head_dim * cfg.dtype.itemsize * cfg.num_heads * 2 * cfg.num_layers  # keys and values
     grown = (flex.total_len - rows.total_len) * cell
     assert sizes["flex"][0] - sizes["rows"][0] == grown >= flex.recall_rows * flex.recall_row_len * cell
+    # A cache whose steps never pad (as transformers' FlexKVCache builds) keeps no region for padding rows.
+    unpadded = BoundedKVManager(cfg.replace(padding_segments=False), "cpu", block_size=4,
+                                options=AttentionOptions.for_cache(cfg, "cpu", path="flex"))
+    assert unpadded.layout.recall_rows == cfg.max_slots
 
 
 # ------------------------------------------------------------------ what it refuses

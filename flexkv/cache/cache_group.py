@@ -282,7 +282,7 @@ class CacheGroup(AttendModes, StoreBuffers, nn.Module):
         H = kc.shape[1]
         g = Hq // H if route.pack_gqa else 1
         if route.path != "rows" and sm is None and not any(self.paths.flex.reads_cells(compiling)):
-            return self._attend_in_region(layer_idx, q, kc, vc, scales, plan, route, scale, compiling, need_lse)
+            return self._attend_in_region(layer_idx, q, kc, vc, scales, plan, route, scale, need_lse)
         memo = {} if compiling else self._store.per_plan(plan)
         if route.path == "rows" and sm is None and q.device.type == "cpu":  # one fused CPU kernel call
             sel = memory_select(self.memory_index, self.memory_turns, layer_idx, q, kc, scales, plan, scale=scale)
@@ -299,7 +299,7 @@ class CacheGroup(AttendModes, StoreBuffers, nn.Module):
         out, lse = path(PathCall(layer_idx, qs, kc, vc, scales, plan, route, sm, True, relative, compiling))
         return join_window((out.view(N, Hq, T, -1), lse), memory)
 
-    def _attend_in_region(self, layer_idx, q, kc, vc, scales, plan, route, scale, compiling, need_lse):
+    def _attend_in_region(self, layer_idx, q, kc, vc, scales, plan, route, scale, need_lse):
         """A `Recall` layer through one FlexAttention call over its window and its chosen memory
         (`flexkv.cache.paths.recall_region`)."""
         if not self.layout.recall_rows:
@@ -311,10 +311,9 @@ class CacheGroup(AttendModes, StoreBuffers, nn.Module):
         sel = memory_select(self.memory_index, self.memory_turns, layer_idx, q, kc, scales, plan, scale=scale)
         kf, vf = (kc, vc) if scales is None else flex.dequantized_layer(kc, scales[0], vc, scales[1], q.dtype)
         qs = (q.reshape(N, H, Hq // H * T, D) if route.pack_gqa else q) * scale  # a fresh buffer (Q_VIEW)
-        out, lse = attend_in_region(sel, self.memory_turns, layer_idx, self.config, self.layout, plan,
-                                    (kc, vc, scales), (kf, vf), qs, route.pack_gqa,
-                                    store_mask_mod(self._store, plan, T, route.pack_gqa), flex.kernel_options(qs, H),
-                                    self.device.type, compiling, need_lse)
+        out, lse = attend_in_region(sel, self.memory_turns, layer_idx, self.config, self._store, plan,
+                                    (kc, vc, scales), (kf, vf), qs, route.pack_gqa, flex.kernel_options(qs, H),
+                                    route.path == "region", need_lse)
         out = apart_from_kernel(out) if route.barrier else out
         return out.view(N, Hq, T, -1), None if lse is None else lse.reshape(N, Hq, T)
 

@@ -17,7 +17,8 @@ it holds, in order:
    and nobody reads (none when the config allows no padding segments,
    `BoundedKVConfig.padding_segments=False`);
 4. under a `Recall` retention whose steps can take FlexAttention, from the
-   next KV block on, one region per slot row (and one for padding rows) of
+   next KV block on, one region per slot row (and one for padding rows, when
+   steps may pad) of
    whole KV blocks that a step fills, per layer, with the memory entries it
    reads, turned to their read position (`with_recall_region`);
 5. padding up to a whole number of KV blocks.
@@ -141,7 +142,8 @@ class Layout:
     #: Ring cells that hold a `Recall` retention's memory (entries that left the window), 0 without one.
     memory_len: int = 0
     #: A `Recall` step's memory reads through FlexAttention: `recall_rows` regions of `recall_row_len` cells
-    #: (whole KV blocks) from `recall_base` on, one per slot row and one for padding rows; 0 without them.
+    #: (whole KV blocks) from `recall_base` on, one per slot row and one for padding rows (when steps may
+    #: pad); 0 without them.
     recall_rows: int = 0
     recall_row_len: int = 0
 
@@ -188,12 +190,13 @@ class Layout:
         return _ceil_div(self.scratch_base + self.scratch_len, self.block_size) * self.block_size
 
     def with_recall_region(self, config: BoundedKVConfig) -> "Layout":
-        """This layout with a region per slot row (and one for padding rows) that holds what a `Recall` step
-        reads of its memory: `top_k` blocks and the tail (`block + max_step_tokens` entries at most)."""
+        """This layout with a region per slot row (and one for padding rows, when steps may pad) that holds what
+        a `Recall` step reads of its memory: `top_k` blocks and the tail (`block + max_step_tokens` entries at
+        most)."""
         recall = config.recall
         cells = (recall.top_k + 1) * recall.block + config.max_step_tokens
-        return replace(self, recall_rows=config.max_slots * config.rows_per_request + 1,
-                       recall_row_len=_ceil_div(cells, self.block_size) * self.block_size)
+        rows = config.max_slots * config.rows_per_request + (1 if config.padding_segments else 0)
+        return replace(self, recall_rows=rows, recall_row_len=_ceil_div(cells, self.block_size) * self.block_size)
 
     @property
     def total_len(self) -> int:

@@ -6,8 +6,10 @@ cells and the chosen entries in one call of PyTorch's fused CPU attention
 kernel, which returns the log-sum-exp too (`attend_joined`); on the rows
 path otherwise, the memory part's scores (`memory_part`, `score_mod`
 applied) and the window's gathered cells in one softmax in torch
-(`attend_with_window`); through FlexAttention, the window's result joined
-to the memory part by their log-sum-exps (`join_window`). Memory keys are
+(`attend_with_window`); through FlexAttention with a `score_mod`, the
+window's result joined to the memory part by their log-sum-exps
+(`join_window`; without one, `flexkv.cache.paths.recall_region` reads the
+memory in the window's own call). Memory keys are
 turned to the position they are read at from the layer's table
 (`MemoryTurns`), in place.
 """
