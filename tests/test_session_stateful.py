@@ -30,6 +30,7 @@ from flexkv import (
     SourcesExhausted,
     StreamSession,
 )
+from flexkv.cache.paths.attention_options import AttentionOptions
 from flexkv.model.reference import ReferenceCache
 
 H, D, LAYERS, SLOTS, PLACES, MAX_SOURCE = 1, 4, 2, 3, 2, 4
@@ -118,11 +119,15 @@ class SessionMachine(RuleBasedStateMachine):
     #: the cache's layer groups (None: one group with the config's retention)
     groups = None
     config = CONFIG
+    #: the attention path the cache takes (`AttentionOptions.path`)
+    path = "auto"
 
     def __init__(self):
         super().__init__()
         config = self.config
-        self.session = StreamSession(BoundedKVManager(config, groups=self.groups, block_size=8), compile=False)
+        options = AttentionOptions.for_cache(config, "cpu", path=self.path)
+        self.session = StreamSession(BoundedKVManager(config, groups=self.groups, block_size=8, options=options),
+                                     compile=False)
         self.ref = ReferenceCache(config) if self.groups is None else GroupedReference(config, self.groups)
         self.m = SessionModel(tuple(self.session.cache.layer_config(i) for i in range(LAYERS)))
         self.seed = 0
@@ -412,6 +417,17 @@ class RecallSessionMachine(SessionMachine):
 
 RecallSessionMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=40, deadline=None)
 test_recall_session_against_its_model = RecallSessionMachine.TestCase
+
+
+class RecallFlexSessionMachine(RecallSessionMachine):
+    """The same through FlexAttention (eager): each step copies the chosen memory into its rows' regions
+    of the layer tensors, which forks, rollbacks and resets never copy or restore."""
+
+    path = "flex"
+
+
+RecallFlexSessionMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=40, deadline=None)
+test_recall_session_through_flexattention_against_its_model = RecallFlexSessionMachine.TestCase
 
 
 # ---------------------------------------------------------------------------------------------------------------
