@@ -87,13 +87,15 @@ def attend_in_region(sel: MemorySelection, turns: MemoryTurns, layer: int, confi
     cell = torch.arange(E, device=dev).view(1, 1, E)
     if T == 1 or config.query_window is None:
         # Every query of a row reads the same entries: those go first in its region (a stable partition on the
-        # device), and the mask is one bound per row and head: `bound [N, H + 1]`.
+        # device), and the mask is one bound per row, `bound [N, 2]` (column 0): every KV head reads as many
+        # (its live chosen blocks are the row's valid candidates, at most `top_k`: the same count for each head;
+        # the tail is the row's).
         read = torch.cat([blocks[:, :, 0], step.tail_reads.view(N, 1, T, -1)[:, :, 0].expand(N, H, -1)],
                          dim=-1) & live.view(N, 1, 1)  # [N, H, E]
         before = torch.cumsum(read, dim=-1)
         count = before[..., -1:]
         place = torch.where(read, before - 1, count + cell - before)
-        bound = _realized(start.view(N, 1) + count.view(N, H))
+        bound = _realized(start.view(N, 1) + count[:, 0].view(N, 1))
     else:
         # A chunk under a per-query window: each query has its own memory and tail, `bound [N, H, T, R]`.
         place = cell
@@ -115,12 +117,11 @@ def attend_in_region(sel: MemorySelection, turns: MemoryTurns, layer: int, confi
 
 
 def _mask_mod(window: Callable, start: torch.Tensor, bound: torch.Tensor, T: int, pack: bool, g: int) -> Callable:
-    """The step's retention mask (`window`) or a region entry the query reads: below its row and head's
-    `bound [N, H + 1]`, or marked in `bound [N, H, T, R]` (a per-query window's chunk)."""
+    """The step's retention mask (`window`) or a region entry the query reads: below its row's `bound [N, 2]`
+    (column 0), or marked in `bound [N, H, T, R]` (a per-query window's chunk)."""
     if bound.dim() == 2:
         def mask_mod(b, h, q_idx, kv_idx):
-            head = h if pack else h // g
-            return window(b, h, q_idx, kv_idx) | ((kv_idx >= start[b]) & (kv_idx < bound[b, head]))
+            return window(b, h, q_idx, kv_idx) | ((kv_idx >= start[b]) & (kv_idx < bound[b, 0]))
     else:
         R = bound.shape[3]
 
