@@ -98,8 +98,10 @@ def main(argv=None) -> int:
                              "is StreamingLLM's, needed past the trained context")
     parser.add_argument("--answer", type=int, default=40, help="most new tokens for the questions' answers")
     parser.add_argument("--memory", type=int, default=0,
-                        help="a Recall memory of this many entries past the window, its best 4 blocks of 64 read "
-                             "per step (0, the default: sinks and window only)")
+                        help="a Recall memory of this many entries past the window, its best --top-k blocks of "
+                             "--block read per step (0, the default: sinks and window only)")
+    parser.add_argument("--block", type=int, default=64, help="entries per memory block (with --memory)")
+    parser.add_argument("--top-k", type=int, default=4, help="memory blocks read per step (with --memory)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
     for name in ("tokens", "window", "filler", "reply", "answer"):
@@ -111,7 +113,7 @@ def main(argv=None) -> int:
     text_ids = tokenizer(reference_text(), return_tensors="pt").input_ids[0]
     from transformers import DynamicCache
 
-    retention = (Recall(args.sink, args.window, args.memory, 64, 4) if args.memory
+    retention = (Recall(args.sink, args.window, args.memory, args.block, args.top_k) if args.memory
                  else SinkWindow(args.sink, args.window))
     cache = FlexKVCache(model, retention, max_streams=1, rope_positions=args.rope_positions)
     chat = Chat(model, tokenizer, cache)
