@@ -177,28 +177,35 @@ def test_rotary_positions_equal_the_reference(mode, layout):
 
 
 def test_compiled_steps_equal_the_reference_without_recompiling_as_memories_fill():
-    """One graph for a two-layer step, rows path and FlexAttention both: memories fill, wrap and
-    reset, and no step after the first compiles again."""
-    from torch._dynamo.utils import counters
-
+    """One graph for a two-layer step under the default path (one token: FlexAttention, the memory copied next
+    to the window; two: the rows path): memories fill, wrap and reset, and no step after the first compiles
+    again."""
     for tokens in (1, 2):
         cfg = small_config(retention=RECALL, query_window=6, max_step_tokens=tokens)
-        manager = BoundedKVManager(cfg, "cpu", block_size=8)
+        _compiled_workload_equals_the_reference(BoundedKVManager(cfg, "cpu", block_size=8), tokens, seed=5, steps=60)
 
-        def model_step(qs, ks, vs, plan):
-            return [manager.attend(layer, qs[layer], ks[layer], vs[layer], plan) for layer in range(cfg.num_layers)]
 
-        compiled = torch.compile(model_step, fullgraph=True)
-        work = RandomWorkload(cfg, q_heads=4, segments=3, seed=5, manager=manager, fixed_tokens=tokens, churn=0.03,
-                              attend=lambda m, plan, qs, ks, vs: compiled(qs, ks, vs, plan), tolerance=1e-4)
-        torch._dynamo.reset()
-        graphs = counters["stats"]["unique_graphs"]
-        work.step()
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            for _ in range(60):
-                work.step()
-        assert counters["stats"]["unique_graphs"] - graphs == 1
-        assert max(s[2] for s in work.state.values()) > 2 + 6 + 8 + 3
+def _compiled_workload_equals_the_reference(manager, tokens: int, seed: int, steps: int) -> None:
+    """A two-layer step compiled as one graph over a random workload of `tokens`-token steps: every output equals
+    the reference's, no step after the first compiles again, and some memory fills and moves on."""
+    from torch._dynamo.utils import counters
+
+    cfg = manager.config
+
+    def model_step(qs, ks, vs, plan):
+        return [manager.attend(layer, qs[layer], ks[layer], vs[layer], plan) for layer in range(cfg.num_layers)]
+
+    compiled = torch.compile(model_step, fullgraph=True)
+    work = RandomWorkload(cfg, q_heads=4, segments=3, seed=seed, manager=manager, fixed_tokens=tokens, churn=0.03,
+                          attend=lambda m, plan, qs, ks, vs: compiled(qs, ks, vs, plan), tolerance=1e-4)
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    work.step()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(steps):
+            work.step()
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert max(s[2] for s in work.state.values()) > 2 + 6 + 8 + 3
 
 
 @pytest.mark.parametrize("query_window, tokens, pack_gqa", [
@@ -257,25 +264,10 @@ def test_a_forced_flex_path_compiled_on_the_cpu_serves_the_memory_and_refuses_a_
     """Compiled on the CPU, FlexAttention reads the chosen memory in its one call (the kernel returns no
     log-sum-exp, which the region does not need): equal to the reference, one graph as memories fill. A
     call that asks for the log-sum-exp is refused by name there, before the step writes."""
-    from torch._dynamo.utils import counters
-
     cfg = small_config(retention=RECALL, query_window=6, max_step_tokens=1)
-    manager = BoundedKVManager(cfg, "cpu", options=AttentionOptions.for_cache(cfg, "cpu", path="flex"), block_size=16)
-
-    def model_step(qs, ks, vs, plan):
-        return [manager.attend(layer, qs[layer], ks[layer], vs[layer], plan) for layer in range(cfg.num_layers)]
-
-    compiled = torch.compile(model_step, fullgraph=True)
-    work = RandomWorkload(cfg, q_heads=4, segments=3, seed=8, manager=manager, fixed_tokens=1, churn=0.03,
-                          attend=lambda m, plan, qs, ks, vs: compiled(qs, ks, vs, plan), tolerance=1e-4)
-    torch._dynamo.reset()
-    graphs = counters["stats"]["unique_graphs"]
-    work.step()
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for _ in range(40):
-            work.step()
-    assert counters["stats"]["unique_graphs"] - graphs == 1
-    assert max(s[2] for s in work.state.values()) > 2 + 6 + 8 + 3
+    flex = AttentionOptions.for_cache(cfg, "cpu", path="flex")
+    _compiled_workload_equals_the_reference(BoundedKVManager(cfg, "cpu", options=flex, block_size=16), 1, seed=8,
+                                            steps=40)
 
     manager = BoundedKVManager(cfg, "cpu", options=AttentionOptions.for_cache(cfg, "cpu", path="flex"), block_size=16)
     step = BoundedKVStep((Segment("z", 1),), {"z": StreamPosition(0, 0)}, tokens=1)
