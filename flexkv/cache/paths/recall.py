@@ -396,7 +396,8 @@ def memory_select(index: MemoryIndex, turns: MemoryTurns, layer: int, q: torch.T
 
     # The step's whole blocks' means, each turned back to position 0 (compiled: every step, no guard on it).
     if torch.compiler.is_compiling() or step.made:
-        keys = read_cells(kc, None if scales is None else scales[0], step.made_flat, work, q.dtype)  # [N, H, C * bs, D]
+        keys = read_cells(kc, None if scales is None else scales[0], step.made_flat, work, q.dtype,
+                          fused=True)  # [N, H, C * bs, D]
         if tables is not None:
             keys = turns.turn_at(tables[2], keys, -step.made_entries)
         C = keys.shape[2] // bs

@@ -75,8 +75,8 @@ def attend_in_region(sel: MemorySelection, turns: MemoryTurns, layer: int, confi
     # The chosen blocks' entries, then the tail's: E entries a row, copied into its region.
     flat = torch.cat([sel.flat, step.tail_flat], dim=2)  # [N, H, E]
     E = flat.shape[2]
-    keys = read_cells(kc, ks, flat, work, kf.dtype)
-    values = read_cells(vc, vs, flat, work, kf.dtype)
+    keys = read_cells(kc, ks, flat, work, kf.dtype, fused=True)
+    values = read_cells(vc, vs, flat, work, kf.dtype, fused=True)
     if sel.turn is not None:  # read at the position before the step's first window entry
         turn_rows_(keys, turns.tables(layer), torch.cat([sel.turn, step.tail_turn.expand(N, H, -1)], dim=2))
     start = step.region  # [N]: each row's region (made with the plan: CPU_MASK_CAPTURES)
