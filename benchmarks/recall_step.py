@@ -54,7 +54,9 @@ def step_ms(retention, streams: int, fill: int, steps: int, lse: bool = False, c
             outs.append(o.out if lse else o)
         return outs
 
-    fn = torch.compile(decode, fullgraph=True) if compiled else decode
+    # dynamic=False as flexkv's own doors compile: `decode` is one code object for every cache here, so under
+    # automatic dynamic shapes the later caches' plans would become symbols (TORCH_WORKAROUNDS["DYNAMIC_PLAN"]).
+    fn = torch.compile(decode, fullgraph=True, dynamic=False) if compiled else decode
     qs = [torch.randn(streams, HQ, 1, D) for _ in range(L)]
     ks = [torch.randn(streams, H, 1, D) for _ in range(L)]
     vs = [torch.randn(streams, H, 1, D) for _ in range(L)]
