@@ -224,6 +224,18 @@ def test_the_flex_path_reads_the_chosen_memory_in_its_one_call(query_window, tok
     assert max(s[2] for s in work.state.values()) > 2 + 6 + 8 + 3
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_int8_slots_through_flexattention_copy_their_memory_dequantized(tokens):
+    """Quantized slots on the FlexAttention path: the layer is dequantized into its scratch copy and the chosen
+    entries, dequantized and turned, go into the copy's region; equal to the reference over what they read back."""
+    cfg = small_config(retention=RECALL, query_window=6, slot_dtype=torch.int8, max_step_tokens=tokens)
+    manager = BoundedKVManager(cfg, "cpu", options=AttentionOptions.for_cache(cfg, "cpu", path="flex"), block_size=4)
+    work = RandomWorkload(cfg, q_heads=4, segments=3, seed=3, manager=manager, tolerance=2e-5, churn=0.05)
+    for _ in range(60):
+        work.step()
+    assert max(s[2] for s in work.state.values()) > 2 + 6 + 8 + 3
+
+
 def test_the_region_is_allocated_only_where_flexattention_reads_a_memory():
     """The region is counted in `memory_bytes` (whole KV blocks per slot row and one for padding rows) and
     exists only where some step can take FlexAttention; the rows path alone needs none."""
