@@ -18,9 +18,9 @@ it holds, in order:
    `BoundedKVConfig.padding_segments=False`);
 4. under a `Recall` retention whose steps can take FlexAttention, from the
    next KV block on, one region per slot row (and one for padding rows, when
-   steps may pad) of
-   whole KV blocks that a step fills, per layer, with the memory entries it
-   reads, turned to their read position (`with_recall_region`);
+   steps may pad) of whole KV blocks that a step fills, per layer, with the
+   memory entries it reads, turned to their read position
+   (`with_recall_region`);
 5. padding up to a whole number of KV blocks.
 
 Within a slot row, a written stream entry `j` (`j >= source_len`) lives at
