@@ -254,7 +254,10 @@ def render_text(pic: StepPicture, title: Optional[str] = None) -> str:
     if c.recall is not None:
         r = c.recall
         lines.append(f"memory: {r.memory_blocks} blocks of {r.block} entries, the {r.top_k} whose mean key scores "
-                     f"highest against the step's queries read (per KV head, chosen on the device)")
+                     f"highest against the step's queries read (per KV head, chosen on the device); through "
+                     f"FlexAttention (compiled, or on a GPU) a step copies what it reads of them into its slot row's "
+                     f"region ({(r.top_k + 1) * r.block + c.max_step_tokens} cells in whole KV blocks, after the "
+                     f"slots) and reads it in the window's one call")
     lines.append("")
     groups = _query_groups(pic)
     label = lambda a, b: f"t={a}" if a == b else f"t={a}-{b}"
