@@ -208,16 +208,18 @@ def _compiled_workload_equals_the_reference(manager, tokens: int, seed: int, ste
     assert max(s[2] for s in work.state.values()) > 2 + 6 + 8 + 3
 
 
-@pytest.mark.parametrize("query_window, tokens, pack_gqa", [
-    (None, 1, True), (None, 3, False), (6, 1, False), (6, 3, True),
+@pytest.mark.parametrize("query_window, tokens, pack_gqa, rows", [
+    (None, 1, True, 1), (None, 3, False, 2), (6, 1, False, 1), (6, 3, True, 2),
 ])
-def test_the_flex_path_reads_the_chosen_memory_in_its_one_call(query_window, tokens, pack_gqa):
+def test_the_flex_path_reads_the_chosen_memory_in_its_one_call(query_window, tokens, pack_gqa, rows):
     """FlexAttention (eager: it evaluates the mask on every cell) with the chosen entries copied into the
-    row's region: random workloads equal the reference, GQA packed into the query axis or not."""
-    cfg = small_config(retention=RECALL, query_window=query_window, max_step_tokens=tokens, dtype=torch.float64)
+    row's region: random workloads equal the reference, GQA packed into the query axis or not, one or two
+    rows per request (each its own region)."""
+    cfg = small_config(retention=RECALL, query_window=query_window, max_step_tokens=tokens, dtype=torch.float64,
+                       rows_per_request=rows)
     options = AttentionOptions.for_cache(cfg, "cpu", path="flex", pack_gqa=pack_gqa)
     manager = BoundedKVManager(cfg, "cpu", options=options, block_size=4)
-    assert manager.layout.recall_rows == cfg.max_slots + 1
+    assert manager.layout.recall_rows == cfg.max_slots * rows + 1
     work = RandomWorkload(cfg, q_heads=4, segments=3, seed=6 + tokens, manager=manager, tolerance=1e-9, churn=0.05)
     for _ in range(60):
         work.step()
