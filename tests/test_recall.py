@@ -178,11 +178,11 @@ def test_rotary_positions_equal_the_reference(mode, layout):
 
 def test_compiled_steps_equal_the_reference_without_recompiling_as_memories_fill():
     """One graph for a two-layer step under the default path (one token: FlexAttention, the memory copied next
-    to the window; two: the rows path): memories fill, wrap and reset, and no step after the first compiles
-    again."""
+    to the window, its region's blocks listed with the plan's; two: the rows path): memories fill, wrap and
+    reset, and no step after the first compiles again."""
     for tokens in (1, 2):
         cfg = small_config(retention=RECALL, query_window=6, max_step_tokens=tokens)
-        _compiled_workload_equals_the_reference(BoundedKVManager(cfg, "cpu", block_size=8), tokens, seed=5, steps=60)
+        _compiled_workload_equals_the_reference(BoundedKVManager(cfg, "cpu", block_size=16), tokens, seed=5, steps=60)
 
 
 def _compiled_workload_equals_the_reference(manager, tokens: int, seed: int, steps: int) -> None:
@@ -224,6 +224,24 @@ def test_the_flex_path_reads_the_chosen_memory_in_its_one_call(query_window, tok
     for _ in range(60):
         work.step()
     assert max(s[2] for s in work.state.values()) > 2 + 6 + 8 + 3
+
+
+@pytest.mark.parametrize("query_window, tokens", [(None, 1), (6, 3)])
+def test_the_region_path_under_cuda_options_equals_the_reference(query_window, tokens):
+    """CUDA's default options (every step planned with full blocks, GQA not packed, no shared region) through
+    eager FlexAttention on the CPU: the mask with full blocks planned beside it. (Eager FlexAttention evaluates
+    the mask on every cell, so the block lists, the region's included, are checked by the compiled tests.)"""
+    cfg = small_config(retention=RECALL, query_window=query_window, max_step_tokens=tokens, dtype=torch.float64)
+    options = AttentionOptions.for_cache(cfg, "cuda", path="flex")
+    assert options.full_blocks and not options.pack_gqa
+    manager = BoundedKVManager(cfg, "cpu", options=options, block_size=2)
+    manager.paths.full_blocks_at = lambda rows, tokens: True  # as CUDA plans a batch larger than its SMs
+    work = RandomWorkload(cfg, q_heads=4, segments=3, seed=12, manager=manager, tolerance=1e-9, churn=0.05)
+    full = 0
+    for _ in range(50):
+        work.step()
+        full += sum(len(work.plan.blocks(i, full=True)) for i in range(work.plan.rows))
+    assert full > 0 and max(s[2] for s in work.state.values()) > 2 + 6 + 8 + 3
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
