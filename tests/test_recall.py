@@ -296,10 +296,11 @@ def test_a_forced_flex_path_compiled_on_the_cpu_serves_the_memory_and_refuses_a_
     """Compiled on the CPU, FlexAttention reads the chosen memory in its one call (the kernel returns no
     log-sum-exp, which the region does not need): equal to the reference, one graph as memories fill. A
     call that asks for the log-sum-exp is refused by name there, before the step writes."""
-    cfg = small_config(retention=RECALL, query_window=6, max_step_tokens=1)
-    flex = AttentionOptions.for_cache(cfg, "cpu", path="flex")
-    _compiled_workload_equals_the_reference(BoundedKVManager(cfg, "cpu", options=flex, block_size=16), 1, seed=8,
-                                            steps=40)
+    for tokens in (1, 2):  # two: a chunk under a per-query window, each query marking its own region entries
+        cfg = small_config(retention=RECALL, query_window=6, max_step_tokens=tokens)
+        flex = AttentionOptions.for_cache(cfg, "cpu", path="flex")
+        _compiled_workload_equals_the_reference(BoundedKVManager(cfg, "cpu", options=flex, block_size=16), tokens,
+                                                seed=8, steps=40)
 
     manager = BoundedKVManager(cfg, "cpu", options=AttentionOptions.for_cache(cfg, "cpu", path="flex"), block_size=16)
     step = BoundedKVStep((Segment("z", 1),), {"z": StreamPosition(0, 0)}, tokens=1)
