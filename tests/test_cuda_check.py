@@ -83,8 +83,9 @@ def test_learned_sinks_workloads_match_reference(name):
     assert res["ok"] and res["rel_err"] < 1e-5, res
 
 
-@pytest.mark.parametrize("name, path", [("recall-chunk", "auto"), ("recall-chunk", "flex"), ("recall-query-window", "flex"),
-                                        ("recall-decode", "auto"), ("recall-decode", "flex")])
+@pytest.mark.parametrize("name, path", [("recall-chunk", "auto"), ("recall-chunk", "flex"),
+                                        ("recall-query-window", "flex"), ("recall-decode", "auto"),
+                                        ("recall-decode", "flex")])
 def test_recall_workloads_fill_their_memories_and_match_reference(name, path):
     """The CPU twin of the GPU check's `Recall` rows: streams long enough that memories fill and wrap, on the
     rows path and through eager FlexAttention (the memory copied next to the window, or joined with a

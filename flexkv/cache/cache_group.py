@@ -252,8 +252,11 @@ class CacheGroup(AttendModes, StoreBuffers, nn.Module):
             plan, self.layout.ring_len, T, score_mod.at if relative else score_mod, positions, c.reverse_step_order,
             c.query_window, group=g, query_index=relative)
         if c.recall is not None:  # the memory part in the same softmax (flexkv.cache.paths.recall)
-            out, lse = self._attend_recall(layer_idx, q, kc, vc, scales, plan, route, path, sm, scale, score_mod,
-                                           positions, relative, compiling, need_lse)
+            if in_region and route.path != "rows":  # one FlexAttention call, the chosen memory in its region
+                out, lse = self._attend_in_region(layer_idx, q, kc, vc, scales, plan, route, scale, need_lse)
+            else:
+                out, lse = self._attend_recall(layer_idx, q, kc, vc, scales, plan, route, path, sm, scale, score_mod,
+                                               positions, relative, compiling)
         else:
             # The scale is applied to q here rather than inside the call (TORCH_WORKAROUNDS["Q_VIEW"]): the
             # product is a fresh buffer. Packed, query head h * g + i sits at rows i * T .. i * T + T - 1 of KV
@@ -269,20 +272,17 @@ class CacheGroup(AttendModes, StoreBuffers, nn.Module):
         return Attended(torch.cat([own[0], extra[0]], dim=2), torch.cat([own[1], extra[1]], dim=2))
 
     def _attend_recall(self, layer_idx, q, kc, vc, scales, plan, route, path, sm, scale, score_mod, positions, relative,
-                       compiling, need_lse):
+                       compiling):
         """`(out, lse)` of a `Recall` layer's call: its memory part and its window in one softmax. On the rows
         path the window's cells are gathered with the chosen memory entries, on the CPU into one call of its
         fused attention kernel (`attend_joined`), elsewhere or with a `score_mod` into the memory's softmax
         (`attend_with_window`). Through FlexAttention the chosen entries are copied next to the window and read
-        in its one call (`recall_region`); with a `score_mod` (or values read as stored) the window is
-        attended with its log-sum-exp and the memory part joined (`join_window`). `need_lse`: whether the
-        call returns its log-sum-exp (the region's call only forms it when asked)."""
+        in its one call (`_attend_in_region`, chosen in `_attend`); with a `score_mod` (or values read as
+        stored) the window is attended with its log-sum-exp and the memory part joined (`join_window`)."""
         c = self.config
         N, Hq, T, D = q.shape
         H = kc.shape[1]
         g = Hq // H if route.pack_gqa else 1
-        if route.path != "rows" and sm is None and not any(self.paths.flex.reads_cells(compiling)):
-            return self._attend_in_region(layer_idx, q, kc, vc, scales, plan, route, scale, need_lse)
         memo = {} if compiling else self._store.per_plan(plan)
         if route.path == "rows" and sm is None and q.device.type == "cpu":  # one fused CPU kernel call
             sel = memory_select(self.memory_index, self.memory_turns, layer_idx, q, kc, scales, plan, scale=scale)
@@ -301,7 +301,7 @@ class CacheGroup(AttendModes, StoreBuffers, nn.Module):
 
     def _attend_in_region(self, layer_idx, q, kc, vc, scales, plan, route, scale, need_lse):
         """A `Recall` layer through one FlexAttention call over its window and its chosen memory
-        (`flexkv.cache.paths.recall_region`)."""
+        (`flexkv.cache.paths.recall_region`); `need_lse`: whether the call forms its log-sum-exp."""
         if not self.layout.recall_rows:
             raise RuntimeError("a Recall step took FlexAttention, but the cache's layout holds no memory region "
                                "(AttentionOptions.reaches_flex said no step would)")

@@ -22,8 +22,16 @@ import torch
 
 from ...config import BoundedKVConfig
 from ..storage.cell_rows import read_cells
-from . import recall
-from .recall import MemoryIndex, MemorySelection, MemoryStep, MemoryTurns, memory_select, window_starts, work_dtype
+from .recall import (
+    MemoryIndex,
+    MemorySelection,
+    MemoryStep,
+    MemoryTurns,
+    memory_select,
+    turn_rows_,
+    window_starts,
+    work_dtype,
+)
 
 __all__ = ["MemoryCall", "attend_joined", "attend_with_window", "join_window", "memory_part"]
 
@@ -96,7 +104,7 @@ def memory_part(
     keys = read_cells(kc, ks, flat, work, q.dtype)
     values = read_cells(vc, vs, flat, work, q.dtype)
     if tables is not None:
-        recall.turn_rows_(keys, tables, torch.cat([sel.turn, step.tail_turn.expand(N, H, -1)], dim=2))
+        turn_rows_(keys, tables, torch.cat([sel.turn, step.tail_turn.expand(N, H, -1)], dim=2))
 
     scores = (qw.reshape(N, H, g * T, D) @ keys.transpose(2, 3)).view(N, H, g, T, -1)
     if score_mod is not None:
@@ -130,7 +138,7 @@ def attend_joined(sel: MemorySelection, turns: MemoryTurns, layer: int, config: 
     keys = read_cells(kc, ks, flat, work, dtype)
     values = read_cells(vc, vs, flat, work, dtype)
     if sel.turn is not None:  # the memory's keys turned where they lie
-        recall.turn_rows_(keys[:, :, W:], turns.tables(layer), torch.cat([sel.turn, step.tail_turn.expand(N, H, -1)], dim=2))
+        turn_rows_(keys[:, :, W:], turns.tables(layer), torch.cat([sel.turn, step.tail_turn.expand(N, H, -1)], dim=2))
     # The additive mask: the window's, each chosen block's (0 or -inf for all its entries), the tail's.
     k_top, bs = sel.order.shape[2], step.cand_entries.shape[3]
     compiling = torch.compiler.is_compiling()  # then the host flags are not read (each would be a guard)
